@@ -1,0 +1,170 @@
+"""The one frozen configuration tree of an engine.
+
+Values discovered at run time (the model's shape, the number of KV blocks that fit) live in state
+objects (`model.loader.ModelSpec`, `engine.kv_blocks.BlockManager`), never in a mutated config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from chunkcache import envs
+
+CHUNK_LAYOUTS = ("isolated",)
+HASH_ALGORITHMS = ("sha256", "sha512", "blake2b", "sha3_256")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache and prefix caching."""
+
+    block_size: int = 16
+    # KV budget: a number of tokens wins over a memory size; neither = a default of 0.5 GiB.
+    kv_cache_tokens: int | None = None
+    kv_cache_memory_gb: float | None = None
+    enable_prefix_caching: bool = True
+    # Seed of the first block's parent hash (DESIGN.md §1); PYTHONHASHSEED overrides it.
+    hash_seed: str = "0"
+
+    def validate(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens must hold at least one block ({self.block_size}), got {self.kv_cache_tokens}"
+            )
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # None = the model's max_position_embeddings.
+    max_model_len: int | None = None
+
+    def validate(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class ChunkConfig:
+    """Chunked prompts `S SEP C1 SEP ... SEP Cn SEP Q` (DESIGN.md §2)."""
+
+    enable: bool = True
+    separator: str = " # # "
+    cache_size_gb: float = 2.0
+    lru_threshold: float = 0.9
+    hash_algorithm: str = "sha256"
+    layout: str = "isolated"
+    # More chunks than this in one prompt is rejected: each chunk is a pool entry and a job.
+    max_chunks: int = 256
+
+    def validate(self) -> None:
+        if not self.separator:
+            raise ValueError("chunk_separator must not be empty")
+        if self.cache_size_gb < 0:
+            raise ValueError(f"chunk_cache_size_gb must be >= 0, got {self.cache_size_gb}")
+        if not 0.0 < self.lru_threshold <= 1.0:
+            raise ValueError(f"chunk_cache_lru_threshold must be in (0, 1], got {self.lru_threshold}")
+        if self.hash_algorithm not in HASH_ALGORITHMS:
+            raise ValueError(
+                f"chunk_cache_hash_algorithm {self.hash_algorithm!r} is not one of {HASH_ALGORITHMS}"
+            )
+        if self.layout not in CHUNK_LAYOUTS:
+            raise ValueError(f"chunk_layout {self.layout!r} is not one of {CHUNK_LAYOUTS}")
+        if self.max_chunks <= 0:
+            raise ValueError(f"max_chunks must be > 0, got {self.max_chunks}")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Publishing cache changes in vLLM's KV event wire format (DESIGN.md §4). Off by default."""
+
+    endpoint: str | None = None
+    # None = `kv@<instance>@<model>`, resolved at run time.
+    topic: str | None = None
+    replay_endpoint: str | None = None
+    # How many published batches the replay socket can serve.
+    buffer_steps: int = 10_000
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    served_model_name: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16")
+        self.cache.validate()
+        self.scheduler.validate()
+        self.chunk.validate()
+
+    @classmethod
+    def from_options(cls, model: str, use_env: bool = True, **options: Any) -> EngineConfig:
+        """Build the tree from flat option names (`LLM(model, max_num_seqs=8, ...)`, CLI flags).
+
+        The environment (envs.py) fills options not given explicitly; an unknown option is an error.
+        """
+        merged: dict[str, Any] = envs.env_options() if use_env else {}
+        merged.update({k: v for k, v in options.items() if v is not None})
+        top: dict[str, Any] = {}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for name, value in merged.items():
+            if name in _TOP_LEVEL:
+                top[name] = value
+            elif name in _FLAT_TO_SECTION:
+                section, field_name = _FLAT_TO_SECTION[name]
+                parts[section][field_name] = value
+            else:
+                raise TypeError(f"unknown engine option {name!r}; known options: {sorted(option_names())}")
+        config = cls(model=model, **top, **{s: _SECTIONS[s](**kw) for s, kw in parts.items()})
+        config.validate()
+        return config
+
+
+_SECTIONS: dict[str, type] = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "chunk": ChunkConfig,
+    "kv_events": KVEventsConfig,
+}
+_TOP_LEVEL = ("device", "dtype", "seed", "served_model_name")
+# Flat option name -> (section, field). Chunk and event options carry a prefix so that the flat
+# names read well on a command line (`--chunk-cache-size-gb`, `--kv-events-endpoint`).
+_FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
+    **{f.name: ("cache", f.name) for f in dataclasses.fields(CacheConfig)},
+    **{f.name: ("scheduler", f.name) for f in dataclasses.fields(SchedulerConfig)},
+    "enable_chunk_cache": ("chunk", "enable"),
+    "chunk_separator": ("chunk", "separator"),
+    "chunk_cache_size_gb": ("chunk", "cache_size_gb"),
+    "chunk_cache_lru_threshold": ("chunk", "lru_threshold"),
+    "chunk_cache_hash_algorithm": ("chunk", "hash_algorithm"),
+    "chunk_layout": ("chunk", "layout"),
+    "max_chunks": ("chunk", "max_chunks"),
+    "kv_events_endpoint": ("kv_events", "endpoint"),
+    "kv_events_topic": ("kv_events", "topic"),
+    "kv_events_replay_endpoint": ("kv_events", "replay_endpoint"),
+    "kv_events_buffer_steps": ("kv_events", "buffer_steps"),
+}
+
+
+def option_names() -> list[str]:
+    """Every flat engine option, for CLI flags and error messages."""
+    return [*_TOP_LEVEL, *_FLAT_TO_SECTION]
