@@ -1,0 +1,45 @@
+"""Splitting a chunked prompt `S SEP C1 SEP ... SEP Cn SEP Q` into separately tokenized parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from chunkcache.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ChunkedPrompt:
+    sys_token_ids: tuple[int, ...]
+    chunks: tuple[tuple[int, ...], ...]
+    question_token_ids: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.sys_token_ids) + sum(map(len, self.chunks)) + len(self.question_token_ids)
+
+
+def split_text(text: str, separator: str) -> tuple[str, list[str], str] | None:
+    """(S, chunks, Q) of a prompt with at least two separators, empty chunks dropped; else None."""
+    parts = text.split(separator)
+    if len(parts) < 3:
+        return None
+    return parts[0], [c for c in parts[1:-1] if c], parts[-1]
+
+
+def parse_chunked_prompt(text: str, separator: str, tokenizer: Any) -> ChunkedPrompt | None:
+    """Tokenize each part on its own (S with the tokenizer's special prefix such as BOS, the others
+    without), so that a chunk's tokens never depend on its neighbours. None = not a chunked prompt."""
+    split = split_text(text, separator)
+    if split is None:
+        return None
+    sys_text, chunk_texts, question = split
+    if not chunk_texts:
+        raise InvalidRequestError("chunked prompt has separators but no non-empty chunk")
+    sys_ids = tuple(tokenizer.encode(sys_text, add_special_tokens=True))
+    chunks = tuple(tuple(tokenizer.encode(c, add_special_tokens=False)) for c in chunk_texts)
+    chunks = tuple(c for c in chunks if c)
+    q_ids = tuple(tokenizer.encode(question, add_special_tokens=False))
+    if not chunks:
+        raise InvalidRequestError("chunked prompt has no chunk with any token")
+    return ChunkedPrompt(sys_ids, chunks, q_ids)
