@@ -18,6 +18,18 @@ class ChunkedPrompt:
     def num_tokens(self) -> int:
         return len(self.sys_token_ids) + sum(map(len, self.chunks)) + len(self.question_token_ids)
 
+    def all_token_ids(self) -> list[int]:
+        """S, the chunks and Q concatenated: the request's prompt as reported to the user."""
+        out = list(self.sys_token_ids)
+        for chunk in self.chunks:
+            out.extend(chunk)
+        out.extend(self.question_token_ids)
+        return out
+
+    def question_position(self) -> int:
+        """Layout "isolated": every chunk shares [s, s + len), so Q starts after the longest."""
+        return len(self.sys_token_ids) + max(map(len, self.chunks))
+
 
 def split_text(text: str, separator: str) -> tuple[str, list[str], str] | None:
     """(S, chunks, Q) of a prompt with at least two separators, empty chunks dropped; else None."""
@@ -27,7 +39,9 @@ def split_text(text: str, separator: str) -> tuple[str, list[str], str] | None:
     return parts[0], [c for c in parts[1:-1] if c], parts[-1]
 
 
-def parse_chunked_prompt(text: str, separator: str, tokenizer: Any) -> ChunkedPrompt | None:
+def parse_chunked_prompt(
+    text: str, separator: str, tokenizer: Any, add_special_tokens: bool = True
+) -> ChunkedPrompt | None:
     """Tokenize each part on its own (S with the tokenizer's special prefix such as BOS, the others
     without), so that a chunk's tokens never depend on its neighbours. None = not a chunked prompt."""
     split = split_text(text, separator)
@@ -36,7 +50,7 @@ def parse_chunked_prompt(text: str, separator: str, tokenizer: Any) -> ChunkedPr
     sys_text, chunk_texts, question = split
     if not chunk_texts:
         raise InvalidRequestError("chunked prompt has separators but no non-empty chunk")
-    sys_ids = tuple(tokenizer.encode(sys_text, add_special_tokens=True))
+    sys_ids = tuple(tokenizer.encode(sys_text, add_special_tokens=add_special_tokens))
     chunks = tuple(tuple(tokenizer.encode(c, add_special_tokens=False)) for c in chunk_texts)
     chunks = tuple(c for c in chunks if c)
     q_ids = tuple(tokenizer.encode(question, add_special_tokens=False))

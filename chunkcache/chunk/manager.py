@@ -1,0 +1,255 @@
+"""The chunk cache manager: match -> compute what is missing -> assemble (layout "isolated").
+
+A chunked request becomes a question sequence whose KV list is borrowed, in place, from pool
+entries: [S | C1 | ... | Cn], followed by its own Q and output tokens at positions from
+`s + max(len Ci)`. A missing entry is computed by a *fill job*: a prefill-only sequence whose own
+pages are the entry's pool pages. S's job computes S at positions [0, s); a chunk's job borrows
+S and computes Ci at [s, s + len Ci), so its KV depends on (S, Ci) only and is exactly what
+chunk-isolated attention gives. Jobs run in the engine's continuous batch like any prefill; one
+job per missing entry, however many requests wait for it.
+
+An entry that cannot be cached (larger than the pool, a key collision, the pool pinned full) is
+still computed: into paged KV blocks held by the one request that needs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from chunkcache.chunk.parse import ChunkedPrompt
+from chunkcache.chunk.pool import ChunkPool, Entry
+from chunkcache.config import ChunkConfig
+from chunkcache.engine.kv_blocks import BlockManager
+from chunkcache.engine.runner import block_slots
+from chunkcache.engine.sequence import Sequence
+from chunkcache.errors import InvalidRequestError, PromptTooLongError
+from chunkcache.hashing import chunk_hash, system_hash
+from chunkcache.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+_FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+@dataclass
+class RequestChunks:
+    """What a question sequence holds: its entries (S first) and its layout."""
+
+    prompt: ChunkedPrompt
+    entries: list[Entry] = field(default_factory=list)
+    assembled: bool = False
+
+
+@dataclass
+class FillJob:
+    entry: Entry
+    sys_entry: Entry | None  # the S entry a chunk job borrows (pinned by the job)
+
+
+class ChunkManager:
+    def __init__(
+        self,
+        config: ChunkConfig,
+        model_name: str,
+        blocks: BlockManager,
+        pool: ChunkPool,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.blocks = blocks
+        self.pool = pool
+        self.device = device
+        self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
+        self._ids = itertools.count()
+
+    # ---- validation (any thread) -------------------------------------------------------------
+
+    def validate(self, prompt: ChunkedPrompt, max_model_len: int) -> None:
+        if len(prompt.chunks) > self.config.max_chunks:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt.chunks)} chunks, more than max_chunks {self.config.max_chunks}"
+            )
+        if not prompt.question_token_ids:
+            raise InvalidRequestError("chunked prompt has an empty question after the last separator")
+        s = len(prompt.sys_token_ids)
+        for i, chunk in enumerate(prompt.chunks):
+            if s + len(chunk) > max_model_len:
+                raise PromptTooLongError(
+                    f"chunk {i} is {len(chunk)} tokens long; with the system part ({s}) it exceeds "
+                    f"max_model_len {max_model_len}"
+                )
+        paged = self.blocks.num_blocks * self.blocks.block_size
+        for part in (prompt.sys_token_ids, *prompt.chunks):
+            too_big_for_pool = self.pool.pages_for(len(part)) > self.pool.num_pages
+            if too_big_for_pool and len(part) + len(prompt.question_token_ids) + 1 > paged:
+                raise PromptTooLongError(
+                    f"a chunk of {len(part)} tokens fits neither the chunk pool nor the KV cache"
+                )
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def admit(self, seq: Sequence) -> list[Sequence]:
+        """Match every part of the request; return the fill jobs to schedule for the missing ones."""
+        prompt: ChunkedPrompt = seq.chunk_state
+        state = RequestChunks(prompt)
+        seq.chunk_state = state
+        jobs: list[Sequence] = []
+        sys_ids = prompt.sys_token_ids
+        sys_entry = self._acquire(
+            system_hash(self.model_name, sys_ids, self.config.hash_algorithm),
+            "system",
+            (sys_ids,),
+            len(sys_ids),
+            jobs,
+            None,
+            0,
+        )
+        state.entries.append(sys_entry)
+        if sys_entry.ready:
+            seq.num_prefix_cached = len(sys_ids)
+        for chunk in prompt.chunks:
+            key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm)
+            hit = self.pool.get(key, (sys_ids, chunk))
+            entry = self._acquire(key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids))
+            if hit is not None:
+                self.pool.stats.hits += 1
+                self.pool.stats.hit_tokens += len(chunk)
+                if hit.ready:
+                    seq.num_chunk_cached += len(chunk)
+            else:
+                self.pool.stats.misses += 1
+                self.pool.stats.miss_tokens += len(chunk)
+            state.entries.append(entry)
+        seq.position_base = prompt.question_position()
+        return jobs
+
+    def _acquire(
+        self,
+        key: bytes,
+        kind: str,
+        token_ids: tuple[tuple[int, ...], ...],
+        num_tokens: int,
+        jobs: list[Sequence],
+        sys_entry: Entry | None,
+        position_base: int,
+    ) -> Entry:
+        """A pinned entry for `key`: found in the pool, or new with a fill job appended to `jobs`."""
+        entry = self.pool.get(key, token_ids)
+        if entry is None:
+            entry = self.pool.create(key, kind, token_ids, num_tokens)
+            if entry is None:
+                self.pool.stats.uncacheable += 1
+                entry = Entry(key, kind, token_ids, num_tokens, private=True)
+            job = Sequence(
+                request_id=f"fill-{next(self._ids)}",
+                prompt_token_ids=list(token_ids[-1]),
+                token_ids=list(token_ids[-1]),
+                params=_FILL_PARAMS,
+                position_base=position_base,
+                is_fill=True,
+                block_table=entry.pages,
+                chunk_state=FillJob(entry, sys_entry),
+            )
+            if sys_entry is not None:
+                sys_entry.pins += 1
+            self._jobs[id(entry)] = job
+            jobs.append(job)
+        entry.pins += 1
+        return entry
+
+    def is_ready(self, seq: Sequence) -> bool:
+        """Whether the scheduler may run `seq`: a job needs its S computed (and private pages), a
+        question needs every entry computed; its borrowed KV list is assembled here."""
+        state = seq.chunk_state
+        if isinstance(state, FillJob):
+            if state.sys_entry is not None and not state.sys_entry.ready:
+                return False
+            if state.entry.private and not state.entry.pages:
+                need = self.blocks.blocks_for(state.entry.num_tokens)
+                if need > self.blocks.num_free_blocks:
+                    return False
+                state.entry.pages = self.blocks.allocate(need)
+                seq.block_table = state.entry.pages
+            if state.sys_entry is not None and seq.borrowed_slots is None:
+                seq.borrowed_slots = self._slots(state.sys_entry)
+            return True
+        if isinstance(state, RequestChunks):
+            if not all(e.ready for e in state.entries):
+                return False
+            if not state.assembled:
+                seq.borrowed_slots = torch.cat([self._slots(e) for e in state.entries])
+                state.assembled = True
+        return True
+
+    def _slots(self, entry: Entry) -> torch.Tensor:
+        return block_slots(entry.pages, self.pool.page_size, entry.num_tokens, self.device)
+
+    def on_finish(self, seq: Sequence) -> list[Sequence]:
+        """Release what a finished sequence held; returns fill jobs nobody waits for any more,
+        for the engine to cancel (cancelling one releases its S in turn)."""
+        state = seq.chunk_state
+        cancel: list[Sequence] = []
+        if isinstance(state, FillJob):
+            self._jobs.pop(id(state.entry), None)
+            if seq.finish_reason is None and seq.num_computed == seq.num_tokens:
+                if state.entry.private:
+                    state.entry.ready = True
+                else:
+                    self.pool.mark_ready(state.entry)
+            if state.sys_entry is not None:
+                self._unpin(state.sys_entry, cancel)
+        elif isinstance(state, RequestChunks):
+            for entry in state.entries:
+                self._unpin(entry, cancel)
+            state.entries = []
+        return cancel
+
+    def _unpin(self, entry: Entry, cancel: list[Sequence]) -> None:
+        entry.pins -= 1
+        if entry.pins > 0:
+            return
+        if entry.private and entry.pages:
+            self.blocks.free(entry.pages)
+            entry.pages = []
+        if not entry.ready:
+            # Nobody waits for it any more: cancel its job, if it still runs, and forget it.
+            job = self._jobs.pop(id(entry), None)
+            if job is not None:
+                job.finish_reason = "abort"
+                cancel.append(job)
+            if not entry.private and entry.pages:
+                self.pool.drop(entry)
+
+    def drain_events(self) -> list[Any]:
+        events, self.pool.events = self.pool.events, []
+        return events
+
+    def stats(self) -> dict[str, Any]:
+        s = self.pool.stats
+        lookups = s.hits + s.misses
+        tokens = s.hit_tokens + s.miss_tokens
+        return {
+            "hits": s.hits,
+            "misses": s.misses,
+            "hit_rate": s.hits / lookups if lookups else 0.0,
+            "hit_tokens": s.hit_tokens,
+            "miss_tokens": s.miss_tokens,
+            "token_hit_rate": s.hit_tokens / tokens if tokens else 0.0,
+            "bytes": self.pool.used_bytes,
+            "budget_bytes": self.pool.budget_bytes,
+            "usage_ratio": self.pool.used_bytes / self.pool.budget_bytes if self.pool.budget_bytes else 0.0,
+            "entries": len(self.pool),
+            "evictions": s.evictions,
+            "uncacheable": s.uncacheable,
+            "jobs_running": len(self._jobs),
+        }
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        for job in self._jobs.values():
+            assert not job.is_finished, f"finished fill job {job.request_id} still tracked"

@@ -1,0 +1,143 @@
+"""The chunk cache pool: content-keyed KV entries in their own byte budget, LRU-evicted.
+
+Contract:
+- The pool owns pages [first_page, first_page + num_pages) of the runner's KV tensors, each
+  `page_size` token slots of `page_bytes`. Every page is free or belongs to exactly one entry.
+- An entry is found by its key only if the token ids stored with it equal the caller's (a hash
+  collision can never serve wrong KV).
+- An entry is *ready* once its KV is computed. Only ready entries with no pins are evicted, least
+  recently used first; eviction starts when usage passes `lru_threshold` of the budget, and to
+  make room for a new entry. An entry larger than the whole budget is never admitted.
+- Storing and evicting entries of kind "chunk" are reported as ChunkStored / ChunkRemoved events.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from chunkcache.hashing import to_wire
+from chunkcache.kv_events import ChunkRemoved, ChunkStored
+
+
+@dataclass
+class Entry:
+    key: bytes
+    kind: str  # "system" | "chunk"
+    token_ids: tuple[tuple[int, ...], ...]  # what the key was computed from, compared on every hit
+    num_tokens: int
+    pages: list[int] = field(default_factory=list)
+    pins: int = 0
+    ready: bool = False
+    private: bool = False  # computed for one request in paged KV blocks, never shared
+
+
+@dataclass
+class PoolStats:
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    evictions: int = 0
+    uncacheable: int = 0
+
+
+class ChunkPool:
+    def __init__(
+        self,
+        first_page: int,
+        num_pages: int,
+        page_size: int,
+        page_bytes: int,
+        lru_threshold: float,
+        medium: str,
+    ) -> None:
+        self.first_page = first_page
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.page_bytes = page_bytes
+        self.lru_threshold = lru_threshold
+        self.medium = medium
+        self._free: list[int] = list(range(first_page + num_pages - 1, first_page - 1, -1))
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # front = least recently used
+        self.stats = PoolStats()
+        self.events: list[ChunkStored | ChunkRemoved] = []
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_pages - len(self._free)) * self.page_bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def get(self, key: bytes, token_ids: tuple[tuple[int, ...], ...]) -> Entry | None:
+        """The entry under `key` with exactly these tokens (ready or still being computed)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.token_ids != token_ids:
+            return None
+        self._entries.move_to_end(key)
+        return entry
+
+    def has_key(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def create(
+        self, key: bytes, kind: str, token_ids: tuple[tuple[int, ...], ...], num_tokens: int
+    ) -> Entry | None:
+        """A new, not yet ready entry with its pages, or None when it cannot fit even after eviction."""
+        need = self.pages_for(num_tokens)
+        if need > self.num_pages or key in self._entries:
+            return None
+        self._evict_until(lambda: len(self._free) >= need)
+        if len(self._free) < need:
+            return None
+        entry = Entry(key, kind, token_ids, num_tokens, [self._free.pop() for _ in range(need)])
+        self._entries[key] = entry
+        return entry
+
+    def mark_ready(self, entry: Entry) -> None:
+        entry.ready = True
+        if entry.kind == "chunk":
+            self.events.append(ChunkStored([to_wire(entry.key)], [entry.num_tokens], self.medium))
+        limit = self.lru_threshold * self.budget_bytes
+        self._evict_until(lambda: self.used_bytes <= limit)
+
+    def drop(self, entry: Entry) -> None:
+        """Remove an entry that will never become ready (its job was cancelled)."""
+        assert not entry.ready and entry.pins == 0
+        del self._entries[entry.key]
+        self._free.extend(entry.pages)
+        entry.pages = []
+
+    def _evict_until(self, enough) -> None:  # type: ignore[no-untyped-def]
+        for key in list(self._entries):
+            if enough():
+                return
+            entry = self._entries[key]
+            if entry.ready and entry.pins == 0:
+                del self._entries[key]
+                self._free.extend(entry.pages)
+                entry.pages = []
+                self.stats.evictions += 1
+                if entry.kind == "chunk":
+                    self.events.append(ChunkRemoved([to_wire(key)], self.medium))
+
+    def check_integrity(self) -> None:
+        seen: set[int] = set(self._free)
+        assert len(seen) == len(self._free), "a pool page is free twice"
+        for key, entry in self._entries.items():
+            assert entry.key == key and not entry.private
+            assert entry.pins >= 0, f"entry pinned {entry.pins} times"
+            assert len(entry.pages) == self.pages_for(entry.num_tokens)
+            for page in entry.pages:
+                assert page not in seen, f"pool page {page} is owned twice"
+                seen.add(page)
+        assert seen == set(range(self.first_page, self.first_page + self.num_pages)), "pool pages lost"
+        assert self.used_bytes <= self.budget_bytes

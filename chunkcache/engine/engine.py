@@ -1,0 +1,371 @@
+"""LLMEngine: requests in, one `step()` at a time, RequestOutputs out.
+
+`add_request` and `abort_request` may be called from any thread: they only validate and post to
+an inbox. `step()` runs on one thread and owns every other piece of state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+
+from chunkcache.chunk.manager import ChunkManager
+from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.chunk.pool import ChunkPool
+from chunkcache.config import EngineConfig
+from chunkcache.engine.detokenizer import Detokenizer
+from chunkcache.engine.kv_blocks import BlockManager
+from chunkcache.engine.runner import ModelRunner
+from chunkcache.engine.sampler import sample
+from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
+from chunkcache.engine.sequence import Sequence, Status
+from chunkcache.errors import InvalidRequestError, PromptTooLongError
+from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher
+from chunkcache.model.loader import load_model
+from chunkcache.outputs import CompletionOutput, RequestOutput
+from chunkcache.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_KV_GB = 0.5
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, config.device, config.dtype)
+        self.spec = loaded.spec
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.model_name = config.served_model_name or loaded.path.name
+        self.max_model_len = self._max_model_len(config)
+        cache = config.cache
+        bs = cache.block_size
+        dtype_size = torch.tensor([], dtype=loaded.dtype).element_size()
+        token_bytes = self.spec.kv_bytes_per_token(dtype_size)
+        if cache.kv_cache_tokens is not None:
+            num_blocks = cache.kv_cache_tokens // bs
+        else:
+            gb = cache.kv_cache_memory_gb or _DEFAULT_KV_GB
+            num_blocks = max(1, int(gb * 2**30) // (token_bytes * bs))
+        medium = "CPU" if self.device.type == "cpu" else "GPU"
+        self.blocks = BlockManager(num_blocks, bs, cache.enable_prefix_caching, cache.hash_seed, medium)
+        pool_pages = 0
+        if config.chunk.enable:
+            pool_pages = int(config.chunk.cache_size_gb * 2**30) // (token_bytes * bs)
+        self.runner = ModelRunner(loaded, (num_blocks + pool_pages) * bs, bs)
+        self.chunks: ChunkManager | None = None
+        if config.chunk.enable:
+            pool = ChunkPool(num_blocks, pool_pages, bs, token_bytes * bs, config.chunk.lru_threshold, medium)
+            self.chunks = ChunkManager(config.chunk, self.model_name, self.blocks, pool, self.device)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.blocks,
+            is_ready=self.chunks.is_ready if self.chunks else (lambda seq: True),
+        )
+        self.detokenizer = Detokenizer(self.tokenizer, loaded.eos_token_ids, self.max_model_len)
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._requests: dict[str, Sequence] = {}
+        self._ids_in_use: set[str] = set()
+        self.publisher: KVEventPublisher | None = None
+        ev = config.kv_events
+        if ev.endpoint:
+            topic = ev.topic or f"kv@{socket.gethostname()}-{os.getpid()}@{self.model_name}"
+            self.publisher = KVEventPublisher(ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps)
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> LLMEngine:
+        return cls(EngineConfig.from_options(model, **options))
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        limit = self.spec.max_position_embeddings
+        asked = config.scheduler.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len {asked} exceeds the model's max_position_embeddings {limit}")
+        return asked or limit
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        add_special_tokens: bool = True,
+    ) -> None:
+        """Validate and queue a request; raises InvalidRequestError naming what is wrong."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        try:
+            params.validate()
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        if params.logprobs is not None and params.logprobs > self.spec.vocab_size:
+            raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary size")
+        seq = self._make_sequence(request_id, prompt, params, add_special_tokens)
+        with self._lock:
+            if request_id in self._ids_in_use:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._ids_in_use.add(request_id)
+            self._inbox.append(seq)
+
+    def _make_sequence(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool
+    ) -> Sequence:
+        chunked = None
+        text: str | None = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            text = prompt
+            if self.chunks is not None:
+                chunked = parse_chunked_prompt(
+                    prompt, self.config.chunk.separator, self.tokenizer, add_special_tokens
+                )
+            if chunked is None:
+                token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            else:
+                token_ids = chunked.all_token_ids()
+        elif isinstance(prompt, list | tuple):
+            token_ids = list(prompt)
+            bad = next(
+                (t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size), None
+            )
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"token id {bad!r} is outside the vocabulary [0, {self.spec.vocab_size})"
+                )
+        else:
+            raise InvalidRequestError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty (no tokens)")
+        if chunked is not None:
+            self.chunks.validate(chunked, self.max_model_len)
+            prompt_len = chunked.question_position() + len(chunked.question_token_ids)
+        else:
+            prompt_len = len(token_ids)
+        if prompt_len > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is {prompt_len} tokens long, more than max_model_len {self.max_model_len}"
+            )
+        if params.max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        own = list(chunked.question_token_ids) if chunked is not None else token_ids
+        if self.blocks.blocks_for(len(own) + 1) > self.blocks.num_blocks:
+            raise PromptTooLongError(
+                f"prompt needs {self.blocks.blocks_for(len(own) + 1)} KV blocks, the cache has {self.blocks.num_blocks}"
+            )
+        seq = Sequence(
+            request_id=request_id, prompt_token_ids=token_ids, token_ids=list(own), params=params, prompt=text
+        )
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        else:
+            seq.generator = self._generator
+        seq.chunk_state = chunked
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts) or any(not s.is_fill for s in self._requests.values())
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        finished_now = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if batch:
+            logits, rows = self.runner.run(batch)
+            self._postprocess(batch, logits, rows)
+        outputs = self._collect_outputs(batch, finished_now)
+        self._publish_events()
+        return outputs
+
+    def _drain_inbox(self) -> list[Sequence]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for seq in inbox:
+            self._requests[seq.request_id] = seq
+            self.counters["requests"] += 1
+            if self.chunks is not None and seq.chunk_state is not None:
+                for job in self.chunks.admit(seq):
+                    self._requests[job.request_id] = job
+                    self.scheduler.add(job)
+            self.scheduler.add(seq)
+        aborted = []
+        for request_id in aborts:
+            seq = self._requests.get(request_id)
+            if seq is None or seq.is_finished or seq.is_fill:
+                continue
+            seq.finish_reason = "abort"
+            self._finish(seq)
+            aborted.append(seq)
+        return aborted
+
+    def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int]) -> None:
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed += n
+            if seq.borrowed_slots is None and not seq.is_fill:
+                self.blocks.register_full_blocks(
+                    seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed
+                )
+            if seq.is_fill and seq.num_computed == seq.num_tokens:
+                self._finish(seq)
+        if not rows:
+            return
+        seqs = [batch.seqs[r] for r in rows]
+        sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        now = time.time()
+        for seq, s in zip(seqs, sampled, strict=True):
+            seq.token_ids.append(s.token_id)
+            if s.logprobs is not None:
+                seq.output_logprobs.append(s.logprobs)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            self.detokenizer.update(seq)
+            if seq.finish_reason is not None:
+                self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        seq.metrics.finished_time = time.time()
+        if self.chunks is not None:
+            for job in self.chunks.on_finish(seq):
+                self._finish(job)
+        if seq.is_fill:
+            self._requests.pop(seq.request_id, None)
+
+    def _collect_outputs(self, batch: ScheduledBatch, finished_now: list[Sequence]) -> list[RequestOutput]:
+        outputs = []
+        for seq in [*batch.seqs, *finished_now]:
+            if seq.is_fill or self._requests.get(seq.request_id) is not seq:
+                continue
+            new_tokens = seq.output_token_ids[seq.num_sent_tokens :]
+            if not new_tokens and not seq.is_finished:
+                continue
+            outputs.append(self._make_output(seq))
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+                with self._lock:
+                    self._ids_in_use.discard(seq.request_id)
+                self.counters["prompt_tokens"] += len(seq.prompt_token_ids)
+                self.counters["generated_tokens"] += seq.num_output_tokens
+                self.counters["cached_tokens"] += seq.num_prefix_cached + seq.num_chunk_cached
+        return outputs
+
+    def _make_output(self, seq: Sequence) -> RequestOutput:
+        new_tokens = seq.output_token_ids[seq.num_sent_tokens :]
+        seq.num_sent_tokens = seq.num_output_tokens
+        # While running, hold back text that could still turn out to be the start of a stop string.
+        hold = 0 if seq.is_finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
+        visible = max(seq.sent_text_len, len(seq.text) - hold)
+        new_text = seq.text[seq.sent_text_len : visible]
+        seq.sent_text_len = visible
+        cached = seq.num_prefix_cached + seq.num_chunk_cached
+        completion = CompletionOutput(
+            index=0,
+            text=seq.text,
+            token_ids=list(seq.output_token_ids),
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            outputs=[completion],
+            finished=seq.is_finished,
+            metrics=seq.metrics,
+            num_cached_tokens=cached,
+            num_prefix_cached_tokens=seq.num_prefix_cached,
+            num_chunk_cached_tokens=seq.num_chunk_cached,
+            num_computed_tokens=len(seq.prompt_token_ids) - cached,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+        )
+
+    def _publish_events(self) -> None:
+        events: list[Any] = self.blocks.events
+        if self.chunks is not None:
+            events = events + self.chunks.drain_events()
+        self.blocks.events = []
+        if self.publisher is not None and events:
+            self.publisher.publish(events)
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
+                raise InvalidRequestError(f"messages[{i}] must have a string 'role' and a string 'content'")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("the model's tokenizer has no chat template")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as e:  # template errors are the client's messages being wrong
+            raise InvalidRequestError(f"chat template failed on these messages: {e}") from None
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.blocks.reset_prefix_cache()
+        if ok and self.publisher is not None:
+            self.publisher.publish([AllBlocksCleared()])
+        return ok
+
+    def chunk_cache_stats(self) -> dict[str, Any] | None:
+        return None if self.chunks is None else self.chunks.stats()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_waiting": sum(1 for s in self.scheduler.waiting if not s.is_fill) + len(self._inbox),
+            "num_running": sum(1 for s in self.scheduler.running if not s.is_fill),
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_free": self.blocks.num_free_blocks,
+            "kv_usage": self.blocks.usage(),
+            "prefix_cache_blocks": self.blocks.num_cached_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "chunk_cache": self.chunk_cache_stats(),
+            **self.counters,
+        }
+
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity()
+        if self.chunks is not None:
+            self.chunks.check_integrity()
+        for seq in self.scheduler.running:
+            assert seq.status == Status.RUNNING, f"{seq.request_id} in running with status {seq.status}"
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None

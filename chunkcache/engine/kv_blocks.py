@@ -1,0 +1,164 @@
+"""Paged KV blocks with prefix caching (vLLM-compatible block hashes, DESIGN.md §1).
+
+Contract:
+- A block is either in use (ref count > 0, held by one or more sequences) or free (ref 0, in the
+  free queue). Every block id in [first_block, first_block + num_blocks) is in exactly one state.
+- A full block of a sequence whose tokens are all computed may be registered under its chained
+  hash; a hash maps to at most one block. Freed registered blocks keep their KV and stay findable
+  until the allocator reuses them, least recently freed first (unregistered ones go first).
+- `match_prefix` takes references on the longest chain of registered blocks of a token list.
+- Registration and eviction are reported as KV events (BlockStored / BlockRemoved) in `events`,
+  which the engine drains once per step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from chunkcache.hashing import block_hash, none_hash, to_wire
+from chunkcache.kv_events import BlockRemoved, BlockStored
+
+
+class OutOfBlocksError(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        hash_seed: str,
+        medium: str,
+        first_block: int = 0,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = none_hash(hash_seed)
+        self.medium = medium
+        self.first_block = first_block
+        self._ref = dict.fromkeys(range(first_block, first_block + num_blocks), 0)
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        # Free blocks, front = next to reuse.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in self._ref)
+        self.events: list[BlockStored | BlockRemoved] = []
+        self.hits = 0
+        self.queries = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref[block] = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: Sequence[int]) -> None:
+        # Reverse order: a sequence's tail blocks are reused before its head, whose hash chain
+        # is worth more (every later block of the chain depends on it).
+        for block in reversed(blocks):
+            self._ref[block] -= 1
+            assert self._ref[block] >= 0, f"block {block} freed twice"
+            if self._ref[block] == 0:
+                self._free[block] = None
+                if block not in self._hash_of:
+                    self._free.move_to_end(block, last=False)
+
+    def match_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
+        """Referenced blocks and their hashes for the longest cached chain of `token_ids`'s full blocks."""
+        if not self.enable_prefix_caching:
+            return [], []
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        parent = self.root_hash
+        bs = self.block_size
+        for i in range(min(max_blocks, len(token_ids) // bs)):
+            self.queries += 1
+            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            self.hits += 1
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        for block in blocks:
+            if self._ref[block] == 0:
+                del self._free[block]
+            self._ref[block] += 1
+        return blocks, hashes
+
+    def register_full_blocks(
+        self, blocks: Sequence[int], token_ids: Sequence[int], hashes: list[bytes], num_tokens: int
+    ) -> None:
+        """Hash and register the sequence's full blocks among its first `num_tokens` computed tokens.
+
+        `hashes` is the sequence's chain so far; it is extended in place.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[-1] if hashes else self.root_hash
+            tokens = token_ids[i * bs : (i + 1) * bs]
+            h = block_hash(parent, tokens)
+            hashes.append(h)
+            block = blocks[i]
+            if h in self._block_of or block in self._hash_of:
+                continue  # the same content is cached elsewhere already
+            self._block_of[h] = block
+            self._hash_of[block] = h
+            self.events.append(
+                BlockStored(
+                    block_hashes=[to_wire(h)],
+                    parent_block_hash=to_wire(parent) if hashes[:-1] else None,
+                    token_ids=list(tokens),
+                    block_size=bs,
+                    lora_id=None,
+                    medium=self.medium,
+                )
+            )
+
+    def _evict(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._block_of[h]
+            self.events.append(BlockRemoved(block_hashes=[to_wire(h)], medium=self.medium))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every registered free block (the caller publishes AllBlocksCleared)."""
+        if any(self._ref[b] for b in self._hash_of):
+            return False
+        self._block_of.clear()
+        self._hash_of.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        for block, ref in self._ref.items():
+            assert ref >= 0, f"block {block} has ref count {ref}"
+            assert (ref == 0) == (block in self._free), f"block {block}: ref {ref} vs free queue"
+        assert len(self._free) + sum(1 for r in self._ref.values() if r > 0) == self.num_blocks
+        for h, block in self._block_of.items():
+            assert self._hash_of.get(block) == h, f"hash maps disagree for block {block}"
+        assert len(self._hash_of) == len(self._block_of)

@@ -1,0 +1,163 @@
+"""Continuous batching with a token budget (vLLM V1 style).
+
+Each step gives every running sequence its next tokens (one for a decode, a slice of the prompt
+for a prefill, so long prompts are prefilled in chunks), then admits waiting sequences first come
+first served while the budget, `max_num_seqs` and free KV blocks allow. When a running sequence
+needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
+freed and it is recomputed later (its prefix-cached blocks usually survive).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from chunkcache.config import SchedulerConfig
+from chunkcache.engine.kv_blocks import BlockManager
+from chunkcache.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        is_ready: Callable[[Sequence], bool],
+    ) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.blocks = blocks
+        # The chunk manager decides when a sequence's borrowed KV exists (fill jobs done).
+        self.is_ready = is_ready
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        seq.status = Status.WAITING
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted_any = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self._grow(seq, seq.num_computed + n):
+                # Free blocks by preempting from the back; possibly this very sequence.
+                while not self._grow(seq, seq.num_computed + n):
+                    # Fill jobs hold pool pages, not blocks: preempting one frees nothing.
+                    victim = next(s for s in reversed(self.running) if not s.is_fill or s is seq)
+                    self._preempt(victim, batch)
+                    preempted_any = True
+                    if victim is seq:
+                        break
+                if seq.status != Status.RUNNING:
+                    break
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        if preempted_any:
+            return batch
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            if not self.is_ready(seq):
+                skipped.append(seq)
+                continue
+            if (
+                not seq.block_table
+                and seq.num_computed == 0
+                and seq.borrowed_slots is None
+                and not seq.is_fill
+            ):
+                self._match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                self.waiting.appendleft(seq)
+                break
+            seq.status = Status.RUNNING
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.time()
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return batch
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        # At least one prompt token is always computed: it yields the first token's logits.
+        max_blocks = (seq.num_own_prompt_tokens - 1) // self.blocks.block_size
+        blocks, hashes = self.blocks.match_prefix(seq.token_ids, max_blocks)
+        seq.block_table = blocks
+        seq.block_hashes = hashes
+        seq.num_computed = len(blocks) * self.blocks.block_size
+        seq.num_prefix_cached = seq.num_computed
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make the sequence own enough blocks for `num_tokens` own tokens."""
+        if seq.is_fill:
+            return True  # its pages were assigned when the job was made
+        need = self.blocks.blocks_for(num_tokens) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > self.blocks.num_free_blocks:
+            return False
+        seq.block_table.extend(self.blocks.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        if seq in batch.seqs:
+            k = batch.seqs.index(seq)
+            del batch.seqs[k], batch.num_new_tokens[k]
+        self.release(seq)
+        seq.num_computed = 0
+        if seq.borrowed_slots is None:
+            seq.num_prefix_cached = 0
+        self.add(seq, front=True)
+        batch.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def release(self, seq: Sequence) -> None:
+        """Give back the blocks a sequence owns (finish, abort, preemption)."""
+        if not seq.is_fill and seq.block_table:
+            self.blocks.free(seq.block_table)
+        if not seq.is_fill:
+            seq.block_table = []
+            seq.block_hashes = []
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(seq)
+        self.release(seq)
+        seq.status = Status.FINISHED

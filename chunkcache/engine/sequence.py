@@ -1,0 +1,86 @@
+"""A sequence: the engine's state of one request (or of one chunk-cache fill job).
+
+KV list of a sequence = `borrowed_slots` (KV it reads but does not own: a chunk-cache entry, a
+system part) followed by its own tokens' KV in `block_table`. Own token i sits at KV list index
+`len(borrowed_slots) + i` and at position `position_base + i`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from chunkcache.outputs import RequestMetrics
+from chunkcache.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]  # what the request reports as its prompt
+    token_ids: list[int]  # own tokens: the part of the prompt computed here, then the output
+    params: SamplingParams
+    prompt: str | None = None
+    position_base: int = 0
+    borrowed_slots: torch.Tensor | None = None
+    # Fill jobs compute a chunk-cache entry into pre-assigned pages and sample nothing.
+    is_fill: bool = False
+    status: Status = Status.WAITING
+    num_own_prompt_tokens: int = 0
+    num_computed: int = 0  # own tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_prefix_cached: int = 0  # own prompt tokens found in the prefix cache
+    num_chunk_cached: int = 0  # prompt tokens borrowed from the chunk cache
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    num_sent_tokens: int = 0
+    sent_text_len: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+    # Chunk-cache bookkeeping owned by the chunk manager (entries pinned, jobs awaited).
+    chunk_state: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.num_own_prompt_tokens:
+            self.num_own_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_borrowed(self) -> int:
+        return 0 if self.borrowed_slots is None else int(self.borrowed_slots.numel())
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_own_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_own_prompt_tokens
+
+    @property
+    def context_len(self) -> int:
+        """KV list length once every own token is computed."""
+        return self.num_borrowed + self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def last_position(self) -> int:
+        return self.position_base + self.num_tokens - 1

@@ -1,0 +1,92 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `.chat(messages, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from chunkcache.config import EngineConfig
+from chunkcache.engine.engine import LLMEngine
+from chunkcache.outputs import RequestOutput
+from chunkcache.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, device: str = "auto", dtype: str = "auto", **engine_options: Any) -> None:
+        self.engine = LLMEngine(
+            EngineConfig.from_options(model, device=device, dtype=dtype, **engine_options)
+        )
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_special_tokens: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in input order. A prompt is a string or a list of token ids."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, p, add_special_tokens=add_special_tokens)
+                order[request_id] = i
+        except Exception:
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            self._run_until_done({}, None)
+            raise
+        results: dict[int, RequestOutput] = {}
+        bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
+        self._run_until_done(order, results, bar)
+        bar.close()
+        return [results[i] for i in range(len(prompts))]
+
+    def _run_until_done(
+        self, order: dict[str, int], results: dict[int, RequestOutput] | None, bar: tqdm | None = None
+    ) -> None:
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and results is not None and out.request_id in order:
+                    results[order[out.request_id]] = out
+                    if bar is not None:
+                        bar.update(1)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.render_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
+        # The template writes the special prefix (BOS) itself.
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
+
+    def chunk_cache_stats(self) -> dict[str, Any] | None:
+        return self.engine.chunk_cache_stats()
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()

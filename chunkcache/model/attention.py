@@ -1,0 +1,97 @@
+"""Attention over a slot-addressed KV cache, driven by one explicit per-step metadata object.
+
+A sequence's KV is a list of slots in the layer's cache tensor: the borrowed slots (a chunk-cache
+entry, a system part) followed by the sequence's own slots (paged blocks). The tokens computed in
+a step are always the last entries of that list, and each sees every entry up to itself: causal
+over the list. Positions are explicit per token, so the same kernel serves a plain prompt, a
+chunk computed after its system part, and a question attending to assembled chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """One sequence with several new tokens in this step."""
+
+    start: int  # first of its tokens in the flattened batch
+    end: int
+    # Slots of the KV list entries before this step's tokens; None when there are none.
+    past_slots: torch.Tensor | None
+
+
+@dataclass
+class DecodeBatch:
+    """Sequences with exactly one new token each, attended in one padded call."""
+
+    token_index: torch.Tensor  # [B] index of each sequence's token in the flattened batch
+    slots: torch.Tensor  # [B, L] the whole KV list including the new token, padded with slot 0
+    mask: torch.Tensor  # [B, 1, 1, L] True where a slot is real
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the model needs to know about one step besides token ids and positions."""
+
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    prefills: list[PrefillSegment]
+    decode: DecodeBatch | None
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hk, D] of this step's tokens; returns [T, Hq, D].
+
+    New K/V are written to the cache first, so a sequence computed in the same step as the
+    system part it borrows already sees that part.
+    """
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    num_kv_heads = k.shape[1]
+    for seg in meta.prefills:
+        qs, ks, vs = q[seg.start : seg.end], k[seg.start : seg.end], v[seg.start : seg.end]
+        n = seg.end - seg.start
+        if seg.past_slots is None or seg.past_slots.numel() == 0:
+            mask, causal = None, True
+        else:
+            past = seg.past_slots.numel()
+            ks = torch.cat((k_cache[seg.past_slots], ks))
+            vs = torch.cat((v_cache[seg.past_slots], vs))
+            # query i (list index past + i) sees list entries 0..past + i
+            mask = torch.arange(past + n)[None, :] <= (torch.arange(n) + past)[:, None]
+            causal = False
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1).unsqueeze(0),
+            ks.transpose(0, 1).unsqueeze(0),
+            vs.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[seg.start : seg.end] = o[0].transpose(0, 1)
+    if meta.decode is not None:
+        d = meta.decode
+        b = d.token_index.numel()
+        group = q.shape[1] // num_kv_heads
+        # One query per sequence: fold the query heads of a KV head into the query axis (GQA
+        # without repeating K/V), which is several times faster than enable_gqa on CPU.
+        qd = q[d.token_index].view(b, num_kv_heads, group, -1)
+        kd = k_cache[d.slots].permute(0, 2, 1, 3)
+        vd = v_cache[d.slots].permute(0, 2, 1, 3)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
+        out[d.token_index] = o.reshape(b, q.shape[1], -1)
+    return out

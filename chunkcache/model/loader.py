@@ -1,0 +1,209 @@
+"""Loading a checkpoint: HF config, safetensors weights (single or sharded), tokenizer.
+
+A model id that is not a local directory is fetched with huggingface_hub. Weight names follow
+transformers; q/k/v and gate/up are concatenated into the merged projections here. A missing or
+unexpected tensor is an error that names it, never a silently random weight.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from chunkcache.errors import ModelLoadError
+from chunkcache.model.llama import LlamaForCausalLM
+from chunkcache.model.rope import RotaryEmbedding
+from chunkcache.model.spec import ModelSpec
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    spec: ModelSpec
+    tokenizer: Any
+    path: Path
+    eos_token_ids: frozenset[int]
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_model_path(model: str) -> Path:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    # Hub ids look like "org/name"; anything else that is not a directory is a bad local path.
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"model {model!r} is not a directory with a checkpoint")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+            )
+        )
+    except Exception as e:  # network, auth, unknown repo: one clear message
+        raise ModelLoadError(f"model {model!r} is not a local directory and could not be fetched: {e}") from e
+
+
+def resolve_device(device: str) -> torch.device:
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    try:
+        import torch_npu  # noqa: F401
+
+        return torch.device("npu")
+    except ImportError:
+        return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(spec.torch_dtype.replace("torch.", ""), torch.float32)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path}")
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise ModelLoadError(f"weight shards listed in the index are missing: {missing}")
+    return files
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in tqdm(_weight_files(path), desc="loading weights", unit="shard", leave=False):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return tensors.pop(name)
+    except KeyError:
+        raise ModelLoadError(f"checkpoint is missing the tensor {name!r}") from None
+
+
+def _fill_state(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
+    spec = model.spec
+    state: dict[str, torch.Tensor] = {"embed_tokens.weight": _take(tensors, "model.embed_tokens.weight")}
+    state["norm.weight"] = _take(tensors, "model.norm.weight")
+    if spec.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    else:
+        state["lm_head.weight"] = _take(tensors, "lm_head.weight")
+    for i in range(spec.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn, mlp = hf + "self_attn.", hf + "mlp."
+        state[ours + "input_layernorm.weight"] = _take(tensors, hf + "input_layernorm.weight")
+        state[ours + "post_attention_layernorm.weight"] = _take(
+            tensors, hf + "post_attention_layernorm.weight"
+        )
+        state[ours + "self_attn.qkv_proj.weight"] = torch.cat(
+            [_take(tensors, f"{attn}{p}_proj.weight") for p in "qkv"]
+        )
+        if spec.qkv_bias:
+            state[ours + "self_attn.qkv_proj.bias"] = torch.cat(
+                [_take(tensors, f"{attn}{p}_proj.bias") for p in "qkv"]
+            )
+        state[ours + "self_attn.o_proj.weight"] = _take(tensors, attn + "o_proj.weight")
+        if spec.o_bias:
+            state[ours + "self_attn.o_proj.bias"] = _take(tensors, attn + "o_proj.bias")
+        if spec.qk_norm:
+            state[ours + "self_attn.q_norm.weight"] = _take(tensors, attn + "q_norm.weight")
+            state[ours + "self_attn.k_norm.weight"] = _take(tensors, attn + "k_norm.weight")
+        state[ours + "mlp.gate_up_proj.weight"] = torch.cat(
+            [_take(tensors, mlp + "gate_proj.weight"), _take(tensors, mlp + "up_proj.weight")]
+        )
+        state[ours + "mlp.down_proj.weight"] = _take(tensors, mlp + "down_proj.weight")
+        if spec.mlp_bias:
+            state[ours + "mlp.gate_up_proj.bias"] = torch.cat(
+                [_take(tensors, mlp + "gate_proj.bias"), _take(tensors, mlp + "up_proj.bias")]
+            )
+            state[ours + "mlp.down_proj.bias"] = _take(tensors, mlp + "down_proj.bias")
+    leftover = sorted(n for n in tensors if not n.endswith("rotary_emb.inv_freq"))
+    if leftover:
+        raise ModelLoadError(f"checkpoint has tensors this model does not use: {leftover[:8]}")
+    expected = {n for n, _ in model.named_parameters(remove_duplicate=True)}
+    if set(state) != expected:
+        raise ModelLoadError(f"weights do not cover the model: missing {sorted(expected - set(state))[:8]}")
+    for name, param in model.named_parameters():
+        if state[name].shape != param.shape:
+            raise ModelLoadError(
+                f"tensor {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
+            )
+    model.load_state_dict(state, strict=False, assign=True)
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelLoadError(f"{path} has no config.json")
+    return json.loads(config_file.read_text())
+
+
+def _eos_ids(path: Path, tokenizer: Any, hf: dict[str, Any]) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = path / "generation_config.json"
+    for source in (json.loads(gen.read_text()) if gen.exists() else {}, hf):
+        eos = source.get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"could not load the tokenizer from {path}: {e}") from e
+
+
+def load_model(model: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    path = resolve_model_path(model)
+    hf = read_hf_config(path)
+    spec = ModelSpec.from_hf(hf)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, spec, dev)
+    with torch.device("meta"):
+        net = LlamaForCausalLM(spec)
+    tensors = {n: t.to(device=dev, dtype=torch_dtype) for n, t in _read_tensors(path).items()}
+    _fill_state(net, tensors)
+    # The rotary tables are buffers made on the meta device: rebuild them for real.
+    rotary = RotaryEmbedding(spec.head_dim, spec.rope, spec.max_position_embeddings).to(dev)
+    net.rotary = rotary
+    for layer in net.layers:
+        layer.self_attn.rotary = rotary
+    net.eval()
+    tokenizer = load_tokenizer(path)
+    return LoadedModel(net, spec, tokenizer, path, _eos_ids(path, tokenizer, hf), torch_dtype, dev)
