@@ -1,0 +1,204 @@
+"""transformers itself as the reference implementation ("oracle") for engine tests.
+
+Every helper runs the Hugging Face model in float32 on CPU, in eval mode, so the numbers are
+those of the upstream implementation, not of anything in `chunkcache`.
+
+Custom attention masks (transformers 5.x): a 4D `attention_mask` of shape [B, 1, T, T] is
+passed through to the attention kernel untouched (`masking_utils._preprocess_mask_arguments`
+returns early for any 4D tensor). The eager kernel *adds* it to the attention scores, so it
+must be an additive float mask (0 = attend, large negative = blocked); a boolean mask would be
+silently added as 0/1 there. SDPA accepts either. The helpers here therefore always convert the
+boolean mask to an additive float mask, which both implementations honour identically.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "additive_mask",
+    "causal_mask",
+    "chunk_isolated_mask",
+    "hf_first_token_logprobs",
+    "hf_greedy",
+    "hf_greedy_with_mask",
+    "hf_logits_with_mask",
+    "hf_logprobs_with_mask",
+    "hf_model",
+]
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, attn_implementation: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    return model.eval()
+
+
+def hf_model(path: str | Path, attn_implementation: str = "eager") -> torch.nn.Module:
+    """The checkpoint at `path` loaded by transformers: float32, eval mode, cached per path.
+
+    "eager" is the default because it is plain PyTorch math (the most literal reference);
+    "sdpa" gives the same numbers to ~1e-6.
+    """
+    return _load(str(Path(path).resolve()), attn_implementation)
+
+
+def _ids(token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Token ids as a [1, T] long tensor (transformers wants a batch dimension)."""
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.to(torch.long).view(1, -1)
+    return torch.tensor(list(token_ids), dtype=torch.long).view(1, -1)
+
+
+@torch.inference_mode()
+def hf_first_token_logprobs(
+    path: str | Path, token_ids: Sequence[int], attn_implementation: str = "eager"
+) -> torch.Tensor:
+    """log_softmax of the logits at the last prompt position (ordinary causal prompt), [vocab]."""
+    logits = hf_model(path, attn_implementation)(input_ids=_ids(token_ids)).logits
+    return torch.log_softmax(logits[0, -1].float(), dim=-1)
+
+
+@torch.inference_mode()
+def hf_greedy(
+    path: str | Path, token_ids: Sequence[int], max_new_tokens: int, attn_implementation: str = "eager"
+) -> list[int]:
+    """Greedy continuation by `model.generate`, EOS disabled: always `max_new_tokens` tokens."""
+    model = hf_model(path, attn_implementation)
+    ids = _ids(token_ids)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        # An explicit None overrides generation_config.json's eos list, so generation never
+        # stops early (a GenerationConfig with eos None merged in does *not* do that).
+        eos_token_id=None,
+        pad_token_id=model.config.pad_token_id,
+    )
+    new = out[0, ids.shape[1] :].tolist()
+    assert len(new) == max_new_tokens, f"generate stopped early: {len(new)} < {max_new_tokens}"
+    return new
+
+
+def chunk_isolated_mask(
+    sys_len: int, chunk_lens: Sequence[int], q_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask and positions of DESIGN.md §2 layout "isolated" for `S C1 ... Cn Q`.
+
+    Returns (mask bool [T, T], True = may attend; position_ids long [T]). S is causal at
+    positions 0..s-1; chunk i sits at [s, s + len_i) and sees S plus the earlier tokens of its
+    own chunk; Q starts at s + max(len_i) and sees everything before it, causally within Q.
+    """
+    s = sys_len
+    total = s + sum(chunk_lens) + q_len
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    positions = torch.empty(total, dtype=torch.long)
+    mask[:s, :s] = torch.ones(s, s, dtype=torch.bool).tril()
+    positions[:s] = torch.arange(s)
+    start = s
+    for n in chunk_lens:
+        end = start + n
+        mask[start:end, :s] = True
+        mask[start:end, start:end] = torch.ones(n, n, dtype=torch.bool).tril()
+        positions[start:end] = torch.arange(s, s + n)
+        start = end
+    q_pos = s + max(chunk_lens, default=0)
+    mask[start:, :start] = True
+    mask[start:, start:] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    positions[start:] = torch.arange(q_pos, q_pos + q_len)
+    return mask, positions
+
+
+def causal_mask(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain causal mask and positions 0..T-1 (the ordinary prompt, in the mask helpers' form)."""
+    return torch.ones(length, length, dtype=torch.bool).tril(), torch.arange(length)
+
+
+def additive_mask(mask_bool: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[T, T] boolean (True = attend) -> [1, 1, T, T] additive float mask, as transformers wants.
+
+    Blocked entries get finfo.min rather than -inf, like transformers' own masks: no NaN even
+    for a fully masked row.
+    """
+    zero = torch.zeros((), dtype=dtype)
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype)
+    return torch.where(mask_bool, zero, blocked)[None, None]
+
+
+@torch.inference_mode()
+def hf_logits_with_mask(
+    path: str | Path,
+    token_ids: Sequence[int],
+    mask_bool: torch.Tensor,
+    position_ids: Sequence[int] | torch.Tensor,
+    attn_implementation: str = "eager",
+) -> torch.Tensor:
+    """Logits [T, vocab] of the whole sequence run with a custom mask and explicit positions."""
+    ids = _ids(token_ids)
+    length = ids.shape[1]
+    if tuple(mask_bool.shape) != (length, length):
+        raise ValueError(f"mask shape {tuple(mask_bool.shape)} != ({length}, {length})")
+    pos = torch.as_tensor(position_ids, dtype=torch.long).view(1, -1)
+    if pos.shape[1] != length:
+        raise ValueError(f"{pos.shape[1]} position ids for {length} tokens")
+    model = hf_model(path, attn_implementation)
+    # use_cache=False: nothing is reused between calls, and a cache would only cost memory.
+    out = model(input_ids=ids, attention_mask=additive_mask(mask_bool), position_ids=pos, use_cache=False)
+    return out.logits[0].float()
+
+
+def hf_logprobs_with_mask(
+    path: str | Path,
+    token_ids: Sequence[int],
+    mask_bool: torch.Tensor,
+    position_ids: Sequence[int] | torch.Tensor,
+    attn_implementation: str = "eager",
+) -> torch.Tensor:
+    """log_softmax at the last position [vocab], under a custom mask and explicit positions."""
+    logits = hf_logits_with_mask(path, token_ids, mask_bool, position_ids, attn_implementation)
+    return torch.log_softmax(logits[-1], dim=-1)
+
+
+def hf_greedy_with_mask(
+    path: str | Path,
+    token_ids: Sequence[int],
+    mask_bool: torch.Tensor,
+    position_ids: Sequence[int] | torch.Tensor,
+    n: int,
+    attn_implementation: str = "eager",
+) -> list[int]:
+    """Greedy continuation of `n` tokens (EOS ignored) after a prompt with a custom mask.
+
+    Generated token k sits at position max(prompt positions) + 1 + k (= last prompt position
+    + 1 + k whenever the prompt ends with Q, whose positions are the largest) and sees every
+    token before it. The full forward is re-run each step with the extended mask: O(n T^2),
+    fine for test sizes, and free of any KV-cache logic that could mask a bug.
+    """
+    tokens = list(token_ids)
+    mask = mask_bool.clone()
+    pos = torch.as_tensor(position_ids, dtype=torch.long).clone()
+    next_pos = int(pos.max()) + 1
+    generated: list[int] = []
+    for step in range(n):
+        logits = hf_logits_with_mask(path, tokens, mask, pos, attn_implementation)
+        token = int(torch.argmax(logits[-1]))
+        generated.append(token)
+        if step == n - 1:
+            break
+        tokens.append(token)
+        length = mask.shape[0]
+        grown = torch.zeros(length + 1, length + 1, dtype=torch.bool)
+        grown[:length, :length] = mask
+        grown[length, :] = True  # the new token sees everything, itself included
+        mask = grown
+        pos = torch.cat([pos, torch.tensor([next_pos + step])])
+    return generated
