@@ -1,0 +1,290 @@
+"""The bridge between asyncio request handlers and the engine's single stepping thread.
+
+`LLMEngine.step()` must be called from one thread only and blocks for a whole model forward, so it
+runs in a dedicated background thread that steps while there is work and sleeps otherwise. Each
+request gets an asyncio queue; the engine thread hands it outputs with `loop.call_soon_threadsafe`
+(asyncio queues are not thread-safe). Anything else that touches engine state (stats, integrity
+checks) is run by that same thread between steps through `call()`, so no engine internals are read
+while a step mutates them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from chunkcache.outputs import RequestOutput
+from chunkcache.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from chunkcache.engine.engine import LLMEngine
+    from chunkcache.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting for their first token than `--max-queue` allows (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error or is shutting down; no request can run (HTTP 503)."""
+
+
+class RequestStream:
+    """The outputs of one request, in order, as the engine thread produces them."""
+
+    def __init__(self, request_id: str, owner: EngineLoop) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # perf_counter() at admission; the engine thread reads it for the TTFT histogram.
+        self.arrival_time = time.perf_counter()
+        # Written by the engine thread only (latency metrics).
+        self.last_token_time: float | None = None
+        # Written on the event loop only.
+        self.got_first_output = False
+        self.finished = False
+        self.released = False
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        # Runs on the event loop (scheduled by the engine thread).
+        if self.released:
+            return
+        if not self.got_first_output:
+            self.got_first_output = True
+            self._owner._num_waiting -= 1
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                if item.finished:
+                    self.finished = True
+                yield item
+        finally:
+            # Reached on normal completion, on cancellation (the client hung up) and on
+            # `aclose()`: an unfinished request is aborted so its KV blocks are freed.
+            self.release()
+
+    def release(self) -> None:
+        """Forget this request; abort it in the engine if it has not finished. Idempotent."""
+        if self.released:
+            return
+        if not self.got_first_output:
+            self._owner._num_waiting -= 1
+            self.got_first_output = True
+        self.released = True
+        self._owner._forget(self, abort=not self.finished)
+
+
+class EngineLoop:
+    """Owns the engine thread. Create it, `start()` it inside the running event loop, `shutdown()`."""
+
+    def __init__(self, engine: LLMEngine, *, max_queue: int, metrics: ServerMetrics | None = None) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.engine = engine
+        # Bound on requests admitted but still waiting for their first token (queued or in
+        # prefill); beyond it new requests are refused instead of piling up latency for everyone.
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._streams_lock = threading.Lock()
+        self._num_waiting = 0  # event-loop side only
+        self._wake = threading.Condition()
+        self._work_pending = False
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._stopping = False
+        self._accepting = True
+        # Held by the thread around every step; `paused()` takes it to freeze the engine.
+        self._step_lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._ids = itertools.count()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("EngineLoop already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="chunkcache-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, drain_timeout: float | None = None) -> None:
+        """Refuse new requests, let in-flight ones finish (up to `drain_timeout` seconds, then
+        abort them), stop the thread and close the engine."""
+        self._accepting = False
+        deadline = None if drain_timeout is None else time.monotonic() + drain_timeout
+        while self._streams and self._dead is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                logger.warning("drain timeout: aborting %d in-flight requests", len(self._streams))
+                for stream in list(self._streams.values()):
+                    stream.release()
+                break
+            await asyncio.sleep(0.05)
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self.engine.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{time.time_ns():x}"
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Admit a request. Call on the event loop. Raises QueueFullError / EngineDeadError, or the
+        engine's InvalidRequestError (PromptTooLongError) from its synchronous validation."""
+        if self._dead is not None or not self._accepting or not self.alive:
+            raise EngineDeadError("the engine is not accepting requests (shutting down or failed)")
+        if self._num_waiting >= self.max_queue:
+            raise QueueFullError(
+                f"server busy: {self._num_waiting} requests are already waiting (max_queue={self.max_queue})"
+            )
+        stream = RequestStream(request_id, self)
+        # Registered before add_request so that no output of it can arrive unrouted.
+        with self._streams_lock:
+            self._streams[request_id] = stream
+        try:
+            self.engine.add_request(request_id, prompt, params, add_special_tokens=add_special_tokens)
+        except BaseException:
+            with self._streams_lock:
+                del self._streams[request_id]
+            raise
+        self._num_waiting += 1
+        self._kick()
+        return stream
+
+    def _forget(self, stream: RequestStream, *, abort: bool) -> None:
+        with self._streams_lock:
+            self._streams.pop(stream.request_id, None)
+        if abort and self._dead is None:
+            self.engine.abort_request(stream.request_id)
+            # The abort takes effect at the next step: make sure one runs.
+            self._kick()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between two steps and return its result."""
+        if not self.alive:
+            # No thread to race with (not started, or stopped): run it here.
+            return fn()
+        future: Future[T] = Future()
+        with self._wake:
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return await asyncio.wrap_future(future)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the engine between steps (for maintenance and tests); requests queue meanwhile."""
+        with self._step_lock:
+            yield
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        with self._wake:
+            self._work_pending = True
+            self._wake.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not (self._work_pending or self._calls or self._stopping):
+                        self._wake.wait()
+                    if self._stopping and not self._work_pending and not self._calls:
+                        break
+                    self._work_pending = False
+                self._run_calls()
+                while self.engine.has_unfinished_requests():
+                    with self._step_lock:
+                        outputs = self.engine.step()
+                    self._dispatch(outputs)
+                    self._run_calls()
+                    if self._stopping and not self._streams:
+                        break
+        except BaseException as e:
+            logger.exception("engine thread failed; the server cannot run requests any more")
+            self._dead = e
+            self._fail_all(e)
+        finally:
+            self._fail_pending_calls()
+
+    def _run_calls(self) -> None:
+        with self._wake:
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:
+                future.set_exception(e)
+
+    def _fail_pending_calls(self) -> None:
+        with self._wake:
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineDeadError("the engine thread has stopped"))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        now = time.perf_counter()
+        for output in outputs:
+            with self._streams_lock:
+                stream = self._streams.get(output.request_id)
+            if self.metrics is not None:
+                self.metrics.observe_output(output, stream, now)
+            if stream is not None:
+                if output.new_token_ids:
+                    stream.last_token_time = now
+                self._loop.call_soon_threadsafe(stream._deliver, output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        if self._loop is None:
+            return
+        failure = EngineDeadError(f"the engine failed: {type(error).__name__}")
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            with contextlib.suppress(RuntimeError):  # the loop may already be closed
+                self._loop.call_soon_threadsafe(stream._deliver, failure)

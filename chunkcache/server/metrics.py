@@ -1,0 +1,139 @@
+"""Prometheus metrics of one server, on a private registry (several servers can live in one
+process, as in the tests, without clashing in prometheus_client's global registry).
+
+Request latencies are observed by the engine thread as outputs come out of `step()`; engine state
+(queue lengths, KV blocks, chunk pool) is read from `LLMEngine.stats()` at scrape time and exposed
+through a collector, so the numbers are exactly those of the engine, never a shadow copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from chunkcache.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from chunkcache.server.engine_loop import RequestStream
+
+PREFIX = "chunkcache"
+
+# Seconds. Fine steps at the low end: a cached chunked prompt answers in milliseconds.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# Cumulative engine counters among the chunk cache stats: exported as counters, the rest as gauges.
+_CHUNK_COUNTERS = ("hits", "misses", "evictions")
+
+
+class _EngineStatsCollector(Collector):
+    """Exposes the last `LLMEngine.stats()` snapshot handed to `ServerMetrics.update_engine_stats`."""
+
+    def __init__(self) -> None:
+        self.stats: Mapping[str, Any] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        gauges = {
+            "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
+            "num_requests_running": ("num_running", "Requests being run."),
+            "kv_blocks_total": ("kv_blocks_total", "KV cache blocks in the paged pool."),
+            "kv_blocks_free": ("kv_blocks_free", "Free KV cache blocks."),
+            "kv_cache_usage_ratio": ("kv_usage", "Share of KV cache blocks in use (0-1)."),
+        }
+        for name, (key, doc) in gauges.items():
+            if stats.get(key) is not None:
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(stats[key]))
+        chunk = stats.get("chunk_cache")
+        if not chunk:
+            return
+        for key in _CHUNK_COUNTERS:
+            if chunk.get(key) is not None:
+                yield CounterMetricFamily(
+                    f"{PREFIX}_chunk_cache_{key}", f"Chunk cache {key} since start.", value=float(chunk[key])
+                )
+        chunk_gauges = {
+            "bytes": "Bytes of KV held by the chunk cache pool.",
+            "entries": "Chunks held by the chunk cache pool.",
+            "usage_ratio": "Share of the chunk cache budget in use (0-1).",
+            "hit_rate": "Chunk cache hit rate over chunks (0-1).",
+            "token_hit_rate": "Chunk cache hit rate over tokens (0-1).",
+        }
+        for key, doc in chunk_gauges.items():
+            if chunk.get(key) is not None:
+                yield GaugeMetricFamily(f"{PREFIX}_chunk_cache_{key}", doc, value=float(chunk[key]))
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            f"{PREFIX}_http_requests",
+            "HTTP requests to the API endpoints, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.finished_requests = Counter(
+            f"{PREFIX}_request_success",
+            "Requests that left the engine, by finish reason (stop, length, abort).",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "From admission to the first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Between two consecutive outputs of a request, per token.",
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry
+        )
+        self.cached_tokens = Counter(
+            f"{PREFIX}_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache or the chunk cache.",
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens", "Generated tokens.", registry=self.registry
+        )
+        self._engine_stats = _EngineStatsCollector()
+        self.registry.register(self._engine_stats)
+
+    def observe_output(self, output: RequestOutput, stream: RequestStream | None, now: float) -> None:
+        """Called by the engine thread for every output of a step, before the stream's
+        `last_token_time` is advanced to `now`."""
+        num_new = len(output.new_token_ids)
+        if num_new:
+            self.generation_tokens.inc(num_new)
+            if stream is not None:
+                if stream.last_token_time is None:
+                    self.ttft.observe(now - stream.arrival_time)
+                else:
+                    # Several tokens in one output share the gap; each counts as one interval.
+                    per_token = (now - stream.last_token_time) / num_new
+                    for _ in range(num_new):
+                        self.itl.observe(per_token)
+        if output.finished:
+            reason = output.outputs[0].finish_reason if output.outputs else None
+            self.finished_requests.labels(finish_reason=reason or "unknown").inc()
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.cached_tokens.inc(output.num_cached_tokens)
+
+    def observe_http(self, endpoint: str, status: int) -> None:
+        self.http_requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def update_engine_stats(self, stats: Mapping[str, Any]) -> None:
+        self._engine_stats.stats = stats
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,87 @@
+"""Running a real uvicorn server inside a test process, and waiting for the engine to go idle."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI
+
+from chunkcache.server.engine_loop import EngineLoop
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A loopback port free right now (for servers in another process, which must bind it themselves)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving `app` on a random loopback port, in a daemon thread.
+
+    The socket is bound here, before the thread starts, so the port is known and reserved without
+    any race; uvicorn only listens on it.
+    """
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port: int = self._sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def engine_loop(self) -> EngineLoop:
+        return self.app.state.engine_loop
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the server thread exited during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self._sock.close()
+
+    def on_engine(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between steps (engine state is not safe to read elsewhere)."""
+        return asyncio.run(self.engine_loop.call(fn))
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait until no request is in flight and every KV block is free; return the engine stats."""
+        deadline = time.monotonic() + timeout
+        engine = self.engine_loop.engine
+        while True:
+            stats = self.on_engine(engine.stats)
+            idle = (
+                self.engine_loop.num_in_flight == 0
+                and stats["num_waiting"] == 0
+                and stats["num_running"] == 0
+                and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+            )
+            if idle:
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout}s: {stats}")
+            time.sleep(0.05)
