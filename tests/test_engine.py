@@ -1,0 +1,254 @@
+"""The engine against transformers on tiny random checkpoints (DESIGN.md §1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from oracle import hf_first_token_logprobs, hf_greedy
+from safetensors.torch import load_file, save_file
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
+from chunkcache.hashing import block_hashes
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog near the river bank",
+    "Alice",
+    "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24",
+]
+
+CASES = [
+    ("llama", "default", {}),
+    ("llama", "linear", {}),
+    ("llama", "llama3", {}),
+    ("llama", "yarn", {}),
+    ("qwen2", "default", {}),
+    ("qwen3", "default", {}),
+    ("qwen3", "yarn", {}),
+    ("mistral", "default", {}),
+    ("llama", "default", {"tie_word_embeddings": True}),
+    ("qwen2", "default", {"sharded": True}),
+    ("llama", "default", {"dtype": "bfloat16"}),
+]
+
+
+def _small_llm(path: Path, **options) -> LLM:
+    options.setdefault("kv_cache_tokens", 4096)
+    options.setdefault("chunk_cache_size_gb", 0.01)
+    return LLM(str(path), device="cpu", **options)
+
+
+@pytest.mark.parametrize(("arch", "rope", "kw"), CASES, ids=lambda c: str(c))
+def test_matches_transformers(checkpoint, arch: str, rope: str, kw: dict) -> None:
+    path = checkpoint(arch=arch, rope=rope, **kw)
+    llm = _small_llm(path)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for out in outs:
+        ids = out.prompt_token_ids
+        ref = hf_first_token_logprobs(path, ids)
+        first = out.outputs[0].logprobs[0]
+        assert len(first) >= 5
+        for token, lp in first.items():
+            assert abs(ref[token].item() - lp) < 1e-4, (token, ref[token].item(), lp)
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, 32)
+        assert out.outputs[0].finish_reason == "length"
+    llm.check_integrity()
+
+
+def test_mixed_batch_with_chunked_prefill(checkpoint) -> None:
+    path = checkpoint(arch="qwen3")
+    # A tiny token budget splits prompts across steps and mixes prefill with decode.
+    llm = _small_llm(path, max_num_batched_tokens=7, max_num_seqs=3)
+    prompts = [*PROMPTS, "one two three four five six seven", "z"]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.prompt_token_ids for o in outs] == [llm.tokenizer.encode(p) for p in prompts]
+    for out in outs:
+        assert out.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 32)
+    llm.check_integrity()
+
+
+def test_prefix_cache_hit_gives_identical_output(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    llm = _small_llm(path)
+    base = list(range(10, 74))  # 64 tokens = 4 full blocks
+    first = llm.generate([base + [5, 6, 7]], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    second_ids = base + [8, 9]
+    second = llm.generate([second_ids], GREEDY)[0]
+    assert second.num_cached_tokens == 64
+    assert second.num_prefix_cached_tokens == 64
+    assert second.outputs[0].token_ids == hf_greedy(path, second_ids, 32)
+    # The whole prompt cached: its last token is still computed to get logits.
+    again = llm.generate([base], GREEDY)[0]
+    assert again.num_cached_tokens == 48
+    assert again.outputs[0].token_ids == hf_greedy(path, base, 32)
+    llm.check_integrity()
+
+
+def test_block_hashes_are_vllm_compatible(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    llm = _small_llm(path)
+    ids = list(range(3, 40))
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    expected = block_hashes("0", ids, 16)
+    assert len(expected) == 2
+    # Registered under exactly the chained vLLM hashes: a lookup by them finds the blocks.
+    blocks, hashes = llm.engine.blocks.match_prefix(ids, max_blocks=2)
+    assert hashes == expected and len(blocks) == 2
+    llm.engine.blocks.free(blocks)
+    llm.check_integrity()
+
+
+def test_preemption_keeps_outputs_and_frees_everything(checkpoint) -> None:
+    path = checkpoint(arch="qwen2")
+    # 7 blocks of 16 tokens; each request needs 3 blocks by its end: they cannot all run.
+    llm = _small_llm(path, kv_cache_tokens=112, enable_prefix_caching=False)
+    prompts = [[7 + i, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 3 + i] for i in range(5)]
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, p, 32)
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.check_integrity()
+
+
+def test_stop_strings_tokens_and_eos(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    llm = _small_llm(path)
+    prompt = PROMPTS[0]
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    assert len(full.text) > 4
+    stop = full.text[2:5]
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert cut.outputs[0].text == full.text[: full.text.index(stop)]
+    assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+    token = full.token_ids[3]
+    by_id = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[token]))[0]
+    assert by_id.outputs[0].token_ids == full.token_ids[: full.token_ids.index(token) + 1]
+    assert by_id.outputs[0].stop_reason == token
+    # Forcing EOS as the likeliest token: generation stops there unless ignore_eos.
+    eos = next(iter(llm.engine.detokenizer.eos_token_ids))
+    llm.engine.detokenizer.eos_token_ids = frozenset({full.token_ids[0]})
+    stopped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert stopped.token_ids == full.token_ids[:1] and stopped.finish_reason == "stop"
+    llm.engine.detokenizer.eos_token_ids = frozenset({eos})
+
+
+def test_sampling_seed_top_k_top_p(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    llm = _small_llm(path)
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    a, b = llm.generate([PROMPTS[0], PROMPTS[0]], [p, p])
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    other = SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    c = llm.generate([PROMPTS[0]], other)[0]
+    assert c.outputs[0].token_ids != a.outputs[0].token_ids
+    greedy = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    top1 = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.7, top_k=1, max_tokens=16, ignore_eos=True))[0]
+    assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_chat_renders_template(checkpoint) -> None:
+    path = checkpoint(arch="qwen3")
+    llm = _small_llm(path)
+    messages = [{"role": "user", "content": "Hello there"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    rendered = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == rendered
+    assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 8)
+
+
+def test_bad_input_is_rejected_and_engine_keeps_serving(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    llm = _small_llm(path, max_model_len=64)
+    engine = llm.engine
+    vocab = engine.spec.vocab_size
+    cases = [
+        ("", SamplingParams(), InvalidRequestError, "empty"),
+        ([], SamplingParams(), InvalidRequestError, "empty"),
+        (list(range(1, 80)), SamplingParams(), PromptTooLongError, "max_model_len 64"),
+        ([1, 2, vocab + 5], SamplingParams(), InvalidRequestError, str(vocab + 5)),
+        ([1, 2, -1], SamplingParams(), InvalidRequestError, "-1"),
+        ([1, 2, 3], SamplingParams(max_tokens=62), InvalidRequestError, "max_tokens (62)"),
+        (42, SamplingParams(), InvalidRequestError, "int"),
+    ]
+    for prompt, params, error, needle in cases:
+        with pytest.raises(error, match=None) as info:
+            engine.add_request("bad", prompt, params)
+        assert needle in str(info.value), (needle, str(info.value))
+    for kwargs, needle in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature")]:
+        with pytest.raises(ValueError, match=needle):
+            SamplingParams(**kwargs)
+    engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 8)
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.check_integrity()
+
+
+def test_abort_frees_blocks(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    llm = _small_llm(path)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.stats()["kv_blocks_free"] < engine.stats()["kv_blocks_total"]
+    engine.abort_request("a")
+    outs = engine.step()
+    assert [o.outputs[0].finish_reason for o in outs if o.request_id == "a"] == ["abort"]
+    assert not engine.has_unfinished_requests()
+    assert engine.stats()["kv_blocks_free"] == engine.stats()["kv_blocks_total"]
+    llm.check_integrity()
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_load_errors_name_the_problem(checkpoint, tmp_path: Path) -> None:
+    src = checkpoint(arch="llama")
+    unknown = _copy_checkpoint(src, tmp_path / "unknown")
+    cfg = json.loads((unknown / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (unknown / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="GPTNeoXForCausalLM"):
+        LLM(str(unknown))
+
+    missing = _copy_checkpoint(src, tmp_path / "missing")
+    weights = load_file(str(missing / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, str(missing / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        LLM(str(missing))
+
+    with pytest.raises(ModelLoadError, match="sliding window"):
+        LLM(str(checkpoint(arch="mistral", sliding_window=32)))
+    with pytest.raises(ModelLoadError, match="dynamic"):
+        LLM(str(checkpoint(arch="llama", rope="dynamic")))
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        LLM(str(tmp_path / "nowhere" / "deeper" / "model"))
+    with pytest.raises(TypeError, match="unknown engine option 'no_such_option'"):
+        LLM(str(src), no_such_option=1)
+
+
+def test_device_and_dtype_auto(checkpoint) -> None:
+    llm = LLM(str(checkpoint(arch="llama", dtype="bfloat16")), kv_cache_tokens=256)
+    assert llm.engine.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if llm.engine.device.type == "cpu":
+        assert llm.engine.runner.dtype == torch.float32
