@@ -1,0 +1,229 @@
+"""`chunkcache route`: the cache-aware router as an OpenAI-compatible HTTP proxy.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (proxied, SSE streamed through),
+GET /v1/models (from any healthy backend), POST /score (per-pod scores of a prompt or messages),
+GET /health, GET /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+
+from chunkcache import envs
+from chunkcache.config import HASH_ALGORITHMS
+from chunkcache.router.backends import load_backends_file, parse_backend_list
+from chunkcache.router.policy import POLICIES
+from chunkcache.router.scorer import parse_tier_weights
+from chunkcache.router.service import NoBackendError, Router, RouterConfig
+
+logger = logging.getLogger(__name__)
+
+# Hop-by-hop and length headers are the proxy's own business on each leg.
+_FORWARD_HEADERS = ("content-type", "authorization", "accept", "x-request-id", "openai-organization")
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def create_app(router: Router) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(title="chunkcache router", lifespan=lifespan)
+    app.state.router = router
+
+    async def proxy(request: Request, path: str, chat: bool) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as e:
+            return _error(400, f"invalid JSON body: {e}")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        try:
+            up = await router.forward(path, body, raw, headers, chat)
+        except NoBackendError as e:
+            return _error(502, str(e), "backend_unavailable")
+        except httpx.HTTPError as e:
+            router.metrics.requests_failed.inc()
+            return _error(502, f"backend request failed: {type(e).__name__}: {e}", "backend_error")
+        out_headers = {"x-chunkcache-backend": up.backend.pod_id}
+        media_type = up.resp.headers.get("content-type")
+        if body.get("stream"):
+            return StreamingResponse(up.relay(), up.resp.status_code, out_headers, media_type)
+        try:
+            content = await up.resp.aread()
+        except httpx.HTTPError as e:
+            router.metrics.requests_failed.inc()
+            return _error(502, f"backend response failed: {type(e).__name__}: {e}", "backend_error")
+        finally:
+            await up.release()
+        return Response(content, up.resp.status_code, out_headers, media_type)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy(request, "/v1/chat/completions", chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        assert router.client is not None
+        for b in router.pool.candidates():
+            try:
+                resp = await router.client.get(f"{b.url}/v1/models", timeout=router.config.health_timeout_s)
+            except httpx.HTTPError:
+                continue
+            return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+        return _error(502, "no backend answered /v1/models", "backend_unavailable")
+
+    @app.post("/score")
+    async def score(request: Request) -> Response:
+        try:
+            body = await request.json()
+            chat = isinstance(body, dict) and "messages" in body
+            prompt, rendered = router.prompt_of(body, chat)
+        except ValueError as e:
+            return _error(400, str(e))
+        result = await run_in_threadpool(router.score_prompt, prompt, rendered, router.lora_of(body))
+        if result.scores is None:
+            return _error(503, "the index is unavailable", "index_unavailable")
+        scores = {
+            pod: {
+                "prefix_blocks": s.prefix_blocks,
+                "prefix_tokens": s.prefix_tokens,
+                "chunk_tokens": s.chunk_tokens,
+                "score": s.total(True),
+                "prefix_only_score": s.total(False),
+            }
+            for pod, s in result.scores.items()
+        }
+        return JSONResponse(
+            {
+                "num_tokens": result.num_tokens,
+                "num_blocks": result.num_blocks,
+                "num_chunks": result.num_chunks,
+                "scores": scores,
+            }
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        backends = {b.pod_id: b.healthy for b in router.pool}
+        ok = any(backends.values())
+        return JSONResponse(
+            {"status": "ok" if ok else "no_healthy_backend", "backends": backends}, 200 if ok else 503
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("backends")
+    g.add_argument(
+        "--backends",
+        action="append",
+        default=[],
+        metavar="SPEC[,SPEC...]",
+        help="backends as [NAME@]URL[=EVENTS[=REPLAY]], e.g. http://127.0.0.1:8001=tcp://127.0.0.1:5557",
+    )
+    g.add_argument(
+        "--backend", dest="backends", action="append", metavar="SPEC", help="one backend (repeatable)"
+    )
+    g.add_argument("--backends-file", help="file of backend specs, one per line, or JSON")
+    g.add_argument(
+        "--health-interval", type=float, default=5.0, help="seconds between health checks (0: off)"
+    )
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds a proxied request may take")
+    g = parser.add_argument_group("prompts")
+    g.add_argument("--tokenizer", required=True, help="local tokenizer directory (the served model's)")
+    g.add_argument("--model-name", required=True, help="the engines' model name (part of every chunk key)")
+    g.add_argument("--chunk-separator", default=" # # ")
+    g.add_argument("--chunk-hash-algorithm", default="sha256", choices=HASH_ALGORITHMS)
+    g.add_argument("--no-chunks", action="store_true", help="score chunked prompts as plain prompts")
+    g.add_argument("--block-size", type=int, default=16, help="the router's block size in tokens")
+    g.add_argument("--lora-names", default="", help="comma-separated request models that are LoRA adapters")
+    g = parser.add_argument_group("index and events")
+    g.add_argument("--index", default="memory", help="'memory' or redis://host:port/db (shared by routers)")
+    g.add_argument("--index-capacity", type=int, default=10_000_000, help="block keys (memory index)")
+    g.add_argument("--pods-per-key", type=int, default=10)
+    g.add_argument("--events-bind", help="bind one SUB socket that pods connect to, e.g. tcp://*:5557")
+    g.add_argument("--events-topic-filter", default="", help="ZMQ topic prefix to subscribe to, e.g. kv@")
+    g.add_argument("--event-workers", type=int, default=4)
+    g = parser.add_argument_group("routing")
+    g.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    g.add_argument(
+        "--load-weight", type=float, default=0.5, help="how much in-flight load offsets a cache hit"
+    )
+    g.add_argument("--tier-weights", default="GPU=1.0,CPU=0.8", help="score weight per KV tier")
+    g.add_argument("--seed", type=int, default=None, help="seed of the random policy")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8080)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    specs = parse_backend_list(args.backends or [])
+    if args.backends_file:
+        specs += load_backends_file(args.backends_file)
+    if not specs:
+        raise SystemExit("chunkcache route: give --backends or --backends-file")
+    return RouterConfig(
+        backends=tuple(specs),
+        model_name=args.model_name,
+        tokenizer=args.tokenizer,
+        index=args.index,
+        index_capacity=args.index_capacity,
+        pods_per_key=args.pods_per_key,
+        policy=args.policy,
+        load_weight=args.load_weight,
+        tier_weights=parse_tier_weights(args.tier_weights),
+        block_size=args.block_size,
+        chunk_separator=args.chunk_separator,
+        chunk_hash_algorithm=args.chunk_hash_algorithm,
+        enable_chunks=not args.no_chunks,
+        lora_names=tuple(n for n in args.lora_names.split(",") if n),
+        events_bind=args.events_bind,
+        events_topic_filter=args.events_topic_filter,
+        event_workers=args.event_workers,
+        health_interval_s=args.health_interval,
+        request_timeout_s=args.request_timeout,
+        seed=args.seed,
+    )
+
+
+def run_route(args: argparse.Namespace) -> int:
+    import uvicorn  # only the command line needs a server
+
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(Router(config_from_args(args)))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=envs.log_level().lower())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chunkcache route", description=__doc__.splitlines()[0])
+    add_route_arguments(parser)
+    return run_route(parser.parse_args(argv))

@@ -1,0 +1,403 @@
+"""KV event intake: ZMQ subscribers -> per-pod ordered workers -> the index (DESIGN.md §4).
+
+One receiver thread polls a SUB socket per pod (connected to the pod's publisher), and optionally
+one bound SUB socket that pods connect to (pod id = the topic's `kv@<pod>@<model>` middle part).
+Messages go to a pool of workers sharded by FNV-1a(pod id), so each pod's batches apply in order
+while different pods proceed in parallel.
+
+Per pod, a worker tracks the publisher's seq. A gap asks the pod's replay endpoint for the missing
+batches; when replay cannot fill it (no endpoint, buffer too short, timeout) the pod's entries are
+cleared: with a batch lost we may have missed removals, and a pod claiming KV it no longer has
+would attract requests for nothing (history lost: cleared, not trusted). A seq going backwards
+means the publisher restarted, which also clears. A batch that fails to decode or apply is lost
+history too: the pod is cleared before its next batch applies.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from chunkcache.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ChunkRemoved,
+    ChunkStored,
+    KVEventBatch,
+    KVEventDecodeError,
+    decode_batch,
+)
+from chunkcache.router.index import IndexUnavailableError, KVIndex
+from chunkcache.router.tokens import BlockKeyer, EngineKeyMap
+
+logger = logging.getLogger(__name__)
+
+_FNV64_OFFSET = 0xCBF29CE484222325
+_FNV64_PRIME = 0x100000001B3
+
+
+def fnv1a_64(data: bytes) -> int:
+    h = _FNV64_OFFSET
+    for b in data:
+        h = ((h ^ b) * _FNV64_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def pod_from_topic(topic: str) -> str:
+    """`kv@<pod>@<model>` -> pod (llm-d's topic convention); any other topic is the pod id itself."""
+    parts = topic.split("@")
+    return parts[1] if len(parts) == 3 and parts[0] == "kv" else topic
+
+
+def tier_of(medium: str | None) -> str:
+    return (medium or "GPU").upper()  # vLLM leaves medium None for its GPU cache
+
+
+@dataclass
+class IntakeStats:
+    batches: int = 0  # batches applied
+    events: int = 0  # events applied
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    failed: int = 0  # batches that could not be decoded or applied
+    unknown_types: int = 0  # events skipped for an unknown type
+    unresolved_blocks: int = 0  # stored blocks whose parent was unknown
+    replays: int = 0  # replay requests sent
+    replay_failures: int = 0  # replays that could not fill their gap
+    clears: int = 0  # pods cleared (restart, lost history, AllBlocksCleared)
+
+
+@dataclass
+class _PodState:
+    keymap: EngineKeyMap
+    last_seq: int | None = None
+    dirty: bool = False  # a batch was lost: clear before trusting the next one
+    replay_socket: zmq.Socket | None = None
+
+
+@dataclass
+class _Msg:
+    pod: str
+    seq: int
+    payload: bytes
+
+
+@dataclass
+class _Worker:
+    queue: queue.SimpleQueue[_Msg | None] = field(default_factory=queue.SimpleQueue)
+    pods: dict[str, _PodState] = field(default_factory=dict)
+    pending: int = 0
+    thread: threading.Thread | None = None
+
+
+class EventIntake:
+    def __init__(
+        self,
+        index: KVIndex,
+        keyer: BlockKeyer | None = None,
+        num_workers: int = 4,
+        topic_filter: str = "",
+        bind_endpoint: str | None = None,
+        replay_timeout_s: float = 1.0,
+        pod_map_capacity: int = 1 << 21,
+        on_clear: Callable[[str, str], None] | None = None,
+    ) -> None:
+        if num_workers <= 0:
+            raise ValueError(f"num_workers must be > 0, got {num_workers}")
+        self.index = index
+        self.keyer = keyer or BlockKeyer()
+        self.topic_filter = topic_filter
+        self.replay_timeout_s = replay_timeout_s
+        self.pod_map_capacity = pod_map_capacity
+        self.on_clear = on_clear
+        self._stats = IntakeStats()
+        self._stats_lock = threading.Lock()
+        self._replay_endpoints: dict[str, str] = {}
+        self._workers = [_Worker() for _ in range(num_workers)]
+        self._ctx = zmq.Context.instance()
+        self._commands: queue.SimpleQueue[tuple[str, str, str | None]] = queue.SimpleQueue()
+        self._subs: dict[str, zmq.Socket] = {}
+        self._bound: zmq.Socket | None = None
+        self.bound_endpoint: str | None = None
+        if bind_endpoint is not None:
+            self._bound = self._ctx.socket(zmq.SUB)
+            self._bound.setsockopt(zmq.RCVHWM, 0)
+            self._bound.bind(bind_endpoint[:-2] + ":*" if bind_endpoint.endswith(":0") else bind_endpoint)
+            self._bound.setsockopt_string(zmq.SUBSCRIBE, topic_filter)
+            self.bound_endpoint = self._bound.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._running = False
+        self._receiver: threading.Thread | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._running = True
+        for i, w in enumerate(self._workers):
+            w.thread = threading.Thread(
+                target=self._work, args=(w,), name=f"kv-events-worker-{i}", daemon=True
+            )
+            w.thread.start()
+        self._receiver = threading.Thread(target=self._receive, name="kv-events-receiver", daemon=True)
+        self._receiver.start()
+
+    def close(self) -> None:
+        self._running = False
+        if self._receiver is not None:
+            self._receiver.join(2.0)
+        for w in self._workers:
+            w.queue.put(None)
+        for w in self._workers:
+            if w.thread is not None:
+                w.thread.join(2.0)
+        if self._receiver is None and self._bound is not None:
+            self._bound.close(linger=0)
+
+    def add_pod(self, pod: str, endpoint: str | None, replay_endpoint: str | None = None) -> None:
+        """Subscribe to a pod's publisher (`endpoint`), or only register its replay endpoint when
+        the pod connects to our bound socket (`endpoint=None`)."""
+        if replay_endpoint is not None:
+            self._replay_endpoints[pod] = replay_endpoint
+        if endpoint is not None:
+            self._commands.put(("add", pod, endpoint))
+
+    def remove_pod(self, pod: str) -> None:
+        self._replay_endpoints.pop(pod, None)
+        self._commands.put(("remove", pod, None))
+
+    def stats(self) -> IntakeStats:
+        with self._stats_lock:
+            return IntakeStats(**vars(self._stats))
+
+    def pending(self) -> int:
+        return sum(w.pending for w in self._workers)
+
+    def wait_idle(self, timeout: float = 5.0) -> bool:
+        """True once every queued batch is applied (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while self.pending() > 0:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    # --- receiving ---------------------------------------------------------------------------
+
+    def submit(self, pod: str, seq: int, payload: bytes) -> None:
+        """Queue one batch for its pod's worker (the receiver's path; also usable directly)."""
+        w = self._workers[fnv1a_64(pod.encode()) % len(self._workers)]
+        with self._stats_lock:
+            w.pending += 1
+        w.queue.put(_Msg(pod, seq, payload))
+
+    def _apply_commands(self, poller: zmq.Poller) -> None:
+        while True:
+            try:
+                op, pod, endpoint = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            old = self._subs.pop(pod, None)
+            if old is not None:
+                poller.unregister(old)
+                old.close(linger=0)
+            if op == "add" and endpoint is not None:
+                sock = self._ctx.socket(zmq.SUB)
+                sock.setsockopt(zmq.RCVHWM, 0)  # never drop silently here; the publisher's HWM rules
+                sock.connect(endpoint)
+                sock.setsockopt_string(zmq.SUBSCRIBE, self.topic_filter)
+                self._subs[pod] = sock
+                poller.register(sock, zmq.POLLIN)
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        if self._bound is not None:
+            poller.register(self._bound, zmq.POLLIN)
+        by_socket: dict[zmq.Socket, str] = {}
+        try:
+            while self._running:
+                self._apply_commands(poller)
+                by_socket = {s: p for p, s in self._subs.items()}
+                if not poller.sockets:
+                    time.sleep(0.05)  # zmq_poll with no sockets returns at once: do not spin
+                    continue
+                for sock, _ in poller.poll(50):
+                    # Drain what is there: one poll per message would cost a syscall each.
+                    for _ in range(1000):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._dispatch(by_socket.get(sock), frames)
+        finally:
+            for s in self._subs.values():
+                s.close(linger=0)
+            if self._bound is not None:
+                self._bound.close(linger=0)
+
+    def _dispatch(self, pod: str | None, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            logger.warning("dropping a KV event message with %d frames", len(frames))
+            self._count(failed=1)
+            return
+        topic, seq_bytes, payload = frames
+        if pod is None:
+            pod = pod_from_topic(topic.decode(errors="replace"))
+        self.submit(pod, int.from_bytes(seq_bytes, "big"), payload)
+
+    # --- applying (worker threads; each pod only ever on one worker) --------------------------
+
+    def _work(self, w: _Worker) -> None:
+        while True:
+            msg = w.queue.get()
+            if msg is None:
+                break
+            try:
+                self.process(w, msg.pod, msg.seq, msg.payload)
+            except Exception:
+                logger.exception("KV event worker failed on pod %s seq %d", msg.pod, msg.seq)
+            finally:
+                with self._stats_lock:
+                    w.pending -= 1
+        for st in w.pods.values():
+            if st.replay_socket is not None:
+                st.replay_socket.close(linger=0)
+
+    def worker_for(self, pod: str) -> _Worker:
+        return self._workers[fnv1a_64(pod.encode()) % len(self._workers)]
+
+    def process(self, w: _Worker, pod: str, seq: int, payload: bytes) -> None:
+        """Apply one live batch with seq tracking (called on the pod's worker thread)."""
+        st = w.pods.get(pod)
+        if st is None:
+            st = w.pods[pod] = _PodState(EngineKeyMap(self.keyer, self.pod_map_capacity))
+        if st.last_seq is not None and seq <= st.last_seq:
+            # Seqs only grow within one publisher: this one restarted with a fresh cache.
+            self._clear(pod, st, "publisher restarted")
+            st.last_seq = None
+        expected = 0 if st.last_seq is None else st.last_seq + 1
+        if seq > expected:
+            # On first contact (late join, slow-joining SUB) we hold nothing of this pod, so an
+            # unfilled gap loses nothing we claimed; a gap after that may hide removals.
+            self._replay(pod, st, expected, seq, must_fill=st.last_seq is not None)
+        self._apply_payload(pod, st, seq, payload)
+
+    def _replay(self, pod: str, st: _PodState, start: int, stop: int, must_fill: bool) -> None:
+        """Fetch batches [start, stop) from the pod's replay endpoint and apply them. When the range
+        does not fully arrive and `must_fill`, the pod is marked for clearing first, then only the
+        contiguous tail ending at stop-1 applies (everything before the hole is unknown anyway)."""
+        endpoint = self._replay_endpoints.get(pod)
+        if endpoint is None:
+            if must_fill:
+                self._count(replay_failures=1)
+                st.dirty = True
+            return
+        self._count(replays=1)
+        got: dict[int, bytes] = {}
+        sock = st.replay_socket
+        if sock is None:
+            sock = st.replay_socket = self._ctx.socket(zmq.DEALER)
+            sock.connect(endpoint)
+        ok = False
+        try:
+            sock.send_multipart((b"", start.to_bytes(8, "big")))
+            deadline = time.monotonic() + self.replay_timeout_s
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
+                    break
+                frames = sock.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                _, seq_bytes, payload = frames
+                if seq_bytes == END_SEQ:
+                    ok = True
+                    break
+                seq = int.from_bytes(seq_bytes, "big")
+                if start <= seq < stop:
+                    got[seq] = payload
+        except zmq.ZMQError:
+            logger.exception("replay request to %s failed", endpoint)
+        if not ok:
+            # Late replies would answer the next request: start that one on a fresh socket.
+            sock.close(linger=0)
+            st.replay_socket = None
+        if not (ok and all(s in got for s in range(start, stop))):
+            self._count(replay_failures=1)
+            if must_fill:
+                st.dirty = True
+            hole = stop - 1
+            while hole in got:
+                hole -= 1
+            got = {s: p for s, p in got.items() if s > hole}
+        for s in sorted(got):
+            self._apply_payload(pod, st, s, got[s])
+
+    def _clear(self, pod: str, st: _PodState, reason: str) -> None:
+        self.index.clear_pod(pod)
+        st.keymap.clear()
+        st.dirty = False
+        self._count(clears=1)
+        logger.info("cleared pod %s from the index: %s", pod, reason)
+        if self.on_clear is not None:
+            self.on_clear(pod, reason)
+
+    def _apply_payload(self, pod: str, st: _PodState, seq: int, payload: bytes) -> None:
+        st.last_seq = seq
+        try:
+            if st.dirty:
+                self._clear(pod, st, "history lost: cleared, not trusted")
+            decoded = decode_batch(payload)
+            self.apply_batch(pod, st, decoded.batch)
+        except (KVEventDecodeError, ValueError, OverflowError) as e:
+            logger.warning("pod %s batch %d failed: %s", pod, seq, e)
+            st.dirty = True
+            self._count(failed=1)
+            return
+        except IndexUnavailableError as e:
+            # Part of the batch may be applied, so the pod's entries are no longer a faithful copy:
+            # cleared once the index is back.
+            logger.warning("pod %s batch %d not applied: %s", pod, seq, e)
+            st.dirty = True
+            self._count(failed=1)
+            return
+        except Exception:
+            st.dirty = True
+            self._count(failed=1)
+            raise
+        self._count(batches=1, events=len(decoded.batch.events), unknown_types=len(decoded.unknown_types))
+
+    def apply_batch(self, pod: str, st: _PodState, batch: KVEventBatch) -> None:
+        index, keymap = self.index, st.keymap
+        stored = removed = 0
+        unresolved_before = keymap.unresolved_blocks
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                keys = keymap.stored(ev)
+                index.add(pod, keys, tier_of(ev.medium))
+                stored += len(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                index.remove(pod, keymap.removed(ev.block_hashes), tier_of(ev.medium))
+                removed += len(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self._clear(pod, st, "AllBlocksCleared")
+            elif isinstance(ev, ChunkStored):
+                index.add_chunks(pod, list(zip(ev.chunk_hashes, ev.num_tokens, strict=True)))
+            elif isinstance(ev, ChunkRemoved):
+                index.remove_chunks(pod, ev.chunk_hashes)
+        self._count(
+            blocks_stored=stored,
+            blocks_removed=removed,
+            unresolved_blocks=keymap.unresolved_blocks - unresolved_before,
+        )

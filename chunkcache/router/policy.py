@@ -1,0 +1,86 @@
+"""Which backend gets a request.
+
+- `cache_aware` (default): the best cached share of the prompt (prefix + chunks) net of load;
+- `prefix_only`: the same without chunk scores (what a prefix-only router such as llm-d sees);
+- `least_loaded`, `round_robin`, `random`: cache-blind baselines.
+The cache policies fall back to least-loaded when the index knows nothing of the prompt or cannot
+be reached; the decision says so, for the metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from chunkcache.router.backends import Backend
+from chunkcache.router.scorer import PodScore
+
+POLICIES = ("cache_aware", "prefix_only", "least_loaded", "round_robin", "random")
+CACHE_POLICIES = ("cache_aware", "prefix_only")
+
+
+@dataclass(frozen=True)
+class Decision:
+    backend: Backend
+    policy: str  # the policy that actually chose (least_loaded on a fallback)
+    fallback: str | None = None  # why a cache policy fell back
+    value: float = 0.0  # cached share net of load, for cache policies
+
+
+class Picker:
+    def __init__(
+        self, policy: str = "cache_aware", load_weight: float = 0.5, seed: int | None = None
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
+        if load_weight < 0:
+            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        self.policy = policy
+        self.load_weight = load_weight
+        self._rng = random.Random(seed)
+        self._turn = itertools.count()
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.policy in CACHE_POLICIES
+
+    def _rotate(self, cands: Sequence[Backend]) -> list[Backend]:
+        # Starting ties at a rotating position spreads equal candidates instead of always
+        # favouring the first one listed.
+        k = next(self._turn) % len(cands)
+        return [*cands[k:], *cands[:k]]
+
+    def least_loaded(self, cands: Sequence[Backend]) -> Backend:
+        return min(self._rotate(cands), key=lambda b: b.in_flight)
+
+    def pick(
+        self,
+        cands: Sequence[Backend],
+        scores: Mapping[str, PodScore] | None = None,
+        num_tokens: int = 0,
+        index_error: bool = False,
+    ) -> Decision:
+        if not cands:
+            raise ValueError("no backend to pick from")
+        if self.policy == "round_robin":
+            return Decision(cands[next(self._turn) % len(cands)], self.policy)
+        if self.policy == "random":
+            return Decision(self._rng.choice(list(cands)), self.policy)
+        if self.policy == "least_loaded":
+            return Decision(self.least_loaded(cands), self.policy)
+        if index_error or scores is None:
+            return Decision(self.least_loaded(cands), "least_loaded", "index_unavailable")
+        use_chunks = self.policy == "cache_aware"
+        cached = {b.pod_id: s.total(use_chunks) for b in cands if (s := scores.get(b.pod_id)) is not None}
+        if not cached or max(cached.values()) <= 0:
+            return Decision(self.least_loaded(cands), "least_loaded", "no_index_knowledge")
+        max_load = max(b.in_flight for b in cands)
+        denom = max(num_tokens, 1)
+
+        def value(b: Backend) -> float:
+            return cached.get(b.pod_id, 0.0) / denom - self.load_weight * b.in_flight / (1 + max_load)
+
+        best = max(self._rotate(cands), key=value)
+        return Decision(best, self.policy, None, value(best))

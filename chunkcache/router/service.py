@@ -1,0 +1,272 @@
+"""The router's moving parts wired together: prompt -> keys -> scores -> backend -> proxied request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.concurrency import run_in_threadpool
+
+from chunkcache.router.backends import Backend, BackendPool, BackendSpec
+from chunkcache.router.events import EventIntake
+from chunkcache.router.index import IndexUnavailableError, KVIndex, open_index
+from chunkcache.router.metrics import RouterMetrics
+from chunkcache.router.policy import Decision, Picker
+from chunkcache.router.scorer import DEFAULT_TIER_WEIGHTS, PodScore, Scorer, ScorerConfig
+from chunkcache.router.tokens import BlockKeyer, PromptProcessor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    backends: tuple[BackendSpec, ...]
+    model_name: str
+    tokenizer: str | None = None  # a local HF tokenizer dir; None when a processor is injected
+    index: str = "memory"  # or redis://host:port/db
+    index_capacity: int = 10_000_000
+    pods_per_key: int = 10
+    policy: str = "cache_aware"
+    load_weight: float = 0.5
+    tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+    block_size: int = 16
+    chunk_separator: str = " # # "
+    chunk_hash_algorithm: str = "sha256"
+    enable_chunks: bool = True
+    lora_names: tuple[str, ...] = ()  # request `model` values that name LoRA adapters
+    events_bind: str | None = None  # one SUB socket that pods connect to
+    events_topic_filter: str = ""
+    event_workers: int = 4
+    replay_timeout_s: float = 1.0
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0
+    index_retry_s: float = 2.0  # after an index failure, skip the index this long
+    seed: int | None = None
+
+
+@dataclass
+class ScoreResult:
+    scores: dict[str, PodScore] | None  # None: the index could not be asked
+    num_tokens: int = 0
+    num_blocks: int = 0
+    num_chunks: int = 0
+    tokenize_s: float = 0.0
+    score_s: float = 0.0
+
+
+class NoBackendError(RuntimeError):
+    pass
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        processor: PromptProcessor | None = None,
+        index: KVIndex | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.config = config
+        keyer = BlockKeyer(config.block_size)
+        if processor is None:
+            if config.tokenizer is None:
+                raise ValueError("a router needs --tokenizer (a local tokenizer directory)")
+            processor = PromptProcessor.from_pretrained(
+                config.tokenizer,
+                config.model_name,
+                keyer=keyer,
+                separator=config.chunk_separator,
+                chunk_hash_algorithm=config.chunk_hash_algorithm,
+                enable_chunks=config.enable_chunks,
+            )
+        self.processor = processor
+        self.index = index or open_index(config.index, config.index_capacity, config.pods_per_key)
+        self.scorer = Scorer(self.index, ScorerConfig(config.tier_weights, block_size=config.block_size))
+        self.pool = BackendPool(config.backends)
+        self.picker = Picker(config.policy, config.load_weight, config.seed)
+        self.intake: EventIntake | None = None
+        if config.events_bind is not None or any(s.events for s in config.backends):
+            self.intake = EventIntake(
+                self.index,
+                self.processor.keyer,
+                num_workers=config.event_workers,
+                topic_filter=config.events_topic_filter,
+                bind_endpoint=config.events_bind,
+                replay_timeout_s=config.replay_timeout_s,
+            )
+        self.metrics = RouterMetrics(self.index, self.pool, lambda: self.intake)
+        self._transport = transport
+        self.client: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._index_down_until = 0.0
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.intake is not None:
+            for spec in self.config.backends:
+                self.intake.add_pod(spec.pod_id, spec.events, spec.replay)
+            self.intake.start()
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(transport=self._transport, limits=limits, timeout=None)
+        if self.config.health_interval_s > 0:
+            self._health_task = asyncio.create_task(
+                self.pool.health_loop(
+                    self.client, self.config.health_interval_s, self.config.health_timeout_s
+                )
+            )
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.client is not None:
+            await self.client.aclose()
+        if self.intake is not None:
+            await run_in_threadpool(self.intake.close)
+        self.index.close()
+
+    # --- scoring -----------------------------------------------------------------------------
+
+    def prompt_of(self, body: dict[str, Any], chat: bool) -> tuple[str | list[int], bool]:
+        """(prompt, rendered_chat) of a completions or chat body; ValueError when there is none."""
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ValueError("'messages' must be a non-empty list")
+            return self.processor.render_chat(messages, **(body.get("chat_template_kwargs") or {})), True
+        prompt = body.get("prompt")
+        # A batch of prompts is scored by its first one: they all go to one backend.
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt, False
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt, False
+        raise ValueError("'prompt' must be a string, a list of token ids, or a list of those")
+
+    def score_prompt(
+        self, prompt: str | Sequence[int], rendered_chat: bool = False, lora: str | None = None
+    ) -> ScoreResult:
+        """Tokenize and score a prompt against every backend (blocking: run it off the event loop)."""
+        t0 = time.perf_counter()
+        tokenized = self.processor.tokenize(prompt, rendered_chat)
+        t1 = time.perf_counter()
+        keys = self.processor.keys(tokenized, lora)
+        result = ScoreResult(None, keys.num_tokens, len(keys.block_keys), len(keys.chunk_keys), t1 - t0)
+        if time.monotonic() < self._index_down_until:
+            return result
+        try:
+            result.scores = self.scorer.score(keys.block_keys, keys.chunk_keys, list(self.pool.backends))
+        except IndexUnavailableError as e:
+            logger.warning(
+                "index unavailable, routing without it for %.1fs: %s", self.config.index_retry_s, e
+            )
+            self._index_down_until = time.monotonic() + self.config.index_retry_s
+            self.metrics.index_errors.inc()
+            return result
+        result.score_s = time.perf_counter() - t1
+        self.metrics.tokenization_latency.observe(result.tokenize_s)
+        self.metrics.scoring_latency.observe(result.score_s)
+        return result
+
+    def lora_of(self, body: dict[str, Any]) -> str | None:
+        model = body.get("model")
+        return model if isinstance(model, str) and model in self.config.lora_names else None
+
+    # --- routing and proxying ----------------------------------------------------------------
+
+    async def decide(
+        self, body: dict[str, Any], chat: bool, exclude: set[str]
+    ) -> tuple[Decision, ScoreResult | None]:
+        cands = [b for b in self.pool.candidates() if b.pod_id not in exclude]
+        if not cands:
+            raise NoBackendError("every backend refused the connection")
+        if not self.picker.needs_scores:
+            return self.picker.pick(cands), None
+        try:
+            prompt, rendered = self.prompt_of(body, chat)
+            result = await run_in_threadpool(self.score_prompt, prompt, rendered, self.lora_of(body))
+        except Exception as e:  # a prompt we cannot read still gets served, by the backend's rules
+            logger.debug("prompt not scored: %s", e)
+            return Decision(self.picker.least_loaded(cands), "least_loaded", "prompt_unparsed"), None
+        decision = self.picker.pick(
+            cands, result.scores, result.num_tokens, index_error=result.scores is None
+        )
+        return decision, result
+
+    def _record(self, decision: Decision, result: ScoreResult | None) -> None:
+        self.metrics.decisions.labels(decision.policy, decision.backend.pod_id).inc()
+        if decision.fallback is not None:
+            self.metrics.fallbacks.labels(decision.fallback).inc()
+        if result is not None and result.scores is not None:
+            s = result.scores.get(decision.backend.pod_id)
+            hit = 0.0 if s is None else s.total(self.picker.policy == "cache_aware")
+            self.metrics.record_lookup(result.num_tokens, min(hit, result.num_tokens))
+
+    async def forward(
+        self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str], chat: bool
+    ) -> Upstream:
+        """Send the request to the chosen backend (another one when it refuses the connection).
+        The response is open (streamed); the caller must `release()` it."""
+        assert self.client is not None, "Router.start() was not called"
+        tried: set[str] = set()
+        while True:
+            try:
+                decision, result = await self.decide(body, chat, tried)
+            except NoBackendError:
+                self.metrics.requests_failed.inc()
+                raise
+            backend = decision.backend
+            backend.in_flight += 1
+            try:
+                req = self.client.build_request(
+                    "POST",
+                    backend.url + path,
+                    content=raw,
+                    headers=headers,
+                    timeout=self.config.request_timeout_s,
+                )
+                resp = await self.client.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                # Nothing reached the backend, so trying another one cannot run the request twice.
+                backend.in_flight -= 1
+                tried.add(backend.pod_id)
+                self.pool.mark(backend, False, f"connection failed: {type(e).__name__}")
+                self.metrics.proxy_errors.labels(backend.pod_id).inc()
+                continue
+            except BaseException:
+                backend.in_flight -= 1
+                raise
+            self._record(decision, result)
+            return Upstream(resp, backend)
+
+
+@dataclass
+class Upstream:
+    """An open backend response; it holds one unit of the backend's load until released."""
+
+    resp: httpx.Response
+    backend: Backend
+    released: bool = False
+
+    async def relay(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.resp.aiter_raw():
+                yield chunk
+        finally:
+            await self.release()
+
+    async def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.backend.in_flight -= 1
+            await self.resp.aclose()

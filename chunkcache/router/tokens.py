@@ -1,0 +1,236 @@
+"""The router's token processor: its own block keys, the engine-hash -> key mapping, prompt parsing.
+
+Router keys are chained 64-bit blake2b digests over 16-token blocks, seeded by a fixed router
+constant. They depend on token content only, never on an engine's hash seed or algorithm: engine
+hashes from `BlockStored` events are translated through the event's `token_ids` (llm-d's design),
+so an engine started with another PYTHONHASHSEED, or a vLLM replica, still maps onto the same keys.
+blake2b rather than the engines' sha256-over-CBOR because the router hashes every block of every
+event and every request: it is ~10x cheaper here, and only routers (which all share this code)
+ever compare these keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.hashing import chunk_hash, to_wire
+from chunkcache.kv_events import BlockStored
+
+ROUTER_BLOCK_SIZE = 16
+_ROUTER_SEED = b"chunkcache-router-keys-v1"
+
+
+def _digest64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    arr = array("I", token_ids)  # raises OverflowError for ids outside [0, 2**32)
+    if sys.byteorder == "big":
+        arr.byteswap()  # keys must not depend on the router's machine: routers can share Redis
+    return arr.tobytes()
+
+
+class BlockKeyer:
+    """Chained router keys over full blocks of `block_size` tokens."""
+
+    def __init__(self, block_size: int = ROUTER_BLOCK_SIZE) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.block_size = block_size
+        self._root = _digest64(_ROUTER_SEED)
+        self._lora_roots: dict[str, int] = {}
+
+    def root(self, lora: str | None = None) -> int:
+        """Parent key of a sequence's first block; a LoRA adapter gets its own chain."""
+        if lora is None:
+            return self._root
+        root = self._lora_roots.get(lora)
+        if root is None:
+            root = self._lora_roots[lora] = _digest64(_ROUTER_SEED + b"\0lora\0" + lora.encode())
+        return root
+
+    def chain(self, parent: int, token_ids: Sequence[int]) -> list[int]:
+        """Keys of every full block of `token_ids`, continuing the chain from `parent`."""
+        data = _token_bytes(token_ids)
+        step = 4 * self.block_size
+        end = (len(token_ids) // self.block_size) * step
+        keys: list[int] = []
+        blake = hashlib.blake2b
+        for off in range(0, end, step):
+            parent = int.from_bytes(
+                blake(parent.to_bytes(8, "big") + data[off : off + step], digest_size=8).digest(), "big"
+            )
+            keys.append(parent)
+        return keys
+
+    def request_keys(self, token_ids: Sequence[int], lora: str | None = None) -> list[int]:
+        return self.chain(self.root(lora), token_ids)
+
+
+def _lora_of(event: BlockStored) -> str | None:
+    if event.lora_name is not None:
+        return event.lora_name
+    return None if event.lora_id is None else f"#lora-id-{event.lora_id}"
+
+
+class EngineKeyMap:
+    """One pod's mapping engine block hash -> router key(s), so that a child's parent resolves and a
+    `BlockRemoved` (which carries hashes only) finds the keys to drop.
+
+    The mapping is a pure function of content, so keeping an entry too long is never wrong; dropping
+    one too early is (the block's removal could not be mapped), hence entries leave only on removal,
+    with a refcount for blocks stored more than once (several tiers, several KV groups), plus a
+    generous capacity bound against an engine that never sends removals.
+    """
+
+    def __init__(self, keyer: BlockKeyer, capacity: int = 1 << 21) -> None:
+        self.keyer = keyer
+        self.capacity = capacity
+        # An int when an engine block is one router block (the common case: saves a tuple per block).
+        self._keys: dict[int, int | tuple[int, ...]] = {}
+        self._extra_refs: dict[int, int] = {}
+        self.unresolved_blocks = 0
+        self.forgotten_blocks = 0
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def stored(self, event: BlockStored) -> list[int]:
+        """Router keys of the event's blocks; [] when the parent is unknown (we joined late, or the
+        parent's mapping was lost): the chain cannot be rebuilt without the parent's key."""
+        kbs = self.keyer.block_size
+        n = len(event.block_hashes)
+        if event.block_size <= 0 or event.block_size % kbs:
+            raise ValueError(f"engine block_size {event.block_size} is not a multiple of the router's {kbs}")
+        if len(event.token_ids) != n * event.block_size:
+            raise ValueError(
+                f"BlockStored has {n} blocks of {event.block_size} but {len(event.token_ids)} token ids"
+            )
+        if event.parent_block_hash is None:
+            parent = self.keyer.root(_lora_of(event))
+        else:
+            known = self._keys.get(event.parent_block_hash)
+            if known is None:
+                self.unresolved_blocks += n
+                return []
+            parent = known if isinstance(known, int) else known[-1]
+        keys = self.keyer.chain(parent, event.token_ids)
+        ratio = event.block_size // kbs
+        table = self._keys
+        for i, h in enumerate(event.block_hashes):
+            if h in table:
+                self._extra_refs[h] = self._extra_refs.get(h, 0) + 1
+            else:
+                table[h] = keys[i] if ratio == 1 else tuple(keys[i * ratio : (i + 1) * ratio])
+        while len(table) > self.capacity:
+            oldest = next(iter(table))
+            del table[oldest]
+            self._extra_refs.pop(oldest, None)
+            self.forgotten_blocks += 1
+        return keys
+
+    def removed(self, block_hashes: Sequence[int]) -> list[int]:
+        """Router keys of removed blocks (unknown hashes are skipped)."""
+        out: list[int] = []
+        table = self._keys
+        for h in block_hashes:
+            known = table.get(h)
+            if known is None:
+                continue
+            refs = self._extra_refs.get(h)
+            if refs:
+                if refs == 1:
+                    del self._extra_refs[h]
+                else:
+                    self._extra_refs[h] = refs - 1
+            else:
+                del table[h]
+            if isinstance(known, int):
+                out.append(known)
+            else:
+                out.extend(known)
+        return out
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._extra_refs.clear()
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt as the router scores it. For a chunked prompt the prefix is the system part S (its
+    blocks live in an engine's prefix cache) and `chunks` are the chunk token ids (their KV lives in
+    the chunk pool, found in any order); otherwise the prefix is the whole prompt."""
+
+    prefix_token_ids: tuple[int, ...]
+    chunks: tuple[tuple[int, ...], ...] = ()
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    block_keys: list[int]
+    chunk_keys: list[int]
+    chunk_tokens: list[int]
+    num_tokens: int
+
+
+class PromptProcessor:
+    """Tokenizes prompts exactly as an engine does (DESIGN.md §2) and turns them into index keys."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_name: str,
+        keyer: BlockKeyer | None = None,
+        separator: str = " # # ",
+        chunk_hash_algorithm: str = "sha256",
+        enable_chunks: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.keyer = keyer or BlockKeyer()
+        self.separator = separator
+        self.chunk_hash_algorithm = chunk_hash_algorithm
+        self.enable_chunks = enable_chunks
+
+    @classmethod
+    def from_pretrained(cls, path: str, model_name: str, **kwargs: Any) -> PromptProcessor:
+        from transformers import AutoTokenizer  # heavy import, only where a tokenizer is loaded
+
+        return cls(AutoTokenizer.from_pretrained(path), model_name, **kwargs)
+
+    def render_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
+
+    def tokenize(self, prompt: str | Sequence[int], rendered_chat: bool = False) -> TokenizedPrompt:
+        if not isinstance(prompt, str):
+            ids = tuple(int(t) for t in prompt)
+            return TokenizedPrompt(ids, (), len(ids))
+        if self.enable_chunks:
+            chunked = parse_chunked_prompt(prompt, self.separator, self.tokenizer)
+            if chunked is not None:
+                return TokenizedPrompt(chunked.sys_token_ids, chunked.chunks, chunked.num_tokens)
+        # A rendered chat template usually carries its BOS already; adding another would shift every
+        # block and miss the engine's cache.
+        bos = getattr(self.tokenizer, "bos_token", None)
+        special = not (rendered_chat and bos and prompt.startswith(bos))
+        ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=special))
+        return TokenizedPrompt(ids, (), len(ids))
+
+    def keys(self, prompt: TokenizedPrompt, lora: str | None = None) -> PromptKeys:
+        block_keys = self.keyer.request_keys(prompt.prefix_token_ids, lora)
+        chunk_keys = [
+            to_wire(chunk_hash(self.model_name, prompt.prefix_token_ids, c, self.chunk_hash_algorithm))
+            for c in prompt.chunks
+        ]
+        return PromptKeys(block_keys, chunk_keys, [len(c) for c in prompt.chunks], prompt.num_tokens)
