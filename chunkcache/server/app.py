@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -137,16 +136,6 @@ def _format_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
     return "; ".join(messages) or "invalid request", (params[0] if params else None)
 
 
-@dataclass(frozen=True)
-class _ServerState:
-    engine: LLMEngine
-    loop: EngineLoop
-    metrics: ServerMetrics
-    model_names: tuple[str, ...]
-    api_key: str | None
-    created: int
-
-
 class _GuardMiddleware:
     """Counts responses by endpoint and status, and answers an unexpected exception with a plain
     500 in OpenAI's shape. Catching it here, rather than in Starlette's outermost error handler
@@ -226,8 +215,19 @@ class _TokenStrings:
         return text
 
 
+# JSON has no infinity (Starlette refuses to encode it): an impossible token's logprob is sent as
+# this floor instead, as vLLM does.
+_LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _LOGPROB_FLOOR)
+
+
 def _top(entries: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(entries.items(), key=lambda kv: kv[1], reverse=True)[:k]
+    """The k most likely entries, as (token id, finite logprob), most likely first."""
+    ranked = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)[:k]
+    return [(t, _finite(v)) for t, v in ranked]
 
 
 def _usage(output: RequestOutput) -> Usage:
@@ -259,14 +259,7 @@ def build_app(
         names = tuple(served_model_name) or (engine.model_name,)
     metrics = ServerMetrics()
     engine_loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
-    state = _ServerState(
-        engine=engine,
-        loop=engine_loop,
-        metrics=metrics,
-        model_names=names,
-        api_key=api_key,
-        created=int(time.time()),
-    )
+    started = int(time.time())
     token_str = _TokenStrings(engine.tokenizer)
 
     @asynccontextmanager
@@ -278,7 +271,6 @@ def build_app(
             await engine_loop.shutdown(drain_timeout)
 
     app = FastAPI(title="chunkcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.server = state
     app.state.engine_loop = engine_loop
     app.add_middleware(_GuardMiddleware, metrics=metrics)
     _install_error_handlers(app)
@@ -364,10 +356,11 @@ def build_app(
             lp = entries[i] if i < len(entries) else {}
             token = token_str(token_id)
             result.tokens.append(token)
-            result.token_logprobs.append(lp.get(token_id))
+            sampled = lp.get(token_id)
+            result.token_logprobs.append(None if sampled is None else _finite(sampled))
             top = {token_str(t): v for t, v in _top(lp, k)}
-            if token_id in lp:
-                top.setdefault(token, lp[token_id])
+            if sampled is not None:
+                top.setdefault(token, _finite(sampled))
             result.top_logprobs.append(top)
             result.text_offset.append(text_offset)
             text_offset += len(token)
@@ -383,7 +376,7 @@ def build_app(
             content.append(
                 ChatTokenLogprob(
                     token=token,
-                    logprob=lp.get(token_id, float("-inf")),
+                    logprob=_finite(lp.get(token_id, _LOGPROB_FLOOR)),
                     bytes=list(token.encode()),
                     top_logprobs=[
                         TopLogprob(token=token_str(t), logprob=v, bytes=list(token_str(t).encode()))
@@ -403,7 +396,7 @@ def build_app(
             data=[
                 ModelCard(
                     id=name,
-                    created=state.created,
+                    created=started,
                     root=engine.config.model,
                     max_model_len=engine.max_model_len,
                 )
