@@ -7,6 +7,8 @@ objects (`model.loader.ModelSpec`, `engine.kv_blocks.BlockManager`), never in a 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,3 +170,25 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
 def option_names() -> list[str]:
     """Every flat engine option, for CLI flags and error messages."""
     return [*_TOP_LEVEL, *_FLAT_TO_SECTION]
+
+
+def option_specs() -> dict[str, tuple[Any, Any]]:
+    """Flat option name -> (its type, Optional removed; its default)."""
+    specs: dict[str, tuple[Any, Any]] = {}
+    for name in option_names():
+        cls, field_name = (
+            (EngineConfig, name)
+            if name in _TOP_LEVEL
+            else (
+                _SECTIONS[_FLAT_TO_SECTION[name][0]],
+                _FLAT_TO_SECTION[name][1],
+            )
+        )
+        f = {f.name: f for f in dataclasses.fields(cls)}[field_name]
+        tp = typing.get_type_hints(cls)[field_name]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = args[0] if len(args) == 1 else tp
+        default = f.default if f.default is not dataclasses.MISSING else None
+        specs[name] = (tp, default)
+    return specs

@@ -1,0 +1,112 @@
+"""`chunkcache serve | route | generate`: one entry point, one sub-command per job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from chunkcache.engine_args import add_engine_arguments, engine_options
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from a prompt offline and print the result")
+    p.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
+    p.add_argument("--chat", action="store_true", help="render each prompt as a user message first")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_arguments(p)
+
+
+def default_model() -> str:
+    """The bundled demo model, or a tiny random checkpoint built on first use where none ships."""
+    try:
+        from chunkcache.demo import DEMO_MODEL_DIR
+
+        return str(DEMO_MODEL_DIR)
+    except ImportError:
+        from pathlib import Path
+
+        from chunkcache.tiny_checkpoint import build_checkpoint
+
+        return str(build_checkpoint(Path.home() / ".cache" / "chunkcache" / "tiny-llama"))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from chunkcache import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+    llm = LLM(args.model or default_model(), **engine_options(args))
+    for prompt in args.prompt:
+        start = time.perf_counter()
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": prompt}], params)[0]
+        else:
+            out = llm.generate([prompt], params)[0]
+        elapsed = time.perf_counter() - start
+        completion = out.outputs[0]
+        record = {
+            "prompt": prompt,
+            "text": completion.text,
+            "finish_reason": completion.finish_reason,
+            "prompt_tokens": len(out.prompt_token_ids),
+            "completion_tokens": len(completion.token_ids),
+            "cached_tokens": out.num_cached_tokens,
+            "chunk_cached_tokens": out.num_chunk_cached_tokens,
+            "ttft_s": round(out.metrics.ttft or 0.0, 4),
+            "total_s": round(elapsed, 4),
+        }
+        if args.json:
+            print(json.dumps(record))
+        else:
+            print(completion.text)
+            print(
+                f"[{record['prompt_tokens']} prompt tokens, {record['cached_tokens']} cached "
+                f"({record['chunk_cached_tokens']} from the chunk cache), {record['completion_tokens']} "
+                f"generated, TTFT {record['ttft_s'] * 1000:.1f} ms, {completion.finish_reason}]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chunkcache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+
+    from chunkcache.server.cli import add_serve_arguments, run_serve
+
+    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    from chunkcache.router.app import add_route_arguments, run_route
+
+    add_route_arguments(sub.add_parser("route", help="KV-cache-aware router in front of several servers"))
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return run_generate(args)
+    if args.command == "serve":
+        run_serve(args)
+        return 0
+    if args.command == "route":
+        return int(run_route(args) or 0)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh), install redis-server for the router's Redis tests, lint, run the tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "redis-server is not installed and we are not root: the Redis tests will be skipped" >&2
+  fi
+fi
+. .venv/bin/activate
+ruff check .
+ruff format --check .
+python -m pytest -q -p no:cacheprovider "$@"
