@@ -303,7 +303,7 @@ class KVEventPublisher:
             return
         self._queue.put(encode_batch(KVEventBatch(time.time(), list(events), self._rank)))
 
-    def close(self, timeout: float = 2.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, stop the thread and release the sockets."""
         if self._closed:
             return

@@ -161,17 +161,27 @@ def ctx() -> zmq.Context:
     return zmq.Context.instance()
 
 
-def _subscribed(ctx: zmq.Context, pub: KVEventPublisher) -> zmq.Socket:
+def _subscribed(ctx: zmq.Context, pub: KVEventPublisher) -> tuple[zmq.Socket, int]:
+    """A SUB socket that is known to receive (PUB drops messages until a subscription reaches it,
+    ZMQ's slow joiner), and the next seq the publisher will use."""
     sub = ctx.socket(zmq.SUB)
     sub.connect(pub.endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    time.sleep(0.2)  # PUB drops messages until the subscription reaches it (slow joiner)
-    return sub
+    deadline = time.monotonic() + 10
+    while True:
+        pub.publish([ChunkRemoved([0])])  # a probe
+        if sub.poll(100):
+            seq = int.from_bytes(sub.recv_multipart()[1], "big")
+            break
+        assert time.monotonic() < deadline, "subscription never reached the publisher"
+    while sub.poll(200):  # probes still in flight
+        seq = int.from_bytes(sub.recv_multipart()[1], "big")
+    return sub, seq + 1
 
 
 def test_publisher_frames_seq_and_empty_batches(ctx: zmq.Context) -> None:
     pub = KVEventPublisher("tcp://127.0.0.1:0", topic="kv@pod-a@tiny")
-    sub = _subscribed(ctx, pub)
+    sub, first = _subscribed(ctx, pub)
     try:
         assert pub.endpoint.startswith("tcp://127.0.0.1:") and not pub.endpoint.endswith(":0")
         pub.publish([])  # nothing to say: nothing sent, no seq used
@@ -179,7 +189,7 @@ def test_publisher_frames_seq_and_empty_batches(ctx: zmq.Context) -> None:
         pub.publish([BlockRemoved([1])])
         frames = [_recv(sub), _recv(sub)]
         assert [f[0] for f in frames] == [b"kv@pod-a@tiny"] * 2
-        assert [int.from_bytes(f[1], "big") for f in frames] == [0, 1]
+        assert [int.from_bytes(f[1], "big") for f in frames] == [first, first + 1]
         assert all(len(f[1]) == 8 for f in frames)
         assert decode_batch(frames[1][2]).batch.events == [BlockRemoved([1], "GPU")]
         assert not sub.poll(100)
@@ -229,7 +239,15 @@ def test_close_releases_the_port_and_rejects_publishing(ctx: zmq.Context) -> Non
     pub.close()
     with pytest.raises(RuntimeError):
         pub.publish([AllBlocksCleared()])
-    again = KVEventPublisher(endpoint, replay_endpoint=replay, bind=True)
+    # libzmq tears listeners down on its I/O thread, so the port frees shortly after close().
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            again = KVEventPublisher(endpoint, replay_endpoint=replay, bind=True)
+            break
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline, "the ports were never released"
+            time.sleep(0.05)
     assert again.endpoint == endpoint
     again.close()
 
@@ -241,9 +259,11 @@ def test_publisher_can_connect_to_a_bound_subscriber(ctx: zmq.Context) -> None:
     endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
     pub = KVEventPublisher(endpoint, topic="kv@p1@m")  # a concrete host:port connects
     try:
-        time.sleep(0.2)
-        pub.publish([AllBlocksCleared()])
-        assert _recv(sub)[0] == b"kv@p1@m"
+        deadline = time.monotonic() + 10
+        while not sub.poll(100):
+            assert time.monotonic() < deadline, "nothing arrived"
+            pub.publish([AllBlocksCleared()])
+        assert sub.recv_multipart()[0] == b"kv@p1@m"
     finally:
         pub.close()
         sub.close(linger=0)

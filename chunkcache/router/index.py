@@ -12,7 +12,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-Tiers = frozenset[str]
+# The tiers a pod holds a key in: tier names, sorted, joined by "+" ("GPU", "CPU+GPU").
+Tiers = str
 
 
 class IndexUnavailableError(RuntimeError):
@@ -45,8 +46,9 @@ class KVIndex(ABC):
     """The contract every index backend keeps.
 
     - A block entry is (router key, pod, tier): key = 64-bit router block key (`tokens.BlockKeyer`),
-      pod = backend id, tier = upper-case medium name ("GPU", "CPU", ...). A pod may hold a key in
-      several tiers at once (offloading); each tier is added and removed on its own.
+      pod = backend id, tier = upper-case medium name ("GPU", "CPU", ...; no "+"). A pod may hold
+      a key in several tiers at once (offloading); each tier is added and removed on its own, and
+      lookups report them as one `Tiers` string ("CPU+GPU").
     - A chunk entry is (chunk key, pod) -> num_tokens; chunk keys are the engines' wire chunk hashes.
     - `add`/`remove` are idempotent; removing an absent entry is a no-op.
     - `lookup(keys)` returns one `{pod: tiers}` per key, for the longest prefix of `keys` in which
@@ -99,31 +101,45 @@ class KVIndex(ABC):
         """Release connections."""
 
 
-class _TierSets:
-    """Interned frozensets, so that millions of entries share a handful of tier-set objects."""
+class _TierNames:
+    """Canonical tier-set strings ("GPU", "CPU+GPU"), interned and with cached set operations.
+
+    A string rather than a frozenset because CPython's GC does not track a dict whose values are
+    all atomic: the memory index's millions of inner dicts then cost the collector nothing, where
+    frozenset values would make every one of them tracked (long full-collection pauses).
+    """
 
     def __init__(self) -> None:
-        self._single: dict[str, Tiers] = {}
-        self._plus: dict[tuple[Tiers, str], Tiers] = {}
-        self._minus: dict[tuple[Tiers, str], Tiers] = {}
+        self._members: dict[str, frozenset[str]] = {}
+        self._plus: dict[tuple[str, str], str] = {}
+        self._minus: dict[tuple[str, str], str] = {}
+
+    def members(self, tiers: Tiers) -> frozenset[str]:
+        m = self._members.get(tiers)
+        if m is None:
+            m = self._members[tiers] = frozenset(tiers.split("+"))
+        return m
 
     def single(self, tier: str) -> Tiers:
-        s = self._single.get(tier)
-        if s is None:
-            s = self._single[tier] = frozenset((tier,))
-        return s
+        if "+" in tier or not tier:
+            raise ValueError(f"tier name {tier!r} must be non-empty and without '+'")
+        return tier
+
+    def has(self, tiers: Tiers, tier: str) -> bool:
+        return tiers == tier or tier in self.members(tiers)
 
     def plus(self, tiers: Tiers, tier: str) -> Tiers:
-        s = self._plus.get((tiers, tier))
-        if s is None:
-            s = self._plus[(tiers, tier)] = tiers | {tier}
-        return s
+        out = self._plus.get((tiers, tier))
+        if out is None:
+            out = self._plus[(tiers, tier)] = "+".join(sorted(self.members(tiers) | {tier}))
+        return out
 
     def minus(self, tiers: Tiers, tier: str) -> Tiers:
-        s = self._minus.get((tiers, tier))
-        if s is None:
-            s = self._minus[(tiers, tier)] = tiers - {tier}
-        return s
+        """The remaining tiers; "" when none is left."""
+        out = self._minus.get((tiers, tier))
+        if out is None:
+            out = self._minus[(tiers, tier)] = "+".join(sorted(self.members(tiers) - {tier}))
+        return out
 
 
 class MemoryIndex(KVIndex):
@@ -143,7 +159,7 @@ class MemoryIndex(KVIndex):
         self._lock = threading.Lock()
         self._blocks: OrderedDict[int, dict[str, Tiers]] = OrderedDict()
         self._chunks: OrderedDict[int, dict[str, int]] = OrderedDict()
-        self._tiers = _TierSets()
+        self._tiers = _TierNames()
         self._stats = IndexStats()
 
     def add(self, pod: str, keys: Sequence[int], tier: str) -> None:
@@ -166,7 +182,7 @@ class MemoryIndex(KVIndex):
                     if len(inner) > cap:
                         del inner[next(iter(inner))]
                         st.evictions += 1
-                elif tier in cur:
+                elif self._tiers.has(cur, tier):
                     inner[pod] = cur
                 else:
                     inner[pod] = self._tiers.plus(cur, tier)
@@ -181,11 +197,12 @@ class MemoryIndex(KVIndex):
             for k in keys:
                 inner = blocks.get(k)
                 cur = None if inner is None else inner.get(pod)
-                if cur is None or tier not in cur:
+                if cur is None or not self._tiers.has(cur, tier):
                     continue
                 self._stats.removals += 1
-                if len(cur) > 1:
-                    inner[pod] = self._tiers.minus(cur, tier)  # type: ignore[index]
+                rest = "" if cur == tier else self._tiers.minus(cur, tier)
+                if rest:
+                    inner[pod] = rest  # type: ignore[index]
                     continue
                 del inner[pod]  # type: ignore[union-attr]
                 if not inner:
@@ -251,7 +268,7 @@ class MemoryIndex(KVIndex):
                         if is_chunk:
                             self._stats.chunk_removals += 1
                         else:
-                            self._stats.removals += len(removed)  # type: ignore[arg-type]
+                            self._stats.removals += len(self._tiers.members(removed))  # type: ignore[arg-type]
                         if not inner:
                             del table[k]
 
@@ -278,7 +295,11 @@ class MemoryIndex(KVIndex):
                 if len(inner) > self.pods_per_key:
                     raise IndexIntegrityError(f"block key {k:#x} has {len(inner)} pods > {self.pods_per_key}")
                 for pod, tiers in inner.items():
-                    if not isinstance(tiers, frozenset) or not tiers:
+                    if (
+                        not isinstance(tiers, str)
+                        or not tiers
+                        or tiers != self._tiers.plus(tiers, tiers.split("+")[0])
+                    ):
                         raise IndexIntegrityError(f"block key {k:#x} pod {pod!r} has tiers {tiers!r}")
             if len(self._chunks) > self.chunk_capacity:
                 raise IndexIntegrityError(f"{len(self._chunks)} chunks exceed capacity {self.chunk_capacity}")

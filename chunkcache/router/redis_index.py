@@ -26,7 +26,7 @@ from chunkcache.router.index import (
     IndexUnavailableError,
     KVIndex,
     Tiers,
-    _TierSets,
+    _TierNames,
 )
 
 P = ParamSpec("P")
@@ -100,7 +100,7 @@ class RedisIndex(KVIndex):
         self.prefix = prefix
         self._add_script = self._r.register_script(_ADD)
         self._lookup_script = self._r.register_script(_LOOKUP)
-        self._tiers = _TierSets()
+        self._tiers = _TierNames()
         self._stats = IndexStats()
         self._stats_lock = threading.Lock()
         self._clock = f"{prefix}clock"

@@ -57,7 +57,7 @@ class Scorer:
         w = self._set_weight.get(tiers)
         if w is None:
             w = self._set_weight[tiers] = max(
-                self._weights.get(t, self.config.unknown_tier_weight) for t in tiers
+                self._weights.get(t, self.config.unknown_tier_weight) for t in tiers.split("+")
             )
         return w
 
