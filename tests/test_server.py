@@ -24,10 +24,11 @@ from server_util import ServerThread, free_port
 
 from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
+from chunkcache.engine_args import engine_options
 from chunkcache.llm import LLM
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.app import build_app
-from chunkcache.server.cli import add_serve_arguments, engine_options
+from chunkcache.server.cli import add_serve_arguments
 
 API_KEY = "test-key"
 MODEL = "tiny-served"
