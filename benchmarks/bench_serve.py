@@ -11,7 +11,7 @@ Reported per mode: TTFT, TPOT (time per output token after the first), ITL (gaps
 chunks) as mean / p50 / p99, request and output-token throughput, and the prompt tokens served from
 cache. The last line is grep-able:
 
-    SUMMARY bench_serve: ttft_mean_ratio(off/on)=... ...
+    SUMMARY bench_serve: ttft_mean_ratio_off_on=...x ttft_p50_ratio_off_on=...x ...
 
 Usage:
     python benchmarks/bench_serve.py                      # builds a small random checkpoint
@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {model}\nworkload: {args.num_requests} requests, concurrency {args.concurrency}, "
         f"{args.num_docs} docs x ~{args.doc_tokens} tokens, {args.docs_per_prompt} per prompt "
-        f"(~{mean_len:.0f} prompt tokens), {args.max_tokens} output tokens; server args {server_extra}"
+        f"(~{mean_len:.0f} prompt tokens), {args.max_tokens} output tokens; server args {server_extra}\n"
+        f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
 
     figures: dict[str, dict[str, float]] = {}
@@ -369,18 +370,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"server log tail:\n{server.log_tail()}")
             return 1
 
-    parts = [f"concurrency={args.concurrency}", f"requests={args.num_requests}"]
+    # key=value pairs, ratios first: the comparison is what survives a noisy machine.
+    parts: list[str] = []
     if "on" in figures and "off" in figures:
         on, off = figures["on"], figures["off"]
-        parts.insert(0, f"ttft_mean_ratio(off/on)={off['ttft_mean'] / on['ttft_mean']:.2f}x")
-        parts.insert(1, f"ttft_p50_ratio(off/on)={off['ttft_p50'] / on['ttft_p50']:.2f}x")
-        parts.append(f"throughput_ratio(on/off)={on['out_tok_per_s'] / off['out_tok_per_s']:.2f}x")
+        parts.append(f"ttft_mean_ratio_off_on={off['ttft_mean'] / on['ttft_mean']:.2f}x")
+        parts.append(f"ttft_p50_ratio_off_on={off['ttft_p50'] / on['ttft_p50']:.2f}x")
+        parts.append(f"throughput_ratio_on_off={on['out_tok_per_s'] / off['out_tok_per_s']:.2f}x")
     for mode, f in figures.items():
-        parts.append(
-            f"{mode}: ttft_mean={f['ttft_mean'] * 1e3:.1f}ms tpot_mean={f['tpot_mean'] * 1e3:.1f}ms "
-            f"out_tok/s={f['out_tok_per_s']:.1f} cached={f['cached_share']:.1%}"
-        )
-    print("SUMMARY bench_serve: " + " | ".join(parts))
+        parts.append(f"ttft_mean_{mode}={f['ttft_mean'] * 1e3:.1f}ms")
+        parts.append(f"tpot_mean_{mode}={f['tpot_mean'] * 1e3:.1f}ms")
+        parts.append(f"out_tok_s_{mode}={f['out_tok_per_s']:.1f}")
+        parts.append(f"cached_{mode}={f['cached_share']:.1%}")
+    parts += [f"concurrency={args.concurrency}", f"requests={args.num_requests}"]
+    print("SUMMARY bench_serve: " + " ".join(parts))
     return 0
 
 
