@@ -14,7 +14,8 @@ from typing import Any
 
 from chunkcache import envs
 
-CHUNK_LAYOUTS = ("isolated",)
+CHUNK_LAYOUTS = ("isolated", "offset")
+BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold")
 HASH_ALGORITHMS = ("sha256", "sha512", "blake2b", "sha3_256")
 
 
@@ -59,18 +60,31 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ChunkConfig:
-    """Chunked prompts `S SEP C1 SEP ... SEP Cn SEP Q` (DESIGN.md §2)."""
+    """Chunked prompts `S SEP C1 SEP ... SEP Cn SEP Q` (DESIGN.md §2-3)."""
 
     enable: bool = True
     separator: str = " # # "
     cache_size_gb: float = 2.0
     lru_threshold: float = 0.9
     hash_algorithm: str = "sha256"
+    # "isolated": chunks share one position range, Q sees them as computed (exact, no recompute).
+    # "offset": chunks at their natural positions (cached K re-rotated), then blend.
     layout: str = "isolated"
     # More chunks than this in one prompt is rejected: each chunk is a pool entry and a job.
     max_chunks: int = 256
+    # Blend (layout "offset"): at check layer j keep the share ratios[j] of all chunk tokens
+    # with the largest deviation, chosen among the tokens kept so far.
+    blend_check_layers: tuple[int, ...] = (1,)
+    blend_recompute_ratios: tuple[float, ...] = (0.15,)
+    blend_selector: str = "k_deviation"
+    # Selector "threshold": keep tokens whose |K_fresh - K_cached|^2 / |K_cached|^2 exceeds it.
+    blend_threshold: float = 0.1
+    # EPIC: the first k tokens of every chunk are always recomputed (combinable with a selector).
+    blend_boundary_tokens: int = 0
+    # Requests with fewer chunk tokens than this get a plain prefill instead of a blend.
+    blend_min_tokens: int = 0
 
-    def validate(self) -> None:
+    def validate(self, num_layers: int | None = None) -> None:
         if not self.separator:
             raise ValueError("chunk_separator must not be empty")
         if self.cache_size_gb < 0:
@@ -85,6 +99,53 @@ class ChunkConfig:
             raise ValueError(f"chunk_layout {self.layout!r} is not one of {CHUNK_LAYOUTS}")
         if self.max_chunks <= 0:
             raise ValueError(f"max_chunks must be > 0, got {self.max_chunks}")
+        self._validate_blend(num_layers)
+
+    def _validate_blend(self, num_layers: int | None) -> None:
+        layers, ratios = tuple(self.blend_check_layers), tuple(self.blend_recompute_ratios)
+        if not layers:
+            raise ValueError("blend_check_layers must name at least one layer")
+        if any(not isinstance(x, int) or x < 0 for x in layers) or list(layers) != sorted(set(layers)):
+            raise ValueError(
+                f"blend_check_layers must be increasing non-negative integers, got {list(layers)}"
+            )
+        if num_layers is not None and self.layout == "offset" and layers[-1] >= num_layers:
+            raise ValueError(
+                f"blend_check_layers {list(layers)} out of range: the model has {num_layers} layers"
+            )
+        if len(ratios) != len(layers):
+            raise ValueError(
+                f"blend_recompute_ratios {list(ratios)} must give one ratio per check layer {list(layers)}"
+            )
+        if any(not 0.0 <= r <= 1.0 for r in ratios):
+            raise ValueError(f"blend_recompute_ratios must be in [0, 1], got {list(ratios)}")
+        if list(ratios) != sorted(ratios, reverse=True):
+            raise ValueError(
+                f"blend_recompute_ratios must not increase (gradual filtering), got {list(ratios)}"
+            )
+        if self.blend_selector not in BLEND_SELECTORS:
+            raise ValueError(f"blend_selector {self.blend_selector!r} is not one of {BLEND_SELECTORS}")
+        if self.blend_threshold < 0:
+            raise ValueError(f"blend_threshold must be >= 0, got {self.blend_threshold}")
+        if self.blend_boundary_tokens < 0:
+            raise ValueError(f"blend_boundary_tokens must be >= 0, got {self.blend_boundary_tokens}")
+        if self.blend_min_tokens < 0:
+            raise ValueError(f"blend_min_tokens must be >= 0, got {self.blend_min_tokens}")
+
+    def with_request_options(self, options: dict[str, Any], num_layers: int) -> ChunkConfig:
+        """This config with a request's own chunk options (flat names), validated for the model."""
+        fields: dict[str, Any] = {}
+        for name, value in options.items():
+            if name not in REQUEST_CHUNK_OPTIONS:
+                raise ValueError(
+                    f"unknown per-request chunk option {name!r}; known: {sorted(REQUEST_CHUNK_OPTIONS)}"
+                )
+            if name in ("blend_check_layers", "blend_recompute_ratios") and isinstance(value, list):
+                value = tuple(value)
+            fields[REQUEST_CHUNK_OPTIONS[name]] = value
+        merged = dataclasses.replace(self, **fields)
+        merged.validate(num_layers)
+        return merged
 
 
 @dataclass(frozen=True)
@@ -125,7 +186,9 @@ class EngineConfig:
         The environment (envs.py) fills options not given explicitly; an unknown option is an error.
         """
         merged: dict[str, Any] = envs.env_options() if use_env else {}
-        merged.update({k: v for k, v in options.items() if v is not None})
+        merged.update(
+            {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
+        )
         top: dict[str, Any] = {}
         parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         for name, value in merged.items():
@@ -160,10 +223,18 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "chunk_cache_hash_algorithm": ("chunk", "hash_algorithm"),
     "chunk_layout": ("chunk", "layout"),
     "max_chunks": ("chunk", "max_chunks"),
+    **{f.name: ("chunk", f.name) for f in dataclasses.fields(ChunkConfig) if f.name.startswith("blend_")},
     "kv_events_endpoint": ("kv_events", "endpoint"),
     "kv_events_topic": ("kv_events", "topic"),
     "kv_events_replay_endpoint": ("kv_events", "replay_endpoint"),
     "kv_events_buffer_steps": ("kv_events", "buffer_steps"),
+}
+
+
+# Chunk options a single request may set (the server's extension fields), flat name -> field.
+REQUEST_CHUNK_OPTIONS: dict[str, str] = {
+    "chunk_layout": "layout",
+    **{f.name: f.name for f in dataclasses.fields(ChunkConfig) if f.name.startswith("blend_")},
 }
 
 

@@ -30,8 +30,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         add_special_tokens: bool = True,
+        chunk_options: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in input order. A prompt is a string or a list of token ids."""
+        """Outputs in input order. A prompt is a string or a list of token ids.
+
+        `chunk_options` sets this call's chunk layout and blend options (see ChunkConfig).
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -50,7 +54,9 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, p, add_special_tokens=add_special_tokens)
+                self.engine.add_request(
+                    request_id, prompt, p, add_special_tokens=add_special_tokens, chunk_options=chunk_options
+                )
                 order[request_id] = i
         except Exception:
             for request_id in order:

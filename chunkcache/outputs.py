@@ -43,6 +43,10 @@ class RequestOutput:
     num_prefix_cached_tokens: int = 0
     num_chunk_cached_tokens: int = 0
     num_computed_tokens: int = 0
+    # Layout "offset": chunk tokens whose cached KV was kept, and tokens run through every layer.
+    num_blend_reused_tokens: int = 0
+    num_blend_recomputed_tokens: int = 0
+    blend_fallback: bool = False  # blend failed and the prompt was prefilled plainly
     # Tokens generated since the previous RequestOutput of this request (for streaming).
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""

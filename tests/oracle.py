@@ -202,3 +202,57 @@ def hf_greedy_with_mask(
         mask = grown
         pos = torch.cat([pos, torch.tensor([next_pos + step])])
     return generated
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@torch.inference_mode()
+def hf_layer_kv(path: str | Path, token_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V) [Hk, T, D] of a plain causal run at positions 0..T-1 (K after RoPE)."""
+    model = hf_model(path)
+    out = model(input_ids=_ids(token_ids), use_cache=True)
+    cache = out.past_key_values
+    return [(cache.layers[i].keys[0], cache.layers[i].values[0]) for i in range(len(cache.layers))]
+
+
+def hf_rerotate(path: str | Path, k: torch.Tensor, delta: int) -> torch.Tensor:
+    """K [Hk, T, D] moved by `delta` positions with transformers' own rotary inverse frequencies."""
+    model = hf_model(path)
+    inv_freq = model.model.rotary_emb.inv_freq.float()
+    freqs = torch.full((k.shape[1], 1), float(delta)) * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return k * emb.cos() + _rotate_half(k) * emb.sin()
+
+
+@torch.inference_mode()
+def hf_offset_reuse_logprobs(
+    path: str | Path, sys_ids: Sequence[int], chunks: Sequence[Sequence[int]], q_ids: Sequence[int]
+) -> torch.Tensor:
+    """First-token log-probs of layout "offset" with pure reuse, computed by transformers.
+
+    Each chunk's KV is what transformers computes for S + Ci (the chunk at [s, s + len)); its K is
+    re-rotated to the chunk's natural offset; Q runs over the assembled cache at natural positions.
+    """
+    from transformers import DynamicCache
+
+    model = hf_model(path)
+    s = len(sys_ids)
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
+        [(k[:, :s], v[:, :s]) for k, v in hf_layer_kv(path, sys_ids)]
+    ]
+    offset = s
+    for chunk in chunks:
+        layers = hf_layer_kv(path, list(sys_ids) + list(chunk))
+        parts.append([(hf_rerotate(path, k[:, s:], offset - s), v[:, s:]) for k, v in layers])
+        offset += len(chunk)
+    cache = DynamicCache(config=model.config)
+    for layer in range(len(parts[0])):
+        k = torch.cat([p[layer][0] for p in parts], dim=1)[None]
+        v = torch.cat([p[layer][1] for p in parts], dim=1)[None]
+        cache.update(k, v, layer)
+    positions = torch.arange(offset, offset + len(q_ids)).view(1, -1)
+    out = model(input_ids=_ids(q_ids), position_ids=positions, past_key_values=cache, use_cache=True)
+    return torch.log_softmax(out.logits[0, -1].float(), dim=-1)

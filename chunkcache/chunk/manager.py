@@ -42,6 +42,9 @@ class RequestChunks:
     prompt: ChunkedPrompt
     entries: list[Entry] = field(default_factory=list)
     assembled: bool = False
+    # Layout "offset": where the cached KV of S and the chunks is, and how far to re-rotate it.
+    cached_slots: torch.Tensor | None = None
+    cached_delta: torch.Tensor | None = None
 
 
 @dataclass
@@ -125,7 +128,10 @@ class ChunkManager:
                 self.pool.stats.misses += 1
                 self.pool.stats.miss_tokens += len(chunk)
             state.entries.append(entry)
-        seq.position_base = prompt.question_position()
+        if seq.chunk_config.layout == "offset":
+            seq.blend = seq.chunk_config  # own tokens: the whole prompt, at natural positions
+        else:
+            seq.position_base = prompt.question_position()
         return jobs
 
     def _acquire(
@@ -182,9 +188,24 @@ class ChunkManager:
             if not all(e.ready for e in state.entries):
                 return False
             if not state.assembled:
-                seq.borrowed_slots = torch.cat([self._slots(e) for e in state.entries])
+                slots = torch.cat([self._slots(e) for e in state.entries])
+                if seq.chunk_config.layout == "offset":
+                    state.cached_slots = slots
+                    state.cached_delta = self._offset_deltas(state.prompt)
+                else:
+                    seq.borrowed_slots = slots
                 state.assembled = True
         return True
+
+    def _offset_deltas(self, prompt: ChunkedPrompt) -> torch.Tensor:
+        """Per cached token: its natural position minus the position its KV was computed at."""
+        s = len(prompt.sys_token_ids)
+        deltas = [torch.zeros(s, dtype=torch.long)]
+        offset = s
+        for chunk in prompt.chunks:
+            deltas.append(torch.full((len(chunk),), offset - s, dtype=torch.long))
+            offset += len(chunk)
+        return torch.cat(deltas).to(self.device)
 
     def _slots(self, entry: Entry) -> torch.Tensor:
         return block_slots(entry.pages, self.pool.page_size, entry.num_tokens, self.device)

@@ -35,7 +35,8 @@ class Detokenizer:
                 text = text[:i]
                 seq.finish_reason, seq.stop_reason = "stop", s
         seq.text = text
-        if seq.finish_reason is None and ((
-            p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens
-        ) or seq.last_position() + 1 >= self.max_model_len):
+        if seq.finish_reason is None and (
+            (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+            or seq.last_position() + 1 >= self.max_model_len
+        ):
             seq.finish_reason = "length"

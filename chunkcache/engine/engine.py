@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from chunkcache.chunk.manager import ChunkManager
-from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
 from chunkcache.chunk.pool import ChunkPool
-from chunkcache.config import EngineConfig
+from chunkcache.config import ChunkConfig, EngineConfig
 from chunkcache.engine.detokenizer import Detokenizer
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
@@ -47,6 +47,7 @@ class LLMEngine:
         self.device = loaded.device
         self.model_name = config.served_model_name or loaded.path.name
         self.max_model_len = self._max_model_len(config)
+        config.chunk.validate(self.spec.num_layers)
         cache = config.cache
         bs = cache.block_size
         dtype_size = torch.tensor([], dtype=loaded.dtype).element_size()
@@ -104,8 +105,13 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         add_special_tokens: bool = True,
+        chunk_options: dict[str, Any] | None = None,
     ) -> None:
-        """Validate and queue a request; raises InvalidRequestError naming what is wrong."""
+        """Validate and queue a request; raises InvalidRequestError naming what is wrong.
+
+        `chunk_options` overrides the engine's chunk layout and blend options for this request
+        (flat names: chunk_layout, blend_recompute_ratios, ...).
+        """
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         try:
@@ -114,50 +120,75 @@ class LLMEngine:
             raise InvalidRequestError(str(e)) from None
         if params.logprobs is not None and params.logprobs > self.spec.vocab_size:
             raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary size")
-        seq = self._make_sequence(request_id, prompt, params, add_special_tokens)
+        chunk_config = self._chunk_config(chunk_options)
+        seq = self._make_sequence(request_id, prompt, params, add_special_tokens, chunk_config)
         with self._lock:
             if request_id in self._ids_in_use:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._ids_in_use.add(request_id)
             self._inbox.append(seq)
 
-    def _make_sequence(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool
-    ) -> Sequence:
-        chunked = None
-        text: str | None = None
+    def _chunk_config(self, options: dict[str, Any] | None) -> ChunkConfig:
+        if not options:
+            return self.config.chunk
+        if self.chunks is None:
+            raise InvalidRequestError(
+                f"chunk options {sorted(options)} given, but the chunk cache is disabled"
+            )
+        try:
+            return self.config.chunk.with_request_options(options, self.spec.num_layers)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(str(e)) from None
+
+    def _tokenize(
+        self, prompt: str | list[int], add_special_tokens: bool, chunk_config: ChunkConfig
+    ) -> tuple[list[int], ChunkedPrompt | None]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            text = prompt
             if self.chunks is not None:
                 chunked = parse_chunked_prompt(
-                    prompt, self.config.chunk.separator, self.tokenizer, add_special_tokens
+                    prompt, chunk_config.separator, self.tokenizer, add_special_tokens
                 )
-            if chunked is None:
-                token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-            else:
-                token_ids = chunked.all_token_ids()
-        elif isinstance(prompt, list | tuple):
-            token_ids = list(prompt)
-            bad = next(
-                (t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.spec.vocab_size), None
-            )
+                if chunked is not None:
+                    return chunked.all_token_ids(), chunked
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), None
+        if isinstance(prompt, list | tuple):
+            vocab = self.spec.vocab_size
+            bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
-                raise InvalidRequestError(
-                    f"token id {bad!r} is outside the vocabulary [0, {self.spec.vocab_size})"
-                )
-        else:
-            raise InvalidRequestError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
+                raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+            return list(prompt), None
+        raise InvalidRequestError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
+
+    def _make_sequence(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        add_special_tokens: bool,
+        chunk_config: ChunkConfig,
+    ) -> Sequence:
+        token_ids, chunked = self._tokenize(prompt, add_special_tokens, chunk_config)
         if not token_ids:
             raise InvalidRequestError("prompt is empty (no tokens)")
+        offset = chunk_config.layout == "offset"
+        if (
+            chunked is not None
+            and offset
+            and chunked.num_tokens - len(chunked.question_token_ids) - len(chunked.sys_token_ids)
+            < chunk_config.blend_min_tokens
+        ):
+            chunked = None  # too little to reuse: a plain prefill is as fast
         if chunked is not None:
+            assert self.chunks is not None
             self.chunks.validate(chunked, self.max_model_len)
-            prompt_len = chunked.question_position() + len(chunked.question_token_ids)
-        else:
-            prompt_len = len(token_ids)
+        isolated = chunked is not None and not offset
+        prompt_len = (
+            chunked.question_position() + len(chunked.question_token_ids) if isolated else len(token_ids)
+        )
         if prompt_len > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt is {prompt_len} tokens long, more than max_model_len {self.max_model_len}"
@@ -167,19 +198,27 @@ class LLMEngine:
                 f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len {self.max_model_len}"
             )
-        own = list(chunked.question_token_ids) if chunked is not None else token_ids
+        # Isolated: the request computes only Q (and its output); the rest is borrowed.
+        own = list(chunked.question_token_ids) if isolated else token_ids
         if self.blocks.blocks_for(len(own) + 1) > self.blocks.num_blocks:
             raise PromptTooLongError(
-                f"prompt needs {self.blocks.blocks_for(len(own) + 1)} KV blocks, the cache has {self.blocks.num_blocks}"
+                f"prompt needs {self.blocks.blocks_for(len(own) + 1)} KV blocks, "
+                f"the cache has {self.blocks.num_blocks}"
             )
         seq = Sequence(
-            request_id=request_id, prompt_token_ids=token_ids, token_ids=list(own), params=params, prompt=text
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            token_ids=list(own),
+            params=params,
+            prompt=prompt if isinstance(prompt, str) else None,
         )
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
-        else:
-            seq.generator = self._generator
-        seq.chunk_state = chunked
+        seq.generator = (
+            torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
+        )
+        if chunked is not None:
+            seq.chunk_state = chunked
+            seq.chunk_config = chunk_config
+            seq.prefix_cacheable = False
         return seq
 
     def abort_request(self, request_id: str) -> None:
@@ -227,7 +266,7 @@ class LLMEngine:
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int]) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed += n
-            if seq.borrowed_slots is None and not seq.is_fill:
+            if seq.prefix_cacheable and not seq.is_fill:
                 self.blocks.register_full_blocks(
                     seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed
                 )
@@ -303,6 +342,9 @@ class LLMEngine:
             num_prefix_cached_tokens=seq.num_prefix_cached,
             num_chunk_cached_tokens=seq.num_chunk_cached,
             num_computed_tokens=len(seq.prompt_token_ids) - cached,
+            num_blend_reused_tokens=seq.blend_reused_tokens,
+            num_blend_recomputed_tokens=seq.blend_recomputed_tokens,
+            blend_fallback=seq.blend_fallback,
             new_token_ids=new_tokens,
             new_text=new_text,
         )
@@ -343,7 +385,15 @@ class LLMEngine:
         return ok
 
     def chunk_cache_stats(self) -> dict[str, Any] | None:
-        return None if self.chunks is None else self.chunks.stats()
+        if self.chunks is None:
+            return None
+        r = self.runner
+        return {
+            **self.chunks.stats(),
+            "blend_reused_tokens": r.blend_reused_tokens,
+            "blend_recomputed_tokens": r.blend_recomputed_tokens,
+            "blend_fallbacks": r.blend_fallbacks,
+        }
 
     def stats(self) -> dict[str, Any]:
         return {

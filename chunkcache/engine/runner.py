@@ -6,11 +6,17 @@ pool's pages, so that a sequence can read pool entries in place (no copy on a ch
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from chunkcache.chunk.blend import BlendInput, blend_prefill
 from chunkcache.engine.scheduler import ScheduledBatch
+from chunkcache.engine.sequence import Sequence
 from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 from chunkcache.model.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 
 def block_slots(
@@ -29,6 +35,10 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.block_size = block_size
+        self.blend_fallbacks = 0
+        self.blend_failure_causes: set[str] = set()
+        self.blend_reused_tokens = 0
+        self.blend_recomputed_tokens = 0
         shape = (num_slots, self.spec.num_kv_heads, self.spec.head_dim)
         # torch.empty: pages untouched by any sequence cost no memory on CPU.
         self.kv_caches = [
@@ -82,12 +92,64 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Logits [num sampling sequences, vocab] and the batch rows they belong to."""
-        input_ids, positions, meta, sample_index = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        rows = [r for r, i in enumerate(sample_index) if i >= 0]
+        hidden: dict[int, torch.Tensor] = {}
+        regular = ScheduledBatch()
+        regular_rows: list[int] = []
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if seq.blend is not None and seq.num_computed == 0:
+                h = self._blend(seq)
+                if h is not None:
+                    hidden[row] = h
+                    continue
+            regular.seqs.append(seq)
+            regular.num_new_tokens.append(n)
+            regular_rows.append(row)
+        if regular.seqs:
+            input_ids, positions, meta, sample_index = self.prepare(regular)
+            out = self.model(input_ids, positions, self.kv_caches, meta)
+            for row, i in zip(regular_rows, sample_index, strict=True):
+                if i >= 0:
+                    hidden[row] = out[i : i + 1]
+        rows = sorted(hidden)
         if not rows:
             return torch.empty(0, self.spec.vocab_size), rows
-        logits = self.model.compute_logits(
-            hidden[torch.tensor([sample_index[r] for r in rows], device=self.device)]
-        )
-        return logits.cpu(), rows
+        return self.model.compute_logits(torch.cat([hidden[r] for r in rows])).cpu(), rows
+
+    def _blend(self, seq: Sequence) -> torch.Tensor | None:
+        """The blend prefill of a layout-"offset" request; None after a failure, which leaves the
+        request to an ordinary prefill of every token (its blocks are simply overwritten)."""
+        state = seq.chunk_state
+        prompt = state.prompt
+        s = len(prompt.sys_token_ids)
+        spans, start = [], s
+        for chunk in prompt.chunks:
+            spans.append((start, len(chunk)))
+            start += len(chunk)
+        try:
+            result = blend_prefill(
+                self.model,
+                self.kv_caches,
+                BlendInput(
+                    token_ids=torch.tensor(seq.token_ids, device=self.device),
+                    cached_slots=state.cached_slots,
+                    cached_delta=state.cached_delta,
+                    num_sys=s,
+                    chunk_spans=spans,
+                    own_slots=block_slots(seq.block_table, self.block_size, seq.num_tokens, self.device),
+                ),
+                seq.blend,
+            )
+        except Exception as e:  # any failure: plain prefill, never a crash or a wrong KV
+            cause = f"{type(e).__name__}: {e}"
+            if cause not in self.blend_failure_causes:
+                self.blend_failure_causes.add(cause)
+                logger.warning("blend failed (%s); falling back to a plain prefill", cause, exc_info=True)
+            self.blend_fallbacks += 1
+            seq.blend = None
+            seq.blend_fallback = True
+            return None
+        seq.blend_reused_tokens = result.reused_tokens
+        seq.blend_recomputed_tokens = result.recomputed_tokens
+        self.blend_reused_tokens += result.reused_tokens
+        self.blend_recomputed_tokens += result.recomputed_tokens
+        return result.hidden

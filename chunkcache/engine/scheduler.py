@@ -63,7 +63,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._num_new_tokens(seq, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -111,6 +111,12 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return batch
 
+    @staticmethod
+    def _num_new_tokens(seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed
+        # A blend prefill cannot be split; it computes a small share of its tokens anyway.
+        return remaining if seq.blend is not None and seq.num_computed == 0 else min(remaining, budget)
+
     def _match_prefix(self, seq: Sequence) -> None:
         # At least one prompt token is always computed: it yields the first token's logits.
         max_blocks = (seq.num_own_prompt_tokens - 1) // self.blocks.block_size
@@ -141,6 +147,7 @@ class Scheduler:
         seq.num_computed = 0
         if seq.borrowed_slots is None:
             seq.num_prefix_cached = 0
+        seq.blend = None
         self.add(seq, front=True)
         batch.preempted.append(seq)
         self.num_preemptions += 1

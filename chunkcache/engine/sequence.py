@@ -52,6 +52,16 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
     # Chunk-cache bookkeeping owned by the chunk manager (entries pinned, jobs awaited).
     chunk_state: Any = None
+    # The chunk options of a chunked request (the engine's, or the request's own).
+    chunk_config: Any = None
+    # Layout "offset": the prompt is prefilled by blend, in one piece. Cleared on preemption,
+    # after which the request is recomputed by a plain prefill.
+    blend: Any = None
+    blend_reused_tokens: int = 0
+    blend_recomputed_tokens: int = 0
+    blend_fallback: bool = False
+    # Blocks whose KV is not plain causal attention over the tokens must never be found by hash.
+    prefix_cacheable: bool = True
 
     def __post_init__(self) -> None:
         if not self.num_own_prompt_tokens:

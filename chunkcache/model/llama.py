@@ -43,13 +43,10 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hk, D] of hidden states x at `positions`, RoPE applied."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -58,8 +55,18 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        return q, k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.project(x, positions)
         o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):

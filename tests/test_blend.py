@@ -1,0 +1,245 @@
+"""Layout "offset" and blend (DESIGN.md §3) against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import (
+    chunk_isolated_mask,
+    hf_first_token_logprobs,
+    hf_greedy,
+    hf_greedy_with_mask,
+    hf_layer_kv,
+    hf_offset_reuse_logprobs,
+)
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.engine.runner import block_slots
+from chunkcache.errors import InvalidRequestError
+
+SEP = " # # "
+SYSTEM = "You answer questions about the documents."
+DOCS = [
+    "Alice lives in Paris and drinks tea every morning.",
+    "The red box holds 42 coins",
+    "Bob was born in 1990 in Rome, the capital of Italy, and he works as a baker.",
+    "Carol keeps three cats and a dog named Rex in her small flat by the sea.",
+    "Zorvak is a city of 4120 people.",
+]
+QUESTIONS = ["Where does Alice live?", "How many coins are in the box?", "What is the dog called?"]
+FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+FULL = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [1.0]}
+REUSE = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [0.0]}
+
+
+def _prompt(doc_ids: list[int], question: str = QUESTIONS[0]) -> str:
+    return SYSTEM + SEP + SEP.join(DOCS[i] for i in doc_ids) + SEP + question
+
+
+def _parts(llm: LLM, doc_ids: list[int], question: str = QUESTIONS[0]):
+    tok = llm.tokenizer
+    sys_ids = tok.encode(SYSTEM, add_special_tokens=True)
+    chunks = [tok.encode(DOCS[i], add_special_tokens=False) for i in doc_ids]
+    return sys_ids, chunks, tok.encode(question, add_special_tokens=False)
+
+
+def _llm(path, **options) -> LLM:
+    options.setdefault("kv_cache_tokens", 2048)
+    options.setdefault("chunk_cache_size_gb", 0.001)
+    return LLM(str(path), device="cpu", **options)
+
+
+def _assert_logprobs_close(out, ref: torch.Tensor, tol: float = 1e-4) -> None:
+    for token, lp in out.outputs[0].logprobs[0].items():
+        assert abs(ref[token].item() - lp) < tol, (token, ref[token].item(), lp)
+
+
+@pytest.mark.parametrize("rope", ["default", "linear", "llama3", "yarn"])
+def test_rerotation_is_exact(checkpoint, rope: str) -> None:
+    path = checkpoint(arch="llama", rope=rope)
+    llm = _llm(path)
+    llm.generate(_prompt([0, 2]), FIRST)  # fills the pool with the isolated entries
+    engine = llm.engine
+    sys_ids, chunks, _ = _parts(llm, [0, 2])
+    s = len(sys_ids)
+    entry = next(
+        e for e in engine.chunks.pool._entries.values() if e.token_ids == (tuple(sys_ids), tuple(chunks[1]))
+    )
+    slots = block_slots(entry.pages, 16, entry.num_tokens, engine.device)
+    cached_k = engine.runner.kv_caches[0][0][slots]  # computed at [s, s + len)
+    delta = len(chunks[0])  # natural offset of the second chunk minus s
+    moved = engine.runner.model.rotary.rerotate(cached_k, torch.full((slots.numel(),), delta))
+    natural = hf_layer_kv(path, sys_ids + chunks[0] + chunks[1])[0][0]  # [Hk, T, D]
+    expected = natural[:, s + delta : s + delta + len(chunks[1])].transpose(0, 1)
+    torch.testing.assert_close(moved, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_ratio_one_at_layer_zero_is_a_full_prefill(checkpoint, arch: str) -> None:
+    path = checkpoint(arch=arch, num_hidden_layers=3)
+    llm = _llm(path)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    for doc_ids in ([0, 1, 2], [3, 0]):
+        llm.generate(_prompt(doc_ids), FIRST)  # warm: every chunk now comes from the pool
+        out = llm.generate(_prompt(doc_ids), greedy, chunk_options=FULL)[0]
+        assert out.num_chunk_cached_tokens > 0
+        ids = out.prompt_token_ids
+        _assert_logprobs_close(out, hf_first_token_logprobs(path, ids))
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, 16)
+        assert out.num_blend_reused_tokens == 0
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_ratio_zero_is_offset_reuse(checkpoint, arch: str) -> None:
+    path = checkpoint(arch=arch, num_hidden_layers=3)
+    llm = _llm(path)
+    for doc_ids, question in (([0, 1, 2], QUESTIONS[0]), ([4, 3], QUESTIONS[2])):
+        out = llm.generate(_prompt(doc_ids, question), FIRST, chunk_options=REUSE)[0]
+        sys_ids, chunks, q_ids = _parts(llm, doc_ids, question)
+        _assert_logprobs_close(out, hf_offset_reuse_logprobs(path, sys_ids, chunks, q_ids))
+        assert out.num_blend_recomputed_tokens == len(q_ids)
+    llm.check_integrity()
+
+
+def test_kl_shrinks_as_the_ratio_grows(checkpoint) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=4)
+    llm = _llm(path)
+    vocab = llm.engine.spec.vocab_size
+    every = SamplingParams(temperature=0, max_tokens=1, logprobs=vocab)
+    prompts = [(d, q) for d in ([0, 1, 2], [2, 3, 4], [4, 0, 3, 1]) for q in QUESTIONS]
+    kl: dict[float, float] = {}
+    for ratio in (1.0, 0.5, 0.0):
+        opts = {"chunk_layout": "offset", "blend_check_layers": [1], "blend_recompute_ratios": [ratio]}
+        total = 0.0
+        for doc_ids, question in prompts:
+            out = llm.generate(_prompt(doc_ids, question), every, chunk_options=opts)[0]
+            ref = hf_first_token_logprobs(path, out.prompt_token_ids)
+            mine = torch.full((vocab,), float("-inf"))
+            for token, lp in out.outputs[0].logprobs[0].items():
+                mine[token] = lp
+            total += float((ref.exp() * (ref - mine)).sum())
+        kl[ratio] = total / len(prompts)
+    assert kl[1.0] < 1e-6
+    assert kl[1.0] < kl[0.5] < kl[0.0], kl
+
+
+def test_selectors_and_boundary_tokens(checkpoint) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    prompt = _prompt([0, 1, 2])
+    sys_ids, chunks, q_ids = _parts(llm, [0, 1, 2])
+    n_chunk = sum(map(len, chunks))
+    epic = llm.generate(prompt, FIRST, chunk_options={**REUSE, "blend_boundary_tokens": 2})[0]
+    assert epic.num_blend_recomputed_tokens == 2 * len(chunks) + len(q_ids)
+    v_dev = llm.generate(
+        prompt,
+        FIRST,
+        chunk_options={
+            "chunk_layout": "offset",
+            "blend_selector": "v_deviation",
+            "blend_recompute_ratios": [0.3],
+        },
+    )[0]
+    assert v_dev.num_blend_reused_tokens == n_chunk - -(-3 * n_chunk // 10)
+    # Threshold 0 keeps every token that deviates at all: all but the first chunk's, whose cached KV
+    # (S then the chunk) is exactly what full attention computes.
+    everything = llm.generate(
+        prompt,
+        FIRST,
+        chunk_options={"chunk_layout": "offset", "blend_selector": "threshold", "blend_threshold": 0.0},
+    )[0]
+    assert everything.num_blend_reused_tokens <= len(chunks[0])
+    _assert_logprobs_close(everything, hf_first_token_logprobs(path, everything.prompt_token_ids))
+    # Gradual filtering over two check layers.
+    two = llm.generate(
+        prompt,
+        FIRST,
+        chunk_options={
+            "chunk_layout": "offset",
+            "blend_check_layers": [0, 2],
+            "blend_recompute_ratios": [0.5, 0.2],
+        },
+    )[0]
+    assert two.num_blend_reused_tokens == n_chunk - -(-2 * n_chunk // 10)
+    llm.check_integrity()
+
+
+def test_blend_never_pollutes_the_pool(checkpoint) -> None:
+    path = checkpoint(arch="qwen3", num_hidden_layers=3)
+    llm = _llm(path)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(
+        _prompt([0, 1]), greedy, chunk_options={"chunk_layout": "offset", "blend_recompute_ratios": [0.5]}
+    )
+    out = llm.generate(_prompt([1, 0]), greedy)[0]
+    assert out.num_chunk_cached_tokens > 0
+    sys_ids, chunks, q_ids = _parts(llm, [1, 0])
+    mask, positions = chunk_isolated_mask(len(sys_ids), [len(c) for c in chunks], len(q_ids))
+    assert out.outputs[0].token_ids == hf_greedy_with_mask(path, out.prompt_token_ids, mask, positions, 8)
+    # Nor the prefix cache: a plain request over the same tokens computes everything.
+    plain = llm.generate([out.prompt_token_ids], greedy)[0]
+    assert plain.num_cached_tokens <= len(sys_ids)
+    assert plain.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 8)
+
+
+def test_blend_failure_falls_back_to_plain_prefill(checkpoint, monkeypatch) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    import chunkcache.engine.runner as runner_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected blend failure")
+
+    monkeypatch.setattr(runner_module, "blend_prefill", broken)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate([_prompt([0, 1]), _prompt([2, 1])], greedy, chunk_options={"chunk_layout": "offset"})
+    for out in outs:
+        assert out.blend_fallback
+        _assert_logprobs_close(out, hf_first_token_logprobs(path, out.prompt_token_ids))
+        assert out.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 12)
+    assert llm.chunk_cache_stats()["blend_fallbacks"] == 2
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.check_integrity()
+
+
+def test_min_tokens_gives_plain_prefill(checkpoint) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    out = llm.generate(
+        _prompt([0, 1]), FIRST, chunk_options={"chunk_layout": "offset", "blend_min_tokens": 10_000}
+    )[0]
+    assert out.num_chunk_cached_tokens == 0 and out.num_blend_recomputed_tokens == 0
+    _assert_logprobs_close(out, hf_first_token_logprobs(path, out.prompt_token_ids))
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"chunk_layout": "offset", "blend_check_layers": [7]}, "out of range"),
+        ({"blend_recompute_ratios": [1.5]}, "[0, 1]"),
+        ({"blend_check_layers": [0, 1], "blend_recompute_ratios": [0.1, 0.5]}, "must not increase"),
+        ({"blend_check_layers": [0, 1]}, "one ratio per check layer"),
+        ({"blend_selector": "random"}, "blend_selector 'random'"),
+        ({"chunk_layout": "diagonal"}, "chunk_layout 'diagonal'"),
+        ({"blend_boundary_tokens": -1}, "blend_boundary_tokens"),
+        ({"max_chunks": 3}, "unknown per-request chunk option 'max_chunks'"),
+    ],
+)
+def test_bad_blend_options_are_rejected(checkpoint, options: dict, needle: str) -> None:
+    llm = _llm(checkpoint(arch="llama", num_hidden_layers=3))
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(_prompt([0, 1]), FIRST, chunk_options=options)
+    assert needle in str(info.value)
+    assert not llm.engine.has_unfinished_requests()
+    llm.check_integrity()
+
+
+def test_engine_level_offset_layout(checkpoint) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path, chunk_layout="offset", blend_check_layers=[0], blend_recompute_ratios=[1.0])
+    out = llm.generate(_prompt([2, 0]), FIRST)[0]
+    _assert_logprobs_close(out, hf_first_token_logprobs(path, out.prompt_token_ids))
+    with pytest.raises(ValueError, match="out of range"):
+        _llm(path, chunk_layout="offset", blend_check_layers=[5])
