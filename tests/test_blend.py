@@ -128,7 +128,7 @@ def test_selectors_and_boundary_tokens(checkpoint) -> None:
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path)
     prompt = _prompt([0, 1, 2])
-    sys_ids, chunks, q_ids = _parts(llm, [0, 1, 2])
+    _, chunks, q_ids = _parts(llm, [0, 1, 2])
     n_chunk = sum(map(len, chunks))
     epic = llm.generate(prompt, FIRST, chunk_options={**REUSE, "blend_boundary_tokens": 2})[0]
     assert epic.num_blend_recomputed_tokens == 2 * len(chunks) + len(q_ids)
