@@ -146,6 +146,9 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 def _hashes(raw: Any, what: str) -> list[int]:
     if not isinstance(raw, list | tuple):
         raise KVEventDecodeError(f"{what} must be an array, got {type(raw).__name__}")
+    # Fast path (the router decodes every block of every event): all unsigned ints already.
+    if raw and set(map(type, raw)) == {int} and min(raw) >= 0:
+        return raw if isinstance(raw, list) else list(raw)
     return [hash_to_int(h) for h in raw]
 
 
@@ -161,7 +164,7 @@ def _build(tag: str, f: dict[str, Any]) -> KVEvent:
         return BlockStored(
             block_hashes=_hashes(f["block_hashes"], "block_hashes"),
             parent_block_hash=None if parent is None else hash_to_int(parent),
-            token_ids=list(token_ids),
+            token_ids=token_ids if isinstance(token_ids, list) else list(token_ids),
             block_size=int(f["block_size"]),
             lora_id=f.get("lora_id"),
             medium=f.get("medium"),

@@ -136,7 +136,8 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: the index size is a Redis round trip when the index is in Redis.
+        return Response(await run_in_threadpool(router.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -197,7 +197,7 @@ class EventIntake:
 
     def submit(self, pod: str, seq: int, payload: bytes) -> None:
         """Queue one batch for its pod's worker (the receiver's path; also usable directly)."""
-        w = self._workers[fnv1a_64(pod.encode()) % len(self._workers)]
+        w = self.worker_for(pod)
         with self._stats_lock:
             w.pending += 1
         w.queue.put(_Msg(pod, seq, payload))
@@ -275,6 +275,7 @@ class EventIntake:
                 st.replay_socket.close(linger=0)
 
     def worker_for(self, pod: str) -> _Worker:
+        """The one worker that applies this pod's batches (FNV-1a of the pod id)."""
         return self._workers[fnv1a_64(pod.encode()) % len(self._workers)]
 
     def process(self, w: _Worker, pod: str, seq: int, payload: bytes) -> None:

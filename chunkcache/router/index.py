@@ -165,31 +165,33 @@ class MemoryIndex(KVIndex):
     def add(self, pod: str, keys: Sequence[int], tier: str) -> None:
         single = self._tiers.single(tier)
         cap = self.pods_per_key
-        st = self._stats
+        admitted = evicted = 0
         with self._lock:
             blocks = self._blocks
             for k in keys:
                 inner = blocks.get(k)
                 if inner is None:
                     blocks[k] = {pod: single}
-                    st.admissions += 1
+                    admitted += 1
                     continue
                 blocks.move_to_end(k)
                 cur = inner.pop(pod, None)
                 if cur is None:
                     inner[pod] = single
-                    st.admissions += 1
+                    admitted += 1
                     if len(inner) > cap:
                         del inner[next(iter(inner))]
-                        st.evictions += 1
+                        evicted += 1
                 elif self._tiers.has(cur, tier):
                     inner[pod] = cur
                 else:
                     inner[pod] = self._tiers.plus(cur, tier)
-                    st.admissions += 1
+                    admitted += 1
             while len(blocks) > self.capacity:
                 _, dropped = blocks.popitem(last=False)
-                st.evictions += len(dropped)
+                evicted += len(dropped)
+            self._stats.admissions += admitted
+            self._stats.evictions += evicted
 
     def remove(self, pod: str, keys: Sequence[int], tier: str) -> None:
         with self._lock:

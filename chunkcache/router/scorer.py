@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from chunkcache.router.index import KVIndex, Tiers
 
@@ -46,20 +47,25 @@ def parse_tier_weights(spec: str) -> dict[str, float]:
     return out
 
 
+class _WeightTable(dict[Tiers, float]):
+    """Tiers string -> weight (the best of its tiers), filled on first sight; a dict subclass so
+    that `__getitem__` can be mapped over rows at C speed."""
+
+    def __init__(self, weights: Mapping[str, float], unknown: float) -> None:
+        super().__init__()
+        self.weights = {k.upper(): v for k, v in weights.items()}
+        self.unknown = unknown
+
+    def __missing__(self, tiers: Tiers) -> float:
+        w = self[tiers] = max(self.weights.get(t, self.unknown) for t in tiers.split("+"))
+        return w
+
+
 class Scorer:
     def __init__(self, index: KVIndex, config: ScorerConfig | None = None) -> None:
         self.index = index
         self.config = config or ScorerConfig()
-        self._weights = {k.upper(): v for k, v in self.config.tier_weights.items()}
-        self._set_weight: dict[Tiers, float] = {}
-
-    def _weight(self, tiers: Tiers) -> float:
-        w = self._set_weight.get(tiers)
-        if w is None:
-            w = self._set_weight[tiers] = max(
-                self._weights.get(t, self.config.unknown_tier_weight) for t in tiers.split("+")
-            )
-        return w
+        self._weight = _WeightTable(self.config.tier_weights, self.config.unknown_tier_weight)
 
     def score(
         self,
@@ -73,27 +79,14 @@ class Scorer:
         scores: dict[str, PodScore] = {p: PodScore() for p in pods} if pods is not None else {}
         restrict = pods is not None
         rows = self.index.lookup(block_keys)
-        weight = self._weight
         if rows:
-            # Pods still on a consecutive run; a pod leaves at its first missing block.
-            active = {p for p in rows[0] if not restrict or p in scores}
-            weighted = dict.fromkeys(active, 0.0)
-            depth = dict.fromkeys(active, 0)
-            for row in rows:
-                if not active:
-                    break
-                for p in list(active):
-                    tiers = row.get(p)
-                    if tiers is None:
-                        active.discard(p)
-                    else:
-                        weighted[p] += weight(tiers)
-                        depth[p] += 1
             bs = self.config.block_size
-            for p, n in depth.items():
+            weight = self._weight.__getitem__
+            for p, depth in self._depths(rows, scores if restrict else None).items():
                 s = scores.setdefault(p, PodScore())
-                s.prefix_blocks = n
-                s.prefix_tokens = weighted[p] * bs
+                s.prefix_blocks = depth
+                # C-level map over the pod's run: this loop is most of a long prompt's scoring.
+                s.prefix_tokens = sum(map(weight, map(itemgetter(p), rows[:depth]))) * bs
         if use_chunks and chunk_keys:
             for row in self.index.lookup_chunks(chunk_keys):
                 for p, n in row.items():
@@ -101,3 +94,19 @@ class Scorer:
                         continue
                     scores.setdefault(p, PodScore()).chunk_tokens += n
         return scores
+
+    @staticmethod
+    def _depths(rows: Sequence[Mapping[str, Tiers]], only: Mapping[str, object] | None) -> dict[str, int]:
+        """Each pod's consecutive run from the first row: the index of its first missing row."""
+        active = {p for p in rows[0] if only is None or p in only}
+        depth: dict[str, int] = {}
+        for i, row in enumerate(rows):
+            if row.keys() >= active:  # the usual case: every pod still running holds this block
+                continue
+            gone = active.difference(row)
+            depth.update(dict.fromkeys(gone, i))
+            active -= gone
+            if not active:
+                break
+        depth.update(dict.fromkeys(active, len(rows)))
+        return depth

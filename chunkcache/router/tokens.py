@@ -12,6 +12,7 @@ ever compare these keys.
 from __future__ import annotations
 
 import hashlib
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -61,14 +62,15 @@ class BlockKeyer:
         data = _token_bytes(token_ids)
         step = 4 * self.block_size
         end = (len(token_ids) // self.block_size) * step
-        keys: list[int] = []
         blake = hashlib.blake2b
+        prev = parent.to_bytes(8, "big")
+        digests: list[bytes] = []
+        append = digests.append
         for off in range(0, end, step):
-            parent = int.from_bytes(
-                blake(parent.to_bytes(8, "big") + data[off : off + step], digest_size=8).digest(), "big"
-            )
-            keys.append(parent)
-        return keys
+            prev = blake(prev + data[off : off + step], digest_size=8).digest()
+            append(prev)
+        # One C-level conversion of all digests to ints instead of one call per block.
+        return list(struct.unpack(f">{len(digests)}Q", b"".join(digests)))
 
     def request_keys(self, token_ids: Sequence[int], lora: str | None = None) -> list[int]:
         return self.chain(self.root(lora), token_ids)
@@ -124,11 +126,15 @@ class EngineKeyMap:
         keys = self.keyer.chain(parent, event.token_ids)
         ratio = event.block_size // kbs
         table = self._keys
-        for i, h in enumerate(event.block_hashes):
-            if h in table:
-                self._extra_refs[h] = self._extra_refs.get(h, 0) + 1
-            else:
-                table[h] = keys[i] if ratio == 1 else tuple(keys[i * ratio : (i + 1) * ratio])
+        # Blocks stored again (another tier, another KV group) gain a ref; rewriting their entry
+        # is harmless since it maps the same content to the same keys.
+        for h in table.keys() & event.block_hashes:
+            self._extra_refs[h] = self._extra_refs.get(h, 0) + 1
+        if ratio == 1:
+            table.update(zip(event.block_hashes, keys, strict=True))
+        else:
+            groups = (tuple(keys[i : i + ratio]) for i in range(0, len(keys), ratio))
+            table.update(zip(event.block_hashes, groups, strict=True))
         while len(table) > self.capacity:
             oldest = next(iter(table))
             del table[oldest]
