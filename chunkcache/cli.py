@@ -26,6 +26,49 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     add_engine_arguments(p)
 
 
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="quality of chunk reuse modes against a full prefill")
+    p.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
+    p.add_argument("--prompts", required=True, help="JSONL: {'prompt': 'S # # C1 # # ... # # Q'} per line")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        help="modes to run (default: all): full isolated offset blend@R... boundary-K",
+    )
+    p.add_argument(
+        "--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3], help="blend recompute ratios"
+    )
+    p.add_argument("--check-layer", type=int, default=1, help="the blend check layer")
+    p.add_argument("--boundary-tokens", type=int, default=4, help="k of the boundary-k (EPIC) mode")
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy continuation length for exact match")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this file")
+    add_engine_arguments(p)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from chunkcache import LLM
+    from chunkcache.evaluate import default_modes, evaluate, format_table, load_prompts, results_json
+
+    options = {"enable_prefix_caching": False, **engine_options(args)}
+    llm = LLM(args.model or default_model(), **options)
+    modes = default_modes(args.ratios, args.boundary_tokens, args.check_layer)
+    if args.modes:
+        known = {m.name for m in modes}
+        unknown = [m for m in args.modes if m not in known]
+        if unknown:
+            raise SystemExit(f"unknown modes {unknown}; available: {sorted(known)}")
+        # The reference is always computed first: every other mode is measured against it.
+        modes = [m for m in modes if m.name == "full" or m.name in args.modes]
+    prompts = load_prompts(args.prompts, llm.engine.config.chunk.separator)
+    results = evaluate(llm, prompts, modes, args.max_tokens)
+    print(format_table(results, args.max_tokens))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results_json(results), f, indent=2)
+    return 0
+
+
 def default_model() -> str:
     """The bundled demo model, or a tiny random checkpoint built on first use where none ships."""
     try:
@@ -89,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="chunkcache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_eval(sub)
 
     from chunkcache.server.cli import add_serve_arguments, run_serve
 
@@ -99,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "eval":
+        return run_eval(args)
     if args.command == "serve":
         run_serve(args)
         return 0

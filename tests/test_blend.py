@@ -243,3 +243,32 @@ def test_engine_level_offset_layout(checkpoint) -> None:
     _assert_logprobs_close(out, hf_first_token_logprobs(path, out.prompt_token_ids))
     with pytest.raises(ValueError, match="out of range"):
         _llm(path, chunk_layout="offset", blend_check_layers=[5])
+
+
+def test_eval_cli_runs_every_mode(checkpoint, tmp_path, capsys) -> None:
+    import json
+
+    from chunkcache.cli import main
+
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": _prompt([0, 1, 2])})
+        + "\n"
+        + json.dumps({"system": SYSTEM, "chunks": [DOCS[3], DOCS[4]], "question": QUESTIONS[2]})
+        + "\n"
+    )
+    out_json = tmp_path / "eval.json"
+    args = ["eval", "--model", str(path), "--prompts", str(prompts), "--max-tokens", "4"]
+    args += ["--kv-cache-tokens", "1024", "--chunk-cache-size-gb", "0.001", "--json", str(out_json)]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    names = ["full", "isolated", "offset", "blend@0.05", "blend@0.15", "blend@0.3", "boundary-4"]
+    for name in names:
+        assert name in table
+    results = {r["mode"]: r for r in json.loads(out_json.read_text())}
+    assert list(results) == names
+    full = results["full"]
+    assert full["top1_agreement"] == 1.0 and full["exact_match"] == 1.0 and full["mean_kl"] == 0.0
+    assert all(r["prompts"] == 2 and r["mean_kl"] >= 0 for r in results.values())
+    assert 0 < results["blend@0.3"]["recomputed_share"] <= 1
