@@ -278,6 +278,38 @@ def test_chunked_prompt_is_cached_on_second_call(
     assert stats["enabled"] is True and stats["hits"] > 0 and stats["entries"] > 0
 
 
+def test_per_request_chunk_options(reference: LLM, client: openai.OpenAI) -> None:
+    options = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [0.5]}
+    want = reference.generate(
+        CHUNKED, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), chunk_options=options
+    )[0]
+    got = client.completions.create(
+        model=MODEL, prompt=CHUNKED, max_tokens=6, temperature=0, extra_body={"ignore_eos": True, **options}
+    )
+    assert got.choices[0].text == want.outputs[0].text
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": CHUNKED}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"chunk_layout": "isolated"},
+    )
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt=CHUNKED, max_tokens=4, extra_body={"blend_recompute_ratios": [2.0]}
+        )
+    assert "blend_recompute_ratios" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL,
+            prompt=CHUNKED,
+            max_tokens=4,
+            extra_body={"chunk_layout": "offset", "blend_check_layers": [9]},
+        )
+    assert "out of range" in str(info.value)
+
+
 def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     text = httpx.get(f"{server.url}/metrics").text  # no API key needed for /metrics

@@ -310,10 +310,18 @@ def build_app(
             raise _invalid(str(e), _param_named_in(str(e), list(type(body).model_fields))) from None
 
     def submit(
-        prefix: str, prompt: str | list[int], params: SamplingParams, add_special_tokens: bool = True
+        prefix: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        chunk_options: dict[str, Any] | None,
+        add_special_tokens: bool = True,
     ) -> RequestStream:
         return engine_loop.submit(
-            engine_loop.new_request_id(prefix), prompt, params, add_special_tokens=add_special_tokens
+            engine_loop.new_request_id(prefix),
+            prompt,
+            params,
+            add_special_tokens=add_special_tokens,
+            chunk_options=chunk_options,
         )
 
     async def wait_for_disconnect(request: Request) -> None:
@@ -412,7 +420,7 @@ def build_app(
         except ValueError as e:
             raise _invalid(str(e), "prompt") from None
         params = sampling_params(body)
-        stream = submit("cmpl", prompt, params)
+        stream = submit("cmpl", prompt, params, body.chunk_options())
         k = body.logprobs
         if body.stream:
             return _EventStreamResponse(
@@ -493,7 +501,7 @@ def build_app(
         # The rendered text goes through the same chunk parsing as any prompt (DESIGN.md §2). As in
         # `LLM.chat` and vLLM, the template writes the special prefix (BOS) itself.
         prompt = engine.render_chat(body.template_messages(), add_generation_prompt=True)
-        stream = submit("chatcmpl", prompt, params, add_special_tokens=False)
+        stream = submit("chatcmpl", prompt, params, body.chunk_options(), add_special_tokens=False)
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             return _EventStreamResponse(chat_events(stream, model, k, body.include_usage_in_stream), stream)

@@ -169,6 +169,7 @@ class EngineLoop:
         params: SamplingParams,
         *,
         add_special_tokens: bool = True,
+        chunk_options: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Admit a request. Call on the event loop. Raises QueueFullError / EngineDeadError, or the
         engine's InvalidRequestError (PromptTooLongError) from its synchronous validation."""
@@ -183,7 +184,9 @@ class EngineLoop:
         with self._streams_lock:
             self._streams[request_id] = stream
         try:
-            self.engine.add_request(request_id, prompt, params, add_special_tokens=add_special_tokens)
+            self.engine.add_request(
+                request_id, prompt, params, add_special_tokens=add_special_tokens, chunk_options=chunk_options
+            )
         except BaseException:
             with self._streams_lock:
                 del self._streams[request_id]

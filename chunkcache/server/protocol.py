@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from chunkcache.config import REQUEST_CHUNK_OPTIONS
 from chunkcache.sampling import SamplingParams
 
 # The largest top-logprobs count a request may ask for (OpenAI's chat limit; vLLM's default too).
@@ -50,6 +51,14 @@ class _SamplingFields(StrictModel):
     top_k: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # chunkcache's extensions: this request's chunk layout and blend options (ChunkConfig).
+    chunk_layout: str | None = None
+    blend_check_layers: list[int] | None = None
+    blend_recompute_ratios: list[float] | None = None
+    blend_selector: str | None = None
+    blend_threshold: float | None = None
+    blend_boundary_tokens: int | None = None
+    blend_min_tokens: int | None = None
 
     @model_validator(mode="after")
     def _check_openai_rules(self) -> _SamplingFields:
@@ -64,6 +73,13 @@ class _SamplingFields(StrictModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def chunk_options(self) -> dict[str, Any] | None:
+        """The chunk extension fields that were given, for `LLMEngine.add_request`."""
+        options = {
+            name: getattr(self, name) for name in REQUEST_CHUNK_OPTIONS if getattr(self, name) is not None
+        }
+        return options or None
 
     @property
     def include_usage_in_stream(self) -> bool:
