@@ -57,9 +57,10 @@ SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START_TOK
 
 TOKENIZER_VOCAB_SIZE = 1000
 
-# ChatML as Qwen uses it. No BOS in the template: the engine tokenizes the rendered system part
-# with add_special_tokens=True, which prepends BOS once; a BOS in the template would double it.
+# ChatML, opened by BOS as Llama's templates are: a rendered chat is tokenized with
+# add_special_tokens=False (as vLLM does), so the template alone writes the special prefix.
 CHAT_TEMPLATE = (
+    "{{- bos_token }}"
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"

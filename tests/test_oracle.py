@@ -136,12 +136,14 @@ def test_chat_template_renders(checkpoint: Factory) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi # # there"}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi # # there<|im_end|>\n<|im_start|>assistant\n"
+        "<|bos|><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi # # there<|im_end|>\n"
+        "<|im_start|>assistant\n"
     )
     no_prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     assert not no_prompt.endswith("assistant\n")
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
 
 
 @pytest.mark.parametrize("rope", ROPE_TYPES)

@@ -57,7 +57,9 @@ class LLMEngine:
         else:
             gb = cache.kv_cache_memory_gb or _DEFAULT_KV_GB
             num_blocks = max(1, int(gb * 2**30) // (token_bytes * bs))
-        medium = "CPU" if self.device.type == "cpu" else "GPU"
+        # "GPU" names the engine's main KV tier in vLLM's events (offloaded KV would be "CPU"),
+        # whatever the device: a router weighs tiers, not devices.
+        medium = "GPU"
         self.blocks = BlockManager(num_blocks, bs, cache.enable_prefix_caching, cache.hash_seed, medium)
         pool_pages = 0
         if config.chunk.enable:
