@@ -40,7 +40,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
-        torch.manual_seed(config.seed)
         loaded = load_model(config.model, config.device, config.dtype)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
@@ -229,7 +228,9 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
-            return bool(self._inbox or self._aborts) or any(not s.is_fill for s in self._requests.values())
+            pending = bool(self._inbox or self._aborts)
+        # list() copies in one step under the GIL: safe against the step thread adding requests.
+        return pending or any(not s.is_fill for s in list(self._requests.values()))
 
     # ---- the step ----------------------------------------------------------------------------
 
@@ -247,8 +248,10 @@ class LLMEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            # Registered under the lock: has_unfinished_requests never sees a request nowhere.
+            for seq in inbox:
+                self._requests[seq.request_id] = seq
         for seq in inbox:
-            self._requests[seq.request_id] = seq
             self.counters["requests"] += 1
             if self.chunks is not None and seq.chunk_state is not None:
                 for job in self.chunks.admit(seq):
