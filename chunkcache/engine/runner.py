@@ -74,7 +74,7 @@ class ModelRunner:
                 decode_index.append(start)
                 decode_slots.append(torch.cat((past, own[c:])))
             else:
-                prefills.append(PrefillSegment(start, start + n, past if past.numel() else None))
+                prefills.append(PrefillSegment.make(start, start + n, past))
             done = c + n == seq.num_tokens
             sample_index.append(start + n - 1 if done and not seq.is_fill else -1)
         decode = None

@@ -23,6 +23,19 @@ class PrefillSegment:
     end: int
     # Slots of the KV list entries before this step's tokens; None when there are none.
     past_slots: torch.Tensor | None
+    # [n, past + n] query i (list index past + i) sees entries 0..past + i; None = plain causal.
+    mask: torch.Tensor | None = None
+
+    @classmethod
+    def make(cls, start: int, end: int, past_slots: torch.Tensor | None) -> PrefillSegment:
+        if past_slots is None or past_slots.numel() == 0:
+            return cls(start, end, None, None)
+        n, past = end - start, past_slots.numel()
+        device = past_slots.device
+        mask = (
+            torch.arange(past + n, device=device)[None, :] <= (torch.arange(n, device=device) + past)[:, None]
+        )
+        return cls(start, end, past_slots, mask)
 
 
 @dataclass
@@ -63,22 +76,15 @@ def attend(
     num_kv_heads = k.shape[1]
     for seg in meta.prefills:
         qs, ks, vs = q[seg.start : seg.end], k[seg.start : seg.end], v[seg.start : seg.end]
-        n = seg.end - seg.start
-        if seg.past_slots is None or seg.past_slots.numel() == 0:
-            mask, causal = None, True
-        else:
-            past = seg.past_slots.numel()
+        if seg.past_slots is not None:
             ks = torch.cat((k_cache[seg.past_slots], ks))
             vs = torch.cat((v_cache[seg.past_slots], vs))
-            # query i (list index past + i) sees list entries 0..past + i
-            mask = torch.arange(past + n)[None, :] <= (torch.arange(n) + past)[:, None]
-            causal = False
         o = F.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0),
             ks.transpose(0, 1).unsqueeze(0),
             vs.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
+            attn_mask=seg.mask,
+            is_causal=seg.mask is None,
             scale=scale,
             enable_gqa=True,
         )
