@@ -124,7 +124,9 @@ def test_stop_strings_tokens_and_eos(checkpoint) -> None:
     full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
     assert len(full.text) > 4
     stop = full.text[2:5]
-    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[
+        0
+    ]
     assert cut.outputs[0].text == full.text[: full.text.index(stop)]
     assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
     token = full.token_ids[3]
@@ -149,7 +151,9 @@ def test_sampling_seed_top_k_top_p(checkpoint) -> None:
     c = llm.generate([PROMPTS[0]], other)[0]
     assert c.outputs[0].token_ids != a.outputs[0].token_ids
     greedy = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
-    top1 = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.7, top_k=1, max_tokens=16, ignore_eos=True))[0]
+    top1 = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0.7, top_k=1, max_tokens=16, ignore_eos=True)
+    )[0]
     assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
 
 
