@@ -1,0 +1,160 @@
+"""Shared helpers of the benchmarks: the benchmark checkpoint, timing, prompts of exact token counts.
+
+The scripts run as `python benchmarks/<name>.py`, so this module is imported as `common` (the
+script's directory is first on `sys.path`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import string
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_DIR = Path(
+    os.environ.get("CHUNKCACHE_BENCH_MODEL_DIR", Path.home() / ".cache" / "chunkcache" / "bench-qwen2.5-0.5b")
+)
+# Ids 0..4 are the tiny tokenizer's special tokens (BOS, EOS, PAD, ChatML); 5.. are ordinary.
+FIRST_ORDINARY_TOKEN = 5
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help="the Qwen2.5-0.5B-shaped random checkpoint; built there if missing (default: %(default)s)",
+    )
+    parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def ensure_checkpoint(model_dir: Path) -> Path:
+    """The random Qwen2.5-0.5B-shaped checkpoint (hidden 896, 24 layers, 14 heads, 2 KV heads,
+    vocab 151936, tied embeddings), built once (~2 GB, about a minute) and reused."""
+    from chunkcache.tiny_checkpoint import build_checkpoint
+
+    return build_checkpoint(model_dir, arch="qwen2", preset="qwen2.5-0.5b")
+
+
+def setup_torch(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def describe_machine() -> str:
+    import torch
+    import transformers
+
+    return (
+        f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+
+
+@contextmanager
+def timed() -> Iterator[list[float]]:
+    """`with timed() as t: ...` then `t[0]` is the wall time in seconds."""
+    out: list[float] = []
+    start = time.perf_counter()
+    try:
+        yield out
+    finally:
+        out.append(time.perf_counter() - start)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def fmt_runs(values: list[float], unit: str = "s", scale: float = 1.0) -> str:
+    """`1.234 s (runs 1.2, 1.3, 1.2)`: the median and every run."""
+    runs = ", ".join(f"{v * scale:.3g}" for v in values)
+    return f"{median(values) * scale:.4g} {unit} (runs {runs})"
+
+
+def interleaved(reps: int, a: Callable[[int], Any], b: Callable[[int], Any]) -> None:
+    """Run `a(i)` and `b(i)` for each repetition, alternating which goes first, so that a slow
+    drift of the machine's load does not favour either side."""
+    for i in range(reps):
+        if i % 2 == 0:
+            a(i)
+            b(i)
+        else:
+            b(i)
+            a(i)
+
+
+def random_token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """`n` ordinary token ids (no special tokens), drawn from `rng`."""
+    return [rng.randrange(FIRST_ORDINARY_TOKEN, vocab) for _ in range(n)]
+
+
+class TextMaker:
+    """Random text of an exact token count under a given tokenizer.
+
+    Text is random lowercase words (so two texts never share content by accident, and never
+    contain a chunk separator), topped up with words that are a single token each until the count
+    is exact. The byte-level pre-tokenizer splits before every space, so word tokens add up.
+    """
+
+    def __init__(self, tokenizer: Any, seed: int = 0) -> None:
+        self.tok = tokenizer
+        self.rng = random.Random(seed)
+        fillers = []
+        for tid in range(FIRST_ORDINARY_TOKEN, len(tokenizer)):
+            s = tokenizer.decode([tid])
+            word = s[1:]
+            if (
+                s.startswith(" ")
+                and word.isalpha()
+                and word.isascii()
+                and len(tokenizer.encode(s, add_special_tokens=False)) == 1
+            ):
+                fillers.append(word)
+        if not fillers:
+            raise RuntimeError("the tokenizer has no single-token words to pad texts with")
+        self.fillers = fillers
+
+    def count(self, text: str, special: bool = False) -> int:
+        return len(self.tok.encode(text, add_special_tokens=special))
+
+    def _word(self) -> str:
+        if self.rng.random() < 0.5:
+            return self.rng.choice(self.fillers)
+        return "".join(self.rng.choice(string.ascii_lowercase) for _ in range(self.rng.randint(2, 9)))
+
+    def text(self, num_tokens: int, special: bool = False) -> str:
+        """Text of exactly `num_tokens` tokens (`special=True`: counting the tokenizer's special
+        prefix, such as BOS, as the engine does for the system part of a chunked prompt)."""
+        words: list[str] = []
+        # Bulk: words until close to the target (a word is 1-5 tokens).
+        while (deficit := num_tokens - self.count(" ".join(words), special)) > 8:
+            words.extend(self._word() for _ in range(max(1, deficit // 4)))
+        while words and self.count(" ".join(words), special) > num_tokens:
+            words.pop()
+        # Top up one single-token word at a time.
+        for _ in range(10 * num_tokens + 100):
+            c = self.count(" ".join(words), special)
+            if c == num_tokens:
+                return " ".join(words)
+            if c < num_tokens:
+                words.append(self.rng.choice(self.fillers))
+            else:
+                words.pop()
+        raise RuntimeError(f"could not make a text of exactly {num_tokens} tokens")
+
+
+def summary(name: str, **ratios: str) -> str:
+    return f"SUMMARY {name}: " + " ".join(f"{k}={v}" for k, v in ratios.items())
