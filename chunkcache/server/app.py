@@ -1,14 +1,12 @@
-"""The OpenAI-compatible HTTP application: routes, error mapping, authentication, streaming.
+"""The OpenAI-compatible HTTP application: routes, authentication, streaming.
 
-Every error leaves as OpenAI's JSON error shape `{"error": {"message", "type", "param", "code"}}`;
-unexpected exceptions are logged here and answered with a generic 500, never a stack trace.
+Errors are mapped to OpenAI's JSON shape in `server/errors.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -16,15 +14,22 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
-from chunkcache.server.engine_loop import EngineDeadError, EngineLoop, QueueFullError, RequestStream
+from chunkcache.server.engine_loop import EngineDeadError, EngineLoop, RequestStream
+from chunkcache.server.errors import (
+    CLIENT_CLOSED,
+    ApiError,
+    GuardMiddleware,
+    error_response,
+    install_error_handlers,
+    invalid,
+    param_named_in,
+    stream_error,
+)
 from chunkcache.server.metrics import ServerMetrics
 from chunkcache.server.protocol import (
     AssistantMessage,
@@ -41,8 +46,6 @@ from chunkcache.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -56,121 +59,6 @@ if TYPE_CHECKING:
     from chunkcache.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
-
-# Endpoints counted by name in the HTTP metrics; anything else is "other", so that scanners probing
-# random paths cannot blow up the label cardinality.
-_API_PATHS = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/models",
-        "/v1/chunk_cache/stats",
-        "/tokenize",
-        "/health",
-        "/metrics",
-    }
-)
-# Status code nginx made conventional for "client closed the connection before the answer".
-_CLIENT_CLOSED = 499
-
-
-class ApiError(Exception):
-    """An error answered to the client as-is, in OpenAI's shape."""
-
-    def __init__(
-        self, status: int, message: str, *, type: str, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-
-def _error_response(
-    status: int, message: str, type: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-def _invalid(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, type="invalid_request_error", param=param)
-
-
-def _param_named_in(message: str, fields: Sequence[str]) -> str | None:
-    # SamplingParams and the engine start their messages with the offending field's name.
-    head = message.split(" ", 1)[0].rstrip(":,")
-    return head if head in fields else None
-
-
-def _format_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """FastAPI's pydantic errors -> one message naming every bad field, and the first as `param`."""
-    messages: list[str] = []
-    params: list[str] = []
-    seen: set[str] = set()
-    for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        kind = err.get("type", "")
-        if kind == "json_invalid":
-            return f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-        # Pydantic reports one error per union member under the same field; the first one suffices.
-        field = loc[0] if loc else ""
-        if field in seen:
-            continue
-        seen.add(field)
-        dotted = ".".join(loc)
-        if kind == "extra_forbidden":
-            messages.append(f"unsupported field '{dotted}': this server does not implement it")
-        elif kind == "missing":
-            messages.append(f"missing required field '{dotted}'" if dotted else "request body is required")
-        elif not loc:
-            messages.append(str(err.get("msg", "")).removeprefix("Value error, "))
-        else:
-            messages.append(
-                f"invalid value for '{dotted}': {str(err.get('msg', '')).removeprefix('Value error, ')}"
-            )
-        if dotted:
-            params.append(dotted)
-    return "; ".join(messages) or "invalid request", (params[0] if params else None)
-
-
-class _GuardMiddleware:
-    """Counts responses by endpoint and status, and answers an unexpected exception with a plain
-    500 in OpenAI's shape. Catching it here, rather than in Starlette's outermost error handler
-    (which re-raises), keeps the connection alive: the server stays usable for that client.
-    Pure ASGI, unlike BaseHTTPMiddleware, so it neither buffers streamed bodies nor hides client
-    disconnects from the routes."""
-
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        endpoint = path if path in _API_PATHS else "other"
-        status: int | None = None
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        except Exception:
-            logger.exception("unhandled error on %s %s", scope.get("method"), path)
-            if status is not None:
-                raise  # mid-response: nothing sane can be sent any more; the server drops the connection
-            response = _error_response(500, "internal server error; see the server log", "server_error")
-            await response(scope, receive, send_wrapper)
-        finally:
-            self.metrics.observe_http(endpoint, status if status is not None else _CLIENT_CLOSED)
 
 
 class _EventStreamResponse(StreamingResponse):
@@ -272,8 +160,8 @@ def build_app(
 
     app = FastAPI(title="chunkcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_loop = engine_loop
-    app.add_middleware(_GuardMiddleware, metrics=metrics)
-    _install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, metrics=metrics)
+    install_error_handlers(app)
 
     # ---- helpers bound to this server ------------------------------------------------------
 
@@ -307,7 +195,7 @@ def build_app(
         try:
             return body.to_sampling_params()
         except ValueError as e:
-            raise _invalid(str(e), _param_named_in(str(e), list(type(body).model_fields))) from None
+            raise invalid(str(e), param_named_in(str(e), list(type(body).model_fields))) from None
 
     def submit(
         prefix: str,
@@ -418,7 +306,7 @@ def build_app(
         try:
             prompt = body.single_prompt()
         except ValueError as e:
-            raise _invalid(str(e), "prompt") from None
+            raise invalid(str(e), "prompt") from None
         params = sampling_params(body)
         stream = submit("cmpl", prompt, params, body.chunk_options())
         k = body.logprobs
@@ -428,7 +316,7 @@ def build_app(
             )
         final = await collect(stream, request)
         if final is None:
-            return Response(status_code=_CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
         completion = final.outputs[0]
         logprobs = None
         if k is not None:
@@ -485,7 +373,7 @@ def build_app(
                 )
                 yield _sse(chunk.model_dump_json())
         except EngineDeadError as e:
-            yield _sse(_stream_error(str(e)))
+            yield _sse(stream_error(str(e)))
         else:
             if include_usage and final is not None:
                 chunk = CompletionChunk(
@@ -507,7 +395,7 @@ def build_app(
             return _EventStreamResponse(chat_events(stream, model, k, body.include_usage_in_stream), stream)
         final = await collect(stream, request)
         if final is None:
-            return Response(status_code=_CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
         completion = final.outputs[0]
         response = ChatCompletionResponse(
             id=stream.request_id,
@@ -560,7 +448,7 @@ def build_app(
                 )
                 yield _sse(chunk.model_dump_json(exclude_none=False))
         except EngineDeadError as e:
-            yield _sse(_stream_error(str(e)))
+            yield _sse(stream_error(str(e)))
         else:
             if include_usage and final is not None:
                 chunk = ChatCompletionChunk(
@@ -605,7 +493,7 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if not engine_loop.alive:
-            return _error_response(503, "the engine is not running", "service_unavailable")
+            return error_response(503, "the engine is not running", "service_unavailable")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -615,44 +503,3 @@ def build_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-
-
-def _stream_error(message: str) -> str:
-    # Once a stream has started its status is 200; an error can only travel as an event.
-    return json.dumps(
-        ErrorResponse(
-            error=ErrorInfo(message=message, type="service_unavailable", code="engine_dead")
-        ).model_dump()
-    )
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _format_validation_errors(exc.errors())
-        return _error_response(400, message, "invalid_request_error", param)
-
-    @app.exception_handler(PromptTooLongError)
-    async def prompt_too_long(request: Request, exc: PromptTooLongError) -> JSONResponse:
-        return _error_response(413, str(exc), "invalid_request_error", "prompt", "context_length_exceeded")
-
-    @app.exception_handler(InvalidRequestError)
-    async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return _error_response(400, str(exc), "invalid_request_error")
-
-    @app.exception_handler(QueueFullError)
-    async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
-        return _error_response(503, str(exc), "service_unavailable", code="queue_full")
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(503, str(exc), "service_unavailable", code="engine_unavailable")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(exc.status_code, str(exc.detail), kind)
