@@ -1,0 +1,508 @@
+"""Router cluster benchmark: 3 `chunkcache serve` replicas behind `chunkcache route`, one run per
+routing policy, on a RAG workload whose documents recur in other combinations and orders.
+
+For each policy (random, round_robin, least_loaded, prefix_only, cache_aware) the script starts a
+fresh cluster on loopback (empty caches, empty index): the router binds one KV event socket, each
+replica's publisher connects to it with its own topic `kv@<replica>@<model>` and serves its own
+replay endpoint. It then sends the same request list through the router with streaming completions
+at a fixed concurrency, and reports TTFT (time to the first streamed token) mean / p50 / p90, the
+chunk-cache hit rate summed over the replicas' `/v1/chunk_cache/stats`, the prompt tokens served
+from cache (usage `cached_tokens`), and how the router spread the requests.
+
+The workload: `--num-docs` (40) documents of 100-200 tokens; `--topics` (12) retrieval results,
+each a random combination of 3-5 documents (topics overlap: a document belongs to several); every
+request takes a topic's documents in a fresh random order with another question,
+`SYS # # D.. # # Q`, so each result recurs about ten times in 120 requests (popular questions
+retrieve the same documents, ranked differently). `--topics 0`: a fresh random combination per
+request. A replica's chunk cache holds `--cache-fraction` (40%) of the documents' tokens: the three
+caches together hold the working set, one alone does not, which is the regime where placement
+decides the hit rate (with caches that hold everything, cache-blind policies only lose the first
+sight of each document on each replica). Document order defeats a prefix cache, and this engine
+keeps a chunked prompt's system part in its chunk pool (unreported), so a prefix-only router sees
+nothing and falls back to least-loaded; only the chunk score knows where the documents are.
+
+The result depends on the workload's shape: fewer recurrences (more topics, fewer requests) or a
+cache too small for even a third of the working set lower cache_aware's hit rate and its lead.
+
+Summary line (ratios: the other policy's mean TTFT over cache_aware's, higher is better):
+    SUMMARY bench_router_cluster: cache_aware_vs_round_robin=X.XXx cache_aware_vs_prefix_only=X.XXx ...
+
+Usage:
+    python benchmarks/bench_router_cluster.py                 # ~5 minutes on 2 busy cores
+    python benchmarks/bench_router_cluster.py --quick         # smoke run: 3 policies, fewer requests
+    python benchmarks/bench_router_cluster.py --policies round_robin,cache_aware --num-requests 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+POLICIES = ("random", "round_robin", "least_loaded", "prefix_only", "cache_aware")
+SEPARATOR = " # # "
+MODEL_NAME = "bench-small"
+SYSTEM = (
+    "You are a helpful assistant. Answer the question using only the documents below, and say "
+    "which document each fact comes from."
+)
+# bench_serve's small model: the tiny recipe widened and deepened until a prefill of a thousand
+# tokens costs clearly more than a question-only one. Random weights.
+SMALL_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 768,
+    "max_position_embeddings": 4096,
+}
+WARMUP = "Where does the river begin, and who keeps the old mill by the bridge running at night?"
+PAGE = 16  # the engine's block (= chunk pool page) size
+
+
+# ---- workload ----------------------------------------------------------------------------------
+
+
+def build_documents(tokenizer: Any, num_docs: int, lo: int, hi: int, seed: int) -> list[str]:
+    """`num_docs` documents of lo..hi tokens each, from the tiny corpus' sentences (no separator)."""
+    from chunkcache.tiny_checkpoint import corpus
+
+    sentences = [s.strip() for s in corpus(num_lines=4000, seed=seed) if "#" not in s]
+    rng = random.Random(seed)
+    docs = []
+    for i in range(num_docs):
+        target = rng.randint(lo, hi)
+        parts = [f"Document {i}."]
+        while len(tokenizer.encode(" ".join(parts), add_special_tokens=False)) < target:
+            parts.append(rng.choice(sentences))
+        docs.append(" ".join(parts))
+    return docs
+
+
+def build_prompts(
+    docs: list[str], num_requests: int, topics: int, min_docs: int, max_docs: int, seed: int
+) -> list[str]:
+    from chunkcache.tiny_checkpoint import corpus
+
+    rng = random.Random(seed + 1)
+    questions = [q for q in corpus(num_lines=1200, seed=seed + 2) if q.endswith("?") and "#" not in q]
+    groups = [rng.sample(docs, rng.randint(min_docs, max_docs)) for _ in range(topics)]
+    prompts = []
+    for _ in range(num_requests):
+        chosen = list(rng.choice(groups)) if groups else rng.sample(docs, rng.randint(min_docs, max_docs))
+        rng.shuffle(chosen)
+        prompts.append(SEPARATOR.join([SYSTEM, *chosen, rng.choice(questions)]))
+    return prompts
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.get("torch_dtype") or "float32"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+# ---- processes ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process with its log in a file."""
+
+    def __init__(self, name: str, cmd: list[str], url: str, log_dir: Path) -> None:
+        self.name, self.cmd, self.url = name, cmd, url
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        for key in list(env):  # engine options from the environment must not change the setup
+            if key.startswith(("CHUNKCACHE_", "VLLM_")):
+                del env[key]
+        # One torch thread per replica: three replicas share the machine's cores.
+        env.update(TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(self.cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class Cluster:
+    router: Proc
+    replicas: list[Proc]
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [self.router, *self.replicas]
+
+    def start(self, timeout: float = 300.0) -> None:
+        for p in self.procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        pending = list(self.procs)
+        while pending:
+            pending = [p for p in pending if not p.healthy()]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{[p.name for p in pending]} did not come up in {timeout}s")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        """SIGTERM to all at once (they shut down in parallel), then SIGKILL what is left."""
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait()
+
+
+def make_cluster(model: Path, policy: str, args: argparse.Namespace, log_dir: Path) -> Cluster:
+    events = f"tcp://127.0.0.1:{free_port()}"
+    replicas, specs = [], []
+    for i in range(args.replicas):
+        name = f"r{i}"
+        port, replay = free_port(), f"tcp://127.0.0.1:{free_port()}"
+        cmd = [
+            sys.executable, "-m", "chunkcache.server.cli", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--max-queue", "100000",
+            "--served-model-name", MODEL_NAME, "--device", "cpu",
+            "--kv-cache-tokens", str(args.kv_cache_tokens),
+            "--chunk-cache-size-gb", f"{args.chunk_cache_gb:.6f}",
+            # A concrete host:port connects: to the router's bound SUB socket.
+            "--kv-events-endpoint", events, "--kv-events-topic", f"kv@{name}@{MODEL_NAME}",
+            "--kv-events-replay-endpoint", replay,
+        ]  # fmt: skip
+        replicas.append(Proc(f"{policy}-{name}", cmd, f"http://127.0.0.1:{port}", log_dir))
+        specs.append(f"{name}@http://127.0.0.1:{port}=={replay}")  # no PUB to connect to; a replay
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "chunkcache.router", "--backends", ",".join(specs),
+        "--tokenizer", str(model), "--model-name", MODEL_NAME, "--policy", policy, "--seed", str(args.seed),
+        "--events-bind", events, "--events-topic-filter", "kv@", "--event-workers", "2",
+        "--health-interval", "2", "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    if args.load_weight is not None:
+        cmd += ["--load-weight", str(args.load_weight)]
+    return Cluster(Proc(f"{policy}-router", cmd, f"http://127.0.0.1:{port}", log_dir), replicas)
+
+
+# ---- client ------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    ttft: float = 0.0
+    backend: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    results: list[RequestResult]
+    duration: float
+    chunk_stats: list[dict[str, Any]]
+    decisions: dict[str, float] = field(default_factory=dict)
+    fallbacks: float = 0.0
+    loadavg: float = 0.0
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.results if r.ok]
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestResult:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = RequestResult()
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            result.backend = r.headers.get("x-chunkcache-backend", "")
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("choices") and not result.ttft:
+                    # The server streams a chunk only once it has text: the first token's arrival.
+                    result.ttft = time.perf_counter() - start
+                if event.get("usage"):
+                    usage = event["usage"]
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        result.ok = result.ttft > 0
+        if not result.ok:
+            result.error = "no token received"
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+def router_metrics(text: str) -> tuple[dict[str, float], float]:
+    """(routing decisions per backend, fallbacks) from the router's /metrics."""
+    decisions: dict[str, float] = {}
+    fallbacks = 0.0
+    for line in text.splitlines():
+        if line.startswith("chunkcache_router_routing_decisions_total{"):
+            labels, value = line.rsplit(" ", 1)
+            backend = labels.split('backend="', 1)[1].split('"', 1)[0]
+            decisions[backend] = decisions.get(backend, 0.0) + float(value)
+        elif line.startswith("chunkcache_router_fallbacks_total{"):
+            fallbacks += float(line.rsplit(" ", 1)[1])
+    return decisions, fallbacks
+
+
+async def run_policy(
+    cluster: Cluster, policy: str, prompts: list[str], args: argparse.Namespace
+) -> PolicyResult:
+    timeout = httpx.Timeout(600.0)
+    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    async with httpx.AsyncClient(base_url=cluster.router.url, timeout=timeout, limits=limits) as client:
+        # Warm every replica directly (torch's first calls are slow) on a prompt without chunks,
+        # sharing nothing with the workload: chunk caches and the index start empty of it.
+        async with httpx.AsyncClient(timeout=timeout) as direct:
+            await asyncio.gather(
+                *(
+                    direct.post(
+                        f"{r.url}/v1/completions",
+                        json={"model": MODEL_NAME, "prompt": WARMUP, "max_tokens": 2, "temperature": 0},
+                    )
+                    for r in cluster.replicas
+                )
+            )
+        _, fallbacks_before = router_metrics((await client.get("/metrics")).text)
+        semaphore = asyncio.Semaphore(args.concurrency)
+        bar = tqdm(total=len(prompts), desc=f"{policy:>12}", unit="req", leave=False)
+
+        async def bounded(prompt: str) -> RequestResult:
+            async with semaphore:
+                result = await one_request(client, prompt, args.max_tokens)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        duration = time.perf_counter() - start
+        bar.close()
+        decisions, fallbacks = router_metrics((await client.get("/metrics")).text)
+        stats = [(await client.get(f"{r.url}/v1/chunk_cache/stats")).json() for r in cluster.replicas]
+    return PolicyResult(
+        policy, list(results), duration, stats, decisions, fallbacks - fallbacks_before, os.getloadavg()[0]
+    )
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def figures(res: PolicyResult) -> dict[str, float]:
+    ttft = [r.ttft for r in res.ok]
+    hits = sum(s.get("hits", 0) for s in res.chunk_stats)
+    misses = sum(s.get("misses", 0) for s in res.chunk_stats)
+    hit_tok = sum(s.get("hit_tokens", 0) for s in res.chunk_stats)
+    miss_tok = sum(s.get("miss_tokens", 0) for s in res.chunk_stats)
+    prompt = sum(r.prompt_tokens for r in res.ok)
+    return {
+        "ttft_mean": statistics.fmean(ttft) if ttft else float("nan"),
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p90": pct(ttft, 90),
+        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "token_hit_rate": hit_tok / (hit_tok + miss_tok) if hit_tok + miss_tok else 0.0,
+        "cached_share": sum(r.cached_tokens for r in res.ok) / prompt if prompt else 0.0,
+        "evictions": sum(s.get("evictions", 0) for s in res.chunk_stats),
+        "req_per_s": len(res.ok) / res.duration,
+    }
+
+
+def print_table(results: list[PolicyResult], figs: dict[str, dict[str, float]]) -> None:
+    head = (
+        f"{'policy':<13}{'ok':>7}{'TTFT mean':>11}{'p50':>9}{'p90':>9}{'chunk hits':>12}"
+        f"{'hit tokens':>12}{'cached':>9}{'evicted':>9}{'req/s':>7}  {'spread (fallbacks)':<24}{'load':>6}"
+    )
+    print("\n" + head + "\n" + "-" * len(head))
+    for res in results:
+        f = figs[res.policy]
+        spread = "/".join(f"{res.decisions.get(f'r{i}', 0):.0f}" for i in range(len(res.chunk_stats)))
+        if res.decisions == {} and res.ok:
+            spread = "/".join(
+                str(sum(r.backend == f"r{i}" for r in res.ok)) for i in range(len(res.chunk_stats))
+            )
+        print(
+            f"{res.policy:<13}{len(res.ok):>3}/{len(res.results):<3}{f['ttft_mean'] * 1e3:>9.1f}ms"
+            f"{f['ttft_p50'] * 1e3:>7.1f}ms{f['ttft_p90'] * 1e3:>7.1f}ms{f['hit_rate']:>12.1%}"
+            f"{f['token_hit_rate']:>12.1%}{f['cached_share']:>9.1%}{f['evictions']:>9.0f}"
+            f"{f['req_per_s']:>7.2f}  {spread + f' ({res.fallbacks:.0f})':<24}{res.loadavg:>6.2f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None, help="model dir (default: build the small random one)")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in this order")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=120)
+    p.add_argument("--concurrency", type=int, default=3)
+    p.add_argument("--num-docs", type=int, default=40)
+    p.add_argument("--doc-tokens", type=int, nargs=2, default=(100, 200), metavar=("MIN", "MAX"))
+    p.add_argument("--docs-per-prompt", type=int, nargs=2, default=(3, 5), metavar=("MIN", "MAX"))
+    p.add_argument("--topics", type=int, default=12, help="recurring document combinations (0: none)")
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=0.4,
+        help="share of the documents' tokens one replica's chunk cache holds (default: %(default)s)",
+    )
+    p.add_argument(
+        "--load-weight", type=float, default=None, help="the router's --load-weight (default: its own)"
+    )
+    p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke run: 3 policies, 30 requests, 20 docs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.num_docs, args.topics = 30, 20, 6
+        if args.policies == ",".join(POLICIES):
+            args.policies = "round_robin,prefix_only,cache_aware"
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    unknown = [x for x in policies if x not in POLICIES]
+    if unknown or not policies:
+        p.error(f"unknown policies {unknown}; choose from {POLICIES}")
+
+    sys.path.insert(0, str(REPO))
+    from transformers import AutoTokenizer
+
+    from chunkcache.tiny_checkpoint import build_checkpoint
+
+    work = Path(tempfile.gettempdir()) / "chunkcache-bench"
+    work.mkdir(parents=True, exist_ok=True)
+    model = args.model or build_checkpoint(work / "bench-serve-small", arch="llama", **SMALL_OVERRIDES)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    docs = build_documents(tok, args.num_docs, *args.doc_tokens, args.seed)
+    prompts = build_prompts(docs, args.num_requests, args.topics, *args.docs_per_prompt, args.seed)
+    doc_pages = sum(-(-len(tok.encode(d, add_special_tokens=False)) // PAGE) for d in docs)
+    sys_pages = -(-len(tok.encode(SYSTEM)) // PAGE)
+    pool_pages = round(args.cache_fraction * doc_pages) + sys_pages
+    args.chunk_cache_gb = pool_pages * PAGE * kv_bytes_per_token(model) / 2**30
+    mean_len = statistics.fmean(len(tok.encode(x)) for x in prompts)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-router-cluster-"))
+    print(
+        f"model {model} ({kv_bytes_per_token(model)} KV bytes/token)\n"
+        f"workload: {args.num_requests} requests at concurrency {args.concurrency}; {args.num_docs} docs of "
+        f"{args.doc_tokens[0]}-{args.doc_tokens[1]} tokens ({doc_pages * PAGE} tokens in pages), "
+        f"{args.docs_per_prompt[0]}-{args.docs_per_prompt[1]} per prompt from {args.topics or 'no'} topics, "
+        f"~{mean_len:.0f} prompt tokens, {args.max_tokens} output tokens\n"
+        f"cluster: {args.replicas} replicas, chunk cache {pool_pages} pages ({args.cache_fraction:.0%} of the "
+        f"documents, {args.chunk_cache_gb * 1024:.1f} MiB) each; logs in {log_dir}\n"
+        f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+
+    results: list[PolicyResult] = []
+    for policy in tqdm(policies, desc="policies", unit="policy"):
+        cluster = make_cluster(model, policy, args, log_dir)
+        try:
+            cluster.start()
+            res = asyncio.run(run_policy(cluster, policy, prompts, args))
+        finally:
+            cluster.stop()
+        results.append(res)
+        if len(res.ok) != len(res.results):
+            err = next(r.error for r in res.results if not r.ok)
+            print(f"{policy}: {len(res.results) - len(res.ok)} requests failed, e.g. {err}")
+            for proc in cluster.procs:
+                print(f"--- {proc.name} log tail:\n{proc.log_tail()}")
+            return 1
+
+    figs = {r.policy: figures(r) for r in results}
+    print_table(results, figs)
+    parts: list[str] = []
+    if "cache_aware" in figs:
+        ca = figs["cache_aware"]
+        for other in ("round_robin", "prefix_only", "random", "least_loaded"):
+            if other in figs:
+                parts.append(f"cache_aware_vs_{other}={figs[other]['ttft_mean'] / ca['ttft_mean']:.2f}x")
+        if "round_robin" in figs:
+            parts.append(f"p90_vs_round_robin={figs['round_robin']['ttft_p90'] / ca['ttft_p90']:.2f}x")
+    for policy, f in figs.items():
+        parts.append(f"ttft_mean_{policy}={f['ttft_mean'] * 1e3:.1f}ms")
+    for policy, f in figs.items():
+        parts.append(f"hit_rate_{policy}={f['hit_rate']:.1%}")
+    parts += [
+        f"requests={args.num_requests}",
+        f"concurrency={args.concurrency}",
+        f"loadavg={os.getloadavg()[0]:.2f}",
+        "(target: cache_aware_vs_round_robin>=2 and cache_aware_vs_prefix_only>1)",
+    ]
+    print("SUMMARY bench_router_cluster: " + " ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
