@@ -15,7 +15,8 @@ The workload: prompts of `--prompt-tokens` tokens in 8 groups; a group's prompts
 1024-token system prefix; each prompt is stored by one pod (the first prompt of a group on a pod
 stores the prefix, later ones only their suffix, as an engine's prefix cache does).
 
-Not here: the 3-replica cluster comparison of routing policies (it needs `chunkcache serve`).
+Not here: the 3-replica cluster comparison of routing policies, which needs `chunkcache serve`:
+`benchmarks/bench_router_cluster.py`.
 
 Usage:
     python benchmarks/bench_router.py
