@@ -198,8 +198,10 @@ def test_reordered_rag_request_lands_on_the_replica_holding_its_chunks(
     # 3. Wait (polling /score) until both replicas' events are in the index: all three chunks of
     #    the reordered request on the holder, both chunks of the direct request on the other one.
     parsed = router.processor.tokenize(again)
-    chunk_tokens = sum(len(c) for c in parsed.chunks)
-    warm_tokens = sum(len(c) for c in router.processor.tokenize(warm).chunks)
+    # The system part is a chunk-pool entry of its own on both replicas, scored like a chunk.
+    sys_tokens = len(parsed.prefix_token_ids)
+    chunk_tokens = sum(len(c) for c in parsed.chunks) + sys_tokens
+    warm_tokens = sum(len(c) for c in router.processor.tokenize(warm).chunks) + sys_tokens
     assert len(parsed.chunks) == 3 and len(parsed.prefix_token_ids) >= 16
 
     def settled() -> dict[str, Any] | None:
@@ -211,11 +213,10 @@ def test_reordered_rag_request_lands_on_the_replica_holding_its_chunks(
     h, o = s["scores"][holder], s["scores"][other]
     assert s["num_chunks"] == 3
     # The chunk score finds the documents on the holder, in their new order...
-    assert o["chunk_tokens"] == 0
+    assert o["chunk_tokens"] == sys_tokens
     assert h["score"] >= chunk_tokens > o["score"]
-    # ...while the prefix-only score cannot tell the replicas apart: both hold the same system
-    # part, and nothing after it is a shared prefix. (This engine keeps a chunked prompt's system
-    # part in its chunk pool, unreported, so both prefix scores are in fact 0.)
+    # ...while the prefix-only score cannot tell the replicas apart: a chunked prompt is never
+    # served from an engine's prefix cache, so both prefix scores are 0.
     assert h["prefix_only_score"] == o["prefix_only_score"]
     assert h["prefix_blocks"] == o["prefix_blocks"]
 
@@ -231,5 +232,5 @@ def test_reordered_rag_request_lands_on_the_replica_holding_its_chunks(
     assert after[holder]["hits"] - before[holder]["hits"] == 3
     assert after[holder]["misses"] == before[holder]["misses"]
     assert after[other]["hits"] == before[other]["hits"]
-    # The engine reports the reused chunk tokens (and the system prompt's blocks) as cached.
+    # The engine reports the reused chunk tokens and the system part as cached.
     assert usage["prompt_tokens_details"]["cached_tokens"] >= chunk_tokens

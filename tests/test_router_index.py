@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
 
-from chunkcache.hashing import chunk_hash, to_wire
+from chunkcache.hashing import chunk_hash, system_hash, to_wire
 from chunkcache.kv_events import BlockStored
 from chunkcache.router.index import IndexIntegrityError, KVIndex, MemoryIndex, open_index
 from chunkcache.router.scorer import Scorer, ScorerConfig, parse_tier_weights
@@ -194,10 +194,18 @@ def test_prompt_processor_chunk_keys_match_the_engines() -> None:
     assert len(t.chunks) == 2
     keys = p.keys(t)
     tok = WordTokenizer()
-    expected = to_wire(chunk_hash("tiny-model", t.prefix_token_ids, tuple(tok.encode("c1 c2 c3", False))))
-    assert keys.chunk_keys[0] == expected and keys.chunk_tokens == [3, 2]
+    # The system part is an entry of the engine's chunk pool too: first key, S's length.
+    expected = [
+        to_wire(system_hash("tiny-model", t.prefix_token_ids)),
+        to_wire(chunk_hash("tiny-model", t.prefix_token_ids, tuple(tok.encode("c1 c2 c3", False)))),
+    ]
+    assert keys.chunk_keys[:2] == expected and keys.chunk_tokens == [4, 3, 2]
+    assert keys.block_keys == []  # an engine never serves a chunked prompt from its prefix cache
     plain = p.tokenize("just a prompt")
     assert plain.chunks == () and plain.prefix_token_ids[0] == 1
     assert p.tokenize("<s> rendered chat", rendered_chat=True).prefix_token_ids[0] != 1
+    # A rendered chat's system part carries no added BOS, exactly as the engine tokenizes it.
+    chat = p.tokenize(prompt, rendered_chat=True)
+    assert chat.prefix_token_ids == tuple(WordTokenizer().encode("sys a b", False))
     assert p.tokenize([5, 6, 7]).prefix_token_ids == (5, 6, 7)
     assert PromptProcessor(WordTokenizer(), "m", enable_chunks=False).tokenize(prompt).chunks == ()

@@ -8,7 +8,8 @@ Contract:
 - An entry is *ready* once its KV is computed. Only ready entries with no pins are evicted, least
   recently used first; eviction starts when usage passes `lru_threshold` of the budget, and to
   make room for a new entry. An entry larger than the whole budget is never admitted.
-- Storing and evicting entries of kind "chunk" are reported as ChunkStored / ChunkRemoved events.
+- Storing and evicting entries are reported as ChunkStored / ChunkRemoved events, system parts
+  too (their keys live in another hash domain), so a router can credit a replica for both.
 """
 
 from __future__ import annotations
@@ -104,8 +105,7 @@ class ChunkPool:
 
     def mark_ready(self, entry: Entry) -> None:
         entry.ready = True
-        if entry.kind == "chunk":
-            self.events.append(ChunkStored([to_wire(entry.key)], [entry.num_tokens], self.medium))
+        self.events.append(ChunkStored([to_wire(entry.key)], [entry.num_tokens], self.medium))
         limit = self.lru_threshold * self.budget_bytes
         self._evict_until(lambda: self.used_bytes <= limit)
 
@@ -126,8 +126,7 @@ class ChunkPool:
                 self._free.extend(entry.pages)
                 entry.pages = []
                 self.stats.evictions += 1
-                if entry.kind == "chunk":
-                    self.events.append(ChunkRemoved([to_wire(key)], self.medium))
+                self.events.append(ChunkRemoved([to_wire(key)], self.medium))
 
     def check_integrity(self) -> None:
         seen: set[int] = set(self._free)

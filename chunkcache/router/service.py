@@ -161,7 +161,7 @@ class Router:
         tokenized = self.processor.tokenize(prompt, rendered_chat)
         t1 = time.perf_counter()
         keys = self.processor.keys(tokenized, lora)
-        result = ScoreResult(None, keys.num_tokens, len(keys.block_keys), len(keys.chunk_keys), t1 - t0)
+        result = ScoreResult(None, keys.num_tokens, len(keys.block_keys), len(tokenized.chunks), t1 - t0)
         if time.monotonic() < self._index_down_until:
             return result
         try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkcache.chunk.parse import parse_chunked_prompt
-from chunkcache.hashing import chunk_hash, to_wire
+from chunkcache.hashing import chunk_hash, system_hash, to_wire
 from chunkcache.kv_events import BlockStored
 
 ROUTER_BLOCK_SIZE = 16
@@ -171,9 +171,10 @@ class EngineKeyMap:
 
 @dataclass(frozen=True)
 class TokenizedPrompt:
-    """A prompt as the router scores it. For a chunked prompt the prefix is the system part S (its
-    blocks live in an engine's prefix cache) and `chunks` are the chunk token ids (their KV lives in
-    the chunk pool, found in any order); otherwise the prefix is the whole prompt."""
+    """A prompt as the router scores it. For a chunked prompt the prefix is the system part S and
+    `chunks` are the chunk token ids: an engine keeps the KV of both in its chunk pool (S as an
+    entry of its own, published like a chunk), found in any order; otherwise the prefix is the
+    whole prompt, scored against the engines' prefix caches."""
 
     prefix_token_ids: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...] = ()
@@ -222,21 +223,22 @@ class PromptProcessor:
         if not isinstance(prompt, str):
             ids = tuple(int(t) for t in prompt)
             return TokenizedPrompt(ids, (), len(ids))
+        # A rendered chat is tokenized without special tokens, as the engine does (its template
+        # writes the BOS): adding another would shift every block and miss the engine's cache.
+        special = not rendered_chat
         if self.enable_chunks:
-            chunked = parse_chunked_prompt(prompt, self.separator, self.tokenizer)
+            chunked = parse_chunked_prompt(prompt, self.separator, self.tokenizer, add_special_tokens=special)
             if chunked is not None:
                 return TokenizedPrompt(chunked.sys_token_ids, chunked.chunks, chunked.num_tokens)
-        # A rendered chat template usually carries its BOS already; adding another would shift every
-        # block and miss the engine's cache.
-        bos = getattr(self.tokenizer, "bos_token", None)
-        special = not (rendered_chat and bos and prompt.startswith(bos))
         ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=special))
         return TokenizedPrompt(ids, (), len(ids))
 
     def keys(self, prompt: TokenizedPrompt, lora: str | None = None) -> PromptKeys:
-        block_keys = self.keyer.request_keys(prompt.prefix_token_ids, lora)
-        chunk_keys = [
-            to_wire(chunk_hash(self.model_name, prompt.prefix_token_ids, c, self.chunk_hash_algorithm))
-            for c in prompt.chunks
-        ]
-        return PromptKeys(block_keys, chunk_keys, [len(c) for c in prompt.chunks], prompt.num_tokens)
+        if not prompt.chunks:
+            block_keys = self.keyer.request_keys(prompt.prefix_token_ids, lora)
+            return PromptKeys(block_keys, [], [], prompt.num_tokens)
+        sys_ids, algorithm = prompt.prefix_token_ids, self.chunk_hash_algorithm
+        chunk_keys = [to_wire(system_hash(self.model_name, sys_ids, algorithm))]
+        chunk_keys += [to_wire(chunk_hash(self.model_name, sys_ids, c, algorithm)) for c in prompt.chunks]
+        chunk_tokens = [len(sys_ids), *map(len, prompt.chunks)]
+        return PromptKeys([], chunk_keys, chunk_tokens, prompt.num_tokens)
