@@ -71,16 +71,18 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def default_model() -> str:
     """The bundled demo model, or a tiny random checkpoint built on first use where none ships."""
+    from pathlib import Path
+
     try:
         from chunkcache.demo import DEMO_MODEL_DIR
 
-        return str(DEMO_MODEL_DIR)
+        if (DEMO_MODEL_DIR / "config.json").exists():
+            return str(DEMO_MODEL_DIR)
     except ImportError:
-        from pathlib import Path
+        pass
+    from chunkcache.tiny_checkpoint import build_checkpoint
 
-        from chunkcache.tiny_checkpoint import build_checkpoint
-
-        return str(build_checkpoint(Path.home() / ".cache" / "chunkcache" / "tiny-llama"))
+    return str(build_checkpoint(Path.home() / ".cache" / "chunkcache" / "tiny-llama"))
 
 
 def run_generate(args: argparse.Namespace) -> int:
