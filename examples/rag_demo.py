@@ -2,9 +2,11 @@
 
     python examples/rag_demo.py --base-url http://127.0.0.1:8000/v1
 
-The documents and questions come from the demo model's task (`chunkcache.demo.corpus`): the
-second request sends the same documents in another order with another question, so its
-documents come from the chunk cache instead of being prefilled again.
+The documents and questions come from the demo model's task (`chunkcache.demo.corpus`, or a fixed
+set in the same style where that package is absent): the second request sends the same documents
+in another order with another question, so its documents come from the chunk cache instead of
+being prefilled again. The chat is the demo model's format: the system prompt, then a user turn
+` # # doc # # doc ... # # question`.
 """
 
 from __future__ import annotations
@@ -15,10 +17,46 @@ import time
 
 import openai
 
-from chunkcache.demo import DEFAULT_SYSTEM_PROMPT, chat_messages, make_example
+SEPARATOR = " # # "
+SYSTEM = "Use only the facts in the documents to answer."
+DOCS = [
+    "About Lamluxport. Lamluxport has 1950 people. Lamluxport is a city in Oskaria. "
+    "Lamluxport's mayor is Zaszon Furhaik.",
+    "About Vixzok Bremfexgek. Vixzok Bremfexgek is a poet. Vixzok Bremfexgek was born in 1904. "
+    "Vixzok Bremfexgek lives in Rurbaxford.",
+    "About Gekford. Gekford has 2486 people. Gekford is a city in Parvia. Gekford's mayor is Gostam Fukkaim.",
+    "About Lorburg. Lorburg has 3028 people. Lorburg is a town in Relmar. Lorburg's mayor is Vixzok Bremfexgek.",
+]
+QUESTIONS = [
+    ("How many people live in Gekford?", "Gekford has 2486 people."),
+    ("When was Vixzok Bremfexgek born?", "Vixzok Bremfexgek was born in 1904."),
+]
 
 
-def ask(client: openai.OpenAI, model: str, docs: list[str], question: str) -> tuple[str, float, int, int]:
+def chat_messages(system: str, docs: list[str], question: str) -> list[dict[str, str]]:
+    user = "".join(SEPARATOR + d for d in docs) + SEPARATOR + question
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def workload(seed: int) -> tuple[str, list[str], list[tuple[str, str]]]:
+    """(system prompt, documents, two (question, expected answer) pairs)."""
+    try:
+        from chunkcache.demo.corpus import make_example
+    except ImportError:
+        return SYSTEM, DOCS, QUESTIONS
+    example = make_example(random.Random(seed), min_docs=4, max_docs=4, hops=1)
+    others = [qa for qa in example.all_qa if qa.question != example.question and qa.hops == 1]
+    second = others[0] if others else example.all_qa[0]
+    return (
+        example.system,
+        example.docs,
+        [(example.question, example.answer), (second.question, second.answer)],
+    )
+
+
+def ask(
+    client: openai.OpenAI, model: str, system: str, docs: list[str], question: str
+) -> tuple[str, float, int, int]:
     """(answer, TTFT seconds, prompt tokens, cached prompt tokens) of one streamed chat request."""
     start = time.perf_counter()
     ttft = 0.0
@@ -26,7 +64,7 @@ def ask(client: openai.OpenAI, model: str, docs: list[str], question: str) -> tu
     usage = None
     stream = client.chat.completions.create(
         model=model,
-        messages=chat_messages(DEFAULT_SYSTEM_PROMPT, docs, question),
+        messages=chat_messages(system, docs, question),
         max_tokens=24,
         temperature=0,
         stream=True,
@@ -53,18 +91,15 @@ def main() -> None:
     args = parser.parse_args()
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0)
     model = client.models.list().data[0].id
-    example = make_example(random.Random(args.seed), min_docs=4, max_docs=4, hops=1)
-    others = [qa for qa in example.all_qa if qa.question != example.question and qa.hops == 1]
-    second = others[0] if others else example.all_qa[0]
-    reordered = list(reversed(example.docs))
-    print("documents:")
-    for doc in example.docs:
+    system, docs, questions = workload(args.seed)
+    print(f"model: {model}\ndocuments:")
+    for doc in docs:
         print("  -", doc)
-    for label, docs, question, expected in (
-        ("cold", example.docs, example.question, example.answer),
-        ("warm", reordered, second.question, second.answer),
+    for label, order, (question, expected) in (
+        ("cold", docs, questions[0]),
+        ("warm", list(reversed(docs)), questions[1]),
     ):
-        answer, ttft, prompt_tokens, cached = ask(client, model, docs, question)
+        answer, ttft, prompt_tokens, cached = ask(client, model, system, order, question)
         print(f"\n[{label}] Q: {question}")
         print(f"[{label}] A: {answer!r} (expected {expected!r})")
         print(f"[{label}] TTFT {ttft * 1000:.1f} ms, {cached} of {prompt_tokens} prompt tokens cached")
