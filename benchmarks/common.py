@@ -74,6 +74,12 @@ def timed() -> Iterator[list[float]]:
         out.append(time.perf_counter() - start)
 
 
+def now() -> tuple[float, float]:
+    """(wall, process CPU) clocks in seconds. With one torch thread, the process CPU time of a run
+    hardly depends on how busy the rest of the machine is; its wall time does."""
+    return time.perf_counter(), time.process_time()
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
