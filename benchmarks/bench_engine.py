@@ -28,7 +28,7 @@ holds the wall-clock ratios.
 The greedy tokens of the decode run are compared between the two sides (a check that both did the
 same work; fp32 rounding may flip a near-tie late in a random model's continuation).
 
-    python benchmarks/bench_engine.py [--quick] [--model-dir DIR] [--repeats 3] [--batch-repeats 1] [--threads N]
+    python benchmarks/bench_engine.py [--quick] [--model-dir DIR] [--repeats 3] [--batch-repeats 2] [--threads N]
 
 The last line is `SUMMARY bench_engine: prefill=X.XXx decode=X.XXx batch16=X.XXx` followed by the
 same three as CPU-time ratios (`cpu_prefill=... cpu_decode=... cpu_batch16=...`).
@@ -89,6 +89,9 @@ class Runs:
         """Median wall time of self over other's (self = transformers: > 1 = ours faster)."""
         return median(self.wall) / median(other.wall)
 
+    def cpu_text(self) -> str:
+        return f"[CPU {median(self.cpu):.4g} s]"
+
     def cpu_ratio(self, other: Runs) -> float:
         return median(self.cpu) / median(other.cpu)
 
@@ -123,7 +126,12 @@ def main() -> None:
     )
     add_common_args(parser)
     parser.add_argument("--repeats", type=int, default=3, help="runs of prefill and decode (median)")
-    parser.add_argument("--batch-repeats", type=int, default=1, help="runs of the batch measurement")
+    parser.add_argument(
+        "--batch-repeats",
+        type=int,
+        default=2,
+        help="runs of the batch measurement (2 = ours, theirs, theirs, ours: cancels a linear drift)",
+    )
     args = parser.parse_args()
     setup_torch(args.threads)
     shapes = QUICK if args.quick else Shapes()
@@ -201,8 +209,8 @@ def main() -> None:
     prefill_ratio = hf_p.ratio_over(ours_p)
     log(
         f"prefill, one {n}-token prompt:\n"
-        f"  ours         {fmt_runs(ours_p.wall)} = {n / median(ours_p.wall):.1f} tok/s\n"
-        f"  transformers {fmt_runs(hf_p.wall)} = {n / median(hf_p.wall):.1f} tok/s\n"
+        f"  ours         {fmt_runs(ours_p.wall)} = {n / median(ours_p.wall):.1f} tok/s {ours_p.cpu_text()}\n"
+        f"  transformers {fmt_runs(hf_p.wall)} = {n / median(hf_p.wall):.1f} tok/s {hf_p.cpu_text()}\n"
         f"  ratio {prefill_ratio:.2f}x (target >= 1.0x); {hf_p.cpu_ratio_text(ours_p)}"
     )
 
@@ -259,9 +267,9 @@ def main() -> None:
     log(
         f"decode at batch 1, {shapes.decode_prompt}-token prompt, {new} new tokens "
         f"(rate over the {rate} tokens after the first, prefill excluded):\n"
-        f"  ours         {fmt_runs(ours_d.wall)} = {rate / median(ours_d.wall):.2f} tok/s"
+        f"  ours         {fmt_runs(ours_d.wall)} = {rate / median(ours_d.wall):.2f} tok/s {ours_d.cpu_text()}"
         f"  (total with prefill {fmt_runs(ours_all.wall)})\n"
-        f"  transformers {fmt_runs(hf_d.wall)} = {rate / median(hf_d.wall):.2f} tok/s"
+        f"  transformers {fmt_runs(hf_d.wall)} = {rate / median(hf_d.wall):.2f} tok/s {hf_d.cpu_text()}"
         f"  (total with prefill {fmt_runs(hf_all.wall)})\n"
         f"  greedy tokens ours vs transformers: {'; '.join(same_tokens)}\n"
         f"  ratio {decode_ratio:.2f}x (target >= 1.2x); {hf_d.cpu_ratio_text(ours_d)}; "
@@ -294,8 +302,8 @@ def main() -> None:
     batch_ratio = hf_b.ratio_over(ours_b)
     log(
         f"{b} requests of {plen} prompt tokens + {bnew} new tokens (total time, prefill included):\n"
-        f"  ours, all {b} at once           {fmt_runs(ours_b.wall)} = {gen / median(ours_b.wall):.2f} generated tok/s\n"
-        f"  transformers, one after another {fmt_runs(hf_b.wall)} = {gen / median(hf_b.wall):.2f} generated tok/s\n"
+        f"  ours, all {b} at once           {fmt_runs(ours_b.wall)} = {gen / median(ours_b.wall):.2f} generated tok/s {ours_b.cpu_text()}\n"
+        f"  transformers, one after another {fmt_runs(hf_b.wall)} = {gen / median(hf_b.wall):.2f} generated tok/s {hf_b.cpu_text()}\n"
         f"  ratio {batch_ratio:.2f}x (target >= 4x); {hf_b.cpu_ratio_text(ours_b)}"
     )
     print(
