@@ -256,3 +256,73 @@ def test_device_and_dtype_auto(checkpoint) -> None:
     assert llm.engine.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     if llm.engine.device.type == "cpu":
         assert llm.engine.runner.dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows", [1, 3, 4, 37])
+@pytest.mark.parametrize(
+    ("gated", "bias", "with_residual"), [(False, False, False), (False, True, True), (True, True, False)]
+)
+def test_packed_linear_matches_f_linear(rows: int, gated: bool, bias: bool, with_residual: bool) -> None:
+    """The oneDNN path (row padding below 4 rows, fused SwiGLU and residual) against F.linear."""
+    import torch.nn.functional as F
+
+    from chunkcache.model.linear import Linear
+
+    gen = torch.Generator().manual_seed(rows)
+    lin = Linear(96, 160, bias=bias, gated=gated)
+    weight = torch.randn(160, 96, generator=gen) * 0.1
+    b = torch.randn(160, generator=gen) if bias else None
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        if lin.bias is not None:
+            lin.bias.copy_(b)
+    x = torch.randn(rows, 96, generator=gen)
+    out_size = 80 if gated else 160
+    residual = torch.randn(rows, out_size, generator=gen) if with_residual else None
+    ref = F.linear(x, weight, b)
+    if gated:
+        ref = F.silu(ref[:, :80]) * ref[:, 80:]
+    if residual is not None:
+        ref = ref + residual
+    assert lin.prepack() and lin.is_packed and lin.weight is None
+    with torch.inference_mode():
+        out = lin(x, residual)
+    assert out.shape == (rows, out_size)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("tied", [False, True])
+def test_cpu_fp32_model_is_prepacked_and_matches_dense(checkpoint, monkeypatch, tied: bool) -> None:
+    """On CPU float32 every projection (lm_head included) is packed at load, and the logits of a
+    prefill (many rows) and a decode step (one row) equal those of the dense F.linear model."""
+    from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
+    from chunkcache.model.linear import Linear
+    from chunkcache.model.llama import LlamaForCausalLM
+    from chunkcache.model.loader import load_model
+
+    path = checkpoint(arch="qwen2", tie_word_embeddings=tied)
+    packed = load_model(str(path), "cpu", "float32")
+    linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.is_packed and m.weight is None for m in linears)
+    monkeypatch.setattr(LlamaForCausalLM, "prepack", lambda self: 0)
+    dense = load_model(str(path), "cpu", "float32")
+    assert not any(m.is_packed for m in dense.model.modules() if isinstance(m, Linear))
+
+    spec = packed.spec
+    n = 11
+    ids = torch.randint(3, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+
+    @torch.inference_mode()
+    def logits(model: LlamaForCausalLM) -> torch.Tensor:
+        shape = (n, spec.num_kv_heads, spec.head_dim)
+        kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(spec.num_layers)]
+        pre = AttentionMetadata(torch.arange(n - 1), [PrefillSegment.make(0, n - 1, None)], None)
+        prefill = model.compute_logits(model(ids[:-1], torch.arange(n - 1), kv, pre))
+        dec = DecodeBatch(torch.tensor([0]), torch.arange(n)[None], torch.ones(1, 1, 1, n, dtype=torch.bool))
+        step = AttentionMetadata(torch.tensor([n - 1]), [], dec)
+        decode = model.compute_logits(model(ids[-1:], torch.tensor([n - 1]), kv, step))
+        return torch.cat((prefill, decode))
+
+    torch.testing.assert_close(logits(packed.model), logits(dense.model), atol=1e-5, rtol=1e-5)

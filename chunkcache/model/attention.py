@@ -77,8 +77,9 @@ def attend(
     for seg in meta.prefills:
         qs, ks, vs = q[seg.start : seg.end], k[seg.start : seg.end], v[seg.start : seg.end]
         if seg.past_slots is not None:
-            ks = torch.cat((k_cache[seg.past_slots], ks))
-            vs = torch.cat((v_cache[seg.past_slots], vs))
+            # index_select, not k_cache[slots]: the advanced-indexing gather is ~5x slower on CPU.
+            ks = torch.cat((k_cache.index_select(0, seg.past_slots), ks))
+            vs = torch.cat((v_cache.index_select(0, seg.past_slots), vs))
         o = F.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0),
             ks.transpose(0, 1).unsqueeze(0),
@@ -96,8 +97,11 @@ def attend(
         # One query per sequence: fold the query heads of a KV head into the query axis (GQA
         # without repeating K/V), which is several times faster than enable_gqa on CPU.
         qd = q[d.token_index].view(b, num_kv_heads, group, -1)
-        kd = k_cache[d.slots].permute(0, 2, 1, 3)
-        vd = v_cache[d.slots].permute(0, 2, 1, 3)
+        # index_select over the flattened slots, not k_cache[d.slots]: the advanced-indexing
+        # gather was ~5x slower on CPU and 7% of a 16-sequence decode step.
+        flat = d.slots.flatten()
+        kd = k_cache.index_select(0, flat).view(*d.slots.shape, *k_cache.shape[1:]).permute(0, 2, 1, 3)
+        vd = v_cache.index_select(0, flat).view(*d.slots.shape, *v_cache.shape[1:]).permute(0, 2, 1, 3)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
         out[d.token_index] = o.reshape(b, q.shape[1], -1)
     return out

@@ -205,5 +205,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto") -> LoadedM
     for layer in net.layers:
         layer.self_attn.rotary = rotary
     net.eval()
+    # After every weight is in place: packing reads the final (merged, tied) tensors.
+    net.prepack()
     tokenizer = load_tokenizer(path)
     return LoadedModel(net, spec, tokenizer, path, _eos_ids(path, tokenizer, hf), torch_dtype, dev)
