@@ -12,7 +12,11 @@ from chunkcache.engine_args import add_engine_arguments, engine_options
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from a prompt offline and print the result")
-    p.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model directory (default: the demo model if trained, else a tiny random checkpoint)",
+    )
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
     p.add_argument("--chat", action="store_true", help="render each prompt as a user message first")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -28,7 +32,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="quality of chunk reuse modes against a full prefill")
-    p.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model directory (default: the demo model if trained, else a tiny random checkpoint)",
+    )
     p.add_argument("--prompts", required=True, help="JSONL: {'prompt': 'S # # C1 # # ... # # Q'} per line")
     p.add_argument(
         "--modes",
@@ -70,17 +78,15 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def default_model() -> str:
-    """The bundled demo model, or a tiny random checkpoint built on first use where none ships."""
+    """The demo model where it has been trained into chunkcache/demo, else a tiny random
+    checkpoint built on first use."""
     from pathlib import Path
 
-    try:
-        from chunkcache.demo import DEMO_MODEL_DIR
-
-        if (DEMO_MODEL_DIR / "config.json").exists():
-            return str(DEMO_MODEL_DIR)
-    except ImportError:
-        pass
+    from chunkcache.demo import DEMO_MODEL_DIR
     from chunkcache.tiny_checkpoint import build_checkpoint
+
+    if (DEMO_MODEL_DIR / "config.json").exists():
+        return str(DEMO_MODEL_DIR)
 
     return str(build_checkpoint(Path.home() / ".cache" / "chunkcache" / "tiny-llama"))
 

@@ -168,8 +168,8 @@ def corpus(num_lines: int = 600, seed: int = 1234) -> list[str]:
     return lines
 
 
-def _train_tokenizer_json() -> str:
-    """Train the byte-level BPE and return its `tokenizer.json` text."""
+def _train_tokenizer_json(texts: list[str], vocab_size: int, min_frequency: int) -> str:
+    """Train the byte-level BPE on `texts` and return its `tokenizer.json` text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -178,14 +178,14 @@ def _train_tokenizer_json() -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
-        min_frequency=1,
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         # Seeding the whole byte alphabet makes every string encodable (no unknown tokens).
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     bos_id = tok.token_to_id(BOS_TOKEN)
     # The template runs only when encode(..., add_special_tokens=True), which is exactly the
     # contract the engine relies on: S gets BOS, chunks and questions do not.
@@ -202,9 +202,15 @@ def _train_tokenizer_json() -> str:
     return tok.to_str(pretty=True)
 
 
-def build_tokenizer(out_dir: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    out_dir: str | os.PathLike[str],
+    texts: list[str] | None = None,
+    vocab_size: int = TOKENIZER_VOCAB_SIZE,
+    min_frequency: int = 1,
+) -> PreTrainedTokenizerFast:
     """Train the tiny tokenizer, save it into `out_dir` (transformers format) and return it.
 
+    `texts` defaults to the built-in `corpus()`; the demo model's training script passes its own.
     The result round-trips through `transformers.AutoTokenizer.from_pretrained(out_dir)`.
     """
     from tokenizers import Tokenizer
@@ -213,7 +219,9 @@ def build_tokenizer(out_dir: str | os.PathLike[str]) -> PreTrainedTokenizerFast:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_train_tokenizer_json()),
+        tokenizer_object=Tokenizer.from_str(
+            _train_tokenizer_json(corpus() if texts is None else texts, vocab_size, min_frequency)
+        ),
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,

@@ -21,15 +21,15 @@ SEPARATOR = " # # "
 SYSTEM = "Use only the facts in the documents to answer."
 DOCS = [
     "About Lamluxport. Lamluxport has 1950 people. Lamluxport is a city in Oskaria. "
-    "Lamluxport's mayor is Zaszon Furhaik.",
-    "About Vixzok Bremfexgek. Vixzok Bremfexgek is a poet. Vixzok Bremfexgek was born in 1904. "
-    "Vixzok Bremfexgek lives in Rurbaxford.",
-    "About Gekford. Gekford has 2486 people. Gekford is a city in Parvia. Gekford's mayor is Gostam Fukkaim.",
-    "About Lorburg. Lorburg has 3028 people. Lorburg is a town in Relmar. Lorburg's mayor is Vixzok Bremfexgek.",
+    "The mayor of Lamluxport is Zaszon Furhaik.",
+    "About Vixzok Bremfexgek. Vixzok Bremfexgek works as a poet. Vixzok Bremfexgek was born in 1904. "
+    "Vixzok Bremfexgek lives in Lamluxport.",
+    "About Gekford. Gekford has 2486 people. Gekford is a city in Parvia. The mayor of Gekford is Gostam Fukkaim.",
+    "About Brenbro. Brenbro makes lanterns. Brenbro was founded in 1926. Brenbro is based in Gekford.",
 ]
 QUESTIONS = [
-    ("How many people live in Gekford?", "Gekford has 2486 people."),
-    ("When was Vixzok Bremfexgek born?", "Vixzok Bremfexgek was born in 1904."),
+    ("How many people live in Gekford?", "2486"),
+    ("When was Vixzok Bremfexgek born?", "1904"),
 ]
 
 

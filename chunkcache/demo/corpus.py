@@ -1,0 +1,354 @@
+"""The synthetic document-QA task the demo model is trained on, and its exact prompt format.
+
+Facts about invented entities (cities, people, companies) are drawn fresh for every example, so
+the only way to answer is to read the documents: nothing can be memorised. (The names come from
+fixed lists of a few hundred, which the tokenizer learns as single tokens; who is who, and every
+number, changes from example to example.) An example is
+
+* a system prompt,
+* 2-6 short documents, one entity each: "About {name}." and one sentence per fact, in random
+  order, e.g. "About Zorvak. Zorvak has 4120 people. Zorvak is a city in Pelmara. The mayor of
+  Zorvak is Quilla Brent.",
+* a question and its answer, the value alone: "How many people live in Zorvak?" -> "4120"
+  (single-hop). A share of the questions takes two documents, and the answer names the bridge
+  entity first: "How many people live in the city where Quilla Brent lives?" -> "Zorvak, 4120"
+  (two-hop).
+
+The prompt is a chunked prompt in the chat format of the demo tokenizer's template (ChatML):
+
+    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n # # {doc 1} # # ... # # {doc n} # # {question}<|im_end|>\\n<|im_start|>assistant\\n
+
+i.e. `chat_messages(system, docs, question)` rendered by the chat template; `format_prompt` returns
+exactly that text *without* the leading BOS, for `LLM.generate(prompt)` (whose default
+`add_special_tokens=True` prepends BOS to the system part), while `LLM.chat(chat_messages(...))`
+renders the BOS itself: both give the same tokens. Split at the separator " # # ", the parts are
+S = the system turn plus "<|im_start|>user\\n", the chunks = the documents verbatim, Q = the question
+and the assistant header. The model answers ` {answer}<|im_end|>`: with a leading space, so that
+the answer's tokens are exactly those of the words inside the documents; `exact_match` strips it.
+
+A plain-text variant (`chat=False`: "{system} # # {doc 1} # # ... # # {question}\\n", the model
+answering ` {answer}<|eos|>`) is trained on a smaller share, so the seed documents' plain form works too.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT",
+    "QA",
+    "SEPARATOR",
+    "SYSTEM_PROMPTS",
+    "Example",
+    "chat_messages",
+    "exact_match",
+    "format_prompt",
+    "held_out_set",
+    "make_example",
+    "make_world",
+]
+
+SEPARATOR = " # # "
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question with a short phrase from the documents."
+)
+SYSTEM_PROMPTS: tuple[str, ...] = (
+    DEFAULT_SYSTEM_PROMPT,
+    "You are a helpful assistant.",
+    "Answer the question using the documents below.",
+    "Read the documents and answer briefly.",
+    "You answer questions about documents. Reply with the exact answer only.",
+    "Use only the facts in the documents to answer.",
+)
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+# ---- invented names ---------------------------------------------------------------------------
+
+# Names come from fixed lists (made once, deterministically, from syllables): the tokenizer learns
+# most of them as single tokens, so a small model finds an entity by one token. The facts are drawn
+# fresh for every example, so answering still takes reading the documents.
+_ONSETS = ("b", "br", "d", "dr", "f", "g", "h", "k", "l", "m", "n", "p", "qu", "r", "s", "t", "v", "z")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "o", "a")
+_CODAS = ("", "", "n", "r", "l", "s", "k", "m", "x")
+
+
+def _name_list(
+    seed: int, count: int, syllables: tuple[int, ...], endings: tuple[str, ...] = ("",)
+) -> tuple[str, ...]:
+    rng = random.Random(seed)
+    names: list[str] = []
+    while len(names) < count:
+        word = "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+            for _ in range(rng.choice(syllables))
+        )
+        word = (word + rng.choice(endings)).capitalize()
+        if 4 <= len(word) <= 10 and word not in names:
+            names.append(word)
+    return tuple(names)
+
+
+FIRST_NAMES = _name_list(1, 100, (2,))
+LAST_NAMES = tuple(n for n in _name_list(2, 130, (2, 3)) if n not in FIRST_NAMES)[:100]
+CITY_NAMES = tuple(
+    n
+    for n in _name_list(3, 260, (1, 2), ("", "", "ia", "ton", "burg", "ford", "vik", "dale", "port"))
+    if n not in FIRST_NAMES and n not in LAST_NAMES
+)[:200]
+COMPANY_STEMS = tuple(n for n in _name_list(4, 200, (2,)) if n not in FIRST_NAMES + LAST_NAMES + CITY_NAMES)[
+    :100
+]
+_COUNTRIES = (
+    "Pelmara", "Dorvania", "Keshet", "Ulmora", "Tarsia", "Vendria", "Oskaria", "Belmont", "Zanthia",
+    "Corvel", "Ithria", "Mardova", "Nolvia", "Quessa", "Rhovan", "Sildar", "Torvia", "Eskeland",
+    "Farrow", "Galdor", "Hespera", "Jorvik", "Lunaris", "Myrren", "Norvale", "Orlan", "Parvia",
+    "Relmar", "Sarnia", "Tavor", "Valdris", "Wendar",
+)  # fmt: skip
+_JOBS = (
+    "baker", "teacher", "painter", "farmer", "doctor", "sailor", "poet", "carpenter", "judge",
+    "singer", "merchant", "pilot", "chemist", "weaver", "tailor", "miner", "lawyer", "gardener",
+    "librarian", "fisher", "nurse", "engineer", "potter", "builder",
+)  # fmt: skip
+_PRODUCTS = (
+    "glass jars", "bicycles", "paper", "copper pipes", "wool coats", "clocks", "lanterns", "boats",
+    "candles", "shoes", "maps", "ink", "bricks", "radios", "soap", "tea", "rope", "bells", "saddles",
+    "telescopes", "cheese", "carpets", "umbrellas", "violins",
+)  # fmt: skip
+
+
+def _person_name(rng: random.Random) -> str:
+    return f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+
+
+def _city_name(rng: random.Random) -> str:
+    return rng.choice(CITY_NAMES)
+
+
+def _company_name(rng: random.Random) -> str:
+    return rng.choice(COMPANY_STEMS)
+
+
+# ---- the world and its documents --------------------------------------------------------------
+
+
+@dataclass
+class Entity:
+    kind: str  # "city" | "person" | "company"
+    name: str
+    facts: dict[str, str]
+    doc: str = ""
+    sentences: dict[str, str] = field(default_factory=dict)  # fact -> its sentence in the document
+
+
+@dataclass
+class QA:
+    question: str
+    answer: str
+    hops: int  # 1 or 2
+    kind: str  # the question template's name, e.g. "city.population" or "person>city.mayor"
+    value: str = ""  # the asked value alone ("4120"), the end of the answer
+
+
+@dataclass
+class Example:
+    system: str
+    docs: list[str]
+    question: str
+    answer: str
+    hops: int
+    kind: str
+    value: str
+    # Every question the documents answer (the chosen one included); training packs several.
+    all_qa: list[QA] = field(default_factory=list, repr=False)
+
+    def prompt(self, chat: bool = True) -> str:
+        return format_prompt(self.system, self.docs, self.question, chat=chat)
+
+
+# A document is a short fact sheet: "About {name}." and one sentence per fact, in random order,
+# each naming its entity and ending with the value ("Zorvak has 4120 people."). The question uses
+# the sentence's own words ("How many people live in Zorvak?") and the answer is the value alone.
+# Names never share a word within an example, so one name token points at one entity.
+
+
+def _fact_sentences(e: Entity) -> dict[str, str]:
+    f, x = e.facts, e.name
+    if e.kind == "city":
+        return {
+            "country": f"{x} is a city in {f['country']}.",
+            "population": f"{x} has {f['population']} people.",
+            "mayor": f"The mayor of {x} is {f['mayor']}.",
+        }
+    if e.kind == "person":
+        return {
+            "job": f"{x} works as a {f['job']}.",
+            "city": f"{x} lives in {f['city']}.",
+            "born": f"{x} was born in {f['born']}.",
+        }
+    return {
+        "city": f"{x} is based in {f['city']}.",
+        "product": f"{x} makes {f['product']}.",
+        "founded": f"{x} was founded in {f['founded']}.",
+    }
+
+
+def _write_doc(rng: random.Random, e: Entity) -> str:
+    e.sentences = _fact_sentences(e)
+    facts = list(e.sentences.values())
+    rng.shuffle(facts)
+    return " ".join([f"About {e.name}.", *facts])
+
+
+# (kind, fact) -> question templates; "{x}" is the entity's name.
+_SINGLE: dict[tuple[str, str], tuple[str, ...]] = {
+    ("city", "population"): ("How many people live in {x}?",),
+    ("city", "mayor"): ("Who is the mayor of {x}?",),
+    ("city", "country"): ("In which country is {x}?",),
+    ("person", "job"): ("What is the job of {x}?",),
+    ("person", "city"): ("Where does {x} live?",),
+    ("person", "born"): ("When was {x} born?",),
+    ("company", "product"): ("What does {x} make?",),
+    ("company", "city"): ("Where is {x} based?",),
+    ("company", "founded"): ("When was {x} founded?",),
+}
+# Two-hop: (kind, bridge fact, kind of the bridge entity, fact) -> templates. The answer names the
+# bridge first ("Zorvak, 4120"): the second lookup then reads its entity from the answer so far.
+_DOUBLE: dict[tuple[str, str, str, str], tuple[str, ...]] = {
+    ("person", "city", "city", "population"): ("How many people live in the city where {x} lives?",),
+    ("person", "city", "city", "mayor"): ("Who is the mayor of the city where {x} lives?",),
+    ("person", "city", "city", "country"): ("In which country is the city where {x} lives?",),
+    ("company", "city", "city", "population"): ("How many people live in the city where {x} is based?",),
+    ("company", "city", "city", "mayor"): ("Who is the mayor of the city where {x} is based?",),
+    ("company", "city", "city", "country"): ("In which country is the city where {x} is based?",),
+    ("city", "mayor", "person", "job"): ("What is the job of the mayor of {x}?",),
+    ("city", "mayor", "person", "born"): ("When was the mayor of {x} born?",),
+}
+
+
+def make_world(rng: random.Random, num_docs: int) -> list[Entity]:
+    """`num_docs` entities with distinct names, each with a document; references between them
+    (a person living in a described city, a described mayor) make two-hop questions possible."""
+    used: set[str] = set()
+
+    def fresh(maker) -> str:  # type: ignore[no-untyped-def]
+        while True:
+            name = maker(rng)
+            # No word shared between two names: each name (and each last name) points at one entity.
+            words = set(name.split())
+            if not words & used:
+                used.update(words)
+                return name
+
+    kinds = [rng.choice(("city", "city", "person", "person", "company")) for _ in range(num_docs)]
+    entities: list[Entity] = []
+    for kind in kinds:
+        if kind == "city":
+            facts = {
+                "country": rng.choice(_COUNTRIES),
+                "mayor": fresh(_person_name),
+                "population": str(rng.randint(1000, 9999)),
+            }
+            entities.append(Entity("city", fresh(_city_name), facts))
+        elif kind == "person":
+            facts = {"job": rng.choice(_JOBS), "city": "", "born": str(rng.randint(1900, 2010))}
+            entities.append(Entity("person", fresh(_person_name), facts))
+        else:
+            facts = {"product": rng.choice(_PRODUCTS), "city": "", "founded": str(rng.randint(1800, 2020))}
+            entities.append(Entity("company", fresh(_company_name), facts))
+    cities = [e for e in entities if e.kind == "city"]
+    for e in entities:
+        if e.kind in ("person", "company"):
+            # Half the time the city is one of the documents (a possible bridge), else a new one.
+            e.facts["city"] = rng.choice(cities).name if cities and rng.random() < 0.6 else fresh(_city_name)
+    persons = [e for e in entities if e.kind == "person"]
+    for c in cities:
+        if persons and rng.random() < 0.4:
+            # This city's mayor is a described person (whose own city may differ: fine).
+            c.facts["mayor"] = rng.choice(persons).name
+    for e in entities:
+        e.doc = _write_doc(rng, e)
+    return entities
+
+
+def _questions(rng: random.Random, entities: list[Entity]) -> list[QA]:
+    by_name = {e.name: e for e in entities}
+    out: list[QA] = []
+    for e in entities:
+        for (kind, fact), templates in _SINGLE.items():
+            if kind == e.kind:
+                question = rng.choice(templates).format(x=e.name)
+                out.append(QA(question, e.facts[fact], 1, f"{kind}.{fact}", e.facts[fact]))
+        for (kind, bridge_fact, bridge_kind, fact), templates in _DOUBLE.items():
+            bridge = by_name.get(e.facts.get(bridge_fact, "")) if kind == e.kind else None
+            if bridge is not None and bridge is not e and bridge.kind == bridge_kind:
+                answer = f"{bridge.name}, {bridge.facts[fact]}"
+                name = f"{kind}>{bridge_kind}.{fact}"
+                question = rng.choice(templates).format(x=e.name)
+                out.append(QA(question, answer, 2, name, bridge.facts[fact]))
+    return out
+
+
+def make_example(
+    rng: random.Random,
+    min_docs: int = 2,
+    max_docs: int = 6,
+    two_hop_share: float = 0.3,
+    hops: int | None = None,
+    system: str | None = None,
+) -> Example:
+    """One example drawn from `rng`: documents, and a question with its answer.
+
+    `hops` forces single- (1) or two-hop (2) questions; otherwise a two-hop question is chosen with
+    probability `two_hop_share` when the documents allow one. `system` fixes the system prompt
+    (default: drawn from SYSTEM_PROMPTS, the first one half of the time).
+    """
+    while True:
+        entities = make_world(rng, rng.randint(min_docs, max_docs))
+        qas = _questions(rng, entities)
+        singles = [q for q in qas if q.hops == 1]
+        doubles = [q for q in qas if q.hops == 2]
+        want = hops if hops is not None else (2 if doubles and rng.random() < two_hop_share else 1)
+        pool = doubles if want == 2 else singles
+        if pool:
+            break
+    qa = rng.choice(pool)
+    if system is None:
+        system = DEFAULT_SYSTEM_PROMPT if rng.random() < 0.5 else rng.choice(SYSTEM_PROMPTS)
+    docs = [e.doc for e in entities]
+    return Example(system, docs, qa.question, qa.answer, qa.hops, qa.kind, qa.value, all_qa=qas)
+
+
+def held_out_set(seed: int, n: int, two_hop_share: float = 0.3) -> list[Example]:
+    """A fixed evaluation set: `n` examples from `random.Random(seed)` with the default system
+    prompt. The training script draws from other seeds."""
+    rng = random.Random(seed)
+    return [make_example(rng, two_hop_share=two_hop_share, system=DEFAULT_SYSTEM_PROMPT) for _ in range(n)]
+
+
+# ---- the prompt format ------------------------------------------------------------------------
+
+
+def chat_messages(system: str, docs: list[str], question: str) -> list[dict[str, str]]:
+    """The chat request whose rendering is `format_prompt(...)` (plus the template's BOS)."""
+    user = "".join(SEPARATOR + d for d in docs) + SEPARATOR + question
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def format_prompt(system: str, docs: list[str], question: str, chat: bool = True) -> str:
+    """The prompt text, for `LLM.generate` with its default `add_special_tokens=True` (BOS added).
+
+    chat=True (what the model is mostly trained on): the ChatML rendering of `chat_messages`,
+    ending with the assistant header; the model answers ` {answer}<|im_end|>`.
+    chat=False: `"{system} # # {doc} # # ... # # {question}\\n"`; the model answers ` {answer}<|eos|>`.
+    """
+    if chat:
+        user = "".join(SEPARATOR + d for d in docs) + SEPARATOR + question
+        return f"{IM_START}system\n{system}{IM_END}\n{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n"
+    return SEPARATOR.join([system, *docs, question]) + "\n"
+
+
+def exact_match(output: str, answer: str) -> bool:
+    """The benchmark's metric: the generated text, stripped of surrounding whitespace, equals the answer."""
+    return output.strip() == answer
