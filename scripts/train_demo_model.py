@@ -88,6 +88,7 @@ from chunkcache.tiny_checkpoint import (  # noqa: E402
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,
+    SPECIAL_TOKENS,
 )
 from chunkcache.tiny_checkpoint import build_tokenizer as build_bpe_tokenizer  # noqa: E402
 
@@ -311,6 +312,7 @@ class TrainConfig:
     lm_weight: float = 1.0
     context_lm_share: float = 1.0
     copy_only_lm: bool = True  # LM loss only on targets visible earlier (see _copyable)
+    repeat_share: float = 0.0  # extra samples of repeated random tokens (see _repeat_sample)
     drill_share: float = 0.5  # samples that carry a drill block (see Encoder.sample)
     isolated_share: float = 0.5  # block variant: samples in layout "isolated"
     text_share: float = 0.15  # samples tokenized as one text with the separators (no chunk cache)
@@ -355,6 +357,25 @@ def _copyable(sample: Sample, lm: list[bool]) -> list[bool]:
     return [flag and bool(ok) for flag, ok in zip(lm, seen.tolist(), strict=True)]
 
 
+def _repeat_sample(rng: random.Random, vocab_size: int) -> Sample:
+    """BOS, a random token sequence over the whole vocabulary, and the same sequence again, with
+    the LM loss on the repeat: the classic task that grows induction (copy) heads, here so that
+    copying works for every token, not only the names the QA data repeats."""
+    n = rng.randint(16, 48)
+    seq = [rng.randrange(len(SPECIAL_TOKENS), vocab_size) for _ in range(n)]
+    ids = [SPECIAL_TOKENS.index(BOS), *seq, *seq]
+    total = len(ids)
+    lm = [i >= n + 1 for i in range(total - 1)] + [False]
+    return Sample(
+        ids=ids,
+        positions=list(range(total)),
+        mask=torch.ones(total, total, dtype=torch.bool).tril(),
+        targets=[*ids[1:], -100],
+        is_answer=[False] * total,
+        lm=lm,
+    )
+
+
 def make_batch(rng: random.Random, enc: Encoder, cfg: TrainConfig, progress: float) -> list[Sample]:
     ramp = min(1.0, progress / cfg.curriculum) if cfg.curriculum > 0 else 1.0
     max_docs = 1 + round(5 * ramp)
@@ -380,6 +401,8 @@ def make_batch(rng: random.Random, enc: Encoder, cfg: TrainConfig, progress: flo
         if cfg.copy_only_lm:
             sample.lm = _copyable(sample, sample.lm)
         samples.append(sample)
+    vocab = len(enc.tok)
+    samples += [_repeat_sample(rng, vocab) for _ in range(round(cfg.repeat_share * cfg.batch_size))]
     return samples
 
 
@@ -657,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-examples", type=int, default=None, help="held-out questions checked at the end")
     p.add_argument("--context-lm-share", type=float, default=None)
     p.add_argument("--drill-share", type=float, default=None)
+    p.add_argument("--repeat-share", type=float, default=None)
     p.add_argument("--eval-every", type=int, default=None, help="steps between quick held-out checks")
     p.add_argument("--eval-only", action="store_true", help="only re-evaluate the checkpoint in --out")
     args = p.parse_args(argv)
@@ -685,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval_every",
         "context_lm_share",
         "drill_share",
+        "repeat_share",
     ):
         value = getattr(args, name)
         if value is not None:
