@@ -43,16 +43,19 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from common import (
+    QUICK_CHUNK_SHAPES,
+    SEP,
+    ChunkShapes,
     TextMaker,
     add_common_args,
+    chunked_prompt,
     describe_machine,
     ensure_checkpoint,
+    first_token_time,
     fmt_runs,
     median,
     setup_torch,
@@ -65,22 +68,9 @@ from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
 from chunkcache.evaluate import default_modes, evaluate, format_table
 from chunkcache.outputs import RequestOutput
 
-SEP = " # # "
 RATIOS = (0.0, 0.05, 0.15, 0.3, 1.0)
 CHECK_LAYER = 1
 TARGET_RATIO, TARGET_SPEEDUP = 0.15, 4.0
-
-
-@dataclass(frozen=True)
-class Shapes:
-    sys_len: int = 128
-    chunk_len: int = 1024
-    num_chunks: int = 4
-    q_len: int = 64
-    new_tokens: int = 16
-
-
-QUICK = Shapes(sys_len=32, chunk_len=128, num_chunks=4, q_len=16, new_tokens=4)
 
 
 def log(msg: str) -> None:
@@ -100,7 +90,7 @@ def label(ratio: float) -> str:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, shapes: Shapes, model_dir: str) -> None:
+    def __init__(self, args: argparse.Namespace, shapes: ChunkShapes, model_dir: str) -> None:
         self.shapes = shapes
         self.llm = LLM(
             model_dir,
@@ -117,17 +107,9 @@ class Bench:
 
     def prompt(self) -> tuple[str, ChunkedPrompt]:
         """A fresh chunked prompt of the exact shapes, and its parse."""
-        sh = self.shapes
-        parts = [self.maker.text(sh.sys_len, special=True)]
-        parts += [self.maker.text(sh.chunk_len) for _ in range(sh.num_chunks)]
-        parts.append(self.maker.text(sh.q_len))
-        text = SEP.join(parts)
-        parsed = parse_chunked_prompt(text, SEP, self.tok)
-        assert parsed is not None
-        assert len(parsed.sys_token_ids) == sh.sys_len
-        assert [len(c) for c in parsed.chunks] == [sh.chunk_len] * sh.num_chunks
-        assert len(parsed.question_token_ids) == sh.q_len
-        return text, parsed
+        sh, text = self.shapes, self.maker.text
+        chunks = [text(sh.chunk_len) for _ in range(sh.num_chunks)]
+        return chunked_prompt(self.tok, sh, text(sh.sys_len, special=True), chunks, text(sh.q_len))
 
     def ttft(
         self,
@@ -136,23 +118,8 @@ class Bench:
         max_tokens: int | None = None,
     ) -> tuple[float, float, RequestOutput]:
         """(wall TTFT, process CPU time to the first token, the final output)."""
-        eng = self.llm.engine
-        rid = f"bench-{next(self._ids)}"
         params = self.params if max_tokens is None else SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        first: tuple[float, float] | None = None
-        final: RequestOutput | None = None
-        start, cpu_start = time.perf_counter(), time.process_time()
-        eng.add_request(rid, prompt, params, chunk_options=chunk_options)
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.request_id != rid:
-                    continue
-                if first is None and out.outputs[0].token_ids:
-                    first = (time.perf_counter(), time.process_time())
-                if out.finished:
-                    final = out
-        assert first is not None and final is not None
-        return first[0] - start, first[1] - cpu_start, final
+        return first_token_time(self.llm.engine, f"bench-{next(self._ids)}", prompt, params, chunk_options)
 
 
 def main() -> None:
@@ -165,7 +132,7 @@ def main() -> None:
     parser.add_argument("--no-eval", action="store_true", help="skip the quality metrics")
     args = parser.parse_args()
     setup_torch(args.threads)
-    shapes = QUICK if args.quick else Shapes()
+    shapes = QUICK_CHUNK_SHAPES if args.quick else ChunkShapes()
     model_dir = ensure_checkpoint(args.model_dir)
     log(f"machine: {describe_machine()}")
     log(f"checkpoint: {model_dir}  shapes: {shapes}  max_num_batched_tokens={args.max_num_batched_tokens}")

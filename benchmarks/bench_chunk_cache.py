@@ -56,13 +56,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import (
+    QUICK_CHUNK_SHAPES,
+    SEP,
+    ChunkShapes,
     TextMaker,
     add_common_args,
+    chunked_prompt,
     describe_machine,
     ensure_checkpoint,
+    first_token_time,
     fmt_runs,
     median,
-    now,
     random_token_ids,
     setup_torch,
     summary,
@@ -70,24 +74,16 @@ from common import (
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.chunk.parse import parse_chunked_prompt
 from chunkcache.outputs import RequestOutput
 from chunkcache.tiny_checkpoint import TOKENIZER_VOCAB_SIZE
 
-SEP = " # # "
-
 
 @dataclass(frozen=True)
-class Shapes:
-    sys_len: int = 128
-    chunk_len: int = 1024
-    num_chunks: int = 4
-    q_len: int = 64
-    new_tokens: int = 16
+class Shapes(ChunkShapes):
     scan: tuple[int, ...] = (1, 2, 4, 8)
 
 
-QUICK = Shapes(sys_len=32, chunk_len=128, num_chunks=4, q_len=16, new_tokens=4)
+QUICK = Shapes(**vars(QUICK_CHUNK_SHAPES))
 
 
 def log(msg: str) -> None:
@@ -124,13 +120,7 @@ class Bench:
         return self.maker.text(self.shapes.q_len)
 
     def prompt(self, sys: str, chunks: list[str], q: str) -> str:
-        text = SEP.join([sys, *chunks, q])
-        parsed = parse_chunked_prompt(text, SEP, self.tok)
-        assert parsed is not None
-        assert len(parsed.sys_token_ids) == self.shapes.sys_len
-        assert [len(c) for c in parsed.chunks] == [self.shapes.chunk_len] * len(chunks)
-        assert len(parsed.question_token_ids) == self.shapes.q_len
-        return text
+        return chunked_prompt(self.tok, self.shapes, sys, chunks, q)[0]
 
     def kv_list_ids(self, sys: str, chunks: list[str]) -> list[int]:
         """The token ids of a chunked request's assembled KV list [S | C1 | ... | Cn]."""
@@ -143,24 +133,11 @@ class Bench:
 
     def ttft(self, llm: LLM, prompt: str | list[int]) -> tuple[float, RequestOutput]:
         """Wall-clock TTFT of one request (run to its end); its process CPU TTFT goes to self.cpu."""
-        eng = llm.engine
-        rid = f"bench-{next(self._ids)}"
-        first: tuple[float, float] | None = None
-        final: RequestOutput | None = None
-        start = now()
-        eng.add_request(rid, prompt, self.params)
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.request_id != rid:
-                    continue
-                if first is None and out.outputs[0].token_ids:
-                    first = now()
-                if out.finished:
-                    final = out
-        assert first is not None and final is not None
+        wall, self.last_cpu, final = first_token_time(
+            llm.engine, f"bench-{next(self._ids)}", prompt, self.params
+        )
         assert len(final.outputs[0].token_ids) == self.shapes.new_tokens
-        self.last_cpu = first[1] - start[1]
-        return first[0] - start[0], final
+        return wall, final
 
 
 def reorder(chunks: list[str], rng: random.Random) -> list[str]:

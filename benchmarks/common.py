@@ -15,14 +15,38 @@ import string
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
+
+if TYPE_CHECKING:
+    from chunkcache import SamplingParams
+    from chunkcache.engine.engine import LLMEngine
+    from chunkcache.outputs import RequestOutput
 
 DEFAULT_MODEL_DIR = Path(
     os.environ.get("CHUNKCACHE_BENCH_MODEL_DIR", Path.home() / ".cache" / "chunkcache" / "bench-qwen2.5-0.5b")
 )
 # Ids 0..4 are the tiny tokenizer's special tokens (BOS, EOS, PAD, ChatML); 5.. are ordinary.
 FIRST_ORDINARY_TOKEN = 5
+SEP = " # # "
+
+
+@dataclass(frozen=True)
+class ChunkShapes:
+    """Token counts of a chunked prompt `S # # C1 ... # # Cn # # Q` (S with BOS) and the tokens
+    generated per request."""
+
+    sys_len: int = 128
+    chunk_len: int = 1024
+    num_chunks: int = 4
+    q_len: int = 64
+    new_tokens: int = 16
+
+
+QUICK_CHUNK_SHAPES = ChunkShapes(sys_len=32, chunk_len=128, num_chunks=4, q_len=16, new_tokens=4)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +102,46 @@ def now() -> tuple[float, float]:
     """(wall, process CPU) clocks in seconds. With one torch thread, the process CPU time of a run
     hardly depends on how busy the rest of the machine is; its wall time does."""
     return time.perf_counter(), time.process_time()
+
+
+def chunked_prompt(
+    tokenizer: Any, shapes: ChunkShapes, sys: str, chunks: list[str], q: str
+) -> tuple[str, ChunkedPrompt]:
+    """`S # # C1 ... # # Q` joined, and its parse, checked to have exactly the shapes' token counts
+    (any number of chunks)."""
+    text = SEP.join([sys, *chunks, q])
+    parsed = parse_chunked_prompt(text, SEP, tokenizer)
+    assert parsed is not None
+    assert len(parsed.sys_token_ids) == shapes.sys_len
+    assert [len(c) for c in parsed.chunks] == [shapes.chunk_len] * len(chunks)
+    assert len(parsed.question_token_ids) == shapes.q_len
+    return text, parsed
+
+
+def first_token_time(
+    engine: LLMEngine,
+    request_id: str,
+    prompt: str | list[int],
+    params: SamplingParams,
+    chunk_options: dict[str, Any] | None = None,
+) -> tuple[float, float, RequestOutput]:
+    """Run one request to its end on an otherwise idle engine: (wall TTFT, process CPU time to the
+    first token, the final output). TTFT counts from just before `add_request`, so parsing and
+    tokenizing are inside it."""
+    first: tuple[float, float] | None = None
+    final: RequestOutput | None = None
+    start = now()
+    engine.add_request(request_id, prompt, params, chunk_options=chunk_options)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            if first is None and out.outputs[0].token_ids:
+                first = now()
+            if out.finished:
+                final = out
+    assert first is not None and final is not None
+    return first[0] - start[0], first[1] - start[1], final
 
 
 def median(values: list[float]) -> float:
