@@ -2,7 +2,8 @@
 
 The held-out set is `chunkcache.demo.held_out_set(seed, n)` (default seed 20260, 500 questions;
 training used other seeds): documents about invented entities and a question whose answer is in
-one document (single-hop) or needs two (two-hop, answered "bridge, value"). Prompts are
+one document (single-hop) or needs two (two-hop); the answer restates the fact sentence(s) word
+for word ("Zorvak has 4120 people."). Prompts are
 `format_prompt(system, docs, question)`, the chunked chat format the models were trained on;
 greedy decoding; a hit is `exact_match` (the stripped output equals the answer).
 
@@ -51,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 PLOT = HERE / "quality.png"
 SECTION = "bench_quality"
-GREEDY = SamplingParams(temperature=0, max_tokens=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=48)  # a two-hop answer is two sentences
 FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 
 

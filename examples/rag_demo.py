@@ -20,16 +20,16 @@ import openai
 SEPARATOR = " # # "
 SYSTEM = "Use only the facts in the documents to answer."
 DOCS = [
-    "About Lamluxport. Lamluxport has 1950 people. Lamluxport is a city in Oskaria. "
+    "About Lamluxport. Lamluxport has 1950 people. Lamluxport lies within Oskaria. "
     "The mayor of Lamluxport is Zaszon Furhaik.",
-    "About Vixzok Bremfexgek. Vixzok Bremfexgek works as a poet. Vixzok Bremfexgek was born in 1904. "
+    "About Vixzok Bremfexgek. Vixzok Bremfexgek works as a poet. Vixzok Bremfexgek was born in the year 1904. "
     "Vixzok Bremfexgek lives in Lamluxport.",
-    "About Gekford. Gekford has 2486 people. Gekford is a city in Parvia. The mayor of Gekford is Gostam Fukkaim.",
-    "About Brenbro. Brenbro makes lanterns. Brenbro was founded in 1926. Brenbro is based in Gekford.",
+    "About Gekford. Gekford has 2486 people. Gekford lies within Parvia. The mayor of Gekford is Gostam Fukkaim.",
+    "About Brenbro. Brenbro makes lanterns. Brenbro dates back to 1926. Brenbro is based at Gekford.",
 ]
 QUESTIONS = [
-    ("How many people live in Gekford?", "2486"),
-    ("When was Vixzok Bremfexgek born?", "1904"),
+    ("How many people live in Gekford?", "Gekford has 2486 people."),
+    ("When was Vixzok Bremfexgek born?", "Vixzok Bremfexgek was born in the year 1904."),
 ]
 
 

@@ -4,20 +4,20 @@
     python scripts/train_demo_model.py --out-dir chunkcache/demo        # the whole recipe, < 1 h on 2 cores
     python scripts/train_demo_model.py --tiny --steps 5 --out /tmp/tiny  # seconds (the test does this)
 
-The recipe (`--out-dir`): a base model trained on full causal prompts (`--base-steps`, 3000), then
-two variants fine-tuned from it side by side (`--tune-steps`, 800 each, lr 1e-3, one thread each):
-`model-full` on full causal prompts only, `model-block` also on the chunk-isolated layout
-(Block-Attention style: the paper fine-tunes a full-attention model the same way). One run alone:
-`--variant full|block --out DIR [--init-from BASE]`.
+The recipe (`--out-dir`): both variants trained from scratch side by side, one thread each
+(`--steps`, 2000 each, ~50 min on this 2-core machine): `model-full` on full causal prompts only,
+`model-block` also on the chunk-isolated layout (Block-Attention style). One run alone:
+`--variant full|block --out DIR`; `--init-from CKPT` continues a checkpoint (a second stage).
 
 Task and prompt format: `chunkcache/demo/corpus.py`. Every example is a chunked chat prompt
 
     <|bos|><|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n # # {doc 1} # # ... # # {doc n}
     # # {question}<|im_end|>\\n<|im_start|>assistant\\n  ->  " {answer}<|im_end|>"
 
-with 2-6 documents about invented entities drawn fresh per example; the answer is the asked value
-("4120"), for two-hop questions the bridge entity and the value ("Zorvak, 4120"). 10% of the
-samples use the plain-text form `{system} # # {doc} # # ... # # {question}\\n -> " {answer}<|eos|>"`.
+with 2-6 documents about invented entities drawn fresh per example; the answer restates the fact
+sentence it rests on ("Zorvak has 4120 people."), for two-hop questions the bridge sentence and
+then that one. 10% of the samples use the plain-text form
+`{system} # # {doc} # # ... # # {question}\\n -> " {answer}<|eos|>"`.
 
 Each training sample is tokenized exactly as the engine tokenizes the prompt, in one of three layouts:
 * "text" (the server with the chunk cache off): the whole prompt text in one `encode`, separators
@@ -31,7 +31,9 @@ Each training sample is tokenized exactly as the engine tokenizes the prompt, in
 One sample packs up to 10 questions about the same documents: each question block (Q + answer)
 sees the shared context and itself, at the positions it would have alone (a 4D mask), so one
 forward pass trains all of them. Half the samples also carry a "drill": the documents' fact
-sentences restated after them in a new order, which teaches the lookup an answer needs.
+sentences restated after them in a new order, which teaches the lookup an answer needs; a quarter
+carry an "echo" instead: the documents again, verbatim (plain induction, so that every value
+token, not only the names the documents repeat, becomes something the model copies).
 
 Model: transformers' `Qwen3ForCausalLM`, hidden 256, 4 layers, 8 heads (4 KV heads), MLP 768, tied
 embeddings, vocabulary 4096 (about 4.2 M parameters, 17 MB in float32). The entity names come
@@ -42,12 +44,10 @@ Loss: cross-entropy on the answer tokens (the `<|im_end|>`/`<|eos|>` that ends t
 plus `--lm-weight` (1.0) times the next-token loss on the other tokens (documents, questions,
 drill) whose target is visible earlier in the context (`copy_only_lm`: a first-seen value is
 random, and its loss only teaches a prior that competes with copying). `--repeat-share` adds
-samples of a random token sequence repeated (loss on the repeat), the classic data that grows
-induction heads, so that copying works for every token. No recipe has reached the accuracy a
-demo needs yet: see the issue notes (~25% exact match after 3000 base steps).
+samples of a random token sequence repeated (loss on the repeat; off by default: no gain measured).
 Batches of 8 samples; AdamW (lr 3e-3, 30 warm-up steps, cosine to 5%), gradient clipping 1.0,
-float32. A curriculum starts with one document and single-hop questions and reaches 2-6
-documents and a third two-hop by 30% of the base run.
+float32. A curriculum starts with one document and single-hop questions (learned within ~600
+steps) and reaches 2-6 documents and a third two-hop by 60% of the run.
 
 Everything is seeded (`--seed`); the same torch version and one thread per run give the same
 weights. Output per run: an HF checkpoint (config.json, model.safetensors, tokenizer.json,
@@ -101,8 +101,6 @@ BOS, EOS, PAD = BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 CHAT_SUFFIX = f"{IM_END}\n{IM_START}assistant\n"  # what follows the question in the chat format
 RAW_SUFFIX = "\n"
 TRAIN_DATA_SEED_OFFSET = 1_000_003  # training examples come from random.Random(seed + offset)
-TUNE_STEPS = 800  # the second stage of each variant (see train_all)
-TUNE_LR = 1e-3
 EVAL_SEED = 7_777  # the held-out check at the end of training (tests and the benchmark use others)
 
 
@@ -306,7 +304,7 @@ def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
 @dataclass
 class TrainConfig:
     variant: str = "block"
-    steps: int = 3000
+    steps: int = 2000
     batch_size: int = 8
     questions_per_sample: int = 10
     lr: float = 3e-3
@@ -318,11 +316,12 @@ class TrainConfig:
     copy_only_lm: bool = True  # LM loss only on targets visible earlier (see _copyable)
     repeat_share: float = 0.0  # extra samples of repeated random tokens (see _repeat_sample)
     drill_share: float = 0.5  # samples that carry a drill block (see Encoder.sample)
+    echo_share: float = 0.25  # samples whose drill block is the documents again, verbatim (see make_batch)
     isolated_share: float = 0.5  # block variant: samples in layout "isolated"
     text_share: float = 0.15  # samples tokenized as one text with the separators (no chunk cache)
     chat_share: float = 0.9
     two_hop_share: float = 0.35
-    curriculum: float = 0.3  # fraction of the run over which documents and two-hop questions ramp up
+    curriculum: float = 0.6  # fraction of the run over which documents and two-hop questions ramp up
     init_from: str | None = None  # continue from this checkpoint (a second stage), else from scratch
     seed: int = 0
     size: str = "demo"
@@ -395,7 +394,13 @@ def make_batch(rng: random.Random, enc: Encoder, cfg: TrainConfig, progress: flo
             layout = "text" if rng.random() < cfg.text_share else "full"
         chat = rng.random() < cfg.chat_share
         drill = None
-        if rng.random() < cfg.drill_share:
+        u = rng.random()
+        if u < cfg.echo_share:
+            # The documents again, in order: predicting them is plain induction (find the earlier
+            # occurrence, copy what followed), which trains copying of every value token, not
+            # only of the names that the documents already repeat.
+            drill = list(ex.docs)
+        elif u < cfg.echo_share + cfg.drill_share:
             drill = [line for doc in ex.docs for line in re.split(r"(?<=\.) ", doc)[1:]]
             rng.shuffle(drill)
         sample = enc.sample(ex, qas, layout, chat, drill)
@@ -464,12 +469,18 @@ def loss_of(
 
 @torch.inference_mode()
 def evaluate(
-    model: Any, enc: Encoder, examples: list[Example], layout: str, max_new: int = 16
-) -> dict[str, float]:
+    model: Any,
+    enc: Encoder,
+    examples: list[Example],
+    layout: str,
+    max_new: int = 48,
+    per_kind: bool = False,
+) -> dict[str, Any]:
     """Greedy exact match with transformers, the prompt laid out as the engine would lay it out."""
     model.eval()
     stops = {enc.im_end, enc.eos}
     hits = {1: [0, 0], 2: [0, 0]}
+    by_kind: dict[str, list[int]] = {}
     for ex in examples:
         qa = QA(ex.question, "", ex.hops, ex.kind)
         s = enc.sample(ex, [qa], layout, chat=True)
@@ -493,12 +504,18 @@ def evaluate(
             grown[-1] = True
             mask, ids, pos = grown, [*ids, token], [*pos, pos[-1] + 1]
         text = enc.tok.decode(out, skip_special_tokens=True)
-        hits[ex.hops][0] += exact_match(text, ex.answer)
+        ok = exact_match(text, ex.answer)
+        hits[ex.hops][0] += ok
         hits[ex.hops][1] += 1
+        kind = by_kind.setdefault(ex.kind if ex.hops == 1 else "two-hop", [0, 0])
+        kind[0] += ok
+        kind[1] += 1
     model.train()
-    res = {f"hop{h}": (c / n if n else float("nan")) for h, (c, n) in hits.items()}
+    res: dict[str, Any] = {f"hop{h}": (c / n if n else float("nan")) for h, (c, n) in hits.items()}
     total = sum(n for _, n in hits.values())
     res["all"] = sum(c for c, _ in hits.values()) / max(1, total)
+    if per_kind:
+        res["kinds"] = {k: f"{c}/{n}" for k, (c, n) in sorted(by_kind.items())}
     return res
 
 
@@ -579,8 +596,8 @@ def train(cfg: TrainConfig, out: Path) -> dict[str, Any]:
             )
             log.flush()
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                quick = evaluate(model, enc, held_out_set(EVAL_SEED, 40), "full")
-                tqdm.write(f"step {step + 1}: held-out exact match (40, full) {quick}")
+                quick = evaluate(model, enc, held_out_set(EVAL_SEED, 80), "full", per_kind=True)
+                tqdm.write(f"step {step + 1}: held-out exact match (80, full) {quick}")
     train_seconds = time.time() - t0
     model.eval()
     save_checkpoint(model, tokenizer, out)
@@ -623,11 +640,9 @@ def reevaluate(out: Path, n: int, threads: int) -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def train_all(out_dir: Path, seed: int, base_steps: int, tune_steps: int) -> None:
-    """The whole recipe: a base model on full layouts, then each variant fine-tuned from it, the two
-    fine-tunes side by side (one thread each, the two cores busy)."""
-    base = out_dir / "base"
-    train(TrainConfig(variant="full", steps=base_steps, seed=seed, eval_examples=0), base)
+def train_all(out_dir: Path, seed: int, steps: int, eval_every: int) -> None:
+    """The whole recipe: both variants trained from scratch side by side, one thread each (the two
+    cores busy), into `out_dir/model-full` and `out_dir/model-block`."""
     script = str(Path(__file__).resolve())
     children = [
         subprocess.Popen(
@@ -636,16 +651,14 @@ def train_all(out_dir: Path, seed: int, base_steps: int, tune_steps: int) -> Non
                 script,
                 "--variant",
                 variant,
-                "--init-from",
-                str(base),
                 "--steps",
-                str(tune_steps),
+                str(steps),
                 "--seed",
                 str(seed),
-                "--curriculum",
-                "0",
-                "--lr",
-                str(TUNE_LR),
+                "--threads",
+                "1",
+                "--eval-every",
+                str(eval_every),
                 "--out",
                 str(out_dir / f"model-{variant}"),
             ]
@@ -654,7 +667,7 @@ def train_all(out_dir: Path, seed: int, base_steps: int, tune_steps: int) -> Non
     ]
     codes = [c.wait() for c in children]
     if any(codes):
-        raise SystemExit(f"a fine-tune failed: exit codes {codes}")
+        raise SystemExit(f"a variant's training failed: exit codes {codes}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -665,11 +678,9 @@ def main(argv: list[str] | None = None) -> int:
         "--out-dir",
         type=Path,
         default=None,
-        help="run the whole recipe (base, then both variants) into this folder, e.g. chunkcache/demo",
+        help="run the whole recipe (both variants side by side) into this folder, e.g. chunkcache/demo",
     )
-    p.add_argument("--base-steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--tune-steps", type=int, default=TUNE_STEPS)
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2500; --tiny: 4)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 2000; --tiny: 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a minute-scale model and batch, for tests")
     p.add_argument("--batch-size", type=int, default=None)
@@ -685,11 +696,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-lm-share", type=float, default=None)
     p.add_argument("--drill-share", type=float, default=None)
     p.add_argument("--repeat-share", type=float, default=None)
+    p.add_argument("--echo-share", type=float, default=None)
     p.add_argument("--eval-every", type=int, default=None, help="steps between quick held-out checks")
     p.add_argument("--eval-only", action="store_true", help="only re-evaluate the checkpoint in --out")
     args = p.parse_args(argv)
     if args.out_dir is not None:
-        train_all(args.out_dir, args.seed, args.base_steps, args.tune_steps)
+        train_all(args.out_dir, args.seed, args.steps or TrainConfig.steps, args.eval_every or 0)
         return 0
     if args.out is None:
         p.error("--out (one run) or --out-dir (the whole recipe) is required")
@@ -714,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         "context_lm_share",
         "drill_share",
         "repeat_share",
+        "echo_share",
     ):
         value = getattr(args, name)
         if value is not None:

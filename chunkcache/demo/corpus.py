@@ -7,12 +7,15 @@ number, changes from example to example.) An example is
 
 * a system prompt,
 * 2-6 short documents, one entity each: "About {name}." and one sentence per fact, in random
-  order, e.g. "About Zorvak. Zorvak has 4120 people. Zorvak is a city in Pelmara. The mayor of
+  order, e.g. "About Zorvak. Zorvak has 4120 people. Zorvak lies within Pelmara. The mayor of
   Zorvak is Quilla Brent.",
-* a question and its answer, the value alone: "How many people live in Zorvak?" -> "4120"
-  (single-hop). A share of the questions takes two documents, and the answer names the bridge
-  entity first: "How many people live in the city where Quilla Brent lives?" -> "Zorvak, 4120"
-  (two-hop).
+* a question, answered by restating the fact sentence it rests on, word for word: "How many
+  people live in Zorvak?" -> "Zorvak has 4120 people." (single-hop). A share of the questions
+  takes two documents, answered with both sentences, bridge first: "How many people live in the
+  city where Quilla Brent lives?" -> "Quilla Brent lives in Zorvak. Zorvak has 4120 people."
+  (two-hop). Restating makes the value the continuation of words that stand in a document, which
+  a small model learns to copy far sooner than it learns to pick a bare value out (measured: the
+  same recipe answering with the value alone stayed at ~25% exact match; issue 7's notes).
 
 The prompt is a chunked prompt in the chat format of the demo tokenizer's template (ChatML):
 
@@ -100,21 +103,34 @@ CITY_NAMES = tuple(
 COMPANY_STEMS = tuple(n for n in _name_list(4, 200, (2,)) if n not in FIRST_NAMES + LAST_NAMES + CITY_NAMES)[
     :100
 ]
-_COUNTRIES = (
-    "Pelmara", "Dorvania", "Keshet", "Ulmora", "Tarsia", "Vendria", "Oskaria", "Belmont", "Zanthia",
-    "Corvel", "Ithria", "Mardova", "Nolvia", "Quessa", "Rhovan", "Sildar", "Torvia", "Eskeland",
-    "Farrow", "Galdor", "Hespera", "Jorvik", "Lunaris", "Myrren", "Norvale", "Orlan", "Parvia",
-    "Relmar", "Sarnia", "Tavor", "Valdris", "Wendar",
-)  # fmt: skip
+# Value pools are large on purpose: with a couple of dozen jobs a small model settles on guessing
+# a prior over them ("tailor" for every job question) instead of reading the document.
+COUNTRIES = tuple(
+    n
+    for n in _name_list(5, 260, (2, 3), ("ia", "a", "land", "ora", "mark", "avia"))
+    if n not in FIRST_NAMES + LAST_NAMES + CITY_NAMES + COMPANY_STEMS
+)[:120]
 _JOBS = (
     "baker", "teacher", "painter", "farmer", "doctor", "sailor", "poet", "carpenter", "judge",
     "singer", "merchant", "pilot", "chemist", "weaver", "tailor", "miner", "lawyer", "gardener",
-    "librarian", "fisher", "nurse", "engineer", "potter", "builder",
+    "librarian", "fisher", "nurse", "engineer", "potter", "builder", "dentist", "architect",
+    "butcher", "chef", "clerk", "dancer", "designer", "driver", "editor", "electrician", "florist",
+    "guard", "hunter", "jeweler", "journalist", "mechanic", "musician", "pharmacist",
+    "photographer", "plumber", "priest", "professor", "sculptor", "shepherd", "soldier", "surgeon",
+    "translator", "waiter", "writer", "actor", "banker", "barber", "blacksmith", "brewer",
+    "cashier", "courier", "economist", "geologist", "historian", "locksmith", "mason", "physicist",
+    "programmer", "ranger", "roofer", "scientist", "secretary", "tutor", "welder", "beekeeper",
+    "astronomer", "biologist", "composer", "glassblower", "ferryman", "accountant",
 )  # fmt: skip
 _PRODUCTS = (
     "glass jars", "bicycles", "paper", "copper pipes", "wool coats", "clocks", "lanterns", "boats",
     "candles", "shoes", "maps", "ink", "bricks", "radios", "soap", "tea", "rope", "bells", "saddles",
-    "telescopes", "cheese", "carpets", "umbrellas", "violins",
+    "telescopes", "cheese", "carpets", "umbrellas", "violins", "pianos", "kites", "hats", "gloves",
+    "chairs", "tables", "mirrors", "buttons", "needles", "barrels", "baskets", "blankets", "bottles",
+    "brushes", "cameras", "cups", "drums", "engines", "fences", "flutes", "helmets", "jackets",
+    "keys", "knives", "ladders", "locks", "nails", "pencils", "plates", "pumps", "rugs", "scissors",
+    "skates", "spoons", "tents", "tiles", "toys", "trumpets", "wagons", "wheels", "windows",
+    "honey", "bread", "sugar", "salt", "coffee", "perfume", "sails", "tools", "watches", "vases",
 )  # fmt: skip
 
 
@@ -148,7 +164,7 @@ class QA:
     answer: str
     hops: int  # 1 or 2
     kind: str  # the question template's name, e.g. "city.population" or "person>city.mayor"
-    value: str = ""  # the asked value alone ("4120"), the end of the answer
+    value: str = ""  # the asked value alone ("4120"), inside the answer's last sentence
 
 
 @dataclass
@@ -168,16 +184,20 @@ class Example:
 
 
 # A document is a short fact sheet: "About {name}." and one sentence per fact, in random order,
-# each naming its entity and ending with the value ("Zorvak has 4120 people."). The question uses
-# the sentence's own words ("How many people live in Zorvak?") and the answer is the value alone.
-# Names never share a word within an example, so one name token points at one entity.
+# each naming its entity ("Zorvak has 4120 people."). The question uses the sentence's own words
+# ("How many people live in Zorvak?") and the answer is that sentence.
+# Names never share a word within an example, so one name token points at one entity. The word
+# right before a value differs from fact to fact (" within", " has", " is", " a", " in", " year",
+# " at", " makes", " to"): restating a sentence then leads to its value through the subject and
+# that word alone. (With " in" before four kinds of values, a model trained for an hour answered
+# only the one kind whose cue was unique: jobs after "works as a".)
 
 
 def _fact_sentences(e: Entity) -> dict[str, str]:
     f, x = e.facts, e.name
     if e.kind == "city":
         return {
-            "country": f"{x} is a city in {f['country']}.",
+            "country": f"{x} lies within {f['country']}.",
             "population": f"{x} has {f['population']} people.",
             "mayor": f"The mayor of {x} is {f['mayor']}.",
         }
@@ -185,12 +205,12 @@ def _fact_sentences(e: Entity) -> dict[str, str]:
         return {
             "job": f"{x} works as a {f['job']}.",
             "city": f"{x} lives in {f['city']}.",
-            "born": f"{x} was born in {f['born']}.",
+            "born": f"{x} was born in the year {f['born']}.",
         }
     return {
-        "city": f"{x} is based in {f['city']}.",
+        "city": f"{x} is based at {f['city']}.",
         "product": f"{x} makes {f['product']}.",
-        "founded": f"{x} was founded in {f['founded']}.",
+        "founded": f"{x} dates back to {f['founded']}.",
     }
 
 
@@ -213,8 +233,8 @@ _SINGLE: dict[tuple[str, str], tuple[str, ...]] = {
     ("company", "city"): ("Where is {x} based?",),
     ("company", "founded"): ("When was {x} founded?",),
 }
-# Two-hop: (kind, bridge fact, kind of the bridge entity, fact) -> templates. The answer names the
-# bridge first ("Zorvak, 4120"): the second lookup then reads its entity from the answer so far.
+# Two-hop: (kind, bridge fact, kind of the bridge entity, fact) -> templates. The answer restates
+# the bridge sentence first: the second lookup then reads its entity from the answer so far.
 _DOUBLE: dict[tuple[str, str, str, str], tuple[str, ...]] = {
     ("person", "city", "city", "population"): ("How many people live in the city where {x} lives?",),
     ("person", "city", "city", "mayor"): ("Who is the mayor of the city where {x} lives?",),
@@ -246,7 +266,7 @@ def make_world(rng: random.Random, num_docs: int) -> list[Entity]:
     for kind in kinds:
         if kind == "city":
             facts = {
-                "country": rng.choice(_COUNTRIES),
+                "country": rng.choice(COUNTRIES),
                 "mayor": fresh(_person_name),
                 "population": str(rng.randint(1000, 9999)),
             }
@@ -279,11 +299,11 @@ def _questions(rng: random.Random, entities: list[Entity]) -> list[QA]:
         for (kind, fact), templates in _SINGLE.items():
             if kind == e.kind:
                 question = rng.choice(templates).format(x=e.name)
-                out.append(QA(question, e.facts[fact], 1, f"{kind}.{fact}", e.facts[fact]))
+                out.append(QA(question, e.sentences[fact], 1, f"{kind}.{fact}", e.facts[fact]))
         for (kind, bridge_fact, bridge_kind, fact), templates in _DOUBLE.items():
             bridge = by_name.get(e.facts.get(bridge_fact, "")) if kind == e.kind else None
             if bridge is not None and bridge is not e and bridge.kind == bridge_kind:
-                answer = f"{bridge.name}, {bridge.facts[fact]}"
+                answer = f"{e.sentences[bridge_fact]} {bridge.sentences[fact]}"
                 name = f"{kind}>{bridge_kind}.{fact}"
                 question = rng.choice(templates).format(x=e.name)
                 out.append(QA(question, answer, 2, name, bridge.facts[fact]))
