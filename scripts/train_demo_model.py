@@ -328,6 +328,9 @@ class TrainConfig:
     threads: int = 1
     eval_examples: int = 100
     eval_every: int = 0  # steps between quick held-out checks during training (0 = none)
+    # bfloat16 autocast for the forward pass (weights and optimizer stay float32): 1.4x faster
+    # steps on this CPU (avx512_bf16; measured 1.27 vs 1.78 s/step at full difficulty).
+    bf16: bool = False
 
 
 def _pick_questions(rng: random.Random, ex: Example, k: int, two_hop_share: float) -> list[QA]:
@@ -583,7 +586,8 @@ def train(cfg: TrainConfig, out: Path) -> dict[str, Any]:
             for group in opt.param_groups:
                 group["lr"] = lr
             batch = collate(make_batch(rng, enc, cfg, step / max(1, cfg.steps)), pad_id)
-            loss, ans_loss, lm_loss = loss_of(model, batch, cfg.lm_weight)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss, ans_loss, lm_loss = loss_of(model, batch, cfg.lm_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -640,7 +644,7 @@ def reevaluate(out: Path, n: int, threads: int) -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def train_all(out_dir: Path, seed: int, steps: int, eval_every: int) -> None:
+def train_all(out_dir: Path, seed: int, steps: int, eval_every: int, bf16: bool) -> None:
     """The whole recipe: both variants trained from scratch side by side, one thread each (the two
     cores busy), into `out_dir/model-full` and `out_dir/model-block`."""
     script = str(Path(__file__).resolve())
@@ -659,6 +663,7 @@ def train_all(out_dir: Path, seed: int, steps: int, eval_every: int) -> None:
                 "1",
                 "--eval-every",
                 str(eval_every),
+                *(["--bf16"] if bf16 else []),
                 "--out",
                 str(out_dir / f"model-{variant}"),
             ]
@@ -697,11 +702,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drill-share", type=float, default=None)
     p.add_argument("--repeat-share", type=float, default=None)
     p.add_argument("--echo-share", type=float, default=None)
+    p.add_argument("--bf16", action="store_true", default=None, help="bfloat16 autocast (1.4x faster here)")
     p.add_argument("--eval-every", type=int, default=None, help="steps between quick held-out checks")
     p.add_argument("--eval-only", action="store_true", help="only re-evaluate the checkpoint in --out")
     args = p.parse_args(argv)
     if args.out_dir is not None:
-        train_all(args.out_dir, args.seed, args.steps or TrainConfig.steps, args.eval_every or 0)
+        train_all(
+            args.out_dir, args.seed, args.steps or TrainConfig.steps, args.eval_every or 0, bool(args.bf16)
+        )
         return 0
     if args.out is None:
         p.error("--out (one run) or --out-dir (the whole recipe) is required")
@@ -727,6 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         "drill_share",
         "repeat_share",
         "echo_share",
+        "bf16",
     ):
         value = getattr(args, name)
         if value is not None:

@@ -55,7 +55,8 @@ def script() -> ModuleType:
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, script: ModuleType) -> Path:
     out = tmp_path_factory.mktemp("demo") / "tiny"
-    assert script.main(["--tiny", "--steps", "3", "--out", str(out), "--variant", "block"]) == 0
+    # bf16 autocast on: the faster path must train and still save float32 weights.
+    assert script.main(["--tiny", "--steps", "3", "--bf16", "--out", str(out), "--variant", "block"]) == 0
     return out
 
 
@@ -72,6 +73,9 @@ def test_training_script_tiny_run_gives_a_loadable_checkpoint(tiny_checkpoint: P
     assert sorted(generation["eos_token_id"]) == sorted([ids["<|eos|>"], ids["<|im_end|>"]])
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"]
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.float32}
     assert "chat_template" in json.loads((out / "tokenizer_config.json").read_text())
 
     ex = make_example(random.Random(0))
