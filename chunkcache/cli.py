@@ -9,13 +9,15 @@ import time
 
 from chunkcache.engine_args import add_engine_arguments, engine_options
 
+MODEL_HELP = "model directory (default: the demo model if trained, else a tiny random checkpoint)"
+
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from a prompt offline and print the result")
     p.add_argument(
         "--model",
         default=None,
-        help="model directory (default: the demo model if trained, else a tiny random checkpoint)",
+        help=MODEL_HELP,
     )
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
     p.add_argument("--chat", action="store_true", help="render each prompt as a user message first")
@@ -35,7 +37,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="model directory (default: the demo model if trained, else a tiny random checkpoint)",
+        help=MODEL_HELP,
     )
     p.add_argument("--prompts", required=True, help="JSONL: {'prompt': 'S # # C1 # # ... # # Q'} per line")
     p.add_argument(
