@@ -18,18 +18,20 @@ import time
 import openai
 
 SEPARATOR = " # # "
-SYSTEM = "Use only the facts in the documents to answer."
+SYSTEM = "You are a helpful assistant. Answer the question with a short phrase from the documents."
+# What `workload(7)` draws from chunkcache.demo.corpus, for when that package is absent.
 DOCS = [
-    "About Lamluxport. Lamluxport has 1950 people. Lamluxport lies within Oskaria. "
-    "The mayor of Lamluxport is Zaszon Furhaik.",
-    "About Vixzok Bremfexgek. Vixzok Bremfexgek works as a poet. Vixzok Bremfexgek was born in the year 1904. "
-    "Vixzok Bremfexgek lives in Lamluxport.",
-    "About Gekford. Gekford has 2486 people. Gekford lies within Parvia. The mayor of Gekford is Gostam Fukkaim.",
-    "About Brenbro. Brenbro makes lanterns. Brenbro dates back to 1926. Brenbro is based at Gekford.",
+    "About Zaszon Furhaik. Zaszon Furhaik works as a roofer. Zaszon Furhaik lives in Draiston. "
+    "Zaszon Furhaik was born in the year 1912.",
+    "About Halkame. Halkame runs for 79 kilometres. Halkame was named after Zaszon Furhaik. "
+    "Halkame flows through Draiston.",
+    "About Draiston. Draiston has 1614 people. The mayor of Draiston is Dafin Foskan. "
+    "Draiston lies within Lamkarland.",
+    "About Labrum. Labrum was written by Riszai Quemlem. Labrum appeared during 1907. Labrum sold 8104 copies.",
 ]
 QUESTIONS = [
-    ("How many people live in Gekford?", "Gekford has 2486 people."),
-    ("When was Vixzok Bremfexgek born?", "Vixzok Bremfexgek was born in the year 1904."),
+    ("Who was Halkame named after?", "Halkame was named after Zaszon Furhaik."),
+    ("What is the job of Zaszon Furhaik?", "Zaszon Furhaik works as a roofer."),
 ]
 
 
@@ -92,6 +94,9 @@ def main() -> None:
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0)
     model = client.models.list().data[0].id
     system, docs, questions = workload(args.seed)
+    # A fresh server's first request also pays one-time costs (allocations, lazy setup): a
+    # throwaway request first, sharing no prefix with the real ones, makes "cold" a cold prefill.
+    ask(client, model, "Warm-up.", [], "Hello")
     print(f"model: {model}\ndocuments:")
     for doc in docs:
         print("  -", doc)

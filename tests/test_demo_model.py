@@ -1,8 +1,8 @@
 """The demo model's training script and task: it runs, writes a checkpoint the engine serves, and
 packs its samples exactly as the engine lays the prompt out.
 
-No trained demo checkpoint ships yet (issue 7 is open): these tests train a tiny configuration
-for a few steps into a temp dir.
+These tests train a tiny configuration for a few steps into a temp dir; the shipped checkpoints
+are checked in test_demo_shipped.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from chunkcache.demo import (
     held_out_set,
     make_example,
 )
-from chunkcache.demo.corpus import QA
+from chunkcache.demo.corpus import KINDS, QA, make_world
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -179,6 +179,11 @@ def test_corpus_examples_and_metric() -> None:
         assert len(sentences) == ex.hops
         assert all(any(s in doc for doc in ex.docs) for s in sentences)
         assert f" {ex.value}" in sentences[-1]
+    # One document per kind of entity: the demo model tells documents apart by kind (corpus.py).
+    for seed in range(20):
+        world = make_world(random.Random(seed), 6)
+        assert sorted(e.kind for e in world) == sorted(KINDS)
+        assert len({e.name for e in world}) == 6
     assert exact_match(" Zorvak has 4120 people. ", "Zorvak has 4120 people.")
     assert not exact_match("Zorvak has 4120 people", "Zorvak has 4120 people.")
     with pytest.raises(ValueError, match="unknown demo model variant"):

@@ -1,14 +1,14 @@
 """The synthetic document-QA task the demo model is trained on, and its exact prompt format.
 
-Facts about invented entities (cities, people, companies) are drawn fresh for every example, so
-the only way to answer is to read the documents: nothing can be memorised. (The names come from
-fixed lists of a few hundred, which the tokenizer learns as single tokens; who is who, and every
-number, changes from example to example.) An example is
+Facts about invented entities (cities, people, companies, rivers, books, ships) are drawn fresh
+for every example, so the only way to answer is to read the documents: nothing can be memorised.
+(The names come from fixed lists of a few hundred, which the tokenizer learns as single tokens;
+who is who, and every number, changes from example to example.) An example is
 
 * a system prompt,
-* 2-6 short documents, one entity each: "About {name}." and one sentence per fact, in random
-  order, e.g. "About Zorvak. Zorvak has 4120 people. Zorvak lies within Pelmara. The mayor of
-  Zorvak is Quilla Brent.",
+* 2-6 short documents, one entity each and each of another kind: "About {name}." and one
+  sentence per fact, in random order, e.g. "About Zorvak. Zorvak has 4120 people. Zorvak lies
+  within Pelmara. The mayor of Zorvak is Quilla Brent.",
 * a question, answered by restating the fact sentence it rests on, word for word: "How many
   people live in Zorvak?" -> "Zorvak has 4120 people." (single-hop). A share of the questions
   takes two documents, answered with both sentences, bridge first: "How many people live in the
@@ -16,6 +16,12 @@ number, changes from example to example.) An example is
   (two-hop). Restating makes the value the continuation of words that stand in a document, which
   a small model learns to copy far sooner than it learns to pick a bare value out (measured: the
   same recipe answering with the value alone stayed at ~25% exact match; issue 7's notes).
+
+Why one document per kind: a model small enough to train here in an hour finds a value by the
+words before it ("has" -> the population), not by whose sentence it is. Measured on a checkpoint
+trained with documents of any kinds: 82% exact match on two documents of different kinds, 52%
+(chance) on two of one kind. The task therefore never puts two documents of one kind in a
+prompt, and neither should a user of the demo model (issue 7's notes).
 
 The prompt is a chunked prompt in the chat format of the demo tokenizer's template (ChatML):
 
@@ -40,6 +46,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
+    "KINDS",
     "QA",
     "SEPARATOR",
     "SYSTEM_PROMPTS",
@@ -110,6 +117,12 @@ COUNTRIES = tuple(
     for n in _name_list(5, 260, (2, 3), ("ia", "a", "land", "ora", "mark", "avia"))
     if n not in FIRST_NAMES + LAST_NAMES + CITY_NAMES + COMPANY_STEMS
 )[:120]
+_TAKEN = FIRST_NAMES + LAST_NAMES + CITY_NAMES + COMPANY_STEMS + COUNTRIES
+RIVER_NAMES = tuple(n for n in _name_list(6, 200, (2,), ("", "a", "e")) if n not in _TAKEN)[:100]
+BOOK_TITLES = tuple(n for n in _name_list(7, 250, (2, 3)) if n not in _TAKEN + RIVER_NAMES)[:100]
+SHIP_NAMES = tuple(
+    n for n in _name_list(8, 300, (2,), ("", "o", "y")) if n not in _TAKEN + RIVER_NAMES + BOOK_TITLES
+)[:100]
 _JOBS = (
     "baker", "teacher", "painter", "farmer", "doctor", "sailor", "poet", "carpenter", "judge",
     "singer", "merchant", "pilot", "chemist", "weaver", "tailor", "miner", "lawyer", "gardener",
@@ -134,16 +147,16 @@ _PRODUCTS = (
 )  # fmt: skip
 
 
-def _person_name(rng: random.Random) -> str:
-    return f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
-
-
-def _city_name(rng: random.Random) -> str:
-    return rng.choice(CITY_NAMES)
-
-
-def _company_name(rng: random.Random) -> str:
-    return rng.choice(COMPANY_STEMS)
+# The kinds of entity a document can describe; the documents of one example are all of different
+# kinds (see make_world).
+KINDS: tuple[str, ...] = ("city", "person", "company", "river", "book", "ship")
+_ENTITY_NAMES = {
+    "city": CITY_NAMES,
+    "company": COMPANY_STEMS,
+    "river": RIVER_NAMES,
+    "book": BOOK_TITLES,
+    "ship": SHIP_NAMES,
+}
 
 
 # ---- the world and its documents --------------------------------------------------------------
@@ -151,7 +164,7 @@ def _company_name(rng: random.Random) -> str:
 
 @dataclass
 class Entity:
-    kind: str  # "city" | "person" | "company"
+    kind: str  # one of KINDS
     name: str
     facts: dict[str, str]
     doc: str = ""
@@ -188,7 +201,8 @@ class Example:
 # ("How many people live in Zorvak?") and the answer is that sentence.
 # Names never share a word within an example, so one name token points at one entity. The word
 # right before a value differs from fact to fact (" within", " has", " is", " a", " in", " year",
-# " at", " makes", " to"): restating a sentence then leads to its value through the subject and
+# " at", " makes", " to", " through", " for", " after", " by", " sold", " during", " from",
+# " carries", " of"): with one document per kind, restating a sentence leads to its value through
 # that word alone. (With " in" before four kinds of values, a model trained for an hour answered
 # only the one kind whose cue was unique: jobs after "works as a".)
 
@@ -206,6 +220,24 @@ def _fact_sentences(e: Entity) -> dict[str, str]:
             "job": f"{x} works as a {f['job']}.",
             "city": f"{x} lives in {f['city']}.",
             "born": f"{x} was born in the year {f['born']}.",
+        }
+    if e.kind == "river":
+        return {
+            "city": f"{x} flows through {f['city']}.",
+            "length": f"{x} runs for {f['length']} kilometres.",
+            "named": f"{x} was named after {f['named']}.",
+        }
+    if e.kind == "book":
+        return {
+            "author": f"{x} was written by {f['author']}.",
+            "copies": f"{x} sold {f['copies']} copies.",
+            "year": f"{x} appeared during {f['year']}.",
+        }
+    if e.kind == "ship":
+        return {
+            "city": f"{x} set sail from {f['city']}.",
+            "cargo": f"{x} carries {f['cargo']}.",
+            "flag": f"{x} flies the flag of {f['flag']}.",
         }
     return {
         "city": f"{x} is based at {f['city']}.",
@@ -232,6 +264,15 @@ _SINGLE: dict[tuple[str, str], tuple[str, ...]] = {
     ("company", "product"): ("What does {x} make?",),
     ("company", "city"): ("Where is {x} based?",),
     ("company", "founded"): ("When was {x} founded?",),
+    ("river", "city"): ("Which city does {x} flow through?",),
+    ("river", "length"): ("How long is {x}?",),
+    ("river", "named"): ("Who was {x} named after?",),
+    ("book", "author"): ("Who wrote {x}?",),
+    ("book", "copies"): ("How many copies did {x} sell?",),
+    ("book", "year"): ("When did {x} appear?",),
+    ("ship", "city"): ("Where did {x} set sail from?",),
+    ("ship", "cargo"): ("What does {x} carry?",),
+    ("ship", "flag"): ("Which flag does {x} fly?",),
 }
 # Two-hop: (kind, bridge fact, kind of the bridge entity, fact) -> templates. The answer restates
 # the bridge sentence first: the second lookup then reads its entity from the answer so far.
@@ -244,49 +285,62 @@ _DOUBLE: dict[tuple[str, str, str, str], tuple[str, ...]] = {
     ("company", "city", "city", "country"): ("In which country is the city where {x} is based?",),
     ("city", "mayor", "person", "job"): ("What is the job of the mayor of {x}?",),
     ("city", "mayor", "person", "born"): ("When was the mayor of {x} born?",),
+    ("river", "city", "city", "population"): ("How many people live in the city that {x} flows through?",),
+    ("ship", "city", "city", "country"): ("In which country is the city that {x} set sail from?",),
+    ("book", "author", "person", "job"): ("What is the job of the person who wrote {x}?",),
 }
 
 
+def _own_facts(rng: random.Random, kind: str) -> dict[str, str]:
+    """A new entity's facts; those left "" name a city or a person, filled by make_world, since
+    they may be another document's entity (a bridge)."""
+    if kind == "city":
+        return {"country": rng.choice(COUNTRIES), "mayor": "", "population": str(rng.randint(1000, 9999))}
+    if kind == "person":
+        return {"job": rng.choice(_JOBS), "city": "", "born": str(rng.randint(1900, 2010))}
+    if kind == "company":
+        return {"product": rng.choice(_PRODUCTS), "city": "", "founded": str(rng.randint(1800, 2020))}
+    if kind == "river":
+        return {"city": "", "length": str(rng.randint(20, 990)), "named": ""}
+    if kind == "book":
+        return {"author": "", "copies": str(rng.randint(1000, 9999)), "year": str(rng.randint(1800, 2020))}
+    return {"city": "", "cargo": rng.choice(_PRODUCTS), "flag": rng.choice(COUNTRIES)}
+
+
 def make_world(rng: random.Random, num_docs: int) -> list[Entity]:
-    """`num_docs` entities with distinct names, each with a document; references between them
-    (a person living in a described city, a described mayor) make two-hop questions possible."""
+    """`num_docs` (at most len(KINDS)) entities of distinct kinds and names, each with a document;
+    references between them (a person living in a described city, a described mayor) make two-hop
+    questions possible."""
     used: set[str] = set()
 
-    def fresh(maker) -> str:  # type: ignore[no-untyped-def]
+    def fresh(names: tuple[str, ...]) -> str:
         while True:
-            name = maker(rng)
+            name = rng.choice(names)
             # No word shared between two names: each name (and each last name) points at one entity.
-            words = set(name.split())
-            if not words & used:
-                used.update(words)
+            if name not in used:
+                used.add(name)
                 return name
 
-    kinds = [rng.choice(("city", "city", "person", "person", "company")) for _ in range(num_docs)]
+    def person() -> str:
+        return f"{fresh(FIRST_NAMES)} {fresh(LAST_NAMES)}"
+
     entities: list[Entity] = []
-    for kind in kinds:
-        if kind == "city":
-            facts = {
-                "country": rng.choice(COUNTRIES),
-                "mayor": fresh(_person_name),
-                "population": str(rng.randint(1000, 9999)),
-            }
-            entities.append(Entity("city", fresh(_city_name), facts))
-        elif kind == "person":
-            facts = {"job": rng.choice(_JOBS), "city": "", "born": str(rng.randint(1900, 2010))}
-            entities.append(Entity("person", fresh(_person_name), facts))
-        else:
-            facts = {"product": rng.choice(_PRODUCTS), "city": "", "founded": str(rng.randint(1800, 2020))}
-            entities.append(Entity("company", fresh(_company_name), facts))
-    cities = [e for e in entities if e.kind == "city"]
+    for kind in rng.sample(KINDS, num_docs):
+        facts = _own_facts(rng, kind)
+        name = person() if kind == "person" else fresh(_ENTITY_NAMES[kind])
+        entities.append(Entity(kind, name, facts))
+    cities = [e.name for e in entities if e.kind == "city"]
+    persons = [e.name for e in entities if e.kind == "person"]
     for e in entities:
-        if e.kind in ("person", "company"):
-            # Half the time the city is one of the documents (a possible bridge), else a new one.
-            e.facts["city"] = rng.choice(cities).name if cities and rng.random() < 0.6 else fresh(_city_name)
-    persons = [e for e in entities if e.kind == "person"]
-    for c in cities:
-        if persons and rng.random() < 0.4:
-            # This city's mayor is a described person (whose own city may differ: fine).
-            c.facts["mayor"] = rng.choice(persons).name
+        for fact, value in e.facts.items():
+            if value:
+                continue
+            if fact == "city":
+                # Often the described city (a possible bridge), else one that is not described.
+                e.facts[fact] = cities[0] if cities and rng.random() < 0.6 else fresh(CITY_NAMES)
+            else:
+                # The mayor, the river's namesake, the author: sometimes the described person.
+                e.facts[fact] = persons[0] if persons and rng.random() < 0.4 else person()
     for e in entities:
         e.doc = _write_doc(rng, e)
     return entities
