@@ -207,43 +207,20 @@ class Example:
 # only the one kind whose cue was unique: jobs after "works as a".)
 
 
+# kind -> fact -> its sentence ("{x}": the entity's name, "{v}": the value). The order of the facts
+# is the order the document's sentences are shuffled from (it changes the documents a seed draws).
+_SENTENCES: dict[str, dict[str, str]] = {
+    "city": {"country": "{x} lies within {v}.", "population": "{x} has {v} people.", "mayor": "The mayor of {x} is {v}."},
+    "person": {"job": "{x} works as a {v}.", "city": "{x} lives in {v}.", "born": "{x} was born in the year {v}."},
+    "company": {"city": "{x} is based at {v}.", "product": "{x} makes {v}.", "founded": "{x} dates back to {v}."},
+    "river": {"city": "{x} flows through {v}.", "length": "{x} runs for {v} kilometres.", "named": "{x} was named after {v}."},
+    "book": {"author": "{x} was written by {v}.", "copies": "{x} sold {v} copies.", "year": "{x} appeared during {v}."},
+    "ship": {"city": "{x} set sail from {v}.", "cargo": "{x} carries {v}.", "flag": "{x} flies the flag of {v}."},
+}  # fmt: skip
+
+
 def _fact_sentences(e: Entity) -> dict[str, str]:
-    f, x = e.facts, e.name
-    if e.kind == "city":
-        return {
-            "country": f"{x} lies within {f['country']}.",
-            "population": f"{x} has {f['population']} people.",
-            "mayor": f"The mayor of {x} is {f['mayor']}.",
-        }
-    if e.kind == "person":
-        return {
-            "job": f"{x} works as a {f['job']}.",
-            "city": f"{x} lives in {f['city']}.",
-            "born": f"{x} was born in the year {f['born']}.",
-        }
-    if e.kind == "river":
-        return {
-            "city": f"{x} flows through {f['city']}.",
-            "length": f"{x} runs for {f['length']} kilometres.",
-            "named": f"{x} was named after {f['named']}.",
-        }
-    if e.kind == "book":
-        return {
-            "author": f"{x} was written by {f['author']}.",
-            "copies": f"{x} sold {f['copies']} copies.",
-            "year": f"{x} appeared during {f['year']}.",
-        }
-    if e.kind == "ship":
-        return {
-            "city": f"{x} set sail from {f['city']}.",
-            "cargo": f"{x} carries {f['cargo']}.",
-            "flag": f"{x} flies the flag of {f['flag']}.",
-        }
-    return {
-        "city": f"{x} is based at {f['city']}.",
-        "product": f"{x} makes {f['product']}.",
-        "founded": f"{x} dates back to {f['founded']}.",
-    }
+    return {fact: text.format(x=e.name, v=e.facts[fact]) for fact, text in _SENTENCES[e.kind].items()}
 
 
 def _write_doc(rng: random.Random, e: Entity) -> str:
