@@ -602,7 +602,7 @@ def train(cfg: TrainConfig, out: Path) -> dict[str, Any]:
             log.flush()
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 quick = evaluate(model, enc, held_out_set(EVAL_SEED, 80), "full", per_kind=True)
-                tqdm.write(f"step {step + 1}: held-out exact match (80, full) {quick}")
+                tqdm.write(f"step {step + 1} ({cfg.variant}): held-out exact match (80, full) {quick}")
     train_seconds = time.time() - t0
     model.eval()
     save_checkpoint(model, tokenizer, out)
