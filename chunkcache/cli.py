@@ -9,7 +9,7 @@ import time
 
 from chunkcache.engine_args import add_engine_arguments, engine_options
 
-MODEL_HELP = "model directory (default: the demo model if trained, else a tiny random checkpoint)"
+MODEL_HELP = "model directory (default: the bundled demo model; a tiny random checkpoint where its weights are missing)"
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -80,8 +80,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def default_model() -> str:
-    """The demo model where it has been trained into chunkcache/demo, else a tiny random
-    checkpoint built on first use."""
+    """The bundled demo model (chunkcache/demo/model-block), else, in a build without its weights,
+    a tiny random checkpoint built on first use."""
     from pathlib import Path
 
     from chunkcache.demo import DEMO_MODEL_DIR

@@ -38,6 +38,9 @@ def test_shipped_checkpoint_is_complete_and_small(variant: str) -> None:
         assert (path / name).is_file(), f"{path / name} is missing"
     assert (path / "model.safetensors").stat().st_size <= 25 * 2**20
     assert "chat_template" in json.loads((path / "tokenizer_config.json").read_text())
+
+
+def test_commands_default_to_the_shipped_model() -> None:
     assert default_model() == str(DEMO_MODEL_DIR)
 
 

@@ -25,7 +25,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument(
         "--model",
         default=None,
-        help="model directory, or a hub id where a hub is reachable (default: the demo model if trained, else a tiny random checkpoint)",
+        help="model directory, or a hub id where a hub is reachable (default: the bundled demo model; a tiny random checkpoint where its weights are missing)",
     )
     server.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind (default: %(default)s)")
