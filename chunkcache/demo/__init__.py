@@ -11,9 +11,10 @@ into this folder:
   model never trained for it).
 
 Both checkpoints ship (4.2 M parameters, 17 MB each; `train_summary.json` beside each holds the
-settings). They answer about 60% of held-out single-hop questions word for word under full prefill
-(`benchmarks/RESULTS.md`, section bench_quality): enough to watch the system answer from
-documents, short of the 90% issue 7 asks for. Where `model-block/config.json` is absent (a build
+settings). They answer all 500 held-out questions of `benchmarks/bench_quality.py` word for word,
+single- and two-hop, under full prefill and under every reuse mode (`benchmarks/RESULTS.md`,
+section bench_quality), as long as no two documents describe the same kind of entity
+(`corpus.py` says why). Where `model-block/config.json` is absent (a build
 without the weights), the CLI's default model is a tiny random checkpoint instead
 (`chunkcache.cli.default_model`).
 
