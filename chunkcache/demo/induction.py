@@ -32,6 +32,7 @@ gradient descent leaves slowly.
 Measured:
 * The installed demo-size model predicts the second copy of a random 150-token sequence 86%
   right before any training; a fresh model predicts it 0% right (tests/test_demo_induction.py).
+  The trained checkpoints: 83% (block) and 86% (full) on sequences of document tokens.
 * Trained with the same recipe as before otherwise (`--circuit-weight 0.5`), 80 held-out
   questions at step 400 were 92% (full) and 90% (block) right on single-hop, against 26% / 31%
   at step 400 and a ~60% plateau after 1200 steps without the circuit. After the 2400 steps both
@@ -207,9 +208,9 @@ def repeat_accuracy(
 ) -> float:
     """How often greedy next-token prediction gets the second copy of a random token sequence
     right (BOS, then the sequence twice): ~0 without an induction head, near 1 with one. The
-    sequence is drawn from `tokens` (default: every non-special id). A trained model is best
-    asked about tokens it has seen: the unembedding of a token never trained on has been pushed
-    down and is not predicted at all."""
+    sequence is drawn from `tokens` (default: every non-special id). Ask a trained model about
+    tokens it was trained on: the shipped checkpoints score 83-86% on the ids of held-out
+    documents but 16-20% over the whole vocabulary, most of which the task never uses."""
     gen = torch.Generator().manual_seed(seed)
     pool = torch.arange(5, model.config.vocab_size) if tokens is None else tokens
     was_training = model.training
