@@ -5,7 +5,7 @@
     python scripts/train_demo_model.py --tiny --steps 5 --out /tmp/tiny  # seconds (the test does this)
 
 The recipe (`--out-dir`): both variants trained from scratch side by side, one thread each
-(`--steps`, 2400 each, ~54 min on this 2-core machine): `model-full` on full causal prompts only,
+(`--steps`, 2400 each, ~48 min on this 2-core machine): `model-full` on full causal prompts only,
 `model-block` also on the chunk-isolated layout (Block-Attention style). One run alone:
 `--variant full|block --out DIR`; `--init-from CKPT` continues a checkpoint (a second stage).
 
