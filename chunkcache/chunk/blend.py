@@ -40,6 +40,7 @@ class BlendResult:
     hidden: torch.Tensor  # [1, hidden] final hidden state of the last token
     reused_tokens: int  # chunk tokens whose KV stayed the cached one past the last check layer
     recomputed_tokens: int  # chunk tokens that ran through every layer, plus Q
+    reused: torch.Tensor  # [P] bool: the cached token's KV was kept in the last layer (S always)
 
 
 def _deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
@@ -135,8 +136,11 @@ def blend_prefill(
         h = h + attn.o_proj(o[0].transpose(0, 1).reshape(active.numel(), -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     recomputed_chunks = int(is_chunk[active].sum())
+    reused = torch.ones(cached_len, dtype=torch.bool, device=device)
+    reused[active[active < cached_len]] = False
     return BlendResult(
         hidden=model.norm(h[-1:]),
         reused_tokens=num_chunk_tokens - recomputed_chunks,
         recomputed_tokens=recomputed_chunks + total - cached_len,
+        reused=reused,
     )

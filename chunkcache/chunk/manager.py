@@ -45,6 +45,9 @@ class RequestChunks:
     # Layout "offset": where the cached KV of S and the chunks is, and how far to re-rotate it.
     cached_slots: torch.Tensor | None = None
     cached_delta: torch.Tensor | None = None
+    # Per entry: whether it was already computed when the request arrived (a cache hit), so
+    # that tokens computed for this very request are never reported as cached.
+    was_cached: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -113,6 +116,7 @@ class ChunkManager:
             0,
         )
         state.entries.append(sys_entry)
+        state.was_cached.append(sys_entry.ready)
         if sys_entry.ready:
             seq.num_prefix_cached = len(sys_ids)
         for chunk in prompt.chunks:
@@ -128,6 +132,7 @@ class ChunkManager:
                 self.pool.stats.misses += 1
                 self.pool.stats.miss_tokens += len(chunk)
             state.entries.append(entry)
+            state.was_cached.append(hit is not None and hit.ready)
         if seq.chunk_config.layout == "offset":
             seq.blend = seq.chunk_config  # own tokens: the whole prompt, at natural positions
         else:

@@ -147,9 +147,14 @@ class ModelRunner:
             self.blend_fallbacks += 1
             seq.blend = None
             seq.blend_fallback = True
+            seq.num_prefix_cached = seq.num_chunk_cached = 0  # every token is computed now
             return None
         seq.blend_reused_tokens = result.reused_tokens
         seq.blend_recomputed_tokens = result.recomputed_tokens
+        # Cached = read from an entry that existed before the request and not recomputed.
+        kept = result.reused.split([e.num_tokens for e in state.entries])
+        counts = [int(k.sum()) if hit else 0 for k, hit in zip(kept, state.was_cached, strict=True)]
+        seq.num_prefix_cached, seq.num_chunk_cached = counts[0], sum(counts[1:])
         self.blend_reused_tokens += result.reused_tokens
         self.blend_recomputed_tokens += result.recomputed_tokens
         return result.hidden

@@ -90,12 +90,9 @@ class Scheduler:
             if not self.is_ready(seq):
                 skipped.append(seq)
                 continue
-            if (
-                not seq.block_table
-                and seq.num_computed == 0
-                and seq.borrowed_slots is None
-                and not seq.is_fill
-            ):
+            # Only plain requests match the prefix cache: a chunked request's KV comes from the
+            # chunk pool (an "offset" one has no borrowed slots, yet its blend must start at 0).
+            if not seq.block_table and seq.num_computed == 0 and seq.prefix_cacheable and not seq.is_fill:
                 self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, seq.num_computed + n):
@@ -146,7 +143,9 @@ class Scheduler:
         self.release(seq)
         seq.num_computed = 0
         if seq.borrowed_slots is None:
+            # Recomputed from scratch (a plain request, or an "offset" one whose blend is lost).
             seq.num_prefix_cached = 0
+            seq.num_chunk_cached = 0
         seq.blend = None
         self.add(seq, front=True)
         batch.preempted.append(seq)

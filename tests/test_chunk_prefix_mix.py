@@ -1,0 +1,90 @@
+"""Chunked requests beside plain ones, with the prefix cache on and off, in either order.
+
+Regression: an "offset" request has no borrowed slots, so the scheduler matched it against the
+prefix cache; after a plain request over the same tokens it then skipped blend (its output was
+a full prefill's) and reported more cached tokens than its prompt has. With the prefix cache off,
+the match zeroed the count of its system part. Outputs are checked against transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import chunk_isolated_mask, hf_logprobs_with_mask, hf_offset_reuse_logprobs
+
+from chunkcache import LLM, SamplingParams
+
+SEP = " # # "
+SYSTEM = "You answer questions about the documents below, briefly and only from them."
+DOCS = [
+    "Alice lives in Paris and drinks tea every morning before she walks to the market.",
+    "The red box in the attic holds 42 coins, three keys and an old letter from Rome.",
+    "Bob was born in 1990 in Rome, the capital of Italy, and he works as a baker there.",
+]
+QUESTION = "Where does Alice live?"
+PROMPT = SYSTEM + SEP + SEP.join(DOCS) + SEP + QUESTION
+FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+# Pure reuse: its output differs from a full prefill's, so a skipped blend cannot pass.
+REUSE = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [0.0]}
+ISOLATED = {"chunk_layout": "isolated"}
+
+
+def _reference(path, llm: LLM, layout: str) -> torch.Tensor:
+    tok = llm.tokenizer
+    sys_ids = tok.encode(SYSTEM, add_special_tokens=True)
+    chunks = [tok.encode(d, add_special_tokens=False) for d in DOCS]
+    q_ids = tok.encode(QUESTION, add_special_tokens=False)
+    if layout == "offset":
+        return hf_offset_reuse_logprobs(path, sys_ids, chunks, q_ids)
+    mask, positions = chunk_isolated_mask(len(sys_ids), [len(c) for c in chunks], len(q_ids))
+    ids = sys_ids + [t for c in chunks for t in c] + q_ids
+    return hf_logprobs_with_mask(path, ids, mask, positions)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-on", "prefix-off"])
+@pytest.mark.parametrize("layout", ["offset", "isolated"])
+@pytest.mark.parametrize("order", ["plain-first", "chunked-first"])
+def test_chunked_and_plain_requests_mix(checkpoint, prefix_caching: bool, layout: str, order: str) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = LLM(
+        str(path),
+        device="cpu",
+        kv_cache_tokens=2048,
+        chunk_cache_size_gb=0.001,
+        enable_prefix_caching=prefix_caching,
+    )
+    options = REUSE if layout == "offset" else ISOLATED
+    ref = _reference(path, llm, layout)
+    # The plain request is the chunked prompt's own token ids: every block of it is then in the
+    # prefix cache, the worst case for a chunked request that wrongly matches the prefix.
+    joined = llm.generate(PROMPT, FIRST, chunk_options=options)[0].prompt_token_ids
+    llm = LLM(
+        str(path),
+        device="cpu",
+        kv_cache_tokens=2048,
+        chunk_cache_size_gb=0.001,
+        enable_prefix_caching=prefix_caching,
+    )
+    plain_first = order == "plain-first"
+    if plain_first:
+        llm.generate([joined], FIRST)
+    cold = llm.generate(PROMPT, FIRST, chunk_options=options)[0]
+    if not plain_first:
+        llm.generate([joined], FIRST)
+    warm = llm.generate(PROMPT, FIRST, chunk_options=options)[0]
+
+    tok = llm.tokenizer
+    num_sys = len(tok.encode(SYSTEM, add_special_tokens=True))
+    num_docs = sum(len(tok.encode(d, add_special_tokens=False)) for d in DOCS)
+    for out in (cold, warm):
+        for token, lp in out.outputs[0].logprobs[0].items():
+            assert abs(ref[token].item() - lp) < 1e-4, (out is warm, token, ref[token].item(), lp)
+        assert out.num_cached_tokens <= len(out.prompt_token_ids)
+        if layout == "offset":
+            assert out.num_blend_reused_tokens == num_docs  # ratio 0: every chunk token reused
+            assert not out.blend_fallback
+    # Cold: S and the documents were computed for this request; warm: all of them are reused.
+    assert cold.num_cached_tokens == 0
+    assert warm.num_prefix_cached_tokens == num_sys
+    assert warm.num_chunk_cached_tokens == num_docs
+    llm.check_integrity()
