@@ -1,0 +1,166 @@
+"""The fidelity benchmark's question set: real encyclopedic text from the `mendeleev` package.
+
+`mendeleev` (PyPI, offline) ships a database of the 118 elements with three short encyclopedic
+texts each (description, uses, sources) and structured facts. A document is one element: a title
+line made of the package's own fields (name, symbol, atomic number) and its three texts verbatim;
+nobody on this project wrote any of it. Questions are templates over the package's facts, kept
+only where the answer is in the document (`answer_in_doc`):
+
+- single: the answer is in one of 3-5 documents: symbol, atomic number, discovery year (when the
+  year is in the text), discoverer (when a discoverer's surname is in the text);
+- double: the answer needs two documents: the symbols, or the atomic numbers, of two elements.
+
+The set is drawn once with a fixed seed and frozen in `fidelity_questions.json` (element ids,
+document order, question, answers, split) before any reuse mode was run on it; the document texts
+are read from the package at run time. Half of the questions are held out: tune on "tune", report
+the default's claim on "heldout".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import sqlite3
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+FROZEN = Path(__file__).with_name("fidelity_questions.json")
+
+
+@dataclass(frozen=True)
+class Element:
+    number: int
+    name: str
+    symbol: str
+    text: str  # description, uses and sources, verbatim
+    year: int | None
+    discoverers: str | None
+
+    def document(self) -> str:
+        return f"{self.name} ({self.symbol}, atomic number {self.number})\n{self.text}\n"
+
+
+@dataclass(frozen=True)
+class Question:
+    qid: str
+    kind: str  # symbol | number | year | discoverer | two_symbols | two_numbers
+    question: str
+    # Every group must be matched; within a group any alternative counts.
+    answers: list[list[str]]
+    doc_ids: list[int]  # atomic numbers, in prompt order
+    split: str  # "tune" | "heldout"
+
+    @property
+    def hops(self) -> int:
+        return 2 if self.kind.startswith("two_") else 1
+
+
+def load_elements() -> dict[int, Element]:
+    import mendeleev
+
+    db = Path(mendeleev.__file__).with_name("elements.db")
+    rows = sqlite3.connect(f"file:{db}?mode=ro", uri=True).execute(
+        "select atomic_number, name, symbol, description, uses, sources, discovery_year, discoverers "
+        "from elements order by atomic_number"
+    )
+    out = {}
+    for number, name, symbol, desc, uses, sources, year, disc in rows:
+        text = " ".join(t.strip() for t in (desc, uses, sources) if t and t.strip())
+        if len(text.split()) >= 20:
+            out[number] = Element(number, name, symbol, text, year, disc)
+    return out
+
+
+def correct(reply: str, answers: list[list[str]]) -> bool:
+    """Every answer group has an alternative in the reply as a whole word (case-sensitive for
+    symbols and numbers, which are short: "O" must not match "of")."""
+    return all(any(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", reply) for a in group) for group in answers)
+
+
+def _surnames(el: Element) -> list[str]:
+    if not el.discoverers or "ancient" in el.discoverers.lower():
+        return []
+    names = {w for w in re.findall(r"[A-Z][a-z]{2,}", el.discoverers)}
+    return sorted(n for n in names if re.search(rf"\b{n}\b", el.text))
+
+
+def _single(el: Element) -> list[tuple[str, str, list[list[str]]]]:
+    qs = [
+        ("symbol", f"What is the chemical symbol of {el.name}?", [[el.symbol]]),
+        ("number", f"What is the atomic number of {el.name}?", [[str(el.number)]]),
+    ]
+    if el.year and str(el.year) in el.text:
+        qs.append(("year", f"In what year was {el.name} discovered?", [[str(el.year)]]))
+    if surnames := _surnames(el):
+        qs.append(("discoverer", f"Who discovered {el.name}?", [surnames]))
+    return qs
+
+
+def build(seed: int = 15) -> list[Question]:
+    elements = load_elements()
+    ids = sorted(elements)
+    rng = random.Random(seed)
+    drafts: list[tuple[str, str, list[list[str]], list[int]]] = []
+    for number in ids:
+        for kind, text, answers in _single(elements[number]):
+            drafts.append((kind, text, answers, [number]))
+    pairs = set()
+    while len(pairs) < 90:
+        a, b = rng.sample(ids, 2)
+        pairs.add((min(a, b), max(a, b)))
+    for i, (a, b) in enumerate(sorted(pairs)):
+        ea, eb = elements[a], elements[b]
+        if i % 2:
+            drafts.append(
+                ("two_symbols", f"What are the chemical symbols of {ea.name} and {eb.name}?",
+                 [[ea.symbol], [eb.symbol]], [a, b])
+            )  # fmt: skip
+        else:
+            drafts.append(
+                ("two_numbers", f"What are the atomic numbers of {ea.name} and {eb.name}?",
+                 [[str(a)], [str(b)]], [a, b])
+            )  # fmt: skip
+    questions = []
+    rng.shuffle(drafts)
+    for i, (kind, text, answers, needed) in enumerate(drafts):
+        total = rng.randint(3, 5)
+        others = rng.sample([n for n in ids if n not in needed], total - len(needed))
+        docs = needed + others
+        rng.shuffle(docs)
+        split = "heldout" if i % 2 else "tune"
+        questions.append(Question(f"q{i:04d}", kind, text, answers, docs, split))
+    return questions
+
+
+def fingerprint(questions: list[Question]) -> str:
+    blob = json.dumps([asdict(q) for q in questions], sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def load(path: Path = FROZEN) -> list[Question]:
+    data = json.loads(path.read_text())
+    questions = [Question(**q) for q in data["questions"]]
+    if fingerprint(questions) != data["fingerprint"]:
+        raise ValueError(f"{path} was edited after it was frozen (fingerprint mismatch)")
+    return questions
+
+
+def freeze(path: Path = FROZEN, seed: int = 15) -> None:
+    questions = build(seed)
+    path.write_text(
+        json.dumps(
+            {"seed": seed, "fingerprint": fingerprint(questions), "questions": [asdict(q) for q in questions]},
+            indent=0,
+        )
+    )
+
+
+if __name__ == "__main__":
+    freeze()
+    qs = load()
+    kinds: dict[str, int] = {}
+    for q in qs:
+        kinds[q.kind] = kinds.get(q.kind, 0) + 1
+    print(f"{len(qs)} questions, fingerprint {fingerprint(qs)}: {kinds}")
