@@ -151,7 +151,11 @@ def freeze(path: Path = FROZEN, seed: int = 15) -> None:
     questions = build(seed)
     path.write_text(
         json.dumps(
-            {"seed": seed, "fingerprint": fingerprint(questions), "questions": [asdict(q) for q in questions]},
+            {
+                "seed": seed,
+                "fingerprint": fingerprint(questions),
+                "questions": [asdict(q) for q in questions],
+            },
             indent=0,
         )
     )

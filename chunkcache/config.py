@@ -15,7 +15,8 @@ from typing import Any
 from chunkcache import envs
 
 CHUNK_LAYOUTS = ("isolated", "offset")
-BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold")
+BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold", "query_attention")
+BLEND_UNITS = ("token", "chunk")
 HASH_ALGORITHMS = ("sha256", "sha512", "blake2b", "sha3_256")
 
 
@@ -77,6 +78,9 @@ class ChunkConfig:
     blend_check_layers: tuple[int, ...] = (1,)
     blend_recompute_ratios: tuple[float, ...] = (0.15,)
     blend_selector: str = "k_deviation"
+    # "token": recompute the selected tokens; "chunk": whole chunks, ranked by their summed
+    # selector score, as many as fit in the same token budget (ratio x chunk tokens).
+    blend_unit: str = "token"
     # Selector "threshold": keep tokens whose |K_fresh - K_cached|^2 / |K_cached|^2 exceeds it.
     blend_threshold: float = 0.1
     # EPIC: the first k tokens of every chunk are always recomputed (combinable with a selector).
@@ -125,6 +129,10 @@ class ChunkConfig:
             )
         if self.blend_selector not in BLEND_SELECTORS:
             raise ValueError(f"blend_selector {self.blend_selector!r} is not one of {BLEND_SELECTORS}")
+        if self.blend_unit not in BLEND_UNITS:
+            raise ValueError(f"blend_unit {self.blend_unit!r} is not one of {BLEND_UNITS}")
+        if self.blend_unit == "chunk" and self.blend_selector == "threshold":
+            raise ValueError("blend_unit 'chunk' needs a ranking selector, not 'threshold'")
         if self.blend_threshold < 0:
             raise ValueError(f"blend_threshold must be >= 0, got {self.blend_threshold}")
         if self.blend_boundary_tokens < 0:

@@ -226,6 +226,8 @@ def test_min_tokens_gives_plain_prefill(checkpoint) -> None:
         ({"blend_selector": "random"}, "blend_selector 'random'"),
         ({"chunk_layout": "diagonal"}, "chunk_layout 'diagonal'"),
         ({"blend_boundary_tokens": -1}, "blend_boundary_tokens"),
+        ({"blend_unit": "sentence"}, "blend_unit 'sentence'"),
+        ({"blend_unit": "chunk", "blend_selector": "threshold"}, "ranking selector"),
         ({"max_chunks": 3}, "unknown per-request chunk option 'max_chunks'"),
     ],
 )
@@ -274,3 +276,49 @@ def test_eval_cli_runs_every_mode(checkpoint, tmp_path, capsys) -> None:
     assert full["top1_agreement"] == 1.0 and full["exact_match"] == 1.0 and full["mean_kl"] == 0.0
     assert all(r["prompts"] == 2 and r["mean_kl"] >= 0 for r in results.values())
     assert 0 < results["blend@0.3"]["recomputed_share"] <= 1
+
+
+def test_query_attention_scores_match_explicit_softmax() -> None:
+    from chunkcache.chunk.blend import _query_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(7, 4, 8, generator=gen)  # 7 rows, 4 query heads, head dim 8
+    keys = torch.randn(9, 2, 8, generator=gen)  # 9 keys, 2 KV heads (GQA: 2 query heads each)
+    got = _query_attention(q, keys, num_query=3, scale=0.5)
+    want = torch.zeros(9)
+    for row in range(4, 7):
+        for h in range(4):
+            logits = (keys[:, h // 2] @ q[row, h]) * 0.5
+            want += logits.softmax(dim=0)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("unit", ["token", "chunk"])
+def test_query_attention_selector(checkpoint, unit: str) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    docs = [0, 2, 3]
+    _, chunks, _ = _parts(llm, docs)
+    llm.generate(_prompt(docs), FIRST)  # warm
+    query = {**FULL, "blend_selector": "query_attention", "blend_unit": unit}
+    # Ratio 1.0 at layer 0 recomputes everything, whichever the ranking: a full prefill.
+    out = llm.generate(_prompt(docs), FIRST, chunk_options=query)[0]
+    _assert_logprobs_close(out, hf_first_token_logprobs(path, out.prompt_token_ids))
+    assert out.num_blend_reused_tokens == 0
+    # A budget of exactly the longest chunk: by chunk, that one chunk or a set of shorter ones
+    # that fit, never a part of one; by token, exactly the budget.
+    lengths = [len(c) for c in chunks]
+    ratio = max(lengths) / sum(lengths)
+    partial = {**query, "blend_check_layers": [1], "blend_recompute_ratios": [ratio]}
+    out = llm.generate(_prompt(docs), FIRST, chunk_options=partial)[0]
+    recomputed = sum(lengths) - out.num_blend_reused_tokens
+    if unit == "token":
+        assert recomputed == max(lengths)
+    else:
+        assert recomputed <= max(lengths)
+        assert any(
+            recomputed == sum(lengths[i] for i in subset)
+            for subset in ([0], [1], [2], [0, 1], [0, 2], [1, 2])
+        )
+    assert not out.blend_fallback
+    llm.check_integrity()

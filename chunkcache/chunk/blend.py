@@ -10,6 +10,11 @@ running (EPIC's first-k tokens of every chunk always do). The KV of a layer is t
 the running tokens' fresh KV written over it. S is never recomputed: its cached KV is exact.
 Q always runs. Ratio 1.0 at check layer 0 is a full prefill; ratio 0 at layer 0 is pure reuse.
 
+Selectors rank the candidates: by K or V deviation (CacheBlend), or by the attention the
+question's tokens pay them at the check layer (`query_attention`: the question is known when the
+request arrives, so recompute what it reads). `blend_unit="chunk"` recomputes whole chunks, ranked
+by their summed score, as many as fit in the same token budget.
+
 The blended KV lands in the request's own blocks; the pool keeps the canonical isolated KV.
 """
 
@@ -47,32 +52,71 @@ def _deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
     return (fresh - cached).pow(2).sum(dim=(1, 2))
 
 
+def _query_attention(q: torch.Tensor, keys: torch.Tensor, num_query: int, scale: float) -> torch.Tensor:
+    """Attention that the question's rows (the last `num_query` of `q`) pay to each key, summed
+    over the question's tokens and heads: [K]. The question sees every key, so no mask."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    qq = q[-num_query:].float()  # [Q, H, D]
+    kk = keys.float().repeat_interleave(heads // kv_heads, dim=1)  # [K, H, D]
+    probs = torch.einsum("qhd,khd->hqk", qq, kk).mul_(scale).softmax(dim=-1)
+    return probs.sum(dim=(0, 1))
+
+
+def _scores(
+    cfg: ChunkConfig,
+    idx: torch.Tensor,
+    fresh: tuple[torch.Tensor, torch.Tensor],
+    cached: tuple[torch.Tensor, torch.Tensor],
+    attention: torch.Tensor | None,
+) -> torch.Tensor:
+    """Per candidate row `idx`: how much recomputing it matters (larger = recompute first)."""
+    (k_new, v_new), (k_old, v_old) = fresh, cached
+    if cfg.blend_selector == "query_attention":
+        assert attention is not None
+        return attention[idx]
+    if cfg.blend_selector == "v_deviation":
+        return _deviation(v_new[idx], v_old[idx])
+    return _deviation(k_new[idx], k_old[idx])
+
+
 def _keep(
     cfg: ChunkConfig,
     ratio: float,
     num_chunk_tokens: int,
     chunk_rows: torch.Tensor,
     boundary_rows: torch.Tensor,
+    chunk_ids: torch.Tensor,
     fresh: tuple[torch.Tensor, torch.Tensor],
     cached: tuple[torch.Tensor, torch.Tensor],
+    attention: torch.Tensor | None,
 ) -> torch.Tensor:
     """Rows (of the tokens still running) that keep running: Q, boundary and selected chunk tokens."""
     keep = ~chunk_rows | boundary_rows
     idx = chunk_rows.nonzero().squeeze(1)
     if idx.numel() == 0:
         return keep
-    (k_new, v_new), (k_old, v_old) = fresh, cached
+    (k_new, _), (k_old, _) = fresh, cached
     if cfg.blend_selector == "threshold":
         relative = _deviation(k_new[idx], k_old[idx]) / k_old[idx].pow(2).sum(dim=(1, 2)).clamp_min(1e-12)
         keep[idx[relative > cfg.blend_threshold]] = True
         return keep
-    if cfg.blend_selector == "v_deviation":
-        dev = _deviation(v_new[idx], v_old[idx])
-    else:
-        dev = _deviation(k_new[idx], k_old[idx])
-    count = min(idx.numel(), math.ceil(ratio * num_chunk_tokens - 1e-9))
-    if count > 0:
-        keep[idx[torch.topk(dev, count).indices]] = True
+    score = _scores(cfg, idx, fresh, cached, attention)
+    budget = min(idx.numel(), math.ceil(ratio * num_chunk_tokens - 1e-9))
+    if budget <= 0:
+        return keep
+    if cfg.blend_unit == "token":
+        keep[idx[torch.topk(score, budget).indices]] = True
+        return keep
+    # Whole chunks, best summed score first, each taken if it still fits in the budget.
+    ids = chunk_ids[idx]
+    totals = torch.zeros(int(ids.max()) + 1, dtype=score.dtype, device=score.device)
+    totals.index_add_(0, ids, score)
+    sizes = torch.bincount(ids, minlength=totals.numel())
+    for chunk in torch.argsort(totals, descending=True).tolist():
+        size = int(sizes[chunk])
+        if 0 < size <= budget:
+            keep[idx[ids == chunk]] = True
+            budget -= size
     return keep
 
 
@@ -90,8 +134,10 @@ def blend_prefill(
     is_chunk = torch.zeros(total, dtype=torch.bool, device=device)
     is_chunk[inp.num_sys : cached_len] = True
     boundary = torch.zeros(total, dtype=torch.bool, device=device)
-    for start, length in inp.chunk_spans:
+    chunk_id = torch.full((total,), -1, dtype=torch.long, device=device)
+    for i, (start, length) in enumerate(inp.chunk_spans):
         boundary[start : start + min(cfg.blend_boundary_tokens, length)] = True
+        chunk_id[start : start + length] = i
     num_chunk_tokens = cached_len - inp.num_sys
     check = dict(zip(cfg.blend_check_layers, cfg.blend_recompute_ratios, strict=True))
     rotary = model.rotary
@@ -108,14 +154,23 @@ def blend_prefill(
             chunk_rows = is_chunk[active]
             # Compare only the chunk rows with their cached counterparts (indices < cached_len).
             safe = active.clamp(max=cached_len - 1)
+            attention = None
+            if cfg.blend_selector == "query_attention":
+                # The question's view of this layer: fresh keys where tokens still run.
+                keys = k_old.new_empty((total, *k.shape[1:]))
+                keys[:cached_len] = k_old
+                keys[active] = k
+                attention = _query_attention(q, keys, total - cached_len, attn.scale)[active]
             keep = _keep(
                 cfg,
                 check[layer_index],
                 num_chunk_tokens,
                 chunk_rows,
                 boundary[active],
+                chunk_id[active],
                 (k, v),
                 (k_old[safe], v_old[safe]),
+                attention,
             )
             active, h, q, k, v = active[keep], h[keep], q[keep], k[keep], v[keep]
         k_all = torch.empty((total, *k.shape[1:]), dtype=k.dtype, device=device)

@@ -56,6 +56,7 @@ class _SamplingFields(StrictModel):
     blend_check_layers: list[int] | None = None
     blend_recompute_ratios: list[float] | None = None
     blend_selector: str | None = None
+    blend_unit: str | None = None
     blend_threshold: float | None = None
     blend_boundary_tokens: int | None = None
     blend_min_tokens: int | None = None

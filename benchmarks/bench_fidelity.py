@@ -1,0 +1,278 @@
+"""What reuse costs in answers: correct answers per reuse mode on real text with a real model.
+
+Each question of `fidelity_set` (real encyclopedic texts, 3-5 documents, the answer in one or two
+of them) is rendered with the model's chat template as a chunked prompt:
+system turn, then the user turn `SEP doc1 SEP ... SEP docN SEP question`, split by the engine.
+"full" is a full prefill of exactly the same tokens (the chunked prompt's token ids as a plain
+prompt); every other mode is a chunked request over a warm chunk pool (the documents were seen
+before, as in production). Greedy answers; correct = every expected answer in the reply.
+
+Per mode: accuracy with a 95% bootstrap interval, answers kept / lost / gained against full
+(paired, per question), and the warm TTFT of a one-token request, wall and CPU time, as a ratio
+against full on the same prompts, modes interleaved per question (rotating order). Prints a table,
+writes JSON, a PNG (accuracy against TTFT speedup), and one SUMMARY line.
+
+    python benchmarks/bench_fidelity.py --threads 1 [--split heldout] [--limit N] [--modes ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fidelity_set
+from common import setup_torch
+from tqdm import tqdm
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.chunk.parse import parse_chunked_prompt
+
+SEP = " # # "
+SYSTEM = "Answer the question using the documents. Reply with a short answer."
+
+
+def _offset(layers: list[int], ratios: list[float], **extra: Any) -> dict[str, Any]:
+    return {"chunk_layout": "offset", "blend_check_layers": layers, "blend_recompute_ratios": ratios, **extra}
+
+
+# name -> chunk options (None = full prefill). Recovery methods are options of the same blend.
+MODES: dict[str, dict[str, Any] | None] = {
+    "full": None,
+    "isolated": {"chunk_layout": "isolated"},
+    "offset": _offset([0], [0.0]),
+    "blend@0.15": _offset([1], [0.15]),
+    "blend@0.3": _offset([1], [0.3]),
+    "blend@0.5": _offset([1], [0.5]),
+}
+
+
+@dataclass
+class ModeResult:
+    correct: dict[str, bool] = field(default_factory=dict)  # qid -> correct
+    replies: dict[str, str] = field(default_factory=dict)
+    ttft: list[tuple[float, float]] = field(default_factory=list)  # (wall, cpu) per timed question
+    recomputed: list[float] = field(default_factory=list)  # share of document tokens recomputed
+
+
+def render(llm: LLM, docs: list[str], question: str) -> str:
+    user = "".join(SEP + d for d in docs) + SEP + question
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    return llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _run(llm: LLM, prompt: str | list[int], params: SamplingParams, options: dict[str, Any] | None):
+    if options is None:
+        return llm.generate([prompt], params, add_special_tokens=False)[0]
+    return llm.generate([prompt], params, add_special_tokens=False, chunk_options=options)[0]
+
+
+def _ttft(llm: LLM, prompt: str | list[int], options: dict[str, Any] | None) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    _run(llm, prompt, SamplingParams(temperature=0, max_tokens=1), options)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def evaluate(
+    llm: LLM,
+    questions: list[fidelity_set.Question],
+    modes: dict[str, dict[str, Any] | None],
+    max_tokens: int,
+    ttft_every: int,
+) -> dict[str, ModeResult]:
+    elements = fidelity_set.load_elements()
+    results = {name: ModeResult() for name in modes}
+    answer = SamplingParams(temperature=0, max_tokens=max_tokens)
+    names = list(modes)
+    for i, q in enumerate(tqdm(questions, desc="questions", unit="q")):
+        text = render(llm, [elements[n].document() for n in q.doc_ids], q.question)
+        parsed = parse_chunked_prompt(text, SEP, llm.tokenizer, add_special_tokens=False)
+        assert parsed is not None
+        doc_tokens = sum(map(len, parsed.chunks))
+        num_q = len(parsed.question_token_ids)
+        full_ids = parsed.all_token_ids()
+        # Warm the pool: production reuse means the documents were seen before.
+        _run(llm, text, SamplingParams(temperature=0, max_tokens=1), {"chunk_layout": "isolated"})
+        timed = ttft_every > 0 and i % ttft_every == 0
+        rotation = names[i % len(names) :] + names[: i % len(names)]  # interleave, rotating order
+        for name in rotation:
+            options = modes[name]
+            prompt: str | list[int] = full_ids if options is None else text
+            out = _run(llm, prompt, answer, options)
+            reply = out.outputs[0].text
+            res = results[name]
+            res.replies[q.qid] = reply
+            res.correct[q.qid] = fidelity_set.correct(reply, q.answers)
+            if options is None:
+                res.recomputed.append(1.0)
+            elif options.get("chunk_layout") == "offset":
+                res.recomputed.append((out.num_blend_recomputed_tokens - num_q) / doc_tokens)
+            else:
+                res.recomputed.append(0.0)
+            if timed:
+                res.ttft.append(_ttft(llm, prompt, options))
+    return results
+
+
+def bootstrap(values: list[bool], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(rounds))
+    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+
+
+def summarize(results: dict[str, ModeResult], questions: list[fidelity_set.Question]) -> list[dict[str, Any]]:
+    full = results["full"]
+    full_ttft = full.ttft
+    rows = []
+    for name, res in results.items():
+        qids = [q.qid for q in questions]
+        hits = [res.correct[qid] for qid in qids]
+        lo, hi = bootstrap(hits)
+        kept = sum(res.correct[q] and full.correct[q] for q in qids)
+        lost = sum(full.correct[q] and not res.correct[q] for q in qids)
+        gained = sum(res.correct[q] and not full.correct[q] for q in qids)
+        by_hops: dict[int, list[bool]] = defaultdict(list)
+        for q in questions:
+            by_hops[q.hops].append(res.correct[q.qid])
+        row: dict[str, Any] = {
+            "mode": name,
+            "n": len(qids),
+            "accuracy": sum(hits) / len(hits),
+            "ci95": [lo, hi],
+            "single": sum(by_hops[1]) / max(1, len(by_hops[1])),
+            "double": sum(by_hops[2]) / max(1, len(by_hops[2])),
+            "kept": kept,
+            "lost": lost,
+            "gained": gained,
+            "full_correct": sum(full.correct[q] for q in qids),
+            "kept_share": kept / max(1, sum(full.correct[q] for q in qids)),
+            "recomputed_share": sum(res.recomputed) / max(1, len(res.recomputed)),
+        }
+        if res.ttft and full_ttft:
+            row["ttft_ms"] = 1000 * sum(w for w, _ in res.ttft) / len(res.ttft)
+            row["speedup_wall"] = sum(w for w, _ in full_ttft) / sum(w for w, _ in res.ttft)
+            row["speedup_cpu"] = sum(c for _, c in full_ttft) / max(1e-9, sum(c for _, c in res.ttft))
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'mode':<22}{'acc':>7}{'95% CI':>16}{'1-doc':>7}{'2-doc':>7}{'kept':>9}{'lost':>6}"
+        f"{'gained':>8}{'recomp':>8}{'TTFT ms':>9}{'x wall':>8}{'x cpu':>7}"
+    )
+    for r in rows:
+        ci = f"{100 * r['ci95'][0]:.1f}-{100 * r['ci95'][1]:.1f}"
+        print(
+            f"{r['mode']:<22}{100 * r['accuracy']:>6.1f}%{ci:>16}{100 * r['single']:>6.1f}%"
+            f"{100 * r['double']:>6.1f}%{r['kept']:>5}/{r['full_correct']:<3}{r['lost']:>6}{r['gained']:>8}"
+            f"{100 * r['recomputed_share']:>7.1f}%{r.get('ttft_ms', float('nan')):>9.1f}"
+            f"{r.get('speedup_wall', float('nan')):>8.2f}{r.get('speedup_cpu', float('nan')):>7.2f}"
+        )
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        if "speedup_wall" not in r:
+            continue
+        is_full = r["mode"] == "full"
+        ax.errorbar(
+            r["speedup_wall"],
+            100 * r["accuracy"],
+            yerr=[[100 * (r["accuracy"] - r["ci95"][0])], [100 * (r["ci95"][1] - r["accuracy"])]],
+            fmt="*" if is_full else "o",
+            markersize=12 if is_full else 6,
+            color="black" if is_full else None,
+            capsize=3,
+        )
+        ax.annotate(
+            r["mode"], (r["speedup_wall"], 100 * r["accuracy"]), textcoords="offset points", xytext=(5, 4)
+        )
+    full = next(r for r in rows if r["mode"] == "full")
+    ax.axhline(100 * full["accuracy"] * 0.95, linestyle=":", color="grey", label="95% of full's accuracy")
+    ax.set_xlabel("warm TTFT speedup over full prefill (x, wall)")
+    ax.set_ylabel("correct answers (%)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="checkpoint (default: chunkcache's default model)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--split", choices=["all", "tune", "heldout"], default="all")
+    parser.add_argument("--limit", type=int, default=0, help="first N questions of the split (0 = all)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"from {list(MODES)}")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--ttft-every", type=int, default=4, help="time the TTFT of every k-th question")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args(argv)
+    setup_torch(args.threads)
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; known: {list(MODES)}")
+    modes = {m: MODES[m] for m in dict.fromkeys(["full", *args.modes])}
+    questions = fidelity_set.load()
+    if args.split != "all":
+        questions = [q for q in questions if q.split == args.split]
+    if args.limit:
+        questions = questions[: args.limit]
+    if args.model is None:
+        from chunkcache.cli import default_model
+
+        args.model = default_model()
+    llm = LLM(args.model, device=args.device, enable_prefix_caching=True)
+    t0 = time.time()
+    results = evaluate(llm, questions, modes, args.max_tokens, args.ttft_every)
+    rows = summarize(results, questions)
+    print(f"\n{len(questions)} questions ({args.split}), model {args.model}, {time.time() - t0:.0f} s")
+    print_table(rows)
+    if args.json:
+        payload = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+        payload["replies"] = {m: r.replies for m, r in results.items()}
+        args.json.write_text(json.dumps(payload, indent=1))
+    if args.plot:
+        plot(
+            rows,
+            args.plot,
+            f"bench_fidelity: {len(questions)} questions ({args.split}), {Path(args.model).name}",
+        )
+    full = next(r for r in rows if r["mode"] == "full")
+    best = max(
+        (r for r in rows if r["mode"] != "full" and r.get("speedup_wall", 0) >= 2.0),
+        key=lambda r: r["kept_share"],
+        default=None,
+    )
+    best_text = (
+        f"best>=2x {best['mode']} kept {100 * best['kept_share']:.0f}% at {best['speedup_wall']:.2f}x"
+        if best
+        else "no mode >= 2x"
+    )
+    print(
+        f"SUMMARY bench_fidelity n={len(questions)} split={args.split} full={100 * full['accuracy']:.1f}% "
+        + " ".join(f"{r['mode']}={100 * r['accuracy']:.1f}%" for r in rows if r["mode"] != "full")
+        + f" | {best_text}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
