@@ -59,7 +59,14 @@ class LLMEngine:
         # "GPU" names the engine's main KV tier in vLLM's events (offloaded KV would be "CPU"),
         # whatever the device: a router weighs tiers, not devices.
         medium = "GPU"
-        self.blocks = BlockManager(num_blocks, bs, cache.enable_prefix_caching, cache.hash_seed, medium)
+        self.blocks = BlockManager(
+            num_blocks,
+            bs,
+            cache.enable_prefix_caching,
+            cache.hash_seed,
+            medium,
+            hash_algorithm=cache.prefix_caching_hash_algo,
+        )
         pool_pages = 0
         if config.chunk.enable:
             pool_pages = int(config.chunk.cache_size_gb * 2**30) // (token_bytes * bs)
