@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_util import ServerThread, free_port
 
 from chunkcache.config import EngineConfig
@@ -325,9 +326,42 @@ def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
         "chunkcache_num_requests_running",
         "chunkcache_kv_cache_usage_ratio",
         "chunkcache_chunk_cache_bytes",
-        "chunkcache_chunk_cache_hit_rate",
+        "chunkcache_chunk_cache_hit_ratio",
+        "chunkcache_kv_blocks",
     ):
         assert name in text, name
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for family in families.values():
+        # A gauge never ends in _total (Prometheus reserves it for counters).
+        assert not (family.type == "gauge" and family.name.endswith("_total")), family.name
+    for name in (
+        "chunkcache_kv_cache_usage_ratio",
+        "chunkcache_chunk_cache_hit_ratio",
+        "chunkcache_chunk_cache_usage_ratio",
+    ):
+        assert 0.0 <= families[name].samples[0].value <= 1.0
+
+    # vLLM's names and labels (vllm/v1/metrics/loggers.py), what llm-d's scheduler and vLLM dashboards read.
+    def vllm_value(name: str, sample: str | None = None, **labels: str) -> float:
+        family = families[name]
+        want = {"model_name": MODEL, "engine": "0", **labels}
+        values = [s.value for s in family.samples if s.name == (sample or name) and s.labels == want]
+        assert len(values) == 1, (name, family.samples)
+        return values[0]
+
+    assert families["vllm:num_requests_running"].type == "gauge"
+    assert vllm_value("vllm:num_requests_running") == 0 and vllm_value("vllm:num_requests_waiting") == 0
+    assert 0.0 <= vllm_value("vllm:kv_cache_usage_perc") <= 1.0
+    assert families["vllm:prefix_cache_queries"].type == "counter"
+    queries = vllm_value("vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total")
+    assert queries >= len(PROMPTS[0].split())
+    assert 0 <= vllm_value("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") <= queries
+    assert vllm_value("vllm:generation_tokens", "vllm:generation_tokens_total") >= 4
+    assert vllm_value("vllm:request_success", "vllm:request_success_total", finished_reason="length") >= 1
+    assert vllm_value("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count") >= 1
+    assert vllm_value("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") >= 1
+    assert "vllm:inter_token_latency_seconds" in families
+    assert vllm_value("vllm:num_preemptions", "vllm:num_preemptions_total") >= 0
 
 
 # ---- errors ----------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ def build_app(
         names = (served_model_name,)
     else:
         names = tuple(served_model_name) or (engine.model_name,)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name=names[0])
     engine_loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
     started = int(time.time())
     token_str = _TokenStrings(engine.tokenizer)
