@@ -22,7 +22,7 @@ from chunkcache.config import ChunkConfig, EngineConfig
 from chunkcache.engine.detokenizer import Detokenizer
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
-from chunkcache.engine.sampler import sample
+from chunkcache.engine.sampler import History, sample
 from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
 from chunkcache.engine.sequence import Sequence, Status
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
@@ -287,7 +287,14 @@ class LLMEngine:
         if not rows:
             return
         seqs = [batch.seqs[r] for r in rows]
-        sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        histories = [History(s.prompt_token_ids, s.output_token_ids) for s in seqs]
+        sampled = sample(
+            logits,
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            histories,
+            self.detokenizer.eos_token_ids,
+        )
         now = time.time()
         for seq, s in zip(seqs, sampled, strict=True):
             seq.token_ids.append(s.token_id)

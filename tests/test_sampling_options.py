@@ -1,0 +1,108 @@
+"""Penalties, logit_bias and min_tokens: against transformers' logits processors where it has
+them (repetition penalty, sequence bias, min new tokens), against OpenAI's formula otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import hf_model
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.engine.sampler import History, process_logits
+
+
+def _hf_generate(path, prompt: list[int], n: int, eos: int | None = None, **kw) -> list[int]:
+    model = hf_model(path, "eager")
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=eos,
+        pad_token_id=model.config.pad_token_id,
+        **kw,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+PROMPT = [5, 17, 17, 40, 9, 63, 17, 2, 88, 31]
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    path = checkpoint(arch="llama")
+    engine = LLM(str(path), device="cpu", kv_cache_tokens=2048, chunk_cache_size_gb=0.01)
+    return path, engine
+
+
+def test_repetition_penalty_matches_transformers(llm) -> None:
+    path, engine = llm
+    for penalty in (1.3, 0.7):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=penalty)
+        got = engine.generate([PROMPT], params)[0].outputs[0].token_ids
+        assert got == _hf_generate(path, PROMPT, 12, repetition_penalty=penalty)
+    plain = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert plain.outputs[0].token_ids != got  # the option changes something on this model
+    engine.check_integrity()
+
+
+def test_logit_bias_matches_transformers_sequence_bias(llm) -> None:
+    path, engine = llm
+    bias = {7: 4.0, 11: -100.0, 3: 2.5}
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias=bias)
+    got = engine.generate([PROMPT], params)[0].outputs[0].token_ids
+    assert got == _hf_generate(path, PROMPT, 10, sequence_bias={(t,): b for t, b in bias.items()})
+    assert 11 not in got
+
+
+def test_min_tokens_holds_back_eos_like_transformers(llm) -> None:
+    path, engine = llm
+    plain = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    eos = plain.outputs[0].token_ids[1]  # pretend the second greedy token ends the sequence
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=5, stop_token_ids=[eos])
+    got = engine.generate([PROMPT], params)[0].outputs[0]
+    want = _hf_generate(path, PROMPT, 8, eos=eos, min_new_tokens=5)
+    assert got.token_ids == want[: len(got.token_ids)]
+    assert len(got.token_ids) >= 5 and eos not in got.token_ids[:5]
+    early = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[eos]))[0]
+    assert len(early.outputs[0].token_ids) == 2
+
+
+def test_presence_and_frequency_follow_openais_formula() -> None:
+    # OpenAI: mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence, c over the output.
+    logits = torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = process_logits(logits, params, History([4, 4, 4], [3, 3, 1]), frozenset())
+    want = torch.tensor([1.0, -2.0 - 0.25 - 0.5, 0.5, 3.0 - 0.5 - 0.5, 0.0])  # the prompt does not count
+    assert torch.allclose(out, want)
+    assert torch.equal(logits, torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0]))  # the raw row is untouched
+
+
+def test_penalties_change_sampling_and_leave_logprobs_raw(llm) -> None:
+    _, engine = llm
+    base = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    plain = engine.generate([PROMPT], base)[0].outputs[0]
+    penal = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, frequency_penalty=2.0)
+    out = engine.generate([PROMPT], penal)[0].outputs[0]
+    assert out.token_ids != plain.token_ids
+    # The first token's logprob is the raw model's either way (vLLM's raw_logprobs).
+    assert out.logprobs[0][out.token_ids[0]] == pytest.approx(plain.logprobs[0][plain.token_ids[0]])
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ],
+)
+def test_bad_values_are_rejected(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
