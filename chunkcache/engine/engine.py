@@ -34,6 +34,12 @@ from chunkcache.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_GB = 0.5
+# apply_chat_template's own arguments: a request's template variables must not reach them.
+_RENDER_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+     "chat_template", "tools", "documents"}
+)  # fmt: skip
 
 
 class LLMEngine:
@@ -378,7 +384,15 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat rendered by the model's template. `chat_template_kwargs` are the template's own
+        variables (e.g. `enable_thinking`); they cannot override the rendering arguments."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
         for i, m in enumerate(messages):
@@ -390,9 +404,17 @@ class LLMEngine:
                 raise InvalidRequestError(f"messages[{i}] must have a string 'role' and a string 'content'")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("the model's tokenizer has no chat template")
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(set(extra) & _RENDER_ARGUMENTS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **extra,
             )
         except Exception as e:  # template errors are the client's messages being wrong
             raise InvalidRequestError(f"chat template failed on these messages: {e}") from None

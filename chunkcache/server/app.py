@@ -19,7 +19,8 @@ from starlette.types import Receive, Scope, Send
 
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
-from chunkcache.server.engine_loop import EngineDeadError, EngineLoop, RequestStream
+from chunkcache.server.choices import ChoiceGroup
+from chunkcache.server.engine_loop import EngineLoop, RequestStream
 from chunkcache.server.errors import (
     CLIENT_CLOSED,
     ApiError,
@@ -66,7 +67,7 @@ class _EventStreamResponse(StreamingResponse):
     off by the client. Starlette may stop iterating without closing the generator, which would
     leave the request running (and its KV blocks allocated) until garbage collection."""
 
-    def __init__(self, events: AsyncGenerator[str, None], stream: RequestStream) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], stream: RequestStream | ChoiceGroup) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
@@ -118,14 +119,17 @@ def _top(entries: dict[int, float], k: int) -> list[tuple[int, float]]:
     return [(t, _finite(v)) for t, v in ranked]
 
 
-def _usage(output: RequestOutput) -> Usage:
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = len(output.outputs[0].token_ids)
+def _group_usage(finals: dict[int, RequestOutput], n: int) -> Usage:
+    """Usage of a request's choices: each prompt counted once (from its choice 0), every choice's
+    completion tokens summed, as OpenAI reports n > 1."""
+    leads = [out for index, out in finals.items() if index % n == 0]
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in leads)
+    completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in leads)),
     )
 
 
@@ -217,18 +221,30 @@ def build_app(
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def collect(stream: RequestStream, request: Request) -> RequestOutput | None:
-        """The final output of a non-streamed request, or None if the client went away first
-        (the request is then aborted and its KV freed right away, not when it would have ended)."""
+    def submit_group(
+        prefix: str,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        n: int,
+        chunk_options: dict[str, Any] | None,
+        add_special_tokens: bool = True,
+    ) -> ChoiceGroup:
+        def one(prompt: str | list[int], choice_params: SamplingParams) -> RequestStream:
+            return submit(prefix, prompt, choice_params, chunk_options, add_special_tokens)
 
-        async def last_output() -> RequestOutput:
-            final: RequestOutput | None = None
-            async for output in stream:
-                final = output
-            assert final is not None
-            return final
+        return ChoiceGroup(one, prompts, params, n)
 
-        consumer = asyncio.ensure_future(last_output())
+    async def collect_group(group: ChoiceGroup, request: Request) -> dict[int, RequestOutput] | None:
+        """The final output of every choice of a non-streamed request, or None if the client went
+        away first (everything is then aborted and its KV freed at once)."""
+
+        async def last_outputs() -> dict[int, RequestOutput]:
+            finals: dict[int, RequestOutput] = {}
+            async for index, output in group.outputs():
+                finals[index] = output
+            return finals
+
+        consumer = asyncio.ensure_future(last_outputs())
         watcher = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -238,7 +254,7 @@ def build_app(
         finally:
             for task in (consumer, watcher):
                 task.cancel()
-            stream.release()
+            group.release()
 
     def completion_logprobs(
         completion: CompletionOutput, start: int, stop: int, k: int, text_offset: int
@@ -304,67 +320,81 @@ def build_app(
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         model = resolve_model(body.model)
         try:
-            prompt = body.single_prompt()
+            prompts = body.prompts()
         except ValueError as e:
             raise invalid(str(e), "prompt") from None
         params = sampling_params(body)
-        stream = submit("cmpl", prompt, params, body.chunk_options())
+        n = body.num_choices
+        group = submit_group("cmpl", prompts, params, n, body.chunk_options())
         k = body.logprobs
+        echoes = [echo_text(p) for p in prompts] if body.echo else None
         if body.stream:
             return _EventStreamResponse(
-                completion_events(stream, model, k, body.include_usage_in_stream), stream
+                completion_events(group, model, k, body.include_usage_in_stream, echoes), group
             )
-        final = await collect(stream, request)
-        if final is None:
+        finals = await collect_group(group, request)
+        if finals is None:
             return Response(status_code=CLIENT_CLOSED)
-        completion = final.outputs[0]
-        logprobs = None
-        if k is not None:
-            logprobs, _ = completion_logprobs(
-                completion, 0, len(completion.token_ids), k, len(final.prompt or "")
-            )
-        response = CompletionResponse(
-            id=stream.request_id,
-            model=model,
-            choices=[
+        choices = []
+        for index in sorted(finals):
+            final = finals[index]
+            completion = final.outputs[0]
+            logprobs = None
+            if k is not None:
+                logprobs, _ = completion_logprobs(
+                    completion, 0, len(completion.token_ids), k, len(final.prompt or "")
+                )
+            prefix = echoes[index // n] if echoes is not None else ""
+            choices.append(
                 CompletionChoice(
-                    text=completion.text,
+                    index=index,
+                    text=prefix + completion.text,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-            ],
-            usage=_usage(final),
+            )
+        response = CompletionResponse(
+            id=group.request_id, model=model, choices=choices, usage=_group_usage(finals, n)
         )
         return JSONResponse(response.model_dump())
 
+    def echo_text(prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
+
     async def completion_events(
-        stream: RequestStream, model: str, k: int | None, include_usage: bool
+        group: ChoiceGroup, model: str, k: int | None, include_usage: bool, echoes: list[str] | None
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
-        text_offset: int | None = None
-        final: RequestOutput | None = None
+        text_offsets: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
+        echoed: set[int] = set()
         try:
-            async for output in stream:
-                final = output
+            async for index, output in group.outputs():
+                finals[index] = output
                 completion = output.outputs[0]
                 logprobs = None
                 if k is not None:
-                    if text_offset is None:
-                        text_offset = len(output.prompt or "")
+                    if index not in text_offsets:
+                        text_offsets[index] = len(output.prompt or "")
                     end = len(completion.token_ids)
-                    logprobs, text_offset = completion_logprobs(
-                        completion, end - len(output.new_token_ids), end, k, text_offset
+                    logprobs, text_offsets[index] = completion_logprobs(
+                        completion, end - len(output.new_token_ids), end, k, text_offsets[index]
                     )
-                if not (output.new_text or output.finished or (logprobs and logprobs.tokens)):
+                text = output.new_text
+                if echoes is not None and index not in echoed:
+                    echoed.add(index)  # the prompt goes first, in the choice's first chunk
+                    text = echoes[index // group.n] + text
+                if not (text or output.finished or (logprobs and logprobs.tokens)):
                     continue
                 chunk = CompletionChunk(
-                    id=stream.request_id,
+                    id=group.request_id,
                     created=created,
                     model=model,
                     choices=[
                         CompletionChoice(
-                            text=output.new_text,
+                            index=index,
+                            text=text,
                             logprobs=logprobs,
                             finish_reason=completion.finish_reason if output.finished else None,
                             stop_reason=completion.stop_reason if output.finished else None,
@@ -372,12 +402,16 @@ def build_app(
                     ],
                 )
                 yield _sse(chunk.model_dump_json())
-        except EngineDeadError as e:
+        except Exception as e:  # the engine died, or a later choice was refused: say so in-stream
             yield _sse(stream_error(str(e)))
         else:
-            if include_usage and final is not None:
+            if include_usage and finals:
                 chunk = CompletionChunk(
-                    id=stream.request_id, created=created, model=model, choices=[], usage=_usage(final)
+                    id=group.request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=_group_usage(finals, group.n),
                 )
                 yield _sse(chunk.model_dump_json())
         yield _sse("[DONE]")
@@ -388,20 +422,21 @@ def build_app(
         params = sampling_params(body)
         # The rendered text goes through the same chunk parsing as any prompt (DESIGN.md §2). As in
         # `LLM.chat` and vLLM, the template writes the special prefix (BOS) itself.
-        prompt = engine.render_chat(body.template_messages(), add_generation_prompt=True)
-        stream = submit("chatcmpl", prompt, params, body.chunk_options(), add_special_tokens=False)
+        prompt = engine.render_chat(body.template_messages(), **body.template_kwargs())
+        n = body.num_choices
+        group = submit_group("chatcmpl", [prompt], params, n, body.chunk_options(), add_special_tokens=False)
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
-            return _EventStreamResponse(chat_events(stream, model, k, body.include_usage_in_stream), stream)
-        final = await collect(stream, request)
-        if final is None:
+            return _EventStreamResponse(chat_events(group, model, k, body.include_usage_in_stream), group)
+        finals = await collect_group(group, request)
+        if finals is None:
             return Response(status_code=CLIENT_CLOSED)
-        completion = final.outputs[0]
-        response = ChatCompletionResponse(
-            id=stream.request_id,
-            model=model,
-            choices=[
+        choices = []
+        for index in sorted(finals):
+            completion = finals[index].outputs[0]
+            choices.append(
                 ChatChoice(
+                    index=index,
                     message=AssistantMessage(content=completion.text),
                     logprobs=None
                     if k is None
@@ -409,20 +444,21 @@ def build_app(
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-            ],
-            usage=_usage(final),
+            )
+        response = ChatCompletionResponse(
+            id=group.request_id, model=model, choices=choices, usage=_group_usage(finals, n)
         )
         return JSONResponse(response.model_dump())
 
     async def chat_events(
-        stream: RequestStream, model: str, k: int | None, include_usage: bool
+        group: ChoiceGroup, model: str, k: int | None, include_usage: bool
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
-        role_sent = False
-        final: RequestOutput | None = None
+        role_sent: set[int] = set()
+        finals: dict[int, RequestOutput] = {}
         try:
-            async for output in stream:
-                final = output
+            async for index, output in group.outputs():
+                finals[index] = output
                 completion = output.outputs[0]
                 logprobs = None
                 if k is not None and output.new_token_ids:
@@ -430,15 +466,18 @@ def build_app(
                     logprobs = chat_logprobs(completion, end - len(output.new_token_ids), end, k)
                 if not (output.new_text or output.finished or logprobs):
                     continue
-                # OpenAI announces the role once, in the first chunk.
-                delta = DeltaMessage(role=None if role_sent else "assistant", content=output.new_text)
-                role_sent = True
+                # OpenAI announces the role once per choice, in its first chunk.
+                delta = DeltaMessage(
+                    role=None if index in role_sent else "assistant", content=output.new_text
+                )
+                role_sent.add(index)
                 chunk = ChatCompletionChunk(
-                    id=stream.request_id,
+                    id=group.request_id,
                     created=created,
                     model=model,
                     choices=[
                         ChatChunkChoice(
+                            index=index,
                             delta=delta,
                             logprobs=logprobs,
                             finish_reason=completion.finish_reason if output.finished else None,
@@ -447,12 +486,16 @@ def build_app(
                     ],
                 )
                 yield _sse(chunk.model_dump_json(exclude_none=False))
-        except EngineDeadError as e:
+        except Exception as e:  # the engine died, or a later choice was refused: say so in-stream
             yield _sse(stream_error(str(e)))
         else:
-            if include_usage and final is not None:
+            if include_usage and finals:
                 chunk = ChatCompletionChunk(
-                    id=stream.request_id, created=created, model=model, choices=[], usage=_usage(final)
+                    id=group.request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=_group_usage(finals, group.n),
                 )
                 yield _sse(chunk.model_dump_json())
         yield _sse("[DONE]")

@@ -1,9 +1,12 @@
 """The wire format of the OpenAI-compatible API: request and response models.
 
 Requests are strict on purpose: a field this server does not implement is rejected with HTTP 400
-naming it (pydantic's `extra="forbid"`), because silently ignoring, say, `presence_penalty=1.5`
-returns an answer the client did not ask for. A few fields that popular clients send at their
-neutral value (`n=1`, zero penalties, `echo=false`) are accepted only at that value.
+naming it (pydantic's `extra="forbid"`), because silently ignoring it returns an answer the client
+did not ask for. Every optional field also takes an explicit `null` (= its default), as OpenAI's
+API does. Fields with no effect on the answer are accepted where they mean nothing here (`user`,
+`metadata`, `store=false`, `tools=[]`, `tool_choice="none"`, `response_format={"type": "text"}`,
+...), and refused with a 400 saying why where they would (`store=true`, non-empty `tools`, JSON
+response formats). README, "OpenAI and vLLM compatibility", lists every field.
 
 Value checks that belong to sampling (ranges of temperature, top_p, ...) are left to
 `SamplingParams`, the one place that knows them; these models check shapes and the OpenAI-only rules.
@@ -21,6 +24,9 @@ from chunkcache.sampling import SamplingParams
 
 # The largest top-logprobs count a request may ask for (OpenAI's chat limit; vLLM's default too).
 MAX_TOP_LOGPROBS = 20
+# Choices per prompt (OpenAI's limit) and prompts per completions request.
+MAX_N = 128
+MAX_PROMPTS = 256
 
 
 class StrictModel(BaseModel):
@@ -28,7 +34,10 @@ class StrictModel(BaseModel):
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    # OpenAI pads streamed deltas with random characters against side channels when asked; a
+    # self-hosted server sends no padding, so either value means the same here.
+    include_obfuscation: bool | None = None
 
 
 class _SamplingFields(StrictModel):
@@ -39,18 +48,26 @@ class _SamplingFields(StrictModel):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    # Accepted only at their no-op value: common clients send them even when unused.
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # n choices per prompt; choices after the first start once the first has its prompt in the
+    # prefix cache, so they share its KV (server/choices.py).
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias
     user: str | None = None  # an opaque end-user id for the caller's own bookkeeping; no effect on output
+    # Bookkeeping fields of OpenAI's platform: nothing is stored here, so only "not stored" is honest.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None  # tags for stored completions; no effect without storage
+    service_tier: Literal["auto", "default"] | None = None  # one tier here; others would be a promise
     # vLLM's extensions.
     top_k: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
     # chunkcache's extensions: this request's chunk layout and blend options (ChunkConfig).
     chunk_layout: str | None = None
     blend_check_layers: list[int] | None = None
@@ -62,17 +79,19 @@ class _SamplingFields(StrictModel):
 
     @model_validator(mode="after")
     def _check_openai_rules(self) -> _SamplingFields:
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported: this server returns one choice per request")
-        if self.presence_penalty != 0.0:
-            raise ValueError(f"presence_penalty={self.presence_penalty} is not supported; only 0")
-        if self.frequency_penalty != 0.0:
-            raise ValueError(f"frequency_penalty={self.frequency_penalty} is not supported; only 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.store:
+            raise ValueError("store=true is not supported: this server does not store completions")
+        if self.logit_bias:
+            for key in self.logit_bias:
+                if not key.lstrip("-").isdigit():
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return self
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
 
     def chunk_options(self) -> dict[str, Any] | None:
         """The chunk extension fields that were given, for `LLMEngine.add_request`."""
@@ -83,7 +102,7 @@ class _SamplingFields(StrictModel):
 
     @property
     def include_usage_in_stream(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return bool(self.stream_options is not None and self.stream_options.include_usage)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         # OpenAI's defaults (temperature 1, top_p 1) are SamplingParams' defaults too.
@@ -92,50 +111,61 @@ class _SamplingFields(StrictModel):
             "seed": self.seed,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids or [],
-            "ignore_eos": self.ignore_eos,
+            "ignore_eos": bool(self.ignore_eos),
             "logprobs": logprobs,
         }
-        if self.temperature is not None:
-            kwargs["temperature"] = self.temperature
-        if self.top_p is not None:
-            kwargs["top_p"] = self.top_p
-        if self.top_k is not None:
-            kwargs["top_k"] = self.top_k
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        kwargs.update({name: value for name, value in optional.items() if value is not None})
+        if self.logit_bias:
+            kwargs["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
         return SamplingParams(**kwargs)
 
 
 class CompletionRequest(_SamplingFields):
-    # A string, a token list, or a batch of exactly one of either.
+    # A string, a token list, or a batch of either: choice i of prompt p has index p * n + i.
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = 16  # OpenAI's default for completions (null: up to the context)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _check_completion_rules(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo=true is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError(f"best_of={self.best_of} is not supported; only 1")
+        if self.best_of not in (None, 1, self.n):
+            raise ValueError(f"best_of={self.best_of} is not supported; only 1 (or equal to n)")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ValueError(
+                "suffix is not supported: no model served here is trained for fill-in-the-middle"
+            )
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "echo=true with logprobs is not supported: this server does not compute prompt-token logprobs"
+            )
         return self
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
+            return [prompt]
         if not prompt:
             raise ValueError("prompt must not be empty")
         if isinstance(prompt[0], int):
-            return prompt  # type: ignore[return-value]
-        if len(prompt) != 1:
+            return [prompt]  # type: ignore[list-item]
+        if len(prompt) > MAX_PROMPTS:
             raise ValueError(
-                f"a batch of {len(prompt)} prompts is not supported; send one prompt per request"
+                f"a batch of {len(prompt)} prompts is more than this server takes ({MAX_PROMPTS})"
             )
-        return prompt[0]  # type: ignore[return-value]
+        return list(prompt)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs)
@@ -149,6 +179,8 @@ class TextContentPart(StrictModel):
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart] | None = None
+    # A participant's name: handed to the chat template, which may render it (most ignore it).
+    name: str | None = None
 
     def to_template_message(self) -> dict[str, str]:
         content = self.content
@@ -156,7 +188,24 @@ class ChatMessage(StrictModel):
             content = "".join(part.text for part in content)
         # "developer" is OpenAI's newer name for the system role; chat templates only know "system".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _only_text(self) -> ResponseFormat:
+        if self.type != "text":
+            raise ValueError(
+                f"response_format {self.type!r} is not supported: this server has no structured-output "
+                "decoding; only {'type': 'text'}"
+            )
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -164,14 +213,41 @@ class ChatCompletionRequest(_SamplingFields):
     # Chat's default is "until the context is full" (None), not the 16 of completions.
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Tool calling is not implemented: only the shapes that ask for no tool call are accepted.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's chat extensions.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
 
     @model_validator(mode="after")
     def _check_chat_rules(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools are not supported: this server does not render or parse tool calls")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(
+                f"tool_choice {self.tool_choice!r} is not supported: no tools can be called here"
+            )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Arguments of `apply_chat_template` besides the messages."""
+        return {
+            "add_generation_prompt": bool(self.add_generation_prompt),
+            "continue_final_message": bool(self.continue_final_message),
+            "chat_template_kwargs": self.chat_template_kwargs or {},
+        }
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
