@@ -24,6 +24,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop tokens are masked, stop strings ignored, before this many
     skip_special_tokens: bool = True  # in the returned text
+    prompt_logprobs: int | None = None  # top-k log-probabilities of each prompt token (vLLM's name)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +74,9 @@ class SamplingParams:
                     raise ValueError(
                         f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}"
                     )
+        k = self.prompt_logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer, got {k!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

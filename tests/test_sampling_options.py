@@ -106,3 +106,27 @@ def test_penalties_change_sampling_and_leave_logprobs_raw(llm) -> None:
 def test_bad_values_are_rejected(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kw)
+
+
+def test_prompt_logprobs_match_transformers(llm) -> None:
+    path, engine = llm
+    model = hf_model(path, "eager")
+    prompt = PROMPT * 4  # 40 tokens: more than two KV blocks
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    # Twice: the second time the prompt is in the prefix cache, which prompt logprobs must not use.
+    for _ in range(2):
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(prompt) and got[0] is None
+        for i in range(1, len(prompt)):
+            entry = got[i]
+            assert entry[prompt[i]] == pytest.approx(float(want[i - 1, prompt[i]]), abs=1e-4)
+            top = torch.topk(want[i - 1], 3)
+            for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+                assert entry[t] == pytest.approx(v, abs=1e-4)
+        assert out.num_cached_tokens == 0
+    # The chunk path cannot give them: refused, not faked.
+    with pytest.raises(Exception, match="chunked prompts"):
+        engine.generate(["sys # # a # # b # # q"], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    engine.check_integrity()

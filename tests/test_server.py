@@ -383,7 +383,7 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
         ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", None),
         ("/v1/completions", {"prompt": "x", "store": True}, 400, "does not store", None),
         ("/v1/completions", {"prompt": "x", "service_tier": "flex"}, 400, "service_tier", "service_tier"),
-        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "prompt-token logprobs", None),
+        ("/v1/completions", {"prompt": CHUNKED, "echo": True, "logprobs": 1}, 400, "chunked prompts", None),
         ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens", None),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", None),
         (

@@ -282,3 +282,34 @@ def test_langchain_invoke_stream_and_named_message(reference: LLM, server: Serve
     named = [SystemMessage(MESSAGES[0]["content"]), HumanMessage(MESSAGES[1]["content"], name="mirela_fan")]
     assert llm.invoke(named).content == want
     server.wait_idle()
+
+
+def test_echo_with_logprobs_returns_prompt_logprobs(
+    reference: LLM, server: ServerThread, client: openai.OpenAI
+) -> None:  # noqa: F811
+    """What evaluation harnesses send for a loglikelihood: echo, logprobs, max_tokens 1."""
+    prompt = PROMPTS[2]
+    got = client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=1, temperature=0
+    )
+    lp = got.choices[0].logprobs
+    want = reference.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2, logprobs=2)
+    )[0]
+    ids = want.prompt_token_ids
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(want.prompt_logprobs[i][ids[i]], abs=1e-5)
+        assert len(lp.top_logprobs[i]) >= 2
+    assert lp.token_logprobs[-1] == pytest.approx(
+        want.outputs[0].logprobs[0][want.outputs[0].token_ids[0]], abs=1e-5
+    )
+    assert got.choices[0].text == prompt + want.outputs[0].text
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=1, temperature=0, stream=True
+        )
+    )
+    first = next(c for c in streamed if c.choices)
+    assert first.choices[0].logprobs.token_logprobs[: len(ids)] == lp.token_logprobs[: len(ids)]
+    server.wait_idle()

@@ -196,6 +196,11 @@ class LLMEngine:
             < chunk_config.blend_min_tokens
         ):
             chunked = None  # too little to reuse: a plain prefill is as fast
+        if chunked is not None and params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt logprobs are not available for chunked prompts (their chunks' KV is reused, "
+                "not computed in this request)"
+            )
         if chunked is not None:
             assert self.chunks is not None
             self.chunks.validate(chunked, self.max_model_len)
@@ -372,6 +377,7 @@ class LLMEngine:
             blend_fallback=seq.blend_fallback,
             new_token_ids=new_tokens,
             new_text=new_text,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
         )
 
     def _publish_events(self) -> None:

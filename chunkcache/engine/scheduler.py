@@ -95,6 +95,7 @@ class Scheduler:
                 and seq.num_computed == 0
                 and seq.borrowed_slots is None
                 and not seq.is_fill
+                and seq.params.prompt_logprobs is None  # every prompt position must be computed
             ):
                 self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)

@@ -344,6 +344,8 @@ def build_app(
                 logprobs, _ = completion_logprobs(
                     completion, 0, len(completion.token_ids), k, len(final.prompt or "")
                 )
+                if echoes is not None:
+                    logprobs = echoed_prompt_logprobs(final, k).merged(logprobs)
             prefix = echoes[index // n] if echoes is not None else ""
             choices.append(
                 CompletionChoice(
@@ -361,6 +363,27 @@ def build_app(
 
     def echo_text(prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
+
+    def echoed_prompt_logprobs(output: RequestOutput, k: int) -> CompletionLogprobs:
+        """The prompt tokens in the completions logprobs format (the first has no logprob)."""
+        result = CompletionLogprobs()
+        entries = output.prompt_logprobs or []
+        offset = 0
+        for i, token_id in enumerate(output.prompt_token_ids):
+            token = token_str(token_id)
+            lp = entries[i] if i < len(entries) else None
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+            if lp is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(_finite(lp[token_id]))
+            top = {token_str(t): v for t, v in _top(lp, k)}
+            top.setdefault(token, _finite(lp[token_id]))
+            result.top_logprobs.append(top)
+        return result
 
     async def completion_events(
         group: ChoiceGroup, model: str, k: int | None, include_usage: bool, echoes: list[str] | None
@@ -385,6 +408,8 @@ def build_app(
                 if echoes is not None and index not in echoed:
                     echoed.add(index)  # the prompt goes first, in the choice's first chunk
                     text = echoes[index // group.n] + text
+                    if logprobs is not None:
+                        logprobs = echoed_prompt_logprobs(output, k or 0).merged(logprobs)
                 if not (text or output.finished or (logprobs and logprobs.tokens)):
                     continue
                 chunk = CompletionChunk(

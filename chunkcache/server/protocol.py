@@ -147,10 +147,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(
                 "suffix is not supported: no model served here is trained for fill-in-the-middle"
             )
-        if self.echo and self.logprobs is not None:
-            raise ValueError(
-                "echo=true with logprobs is not supported: this server does not compute prompt-token logprobs"
-            )
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -168,7 +164,12 @@ class CompletionRequest(_SamplingFields):
         return list(prompt)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        params = self._sampling_params(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            # echo + logprobs = the prompt tokens' logprobs too (evaluation harnesses' loglikelihood).
+            params.prompt_logprobs = self.logprobs
+            params.validate()
+        return params
 
 
 class TextContentPart(StrictModel):
@@ -294,6 +295,15 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+    def merged(self, after: CompletionLogprobs) -> CompletionLogprobs:
+        """These entries followed by `after`'s (echoed prompt, then the completion)."""
+        return CompletionLogprobs(
+            tokens=self.tokens + after.tokens,
+            token_logprobs=self.token_logprobs + after.token_logprobs,
+            top_logprobs=self.top_logprobs + after.top_logprobs,
+            text_offset=self.text_offset + after.text_offset,
+        )
 
 
 class CompletionChoice(BaseModel):
