@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -25,6 +26,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop tokens are masked, stop strings ignored, before this many
     skip_special_tokens: bool = True  # in the returned text
     prompt_logprobs: int | None = None  # top-k log-probabilities of each prompt token (vLLM's name)
+    json_schema: dict[str, Any] | None = None  # output must be JSON valid under it (engine/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +76,10 @@ class SamplingParams:
                     raise ValueError(
                         f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}"
                     )
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(
+                f"json_schema must be a JSON schema object, got {type(self.json_schema).__name__}"
+            )
         k = self.prompt_logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
             raise ValueError(f"prompt_logprobs must be a non-negative integer, got {k!r}")

@@ -3,12 +3,15 @@ them (repetition penalty, sequence bias, min new tokens), against OpenAI's formu
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from oracle import hf_model
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.engine.sampler import History, process_logits
+from chunkcache.errors import InvalidRequestError
 
 
 def _hf_generate(path, prompt: list[int], n: int, eos: int | None = None, **kw) -> list[int]:
@@ -129,4 +132,62 @@ def test_prompt_logprobs_match_transformers(llm) -> None:
     # The chunk path cannot give them: refused, not faked.
     with pytest.raises(Exception, match="chunked prompts"):
         engine.generate(["sys # # a # # b # # q"], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    engine.check_integrity()
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "color"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_validates(llm) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    _, engine = llm
+    outs = engine.generate(
+        ["Answer in JSON:"] * 4,
+        [SamplingParams(temperature=1.0, seed=s, max_tokens=40, json_schema=SCHEMA) for s in range(3)]
+        + [SamplingParams(temperature=0, max_tokens=40, json_schema=SCHEMA)],
+    )
+    for out in outs:
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", completion.text  # the grammar forces an end
+        jsonschema.validate(json.loads(completion.text), SCHEMA)
+    # Unconstrained, the same model writes no JSON at all.
+    free = engine.generate(
+        ["Answer in JSON:"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )[0]
+    with pytest.raises(ValueError):
+        json.loads(free.outputs[0].text)
+    engine.check_integrity()
+
+
+def test_json_object_outputs_are_json_objects(llm) -> None:
+    _, engine = llm
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=24, json_schema={"type": "object"})
+        for s in range(8)
+    ]
+    outs = [o.outputs[0] for o in engine.generate(["Data:"] * len(params), params)]
+    assert any(c.finish_reason == "stop" for c in outs)
+    for c in outs:
+        assert c.text.startswith("{")
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.text), dict)
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "nonsense"}, "nonsense"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "nowhere"),
+        ({"type": "string", "minLength": "x"}, "minLength"),
+    ],
+)
+def test_malformed_schemas_are_refused(llm, schema: dict, message: str) -> None:
+    _, engine = llm
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.generate(["x"], SamplingParams(max_tokens=2, json_schema=schema))
     engine.check_integrity()

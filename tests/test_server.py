@@ -430,9 +430,19 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
         ),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}},
+            },
             400,
-            "response_format 'json_object' is not supported",
+            "invalid JSON schema",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+            400,
+            "needs a json_schema",
             None,
         ),
         (

@@ -1,9 +1,11 @@
+# ruff: noqa: F811  (pytest fixtures imported from test_server are parameters here)
 """OpenAI / vLLM request shapes that clients send (issue 17): explicit nulls, no-op fields, n > 1,
 batches of prompts, echo, penalties, chat template options; the official `openai` client and
 langchain-openai against a real server, the offline API as the reference."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -286,7 +288,7 @@ def test_langchain_invoke_stream_and_named_message(reference: LLM, server: Serve
 
 def test_echo_with_logprobs_returns_prompt_logprobs(
     reference: LLM, server: ServerThread, client: openai.OpenAI
-) -> None:  # noqa: F811
+) -> None:
     """What evaluation harnesses send for a loglikelihood: echo, logprobs, max_tokens 1."""
     prompt = PROMPTS[2]
     got = client.completions.create(
@@ -312,4 +314,52 @@ def test_echo_with_logprobs_returns_prompt_logprobs(
     )
     first = next(c for c in streamed if c.choices)
     assert first.choices[0].logprobs.token_logprobs[: len(ids)] == lp.token_logprobs[: len(ids)]
+    server.wait_idle()
+
+
+# ---- structured output ----------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Ashford", "Port Kellam"]}, "sure": {"type": "boolean"}},
+    "required": ["city", "sure"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_response_format(server: ServerThread, client: openai.OpenAI) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    for seed in range(3):
+        got = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=40,
+            seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}},
+        )
+        assert got.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(got.choices[0].message.content), SCHEMA)
+    server.wait_idle()
+
+
+def test_langchain_json_mode(server: ServerThread, client: openai.OpenAI) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    # A random tiny model may write a JSON object longer than max_tokens; find a seed whose
+    # object closes, then langchain must parse exactly that object.
+    for seed in range(16):
+        raw = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=24, seed=seed, response_format={"type": "json_object"}
+        ).choices[0]
+        assert raw.message.content.startswith("{")
+        if raw.finish_reason == "stop":
+            break
+    else:
+        pytest.fail("no seed gave a closed JSON object")
+    want = json.loads(raw.message.content)
+    assert isinstance(want, dict)
+    llm = langchain_openai.ChatOpenAI(
+        model=MODEL, base_url=f"{server.url}/v1", api_key=API_KEY, max_tokens=24, seed=seed, max_retries=0
+    )
+    structured = llm.with_structured_output(method="json_mode")
+    assert structured.invoke([("system", MESSAGES[0]["content"]), ("human", MESSAGES[1]["content"])]) == want
     server.wait_idle()

@@ -21,6 +21,8 @@ class Detokenizer:
             seq.finish_reason, seq.stop_reason = "stop", None
         elif token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
+        elif seq.grammar is not None and seq.grammar.is_stopped():
+            seq.finish_reason, seq.stop_reason = "stop", None  # the structured output is complete
         text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
         # A trailing replacement char is an incomplete multi-byte character: wait for more tokens.
         if text.endswith("\ufffd") and seq.finish_reason is None:

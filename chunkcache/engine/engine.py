@@ -25,6 +25,7 @@ from chunkcache.engine.runner import ModelRunner
 from chunkcache.engine.sampler import History, sample
 from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
 from chunkcache.engine.sequence import Sequence, Status
+from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher
 from chunkcache.model.loader import load_model
@@ -87,6 +88,7 @@ class LLMEngine:
             is_ready=self.chunks.is_ready if self.chunks else (lambda seq: True),
         )
         self.detokenizer = Detokenizer(self.tokenizer, loaded.eos_token_ids, self.max_model_len)
+        self.structured = StructuredOutputs(self.tokenizer, self.spec.vocab_size)
         self._generator = torch.Generator().manual_seed(config.seed)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -234,6 +236,8 @@ class LLMEngine:
         seq.generator = (
             torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
         )
+        if params.json_schema is not None:
+            seq.grammar = self.structured.matcher(params.json_schema)
         if chunked is not None:
             seq.chunk_state = chunked
             seq.chunk_config = chunk_config
@@ -298,7 +302,7 @@ class LLMEngine:
         if not rows:
             return
         seqs = [batch.seqs[r] for r in rows]
-        histories = [History(s.prompt_token_ids, s.output_token_ids) for s in seqs]
+        histories = [History(s.prompt_token_ids, s.output_token_ids, s.grammar) for s in seqs]
         sampled = sample(
             logits,
             [s.params for s in seqs],

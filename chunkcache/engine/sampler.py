@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from chunkcache.engine.structured import allowed_tokens
 from chunkcache.sampling import SamplingParams
 
 
@@ -34,10 +36,11 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 @dataclass
 class History:
-    """What a sequence has seen so far, for its penalties."""
+    """What a sequence has seen so far, for its penalties, and its output grammar's matcher."""
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    grammar: Any = None
 
 
 def process_logits(
@@ -48,6 +51,8 @@ def process_logits(
     `stop_ids` = EOS and stop token ids, masked while fewer than `min_tokens` tokens came out."""
     logits = logits.clone()
     vocab = logits.shape[-1]
+    if history.grammar is not None:
+        logits = logits.masked_fill(~allowed_tokens(history.grammar, vocab), float("-inf"))
     if p.logit_bias:
         ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long)
         if len(ids):
@@ -86,12 +91,14 @@ def sample(
         logprobs_all = torch.log_softmax(logits, dim=-1)
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         row_logits = logits[row]
-        if p.processes_logits:
+        grammar = histories[row].grammar if histories is not None else None
+        processed = p.processes_logits or grammar is not None
+        if processed:
             if histories is None:
                 raise ValueError("penalties, logit_bias and min_tokens need the sequences' token histories")
             row_logits = process_logits(row_logits, p, histories[row], stop_ids | frozenset(p.stop_token_ids))
         if p.greedy:
-            token = int(row_logits.argmax()) if p.processes_logits else greedy_ids[row]
+            token = int(row_logits.argmax()) if processed else greedy_ids[row]
         else:
             filtered = _filter_top_k_top_p(row_logits / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(filtered, dim=-1)
@@ -104,5 +111,7 @@ def sample(
                 top = torch.topk(row_lp, min(p.logprobs, row_lp.shape[-1]))
                 lp = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
             lp[token] = float(row_lp[token])
+        if grammar is not None:
+            grammar.consume_token(token)  # the grammar advances with the output
         out.append(Sampled(token, lp))
     return out

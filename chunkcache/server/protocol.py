@@ -195,18 +195,35 @@ class ChatMessage(StrictModel):
         return message
 
 
+class JsonSchemaFormat(StrictModel):
+    name: str
+    description: str | None = None
+    # Absent: any JSON value is allowed.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    # OpenAI's strict mode: decoding under the schema's grammar is always strict here.
+    strict: bool | None = None
+
+
 class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _only_text(self) -> ResponseFormat:
-        if self.type != "text":
-            raise ValueError(
-                f"response_format {self.type!r} is not supported: this server has no structured-output "
-                "decoding; only {'type': 'text'}"
-            )
+    def _schema_only_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"response_format {self.type!r} takes no json_schema")
         return self
+
+    def target_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must follow; None for plain text."""
+        if self.type == "json_object":
+            return {"type": "object"}  # any JSON object (OpenAI's JSON mode)
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+        return None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -253,7 +270,10 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        params = self._sampling_params(max_tokens, logprobs)
+        if self.response_format is not None:
+            params.json_schema = self.response_format.target_schema()
+        return params
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.to_template_message() for m in self.messages]
