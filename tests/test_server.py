@@ -432,7 +432,10 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
             "/v1/chat/completions",
             {
                 "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}},
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": {"type": "nonsense"}},
+                },
             },
             400,
             "invalid JSON schema",

@@ -30,7 +30,7 @@ LONG = " ".join(PROMPTS * 3)  # several full KV blocks
 
 
 @pytest.fixture(scope="module")
-def server(model_dir) -> Iterator[ServerThread]:  # noqa: F811
+def server(model_dir) -> Iterator[ServerThread]:
     engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, **ENGINE_OPTIONS))
     srv = ServerThread(build_app(engine, api_key=API_KEY, max_queue=64, served_model_name=MODEL)).start()
     yield srv
@@ -42,7 +42,7 @@ def client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
-def greedy_chat(reference: LLM, messages: list[dict[str, Any]], n: int = 10) -> str:  # noqa: F811
+def greedy_chat(reference: LLM, messages: list[dict[str, Any]], n: int = 10) -> str:
     return (
         reference.chat(messages, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
         .outputs[0]
@@ -50,7 +50,7 @@ def greedy_chat(reference: LLM, messages: list[dict[str, Any]], n: int = 10) -> 
     )
 
 
-def test_explicit_nulls_mean_defaults(reference: LLM, server: ServerThread, client: openai.OpenAI) -> None:  # noqa: F811
+def test_explicit_nulls_mean_defaults(reference: LLM, server: ServerThread, client: openai.OpenAI) -> None:
     want = greedy_chat(reference, MESSAGES)
     got = client.chat.completions.create(
         model=MODEL,
@@ -88,7 +88,7 @@ def test_explicit_nulls_mean_defaults(reference: LLM, server: ServerThread, clie
     server.wait_idle()
 
 
-def test_no_op_fields_leave_the_answer_alone(reference: LLM, client: openai.OpenAI) -> None:  # noqa: F811
+def test_no_op_fields_leave_the_answer_alone(reference: LLM, client: openai.OpenAI) -> None:
     want = greedy_chat(reference, MESSAGES)
     common: dict[str, Any] = {
         "model": MODEL,
@@ -131,7 +131,7 @@ def vllm_metric(server: ServerThread, name: str) -> float:
 
 
 def test_n_choices_are_seeded_per_choice_and_share_the_prompt_kv(
-    reference: LLM,  # noqa: F811
+    reference: LLM,
     server: ServerThread,
     client: openai.OpenAI,
 ) -> None:
@@ -182,7 +182,7 @@ def test_n_choices_are_seeded_per_choice_and_share_the_prompt_kv(
     server.wait_idle()
 
 
-def test_prompt_batches_and_echo(reference: LLM, server: ServerThread, client: openai.OpenAI) -> None:  # noqa: F811
+def test_prompt_batches_and_echo(reference: LLM, server: ServerThread, client: openai.OpenAI) -> None:
     prompts = [PROMPTS[0], PROMPTS[2]]
     got = client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=5, echo=True)
     assert sorted(c.index for c in got.choices) == [0, 1, 2, 3]
@@ -200,7 +200,7 @@ def test_prompt_batches_and_echo(reference: LLM, server: ServerThread, client: o
     server.wait_idle()
 
 
-def test_penalties_bias_and_min_tokens_equal_the_offline_api(reference: LLM, client: openai.OpenAI) -> None:  # noqa: F811
+def test_penalties_bias_and_min_tokens_equal_the_offline_api(reference: LLM, client: openai.OpenAI) -> None:
     params = SamplingParams(
         temperature=0, max_tokens=12, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2,
         logit_bias={5: -100.0, 9: 3.0}, min_tokens=4, skip_special_tokens=False,
@@ -221,7 +221,7 @@ def test_penalties_bias_and_min_tokens_equal_the_offline_api(reference: LLM, cli
     assert want != plain
 
 
-def test_chat_template_options(reference: LLM, client: openai.OpenAI) -> None:  # noqa: F811
+def test_chat_template_options(reference: LLM, client: openai.OpenAI) -> None:
     engine = reference.engine
     tokenizer = engine.tokenizer
 
@@ -248,7 +248,7 @@ def test_chat_template_options(reference: LLM, client: openai.OpenAI) -> None:  
     )
 
 
-def test_chat_template_kwargs_reach_the_template(reference: LLM) -> None:  # noqa: F811
+def test_chat_template_kwargs_reach_the_template(reference: LLM) -> None:
     tokenizer = reference.engine.tokenizer
     original = tokenizer.chat_template
     try:
@@ -264,7 +264,7 @@ def test_chat_template_kwargs_reach_the_template(reference: LLM) -> None:  # noq
 # ---- langchain-openai -----------------------------------------------------------------------
 
 
-def test_langchain_invoke_stream_and_named_message(reference: LLM, server: ServerThread) -> None:  # noqa: F811
+def test_langchain_invoke_stream_and_named_message(reference: LLM, server: ServerThread) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
     from langchain_core.messages import HumanMessage, SystemMessage
 
@@ -335,7 +335,10 @@ def test_json_schema_response_format(server: ServerThread, client: openai.OpenAI
             messages=MESSAGES,
             max_tokens=40,
             seed=seed,
-            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}},
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True},
+            },
         )
         assert got.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(got.choices[0].message.content), SCHEMA)

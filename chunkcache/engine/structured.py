@@ -39,7 +39,9 @@ class StructuredOutputs:
             raise InvalidRequestError(f"a JSON schema must be an object, got {type(schema).__name__}")
         try:
             # Compact JSON (no free whitespace): a model cannot pad its output with spaces forever.
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_flexible": False}
+            )
         except ValueError as e:
             raise InvalidRequestError(f"invalid JSON schema in response_format: {e}") from None
         tokenizer = self._ll_tokenizer()
