@@ -25,7 +25,7 @@ from chunkcache.kv_events import (
     read_replay_reply,
     replay_request,
 )
-from chunkcache.router.events import EventIntake, fnv1a_64, pod_from_topic
+from chunkcache.router.events import EventIntake, fnv1a_64, pod_from_topic, subscriptions
 from chunkcache.router.index import KVIndex, MemoryIndex, open_index
 from chunkcache.router.scorer import Scorer
 from chunkcache.router.tokens import BlockKeyer
@@ -380,6 +380,8 @@ def test_bad_payloads_count_as_failed_and_untrust_the_pod(intake: EventIntake) -
 
 def test_bound_subscriber_takes_the_pod_from_the_topic() -> None:
     assert pod_from_topic("kv@pod-7@Qwen/Qwen3") == "pod-7" and pod_from_topic("plain") == "plain"
+    assert pod_from_topic("chunk@pod-7@Qwen/Qwen3") == "pod-7"
+    assert subscriptions("kv@") == ["kv@", "chunk@"] and subscriptions("") == [""]
     it = EventIntake(MemoryIndex(), num_workers=1, topic_filter="kv@", bind_endpoint="tcp://127.0.0.1:0")
     it.start()
     pub = KVEventPublisher(it.bound_endpoint, topic="kv@pod-7@tiny")
@@ -393,6 +395,12 @@ def test_bound_subscriber_takes_the_pod_from_the_topic() -> None:
             other.publish(engine_events("0", t))
             time.sleep(0.05)
         assert prefix_blocks(it.index, t) == {"pod-7": 2}
+        # The chunk stream of the same pod passes the kv@ filter's companion subscription.
+        deadline = time.monotonic() + 5
+        while it.index.lookup_chunks([42]) != [{"pod-7": 9}]:
+            assert time.monotonic() < deadline
+            pub.publish([ChunkStored([42], [9])])
+            time.sleep(0.05)
     finally:
         pub.close()
         other.close()

@@ -42,6 +42,7 @@ from chunkcache.kv_events import (
     ChunkStored,
     KVEventBatch,
     KVEventDecodeError,
+    chunk_topic_for,
     decode_batch,
     is_chunk_topic,
     read_replay_reply,
@@ -68,6 +69,14 @@ def pod_from_topic(topic: str) -> str:
     stream); any other topic is the pod id itself."""
     parts = topic.split("@")
     return parts[1] if len(parts) == 3 and parts[0] in ("kv", "chunk") else topic
+
+
+def subscriptions(topic_filter: str) -> list[str]:
+    """The ZMQ prefixes to subscribe to for a vLLM topic filter: a filter on vLLM's `kv@...` also
+    takes our chunk stream of the same pods (`chunk@...`), which vLLM's prefix cannot match."""
+    if topic_filter.startswith("kv@"):
+        return [topic_filter, chunk_topic_for(topic_filter)]
+    return [topic_filter]
 
 
 def tier_of(medium: str | None) -> str:
@@ -163,7 +172,8 @@ class EventIntake:
             self._bound = self._ctx.socket(zmq.SUB)
             self._bound.setsockopt(zmq.RCVHWM, 0)
             self._bound.bind(bind_endpoint[:-2] + ":*" if bind_endpoint.endswith(":0") else bind_endpoint)
-            self._bound.setsockopt_string(zmq.SUBSCRIBE, topic_filter)
+            for prefix in subscriptions(topic_filter):
+                self._bound.setsockopt_string(zmq.SUBSCRIBE, prefix)
             self.bound_endpoint = self._bound.getsockopt_string(zmq.LAST_ENDPOINT)
         self._running = False
         self._receiver: threading.Thread | None = None
@@ -249,7 +259,8 @@ class EventIntake:
                 sock = self._ctx.socket(zmq.SUB)
                 sock.setsockopt(zmq.RCVHWM, 0)  # never drop silently here; the publisher's HWM rules
                 sock.connect(endpoint)
-                sock.setsockopt_string(zmq.SUBSCRIBE, self.topic_filter)
+                for prefix in subscriptions(self.topic_filter):
+                    sock.setsockopt_string(zmq.SUBSCRIBE, prefix)
                 self._subs[pod] = sock
                 poller.register(sock, zmq.POLLIN)
 
