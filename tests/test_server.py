@@ -418,8 +418,8 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
                 "tools": [{"type": "function", "function": {"name": "f"}}],
             },
             400,
-            "tools are not supported",
-            None,
+            "tool_choice 'auto' needs a chat template",
+            "tool_choice",
         ),
         (
             "/v1/chat/completions",

@@ -400,9 +400,11 @@ class LLMEngine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The chat rendered by the model's template. `chat_template_kwargs` are the template's own
-        variables (e.g. `enable_thinking`); they cannot override the rendering arguments."""
+        variables (e.g. `enable_thinking`); they cannot override the rendering arguments. `tools`
+        (OpenAI's function definitions) go to templates that define tool use."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
         for i, m in enumerate(messages):
@@ -424,6 +426,7 @@ class LLMEngine:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
                 **extra,
             )
         except Exception as e:  # template errors are the client's messages being wrong

@@ -9,7 +9,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -47,19 +47,33 @@ from chunkcache.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     PromptTokensDetails,
+    ResponseToolCall,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
     Usage,
+)
+from chunkcache.server.tools import (
+    HERMES_TAG,
+    ToolCall,
+    parse_hermes,
+    parse_required_calls,
+    template_speaks_hermes,
 )
 
 if TYPE_CHECKING:
     from chunkcache.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+
+# (content, tool calls, whether the calls make the finish reason "tool_calls") of an answer's text.
+ToolReader = Callable[[str], tuple[str | None, list[ToolCall], bool]]
 
 
 class _EventStreamResponse(StreamingResponse):
@@ -447,26 +461,54 @@ def build_app(
         params = sampling_params(body)
         # The rendered text goes through the same chunk parsing as any prompt (DESIGN.md §2). As in
         # `LLM.chat` and vLLM, the template writes the special prefix (BOS) itself.
+        tool_mode = body.tool_mode()
+        if tool_mode == "auto" and not template_speaks_hermes(
+            getattr(engine.tokenizer, "chat_template", None)
+        ):
+            raise invalid(
+                "tool_choice 'auto' needs a chat template whose tool calls this server can read back "
+                f"(the {HERMES_TAG} format of Qwen2.5, Qwen3 and Hermes); this model's template has none. "
+                "Use tool_choice 'required' or a named function, which work with any model",
+                "tool_choice",
+            )
         prompt = engine.render_chat(body.template_messages(), **body.template_kwargs())
+        tool_names = {t.function.name for t in body.tools or []}
+
+        def read_tools(text: str) -> tuple[str | None, list[ToolCall], bool]:
+            """(content, tool calls, whether the calls replace the finish reason) of an answer."""
+            if tool_mode == "named":
+                assert isinstance(body.tool_choice, NamedToolChoice)
+                return None, [ToolCall(body.tool_choice.function.name, text)], False
+            if tool_mode == "required":
+                return None, parse_required_calls(text), True
+            if tool_mode == "auto":
+                content, calls = parse_hermes(text, tool_names)
+                return content, calls, bool(calls)
+            return text, [], False
+
         n = body.num_choices
         group = submit_group("chatcmpl", [prompt], params, n, body.chunk_options(), add_special_tokens=False)
         k = (body.top_logprobs or 0) if body.logprobs else None
+        reader = read_tools if tool_mode is not None else None
         if body.stream:
-            return _EventStreamResponse(chat_events(group, model, k, body.include_usage_in_stream), group)
+            return _EventStreamResponse(
+                chat_events(group, model, k, body.include_usage_in_stream, reader), group
+            )
         finals = await collect_group(group, request)
         if finals is None:
             return Response(status_code=CLIENT_CLOSED)
         choices = []
         for index in sorted(finals):
             completion = finals[index].outputs[0]
+            message, finish_reason = assistant_message(completion, reader)
             choices.append(
                 ChatChoice(
                     index=index,
-                    message=AssistantMessage(content=completion.text),
+                    message=message,
                     logprobs=None
                     if k is None
                     else chat_logprobs(completion, 0, len(completion.token_ids), k),
-                    finish_reason=completion.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=completion.stop_reason,
                 )
             )
@@ -475,9 +517,32 @@ def build_app(
         )
         return JSONResponse(response.model_dump())
 
+    def assistant_message(
+        completion: CompletionOutput, reader: ToolReader | None
+    ) -> tuple[AssistantMessage, str | None]:
+        """The answer as an assistant message, tool calls read back when tools are in use. A
+        forced call cut short by max_tokens is not valid JSON: it stays text, finish "length"."""
+        if reader is None or completion.finish_reason != "stop":
+            return AssistantMessage(content=completion.text), completion.finish_reason
+        try:
+            content, calls, calls_finish = reader(completion.text)
+        except ValueError:  # the JSON did not parse: the model's words are returned as they are
+            return AssistantMessage(content=completion.text), completion.finish_reason
+        message = AssistantMessage(
+            content=content,
+            tool_calls=[ResponseToolCall.model_validate(c.to_openai()) for c in calls] or None,
+        )
+        return message, "tool_calls" if calls_finish else completion.finish_reason
+
     async def chat_events(
-        group: ChoiceGroup, model: str, k: int | None, include_usage: bool
+        group: ChoiceGroup,
+        model: str,
+        k: int | None,
+        include_usage: bool,
+        reader: ToolReader | None = None,
     ) -> AsyncGenerator[str, None]:
+        """With tools in use, a choice's text is held back and sent whole at its end, as content
+        and tool_calls deltas (a call can only be read once complete)."""
         created = int(time.time())
         role_sent: set[int] = set()
         finals: dict[int, RequestOutput] = {}
@@ -492,10 +557,22 @@ def build_app(
                 if not (output.new_text or output.finished or logprobs):
                     continue
                 # OpenAI announces the role once per choice, in its first chunk.
-                delta = DeltaMessage(
-                    role=None if index in role_sent else "assistant", content=output.new_text
-                )
+                role = None if index in role_sent else "assistant"
                 role_sent.add(index)
+                finish_reason = completion.finish_reason if output.finished else None
+                if reader is None:
+                    delta = DeltaMessage(role=role, content=output.new_text)
+                elif not output.finished:
+                    if role is None:
+                        continue  # nothing to say until the answer is complete
+                    delta = DeltaMessage(role=role, content="")
+                else:
+                    message, finish_reason = assistant_message(completion, reader)
+                    calls = [
+                        DeltaToolCall.model_validate({**c.model_dump(), "index": i})
+                        for i, c in enumerate(message.tool_calls or [])
+                    ]
+                    delta = DeltaMessage(role=role, content=message.content, tool_calls=calls or None)
                 chunk = ChatCompletionChunk(
                     id=group.request_id,
                     created=created,
@@ -505,7 +582,7 @@ def build_app(
                             index=index,
                             delta=delta,
                             logprobs=logprobs,
-                            finish_reason=completion.finish_reason if output.finished else None,
+                            finish_reason=finish_reason,
                             stop_reason=completion.stop_reason if output.finished else None,
                         )
                     ],
