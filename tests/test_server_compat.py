@@ -366,3 +366,42 @@ def test_langchain_json_mode(server: ServerThread, client: openai.OpenAI) -> Non
     structured = llm.with_structured_output(method="json_mode")
     assert structured.invoke([("system", MESSAGES[0]["content"]), ("human", MESSAGES[1]["content"])]) == want
     server.wait_idle()
+
+
+def test_a_client_leaving_an_n_choice_stream_frees_every_choice(server: ServerThread) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[1],
+        "n": 3,
+        "max_tokens": 200,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    aborted = aborts(server)
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers) as r,
+    ):
+        assert r.status_code == 200
+        seen: set[int] = set()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+            if len(seen) == 3:
+                break  # every choice is running; hang up
+    stats = server.wait_idle()  # no request left, every KV block free
+    assert stats["num_running"] == 0
+    assert aborts(server) - aborted == 3  # all three were aborted, none ran to its 200 tokens
+
+
+def aborts(server: ServerThread) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (
+                sample.name == "vllm:request_success_total"
+                and sample.labels.get("finished_reason") == "abort"
+            ):
+                return sample.value
+    return 0.0
