@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chunkcache import envs
+from chunkcache.hashing import block_hash_fn
 
 CHUNK_LAYOUTS = ("isolated", "offset")
 BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold", "query_attention")
@@ -29,12 +30,16 @@ class CacheConfig:
     kv_cache_tokens: int | None = None
     kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
-    # Seed of the first block's parent hash (DESIGN.md §1); PYTHONHASHSEED overrides it.
-    hash_seed: str = "0"
+    # Seed of the first block's parent hash; PYTHONHASHSEED sets it. None = 32 random bytes per
+    # process, as current vLLM does without PYTHONHASHSEED (chunkcache/hashing.py).
+    hash_seed: str | None = None
+    # vLLM's --prefix-caching-hash-algo: sha256 (pickle; vLLM's default), sha256_cbor, xxhash, xxhash_cbor.
+    prefix_caching_hash_algo: str = "sha256"
 
     def validate(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        block_hash_fn(self.prefix_caching_hash_algo)
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(
                 f"kv_cache_tokens must hold at least one block ({self.block_size}), got {self.kv_cache_tokens}"

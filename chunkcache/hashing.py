@@ -1,38 +1,92 @@
 """Content hashes shared by the engine, the KV events and the router.
 
-Block hashes are vLLM-compatible (DESIGN.md §1): `sha256(cbor2.dumps((parent, tuple(tokens), extra),
-canonical=True))`, chained from `NONE_HASH = sha256(cbor2.dumps(seed))`. On the wire a hash is its
-low 64 bits as an unsigned int.
+Prefix-cache block hashes follow current vLLM (`vllm/v1/core/kv_cache_utils.py`, `vllm/utils/hashing.py`):
+`h = hash_fn((parent, tuple(tokens), extra))` with parent = the previous block's digest (bytes), or
+for the first block `NONE_HASH` = `hash_fn(PYTHONHASHSEED)` when a seed is set and 32 random bytes
+when not. `hash_fn` is vLLM's `--prefix-caching-hash-algo`:
+- `sha256` (vLLM's default): sha256 of `pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)`;
+- `sha256_cbor`: sha256 of `cbor2.dumps(obj, canonical=True)` (language-independent);
+- `xxhash` / `xxhash_cbor`: xxh3-128 of the same two serializations (needs the `xxhash` package).
+On the wire a hash is its low 64 bits as an unsigned int (vLLM's default
+`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`). How to match each vLLM generation: README, "vLLM compatibility".
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import os
+import pickle
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cbor2
+
+BLOCK_HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+DEFAULT_BLOCK_HASH_ALGORITHM = "sha256"
 
 
 def _digest(obj: Any, algorithm: str = "sha256") -> bytes:
     return hashlib.new(algorithm, cbor2.dumps(obj, canonical=True)).digest()
 
 
-def none_hash(seed: str) -> bytes:
-    """The parent hash of a sequence's first block."""
-    return _digest(seed)
+def _pickled(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def block_hash(parent: bytes, token_ids: Sequence[int], extra: Any = None) -> bytes:
-    return _digest((parent, tuple(token_ids), extra))
+def _cbor(obj: Any) -> bytes:
+    return cbor2.dumps(obj, canonical=True)
 
 
-def block_hashes(seed: str, token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def _xxh3_128(data: bytes) -> bytes:
+    try:
+        import xxhash  # optional, as in vLLM: only needed for the xxhash algorithms
+    except ImportError:
+        raise ValueError(
+            "the xxhash block hash algorithms need the `xxhash` package (pip install xxhash)"
+        ) from None
+    return xxhash.xxh3_128_digest(data)
+
+
+_BLOCK_HASH_FNS: dict[str, Callable[[Any], bytes]] = {
+    "sha256": lambda obj: hashlib.sha256(_pickled(obj)).digest(),
+    "sha256_cbor": lambda obj: hashlib.sha256(_cbor(obj)).digest(),
+    "xxhash": lambda obj: _xxh3_128(_pickled(obj)),
+    "xxhash_cbor": lambda obj: _xxh3_128(_cbor(obj)),
+}
+
+
+def block_hash_fn(algorithm: str) -> Callable[[Any], bytes]:
+    """vLLM's hash function of that name; a ValueError names the known ones."""
+    fn = _BLOCK_HASH_FNS.get(algorithm)
+    if fn is None:
+        raise ValueError(f"prefix_caching_hash_algo {algorithm!r} is not one of {BLOCK_HASH_ALGORITHMS}")
+    if algorithm.startswith("xxhash"):
+        fn(b"")  # fail now, at configuration, when the package is missing
+    return fn
+
+
+def none_hash(seed: str | None, algorithm: str = DEFAULT_BLOCK_HASH_ALGORITHM) -> bytes:
+    """The parent hash of a sequence's first block: `hash_fn(seed)`, or 32 random bytes without a
+    seed (vLLM's behaviour when PYTHONHASHSEED is unset: hashes are then private to the process)."""
+    if seed is None:
+        return os.urandom(32)
+    return block_hash_fn(algorithm)(seed)
+
+
+def block_hash(
+    parent: bytes, token_ids: Sequence[int], extra: Any = None, algorithm: str = DEFAULT_BLOCK_HASH_ALGORITHM
+) -> bytes:
+    return _BLOCK_HASH_FNS[algorithm]((parent, tuple(token_ids), extra))
+
+
+def block_hashes(
+    seed: str | None, token_ids: Sequence[int], block_size: int, algorithm: str = DEFAULT_BLOCK_HASH_ALGORITHM
+) -> list[bytes]:
     """Chained hashes of every full block of `token_ids`."""
-    parent = none_hash(seed)
+    parent = none_hash(seed, algorithm)
     out: list[bytes] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
+        parent = block_hash(parent, token_ids[start : start + block_size], None, algorithm)
         out.append(parent)
     return out
 

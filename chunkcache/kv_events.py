@@ -2,16 +2,28 @@
 
 Wire format (DESIGN.md §4), compatible with vLLM and llm-d's indexer:
 - ZMQ multipart `[topic, seq as 8-byte big-endian, msgpack(batch)]` on a PUB socket;
-- batch = array `[ts, [events], data_parallel_rank]`;
-- an event = a map tagged with `"type"` (vLLM's current encoding). Older vLLM tagged arrays
-  (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+- batch = array `[ts, [events], data_parallel_rank]` (msgspec `array_like`, trailing defaults
+  omitted as msgspec does);
+- an event = a map tagged with `"type"`, fields in vLLM's declaration order, fields that have a
+  default omitted while at it (msgspec `omit_defaults`): vLLM's current encoding. Older vLLM tagged
+  arrays (`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
   lora_name, ...]`) decode too, and so do batches encoded as maps;
-- a hash = unsigned 64-bit int, or bytes (newer vLLM) read as their low 64 bits, big-endian.
+- a hash = unsigned 64-bit int, or bytes (newer vLLM) read as their low 64 bits, big-endian;
+- `group_idx` names the KV cache group (vLLM's hybrid allocator), `kv_cache_spec_kind` its kind
+  (`full_attention`, `sliding_window`, ...). This engine has one full-attention group, 0.
 
-Replay (vLLM's protocol): a ROUTER socket takes `[identity, b"", start_seq (8 bytes)]` and answers
-one `[identity, b"", seq, payload]` per buffered batch with seq >= start, then an end marker whose
-seq is -1 (8 bytes, signed) and whose payload is empty. Clients use a DEALER socket and send
-`[b"", start_seq]`, so every reply arrives (a REQ socket would accept only the first one).
+Two streams: vLLM's event types go on the configured topic (`kv@<pod>@<model>`); this project's
+chunk events go on a topic of their own (`chunk_topic_for`: `chunk@<pod>@<model>`), each stream
+with its own seq and replay buffer. A consumer subscribed to `kv@` (llm-d) therefore only ever
+sees vLLM's types and a gap-free seq; our router subscribes to both.
+
+Replay, vLLM's current protocol (0.33): a ROUTER socket takes `[identity, b"", start_seq (8 bytes)]`
+and answers one `[identity, b"", topic, seq, payload]` per buffered batch with seq >= start, then
+the end marker `[identity, b"", b"", -1 (8 bytes, signed), b""]`. vLLM 0.10 answered without the
+topic frame (`[identity, b"", seq, payload]`, end `[identity, b"", -1, b""]`); `read_replay_reply`
+reads both. Clients use a DEALER socket and send `[b"", start_seq]`, so every reply arrives (a REQ
+socket would accept only the first one). A request may add a fourth frame naming the topic to
+replay (this project's extension, for the chunk stream); without it the vLLM stream is served.
 """
 
 from __future__ import annotations
@@ -32,6 +44,9 @@ import zmq
 logger = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"
+# vLLM's KVCacheSpecKind values whose blocks hold every token's KV (a prefix hit is a real hit).
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+FULL_ATTENTION = "full_attention"
 # Seq of the replay end marker: -1 as a signed 8-byte big-endian int.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _U64 = 2**64 - 1
@@ -48,12 +63,18 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
     lora_name: str | None = None
+    # vLLM's later fields (all with defaults there, so omitted from the wire while None).
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass
 class BlockRemoved:
     block_hashes: list[int]
     medium: str | None = MEDIUM_GPU
+    group_idx: int | None = None
 
 
 @dataclass
@@ -77,6 +98,19 @@ class ChunkRemoved:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | ChunkStored | ChunkRemoved
+# The event types vLLM's own decoder (`KVEventBatch`) knows; anything else travels on the chunk topic.
+VLLM_EVENT_TYPES = (BlockStored, BlockRemoved, AllBlocksCleared)
+
+
+def chunk_topic_for(topic: str) -> str:
+    """The chunk stream's topic for a vLLM-stream topic: `kv@pod@model` -> `chunk@pod@model`.
+
+    It never starts with `kv@`, so a subscriber filtering on vLLM's prefix never receives it."""
+    return "chunk@" + (topic[3:] if topic.startswith("kv@") else topic)
+
+
+def is_chunk_topic(topic: str) -> bool:
+    return topic.startswith("chunk@")
 
 
 @dataclass
@@ -108,8 +142,12 @@ _ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
         "lora_id",
         "medium",
         "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
     ),
-    "BlockRemoved": ("block_hashes", "medium"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
     "ChunkStored": ("chunk_hashes", "num_tokens", "medium"),
     "ChunkRemoved": ("chunk_hashes", "medium"),
@@ -132,15 +170,28 @@ def hash_to_int(raw: Any) -> int:
     raise KVEventDecodeError(f"block hash must be an int or non-empty bytes, got {type(raw).__name__}")
 
 
+# Fields that have a default in vLLM's structs: msgspec (omit_defaults=True) leaves them out while
+# they hold it. The others (block_hashes ... lora_name, BlockRemoved.medium) are always written.
+_OMITTED_WHEN_NONE = frozenset(
+    {"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
+)
+
+
 def encode_event(event: KVEvent) -> dict[str, Any]:
-    """An event as vLLM's tagged map: `{"type": <class name>, <fields>...}`."""
+    """An event as vLLM's tagged map: `{"type": <class name>, <fields in declaration order>...}`."""
     out: dict[str, Any] = {"type": type(event).__name__}
-    out.update(vars(event))
+    for name, value in vars(event).items():
+        if value is None and name in _OMITTED_WHEN_NONE:
+            continue
+        out[name] = value
     return out
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
-    return msgpack.packb([batch.ts, [encode_event(e) for e in batch.events], batch.data_parallel_rank])
+    body: list[Any] = [batch.ts, [encode_event(e) for e in batch.events]]
+    if batch.data_parallel_rank is not None:  # msgspec omits a trailing default of an array_like struct
+        body.append(batch.data_parallel_rank)
+    return msgpack.packb(body)
 
 
 def _hashes(raw: Any, what: str) -> list[int]:
@@ -152,6 +203,20 @@ def _hashes(raw: Any, what: str) -> list[int]:
     return [hash_to_int(h) for h in raw]
 
 
+def _group(raw: Any) -> int | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
+        raise KVEventDecodeError(f"group_idx must be a non-negative int, got {raw!r:.40}")
+    return raw
+
+
+def _opt_str(raw: Any, what: str) -> str | None:
+    if raw is not None and not isinstance(raw, str):
+        raise KVEventDecodeError(f"{what} must be a string, got {type(raw).__name__}")
+    return raw
+
+
 def _build(tag: str, f: dict[str, Any]) -> KVEvent:
     missing = [name for name in _REQUIRED[tag] if f.get(name) is None]
     if missing:
@@ -161,6 +226,7 @@ def _build(tag: str, f: dict[str, Any]) -> KVEvent:
         token_ids = f["token_ids"]
         if not isinstance(token_ids, list | tuple):
             raise KVEventDecodeError("BlockStored token_ids must be an array")
+        window = f.get("kv_cache_spec_sliding_window")
         return BlockStored(
             block_hashes=_hashes(f["block_hashes"], "block_hashes"),
             parent_block_hash=None if parent is None else hash_to_int(parent),
@@ -169,9 +235,15 @@ def _build(tag: str, f: dict[str, Any]) -> KVEvent:
             lora_id=f.get("lora_id"),
             medium=f.get("medium"),
             lora_name=f.get("lora_name"),
+            extra_keys=f.get("extra_keys"),
+            group_idx=_group(f.get("group_idx")),
+            kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+            kv_cache_spec_sliding_window=None if window is None else int(window),
         )
     if tag == "BlockRemoved":
-        return BlockRemoved(_hashes(f["block_hashes"], "block_hashes"), f.get("medium"))
+        return BlockRemoved(
+            _hashes(f["block_hashes"], "block_hashes"), f.get("medium"), _group(f.get("group_idx"))
+        )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     if tag == "ChunkStored":
@@ -231,6 +303,43 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     return DecodedBatch(KVEventBatch(float(ts), events, rank), unknown)
 
 
+@dataclass
+class ReplayReply:
+    """One reply frame set read by a replay client (DEALER): a batch, or the end marker."""
+
+    seq: int
+    payload: bytes
+    topic: bytes | None  # None in vLLM 0.10's layout, which has no topic frame
+    end: bool
+
+
+def read_replay_reply(frames: Sequence[bytes]) -> ReplayReply | None:
+    """A replay reply as a DEALER receives it, in either vLLM layout; None if it is neither.
+
+    vLLM 0.33: `[b"", topic, seq, payload]`, end `[b"", b"", END_SEQ, b""]`.
+    vLLM 0.10: `[b"", seq, payload]`, end `[b"", END_SEQ, b""]`.
+    """
+    if len(frames) == 4 and frames[0] == b"" and len(frames[2]) == 8:
+        _, topic, seq_bytes, payload = frames
+    elif len(frames) == 3 and frames[0] == b"" and len(frames[1]) == 8:
+        _, seq_bytes, payload = frames
+        topic = None
+    else:
+        return None
+    if seq_bytes == END_SEQ:
+        return ReplayReply(-1, b"", topic, True)
+    return ReplayReply(int.from_bytes(seq_bytes, "big"), payload, topic, False)
+
+
+def replay_request(start_seq: int, topic: str | None = None) -> list[bytes]:
+    """The frames a DEALER sends to ask for batches from `start_seq` on (vLLM's request; a topic
+    frame asks this project's publisher for another stream than vLLM's)."""
+    frames = [b"", start_seq.to_bytes(8, "big")]
+    if topic is not None:
+        frames.append(topic.encode())
+    return frames
+
+
 def _bindable(endpoint: str) -> str:
     # ZMQ spells "any free port" as `*`; accept the usual `:0` too.
     return endpoint[:-2] + ":*" if endpoint.startswith("tcp://") and endpoint.endswith(":0") else endpoint
@@ -247,10 +356,20 @@ def _should_bind(endpoint: str) -> bool:
     )
 
 
-class KVEventPublisher:
-    """ZMQ PUB of KV event batches with a sequence-numbered replay buffer.
+@dataclass
+class _Stream:
+    """One topic's sequence numbers and replay buffer."""
 
-    `publish()` encodes in the caller's thread (so later mutation of the events cannot leak into
+    topic: bytes
+    buffer: deque[tuple[int, bytes]]
+    next_seq: int = 0
+
+
+class KVEventPublisher:
+    """ZMQ PUB of KV event batches with a sequence-numbered replay buffer per topic.
+
+    `publish()` splits a step's events into vLLM's types (the main topic) and chunk events (the
+    chunk topic), encodes in the caller's thread (so later mutation of the events cannot leak into
     the payload) and hands the bytes to a background thread that owns both sockets, because ZMQ
     sockets are not thread-safe and the engine step must never wait on the network.
     """
@@ -261,17 +380,22 @@ class KVEventPublisher:
         topic: str = "",
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,
-        data_parallel_rank: int | None = None,
+        data_parallel_rank: int | None = 0,
         hwm: int = 100_000,
         bind: bool | None = None,
+        chunk_topic: str | None = None,
     ) -> None:
         if buffer_steps <= 0:
             raise ValueError(f"buffer_steps must be > 0, got {buffer_steps}")
         self.topic = topic
-        self._topic_bytes = topic.encode()
+        self.chunk_topic = chunk_topic_for(topic) if chunk_topic is None else chunk_topic
+        if self.chunk_topic == topic:
+            raise ValueError("the chunk topic must differ from the vLLM event topic")
         self._rank = data_parallel_rank
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._streams = {
+            name: _Stream(name.encode(), deque(maxlen=buffer_steps)) for name in (topic, self.chunk_topic)
+        }
+        self._queue: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
@@ -293,18 +417,20 @@ class KVEventPublisher:
         except zmq.ZMQError:
             self._close_sockets()
             raise
-        self._next_seq = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
         self._thread.start()
 
     def publish(self, events: Sequence[KVEvent]) -> None:
-        """Queue one batch (one engine step's events); an empty list sends nothing."""
+        """Queue one step's events: up to one batch per topic; an empty list sends nothing."""
         if self._closed:
             raise RuntimeError("KVEventPublisher is closed")
-        if not events:
-            return
-        self._queue.put(encode_batch(KVEventBatch(time.time(), list(events), self._rank)))
+        vllm = [e for e in events if isinstance(e, VLLM_EVENT_TYPES)]
+        chunks = [e for e in events if not isinstance(e, VLLM_EVENT_TYPES)]
+        now = time.time()
+        for topic, part in ((self.topic, vllm), (self.chunk_topic, chunks)):
+            if part:
+                self._queue.put((topic, encode_batch(KVEventBatch(now, part, self._rank))))
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, stop the thread and release the sockets."""
@@ -316,8 +442,11 @@ class KVEventPublisher:
 
     @property
     def published(self) -> int:
-        """Number of batches sent so far (= the next seq)."""
-        return self._next_seq
+        """Number of batches sent so far on the vLLM topic (= its next seq)."""
+        return self._streams[self.topic].next_seq
+
+    def published_on(self, topic: str) -> int:
+        return self._streams[topic].next_seq
 
     def _run(self) -> None:
         try:
@@ -326,34 +455,38 @@ class KVEventPublisher:
                     self._serve_replay()
                 try:
                     # Short wait: replay requests are only noticed between queue reads.
-                    payload = self._queue.get(timeout=0.02)
+                    item = self._queue.get(timeout=0.02)
                 except queue.Empty:
                     continue
-                if payload is None:
+                if item is None:
                     break
-                seq = self._next_seq
+                stream = self._streams[item[0]]
+                payload = item[1]
+                seq = stream.next_seq
                 try:
-                    self._pub.send_multipart((self._topic_bytes, seq.to_bytes(8, "big"), payload))
+                    self._pub.send_multipart((stream.topic, seq.to_bytes(8, "big"), payload))
                 except zmq.ZMQError:
                     # The batch still enters the buffer: a subscriber sees the gap and replays it.
                     logger.exception("KV event publish failed (seq %d)", seq)
-                self._buffer.append((seq, payload))
-                self._next_seq = seq + 1
+                stream.buffer.append((seq, payload))
+                stream.next_seq = seq + 1
         finally:
             self._close_sockets()
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
         frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
+        if len(frames) not in (3, 4) or len(frames[2]) != 8:
             logger.warning("ignoring malformed KV event replay request (%d frames)", len(frames))
             return
-        client, _, start_bytes = frames
+        client, start_bytes = frames[0], frames[2]
+        stream = self._streams.get(frames[3].decode(errors="replace") if len(frames) == 4 else self.topic)
         start = int.from_bytes(start_bytes, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+        if stream is not None:
+            for seq, payload in list(stream.buffer):
+                if seq >= start:
+                    self._replay.send_multipart((client, b"", stream.topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def _close_sockets(self) -> None:
         # Unbind first: a closed ZMQ socket releases its port asynchronously, and an engine that

@@ -50,3 +50,6 @@ class RequestOutput:
     # Tokens generated since the previous RequestOutput of this request (for streaming).
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # SamplingParams.prompt_logprobs: per prompt token, token id -> log-probability (None for the
+    # first token, which has no context), as vLLM returns them.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

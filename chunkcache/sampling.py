@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -16,6 +18,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k log-probabilities of each generated token
+    # ---- penalties and logit processing (vLLM's meanings; applied in engine/sampler.py) ----
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # prompt and output tokens: logit / p if > 0 else logit * p
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop tokens are masked, stop strings ignored, before this many
+    skip_special_tokens: bool = True  # in the returned text
+    prompt_logprobs: int | None = None  # top-k log-probabilities of each prompt token (vLLM's name)
+    json_schema: dict[str, Any] | None = None  # output must be JSON valid under it (engine/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +54,50 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        self._validate_processing()
+
+    def _validate_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, int | float) or not math.isfinite(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to numbers")
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    raise ValueError(
+                        f"logit_bias keys must be token ids (non-negative integers), got {token!r}"
+                    )
+                if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+                    raise ValueError(
+                        f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}"
+                    )
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(
+                f"json_schema must be a JSON schema object, got {type(self.json_schema).__name__}"
+            )
+        k = self.prompt_logprobs
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer, got {k!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the raw logits are changed before sampling (penalties, bias, min_tokens)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:

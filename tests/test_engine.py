@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -91,11 +93,21 @@ def test_prefix_cache_hit_gives_identical_output(checkpoint) -> None:
 
 def test_block_hashes_are_vllm_compatible(checkpoint) -> None:
     path = checkpoint(arch="llama")
-    llm = _small_llm(path)
+    llm = _small_llm(path, hash_seed="0")
     ids = list(range(3, 40))
     llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
-    expected = block_hashes("0", ids, 16)
-    assert len(expected) == 2
+
+    # vLLM's default (`sha256`): sha256(pickle.dumps((parent, tuple(tokens), extra), HIGHEST_PROTOCOL)),
+    # first parent = sha256(pickle.dumps(PYTHONHASHSEED)).
+    def vllm_sha256(obj) -> bytes:
+        return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+    parent = vllm_sha256("0")
+    expected = []
+    for start in (0, 16):
+        parent = vllm_sha256((parent, tuple(ids[start : start + 16]), None))
+        expected.append(parent)
+    assert block_hashes("0", ids, 16) == expected
     # Registered under exactly the chained vLLM hashes: a lookup by them finds the blocks.
     blocks, hashes = llm.engine.blocks.match_prefix(ids, max_blocks=2)
     assert hashes == expected and len(blocks) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
 import msgpack
@@ -9,7 +10,6 @@ import pytest
 import zmq
 
 from chunkcache.kv_events import (
-    END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -18,9 +18,13 @@ from chunkcache.kv_events import (
     KVEventBatch,
     KVEventDecodeError,
     KVEventPublisher,
+    ReplayReply,
+    chunk_topic_for,
     decode_batch,
     encode_batch,
     hash_to_int,
+    read_replay_reply,
+    replay_request,
 )
 
 BIG = 2**64 - 5  # above 2**63: must survive as an unsigned int
@@ -44,21 +48,56 @@ def test_round_trip_all_event_types() -> None:
     assert decoded.unknown_types == []
 
 
-def test_wire_layout_is_vllm_current() -> None:
-    raw = msgpack.unpackb(encode_batch(KVEventBatch(1.0, sample_events()[:1], None)), raw=False)
-    assert isinstance(raw, list) and len(raw) == 3 and raw[2] is None
-    ev = raw[1][0]
-    assert ev["type"] == "BlockStored"
-    assert list(ev) == [
-        "type",
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
+def _str(s: str) -> bytes:
+    """msgpack fixstr (every name here is shorter than 32 bytes)."""
+    assert len(s) < 32
+    return bytes([0xA0 | len(s)]) + s.encode()
+
+
+def test_wire_bytes_are_vllm_current() -> None:
+    """The bytes vLLM's msgspec structs give (vllm/distributed/kv_events.py): EventBatch is
+    `array_like` with `omit_defaults`, events are tagged maps (`tag=True`) with the tag first and
+    the fields in declaration order; fields that have a default are left out while they hold it
+    (BlockStored's extra_keys, group_idx, kv_cache_spec_*), those without one always written."""
+    removed = BlockRemoved([7], "GPU", group_idx=0)
+    expected = (
+        b"\x93"  # [ts, events, data_parallel_rank]
+        + b"\xcb" + struct.pack(">d", 1.5)  # msgspec writes floats as float64
+        + b"\x91"  # one event
+        + b"\x84" + _str("type") + _str("BlockRemoved")
+        + _str("block_hashes") + b"\x91\x07"
+        + _str("medium") + _str("GPU")
+        + _str("group_idx") + b"\x00"
+        + b"\x00"  # data_parallel_rank 0
+    )  # fmt: skip
+    assert encode_batch(KVEventBatch(1.5, [removed], 0)) == expected
+    # data_parallel_rank None is the struct's default: msgspec drops the trailing element.
+    assert encode_batch(KVEventBatch(1.5, [removed], None)) == b"\x92" + expected[1:-1]
+    # BlockRemoved without group_idx (vLLM <= 0.10's fields) omits it.
+    assert msgpack.unpackb(encode_batch(KVEventBatch(1.5, [BlockRemoved([7], None)], 0)))[1] == [
+        {"type": "BlockRemoved", "block_hashes": [7], "medium": None}
     ]
+    stored = BlockStored([BIG], 7, [1, 2], 2, None, "GPU", None, group_idx=1, kv_cache_spec_kind="sliding_window",
+                         kv_cache_spec_sliding_window=4096)  # fmt: skip
+    ordered = [
+        ("type", "BlockStored"),
+        ("block_hashes", [BIG]),
+        ("parent_block_hash", 7),
+        ("token_ids", [1, 2]),
+        ("block_size", 2),
+        ("lora_id", None),
+        ("medium", "GPU"),
+        ("lora_name", None),
+        ("group_idx", 1),
+        ("kv_cache_spec_kind", "sliding_window"),
+        ("kv_cache_spec_sliding_window", 4096),
+    ]
+    body = b"\x8b" + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in ordered)
+    assert (
+        encode_batch(KVEventBatch(1.5, [stored], 0))
+        == b"\x93\xcb" + struct.pack(">d", 1.5) + b"\x91" + body + b"\x00"
+    )
+    assert msgpack.packb(BIG) == b"\xcf" + BIG.to_bytes(8, "big")  # uint64, never a negative int64
 
 
 def test_tagged_arrays_decode_like_tagged_maps() -> None:
@@ -105,14 +144,28 @@ def test_tagged_arrays_decode_like_tagged_maps() -> None:
     assert a.events[1] == BlockStored([3], 2, tokens, 16, None, None, None)
 
 
-def test_newer_vllm_trailing_fields_are_ignored() -> None:
-    # vLLM appends extra_keys, group_idx, kv_cache_spec_* after lora_name.
-    payload = msgpack.packb(
-        [1.0, [["BlockStored", [5], None, list(range(16)), 16, None, "GPU", None, None, 0, "full"]]]
-    )
-    assert decode_batch(payload).batch.events == [
-        BlockStored([5], None, list(range(16)), 16, None, "GPU", None)
+def test_newer_vllm_fields_decode_and_unknown_ones_are_ignored() -> None:
+    # vLLM appends extra_keys, group_idx, kv_cache_spec_* after lora_name (array and map forms);
+    # later versions add event_version, locality, ownership, which this decoder does not use.
+    arrays = msgpack.packb(
+        [1.0, [["BlockStored", [5], None, list(range(16)), 16, None, "GPU", None, None, 1, "sliding_window", 128],
+               ["BlockRemoved", [5], "GPU", 1]]]
+    )  # fmt: skip
+    maps = msgpack.packb(
+        [1.0, [{"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "token_ids": list(range(16)),
+                "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "event_version": 1,
+                "group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 128,
+                "locality": "LOCAL"},
+               {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU", "group_idx": 1, "ownership": None}], 0]
+    )  # fmt: skip
+    want = [
+        BlockStored([5], None, list(range(16)), 16, None, "GPU", None, None, 1, "sliding_window", 128),
+        BlockRemoved([5], "GPU", 1),
     ]
+    assert decode_batch(arrays).batch.events == want
+    assert decode_batch(maps).batch.events == want
+    with pytest.raises(KVEventDecodeError):
+        decode_batch(msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [5], "group_idx": -1}]]))
 
 
 def test_hashes_as_bytes_use_low_64_bits() -> None:
@@ -169,7 +222,7 @@ def _subscribed(ctx: zmq.Context, pub: KVEventPublisher) -> tuple[zmq.Socket, in
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     deadline = time.monotonic() + 10
     while True:
-        pub.publish([ChunkRemoved([0])])  # a probe
+        pub.publish([BlockRemoved([0])])  # a probe
         if sub.poll(100):
             seq = int.from_bytes(sub.recv_multipart()[1], "big")
             break
@@ -198,18 +251,24 @@ def test_publisher_frames_seq_and_empty_batches(ctx: zmq.Context) -> None:
         pub.close()
 
 
-def _replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+def _replay(
+    ctx: zmq.Context, endpoint: str, start: int, topic: bytes = b"", ask: list[bytes] | None = None
+) -> list[tuple[int, bytes]]:
+    """A replay as a client written for vLLM 0.33 reads it: `[b"", topic, seq, payload]` per batch,
+    then `[b"", b"", -1 as 8 signed bytes, b""]`."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(endpoint)
     try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        dealer.send_multipart([b"", start.to_bytes(8, "big"), *(ask or [])])
         out = []
         while True:
-            empty, seq, payload = _recv(dealer)
-            assert empty == b""
-            if seq == END_SEQ:
-                assert payload == b""
+            frames = _recv(dealer)
+            assert len(frames) == 4 and frames[0] == b"", frames
+            _, got_topic, seq, payload = frames
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert got_topic == b"" and payload == b""
                 return out
+            assert got_topic == topic
             out.append((int.from_bytes(seq, "big"), payload))
     finally:
         dealer.close(linger=0)
@@ -231,6 +290,76 @@ def test_replay_serves_buffered_batches_from_a_seq(ctx: zmq.Context) -> None:
         assert _replay(ctx, pub.replay_endpoint, 9) == []
     finally:
         pub.close()
+
+
+def test_chunk_events_travel_on_their_own_topic_and_seq(ctx: zmq.Context) -> None:
+    """A consumer subscribed to vLLM's `kv@` prefix (llm-d) sees only vLLM's event types and a
+    gap-free seq; the chunk stream has its own topic, seq and replay."""
+    pub = KVEventPublisher("tcp://127.0.0.1:0", topic="kv@pod-a@tiny", replay_endpoint="tcp://127.0.0.1:0")
+    assert pub.chunk_topic == "chunk@pod-a@tiny" == chunk_topic_for("kv@pod-a@tiny")
+    vllm_sub = ctx.socket(zmq.SUB)
+    vllm_sub.connect(pub.endpoint)
+    vllm_sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    all_sub, _ = _subscribed(ctx, pub)
+    try:
+        deadline = time.monotonic() + 10
+        while not vllm_sub.poll(100):  # the kv@ subscription reaches the publisher too
+            assert time.monotonic() < deadline
+            pub.publish([BlockRemoved([0])])
+        while vllm_sub.poll(200):
+            first = int.from_bytes(vllm_sub.recv_multipart()[1], "big") + 1
+        while all_sub.poll(200):
+            all_sub.recv_multipart()
+        for i in range(3):
+            pub.publish([BlockRemoved([i]), ChunkStored([100 + i], [5]), ChunkRemoved([99])])
+        pub.publish([ChunkRemoved([100])])  # a step with only chunk events
+        got = [_recv(vllm_sub) for _ in range(3)]
+        assert not vllm_sub.poll(200)
+        assert [f[0] for f in got] == [b"kv@pod-a@tiny"] * 3
+        assert [int.from_bytes(f[1], "big") for f in got] == [first, first + 1, first + 2]
+        for i, f in enumerate(got):
+            decoded = decode_batch(f[2])
+            assert decoded.batch.events == [BlockRemoved([i])]
+            # What vLLM's KVEventBatch decoder accepts: only its own tags.
+            assert {e["type"] for e in msgpack.unpackb(f[2])[1]} <= {
+                "BlockStored",
+                "BlockRemoved",
+                "AllBlocksCleared",
+            }
+        frames = [_recv(all_sub) for _ in range(7)]
+        chunk_frames = [f for f in frames if f[0] == b"chunk@pod-a@tiny"]
+        assert [int.from_bytes(f[1], "big") for f in chunk_frames] == [0, 1, 2, 3]
+        assert decode_batch(chunk_frames[1][2]).batch.events == [ChunkStored([101], [5]), ChunkRemoved([99])]
+        # Replay: vLLM's 3-frame request serves the vLLM stream; a topic frame names the chunk stream.
+        assert [s for s, _ in _replay(ctx, pub.replay_endpoint, first, b"kv@pod-a@tiny")] == [
+            first,
+            first + 1,
+            first + 2,
+        ]
+        chunk_replay = _replay(ctx, pub.replay_endpoint, 2, b"chunk@pod-a@tiny", ask=[b"chunk@pod-a@tiny"])
+        assert [s for s, _ in chunk_replay] == [2, 3]
+        assert decode_batch(chunk_replay[1][1]).batch.events == [ChunkRemoved([100])]
+        assert _replay(ctx, pub.replay_endpoint, 0, ask=[b"no-such-topic"]) == []
+    finally:
+        vllm_sub.close(linger=0)
+        all_sub.close(linger=0)
+        pub.close()
+
+
+def test_replay_replies_of_both_vllm_generations_read() -> None:
+    payload = b"\x92\xcb" + struct.pack(">d", 1.0) + b"\x90"
+    seven = (7).to_bytes(8, "big")
+    end = (-1).to_bytes(8, "big", signed=True)
+    # vLLM 0.33: [b"", topic, seq, payload]; end [b"", b"", -1, b""].
+    assert read_replay_reply([b"", b"kv@p@m", seven, payload]) == ReplayReply(7, payload, b"kv@p@m", False)
+    assert read_replay_reply([b"", b"", end, b""]).end
+    # vLLM 0.10: [b"", seq, payload]; end [b"", -1, b""].
+    assert read_replay_reply([b"", seven, payload]) == ReplayReply(7, payload, None, False)
+    assert read_replay_reply([b"", end, b""]).end
+    assert read_replay_reply([b"", b"short", payload]) is None
+    assert read_replay_reply([seven, payload]) is None
+    assert replay_request(5) == [b"", (5).to_bytes(8, "big")]
+    assert replay_request(5, "chunk@p@m") == [b"", (5).to_bytes(8, "big"), b"chunk@p@m"]
 
 
 def test_close_releases_the_port_and_rejects_publishing(ctx: zmq.Context) -> None:

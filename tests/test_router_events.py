@@ -22,8 +22,10 @@ from chunkcache.kv_events import (
     KVEventBatch,
     KVEventPublisher,
     encode_batch,
+    read_replay_reply,
+    replay_request,
 )
-from chunkcache.router.events import EventIntake, fnv1a_64, pod_from_topic
+from chunkcache.router.events import EventIntake, fnv1a_64, pod_from_topic, subscriptions
 from chunkcache.router.index import KVIndex, MemoryIndex, open_index
 from chunkcache.router.scorer import Scorer
 from chunkcache.router.tokens import BlockKeyer
@@ -177,12 +179,138 @@ def fetch_all(pub: KVEventPublisher, count: int) -> list[bytes]:
     out = []
     while True:
         assert dealer.poll(3000)
-        _, seq, payload = dealer.recv_multipart()
+        _, _, seq, payload = dealer.recv_multipart()  # vLLM 0.33's layout: [b"", topic, seq, payload]
         if seq == END_SEQ:
             break
         out.append(payload)
     dealer.close(linger=0)
     return out
+
+
+class OldVllmReplayServer:
+    """A replay endpoint that answers as vLLM 0.10 did: `[identity, b"", seq, payload]` per batch and
+    `[identity, b"", -1, b""]` at the end (no topic frame)."""
+
+    def __init__(self, batches: dict[int, bytes]) -> None:
+        self.batches = batches
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.requests: list[list[bytes]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            if not self.sock.poll(20):
+                continue
+            frames = self.sock.recv_multipart()
+            self.requests.append(frames[1:])
+            client, _, start = frames[:3]
+            for seq in sorted(self.batches):
+                if seq >= int.from_bytes(start, "big"):
+                    self.sock.send_multipart([client, b"", seq.to_bytes(8, "big"), self.batches[seq]])
+            self.sock.send_multipart([client, b"", END_SEQ, b""])
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(2)
+        self.sock.close(linger=0)
+
+
+def test_a_gap_is_filled_from_a_vllm_0_10_replay_endpoint(intake: EventIntake) -> None:
+    prompts = [tokens_for(32, 1000 * i) for i in range(3)]
+    payloads = [
+        encode_batch(KVEventBatch(float(i), list(engine_events("0", t)), 0)) for i, t in enumerate(prompts)
+    ]
+    server = OldVllmReplayServer({1: payloads[1]})
+    try:
+        intake.add_pod("old", None, server.endpoint)
+        intake.submit("old", 0, payloads[0])
+        intake.submit("old", 2, payloads[2])
+        assert intake.wait_idle()
+        assert all(prefix_blocks(intake.index, t) == {"old": 2} for t in prompts)
+        st = intake.stats()
+        assert (st.replays, st.replay_failures, st.clears, st.batches) == (1, 0, 0, 3)
+        assert server.requests == [[b"", (1).to_bytes(8, "big")]]  # vLLM's request, no topic frame
+    finally:
+        server.close()
+
+
+def test_a_lost_chunk_batch_is_replayed_from_the_chunk_stream(intake: EventIntake) -> None:
+    pub = KVEventPublisher("tcp://127.0.0.1:0", topic="kv@p@m", replay_endpoint="tcp://127.0.0.1:0")
+    try:
+        t = tokens_for(32, 5)
+        pub.publish([*engine_events("0", t), ChunkStored([1], [10])])
+        pub.publish([ChunkStored([2], [20])])
+        pub.publish([ChunkStored([3], [30])])
+        wait_for(lambda: pub.published_on("chunk@p@m") == 3 and pub.published == 1)
+        intake.add_pod("p", None, pub.replay_endpoint)
+        block_batch = fetch_all(pub, 1)[0]
+        chunk_batches = dict(_replay_stream(pub.replay_endpoint, "chunk@p@m"))
+        intake.submit("p", 0, block_batch)
+        intake.submit("p", 0, chunk_batches[0], "chunk@p@m")  # the chunk stream's own seq 0
+        intake.submit("p", 2, chunk_batches[2], "chunk@p@m")  # chunk seq 1 was lost
+        assert intake.wait_idle()
+        assert intake.index.lookup_chunks([1, 2, 3]) == [{"p": 10}, {"p": 20}, {"p": 30}]
+        assert prefix_blocks(intake.index, t) == {"p": 2}
+        st = intake.stats()
+        assert (st.replays, st.replay_failures, st.clears, st.batches) == (1, 0, 0, 4)
+    finally:
+        pub.close()
+
+
+def _replay_stream(endpoint: str, topic: str) -> list[tuple[int, bytes]]:
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart(replay_request(0, topic))
+    out = []
+    try:
+        while True:
+            assert dealer.poll(3000)
+            reply = read_replay_reply(dealer.recv_multipart())
+            assert reply is not None
+            if reply.end:
+                return out
+            assert reply.topic == topic.encode()
+            out.append((reply.seq, reply.payload))
+    finally:
+        dealer.close(linger=0)
+
+
+def test_scores_follow_the_full_attention_group(intake: EventIntake) -> None:
+    """vLLM's hybrid allocator: group 0 full attention, group 1 sliding window, same block hashes.
+    The sliding-window group dropping its blocks must not take the prefix away."""
+    t = tokens_for(64, 40)
+    stored = list(engine_events("0", t))
+    hashes = [h for ev in stored for h in ev.block_hashes]
+
+    def in_group(group: int, kind: str | None) -> list[BlockStored]:
+        return [BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, 16, None, None, None,
+                            group_idx=group, kv_cache_spec_kind=kind) for ev in stored]  # fmt: skip
+
+    batches = [
+        [*in_group(1, "sliding_window"), *in_group(0, "full_attention")],
+        [BlockRemoved(hashes[:2], None, group_idx=1)],  # the window slid past blocks 0 and 1
+    ]
+    for seq, evs in enumerate(batches):
+        intake.submit("hybrid", seq, encode_batch(KVEventBatch(0.0, evs, 0)))
+    assert intake.wait_idle()
+    assert prefix_blocks(intake.index, t) == {"hybrid": 4}
+    assert intake.stats().other_group_blocks == 6
+    intake.submit(
+        "hybrid", 2, encode_batch(KVEventBatch(0.0, [BlockRemoved(hashes[3:], None, group_idx=0)], 0))
+    )
+    assert intake.wait_idle()
+    assert prefix_blocks(intake.index, t) == {"hybrid": 3}
+    # No kinds named (an engine that only numbers its groups): group 0 is the one scored.
+    for seq, evs in enumerate(
+        [in_group(0, None) + in_group(1, None), [BlockRemoved(hashes, None, group_idx=1)]]
+    ):
+        intake.submit("numbered", seq, encode_batch(KVEventBatch(0.0, evs, 0)))
+    assert intake.wait_idle()
+    assert prefix_blocks(intake.index, t) == {"hybrid": 3, "numbered": 4}
 
 
 def test_a_dropped_batch_is_replayed(intake: EventIntake) -> None:
@@ -252,6 +380,8 @@ def test_bad_payloads_count_as_failed_and_untrust_the_pod(intake: EventIntake) -
 
 def test_bound_subscriber_takes_the_pod_from_the_topic() -> None:
     assert pod_from_topic("kv@pod-7@Qwen/Qwen3") == "pod-7" and pod_from_topic("plain") == "plain"
+    assert pod_from_topic("chunk@pod-7@Qwen/Qwen3") == "pod-7"
+    assert subscriptions("kv@") == ["kv@", "chunk@"] and subscriptions("") == [""]
     it = EventIntake(MemoryIndex(), num_workers=1, topic_filter="kv@", bind_endpoint="tcp://127.0.0.1:0")
     it.start()
     pub = KVEventPublisher(it.bound_endpoint, topic="kv@pod-7@tiny")
@@ -265,6 +395,12 @@ def test_bound_subscriber_takes_the_pod_from_the_topic() -> None:
             other.publish(engine_events("0", t))
             time.sleep(0.05)
         assert prefix_blocks(it.index, t) == {"pod-7": 2}
+        # The chunk stream of the same pod passes the kv@ filter's companion subscription.
+        deadline = time.monotonic() + 5
+        while it.index.lookup_chunks([42]) != [{"pod-7": 9}]:
+            assert time.monotonic() < deadline
+            pub.publish([ChunkStored([42], [9])])
+            time.sleep(0.05)
     finally:
         pub.close()
         other.close()

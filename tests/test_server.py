@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_util import ServerThread, free_port
 
 from chunkcache.config import EngineConfig
@@ -325,9 +326,42 @@ def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
         "chunkcache_num_requests_running",
         "chunkcache_kv_cache_usage_ratio",
         "chunkcache_chunk_cache_bytes",
-        "chunkcache_chunk_cache_hit_rate",
+        "chunkcache_chunk_cache_hit_ratio",
+        "chunkcache_kv_blocks",
     ):
         assert name in text, name
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for family in families.values():
+        # A gauge never ends in _total (Prometheus reserves it for counters).
+        assert not (family.type == "gauge" and family.name.endswith("_total")), family.name
+    for name in (
+        "chunkcache_kv_cache_usage_ratio",
+        "chunkcache_chunk_cache_hit_ratio",
+        "chunkcache_chunk_cache_usage_ratio",
+    ):
+        assert 0.0 <= families[name].samples[0].value <= 1.0
+
+    # vLLM's names and labels (vllm/v1/metrics/loggers.py), what llm-d's scheduler and vLLM dashboards read.
+    def vllm_value(name: str, sample: str | None = None, **labels: str) -> float:
+        family = families[name]
+        want = {"model_name": MODEL, "engine": "0", **labels}
+        values = [s.value for s in family.samples if s.name == (sample or name) and s.labels == want]
+        assert len(values) == 1, (name, family.samples)
+        return values[0]
+
+    assert families["vllm:num_requests_running"].type == "gauge"
+    assert vllm_value("vllm:num_requests_running") == 0 and vllm_value("vllm:num_requests_waiting") == 0
+    assert 0.0 <= vllm_value("vllm:kv_cache_usage_perc") <= 1.0
+    assert families["vllm:prefix_cache_queries"].type == "counter"
+    queries = vllm_value("vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total")
+    assert queries >= len(PROMPTS[0].split())
+    assert 0 <= vllm_value("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") <= queries
+    assert vllm_value("vllm:generation_tokens", "vllm:generation_tokens_total") >= 4
+    assert vllm_value("vllm:request_success", "vllm:request_success_total", finished_reason="length") >= 1
+    assert vllm_value("vllm:time_to_first_token_seconds", "vllm:time_to_first_token_seconds_count") >= 1
+    assert vllm_value("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") >= 1
+    assert "vllm:inter_token_latency_seconds" in families
+    assert vllm_value("vllm:num_preemptions", "vllm:num_preemptions_total") >= 0
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -344,7 +378,14 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("path", "body", "status", "needle", "param"),
     [
-        ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", None),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", None),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", None),
+        ("/v1/completions", {"prompt": "x", "store": True}, 400, "does not store", None),
+        ("/v1/completions", {"prompt": "x", "service_tier": "flex"}, 400, "service_tier", "service_tier"),
+        ("/v1/completions", {"prompt": CHUNKED, "echo": True, "logprobs": 1}, 400, "chunked prompts", None),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens", None),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", None),
         (
             "/v1/completions",
             {"prompt": "x", "frobnicate": 1},
@@ -353,9 +394,10 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
             "frobnicate",
         ),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", "temperature"),
-        ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n=2", None),
+        ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "n"),
+        ("/v1/completions", {"prompt": "x", "n": 129}, 400, "n", "n"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
-        ("/v1/completions", {"prompt": ["a", "b"]}, 400, "batch of 2 prompts", "prompt"),
+        ("/v1/completions", {"prompt": ["a"] * 257}, 400, "batch of 257 prompts", "prompt"),
         ("/v1/completions", {"prompt": [10**9]}, 400, "token id", None),
         ("/v1/completions", {"max_tokens": 3}, 400, "missing required field 'prompt'", "prompt"),
         ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "nope", "model"),
@@ -371,10 +413,58 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
         ),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "x"}], "tools": []},
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
             400,
-            "unsupported field 'tools'",
-            "tools",
+            "tool_choice 'auto' needs a chat template",
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+            400,
+            "tool_choice",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": {"type": "nonsense"}},
+                },
+            },
+            400,
+            "invalid JSON schema",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+            400,
+            "needs a json_schema",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}},
+            400,
+            "chat_template_kwargs may not set",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+            },
+            400,
+            "continue_final_message needs the last message",
+            None,
         ),
         (
             "/v1/chat/completions",

@@ -21,11 +21,14 @@ class Detokenizer:
             seq.finish_reason, seq.stop_reason = "stop", None
         elif token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        elif seq.grammar is not None and seq.grammar.is_stopped():
+            seq.finish_reason, seq.stop_reason = "stop", None  # the structured output is complete
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
         # A trailing replacement char is an incomplete multi-byte character: wait for more tokens.
         if text.endswith("\ufffd") and seq.finish_reason is None:
             text = text.rstrip("\ufffd")
-        if p.stop and seq.finish_reason is None:
+        # Before min_tokens, stop strings do not count (vLLM); EOS and stop ids are masked in sampling.
+        if p.stop and seq.finish_reason is None and seq.num_output_tokens >= p.min_tokens:
             longest = max(map(len, p.stop))
             search_from = max(0, len(seq.text) - longest + 1)
             hits = [(text.find(s, search_from), s) for s in p.stop]

@@ -22,9 +22,10 @@ from chunkcache.config import ChunkConfig, EngineConfig
 from chunkcache.engine.detokenizer import Detokenizer
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
-from chunkcache.engine.sampler import sample
+from chunkcache.engine.sampler import History, sample
 from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
 from chunkcache.engine.sequence import Sequence, Status
+from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher
 from chunkcache.model.loader import load_model
@@ -34,6 +35,12 @@ from chunkcache.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_GB = 0.5
+# apply_chat_template's own arguments: a request's template variables must not reach them.
+_RENDER_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+     "chat_template", "tools", "documents"}
+)  # fmt: skip
 
 
 class LLMEngine:
@@ -59,7 +66,14 @@ class LLMEngine:
         # "GPU" names the engine's main KV tier in vLLM's events (offloaded KV would be "CPU"),
         # whatever the device: a router weighs tiers, not devices.
         medium = "GPU"
-        self.blocks = BlockManager(num_blocks, bs, cache.enable_prefix_caching, cache.hash_seed, medium)
+        self.blocks = BlockManager(
+            num_blocks,
+            bs,
+            cache.enable_prefix_caching,
+            cache.hash_seed,
+            medium,
+            hash_algorithm=cache.prefix_caching_hash_algo,
+        )
         pool_pages = 0
         if config.chunk.enable:
             pool_pages = int(config.chunk.cache_size_gb * 2**30) // (token_bytes * bs)
@@ -74,6 +88,7 @@ class LLMEngine:
             is_ready=self.chunks.is_ready if self.chunks else (lambda seq: True),
         )
         self.detokenizer = Detokenizer(self.tokenizer, loaded.eos_token_ids, self.max_model_len)
+        self.structured = StructuredOutputs(self.tokenizer, self.spec.vocab_size)
         self._generator = torch.Generator().manual_seed(config.seed)
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -183,6 +198,11 @@ class LLMEngine:
             < chunk_config.blend_min_tokens
         ):
             chunked = None  # too little to reuse: a plain prefill is as fast
+        if chunked is not None and params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt logprobs are not available for chunked prompts (their chunks' KV is reused, "
+                "not computed in this request)"
+            )
         if chunked is not None:
             assert self.chunks is not None
             self.chunks.validate(chunked, self.max_model_len)
@@ -216,6 +236,8 @@ class LLMEngine:
         seq.generator = (
             torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
         )
+        if params.json_schema is not None:
+            seq.grammar = self.structured.matcher(params.json_schema)
         if chunked is not None:
             seq.chunk_state = chunked
             seq.chunk_config = chunk_config
@@ -280,7 +302,14 @@ class LLMEngine:
         if not rows:
             return
         seqs = [batch.seqs[r] for r in rows]
-        sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        histories = [History(s.prompt_token_ids, s.output_token_ids, s.grammar) for s in seqs]
+        sampled = sample(
+            logits,
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            histories,
+            self.detokenizer.eos_token_ids,
+        )
         now = time.time()
         for seq, s in zip(seqs, sampled, strict=True):
             seq.token_ids.append(s.token_id)
@@ -352,6 +381,7 @@ class LLMEngine:
             blend_fallback=seq.blend_fallback,
             new_token_ids=new_tokens,
             new_text=new_text,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
         )
 
     def _publish_events(self) -> None:
@@ -364,7 +394,17 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat rendered by the model's template. `chat_template_kwargs` are the template's own
+        variables (e.g. `enable_thinking`); they cannot override the rendering arguments. `tools`
+        (OpenAI's function definitions) go to templates that define tool use."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
         for i, m in enumerate(messages):
@@ -376,9 +416,18 @@ class LLMEngine:
                 raise InvalidRequestError(f"messages[{i}] must have a string 'role' and a string 'content'")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("the model's tokenizer has no chat template")
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(set(extra) & _RENDER_ARGUMENTS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}")
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                **extra,
             )
         except Exception as e:  # template errors are the client's messages being wrong
             raise InvalidRequestError(f"chat template failed on these messages: {e}") from None

@@ -16,8 +16,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from chunkcache.hashing import block_hash, none_hash, to_wire
-from chunkcache.kv_events import BlockRemoved, BlockStored
+from chunkcache.hashing import DEFAULT_BLOCK_HASH_ALGORITHM, block_hash, block_hash_fn, none_hash, to_wire
+from chunkcache.kv_events import FULL_ATTENTION, BlockRemoved, BlockStored
+
+# This engine's one KV cache group: every layer is full attention (vLLM's group 0 of that kind).
+KV_CACHE_GROUP = 0
 
 
 class OutOfBlocksError(RuntimeError):
@@ -30,14 +33,17 @@ class BlockManager:
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool,
-        hash_seed: str,
+        hash_seed: str | None,
         medium: str,
         first_block: int = 0,
+        hash_algorithm: str = DEFAULT_BLOCK_HASH_ALGORITHM,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.root_hash = none_hash(hash_seed)
+        block_hash_fn(hash_algorithm)  # a clear error for an unknown or uninstalled algorithm
+        self.hash_algorithm = hash_algorithm
+        self.root_hash = none_hash(hash_seed, hash_algorithm)
         self.medium = medium
         self.first_block = first_block
         self._ref = dict.fromkeys(range(first_block, first_block + num_blocks), 0)
@@ -95,7 +101,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(min(max_blocks, len(token_ids) // bs)):
             self.queries += 1
-            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs], None, self.hash_algorithm)
             block = self._block_of.get(h)
             if block is None:
                 break
@@ -122,7 +128,7 @@ class BlockManager:
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else self.root_hash
             tokens = token_ids[i * bs : (i + 1) * bs]
-            h = block_hash(parent, tokens)
+            h = block_hash(parent, tokens, None, self.hash_algorithm)
             hashes.append(h)
             block = blocks[i]
             if h in self._block_of or block in self._hash_of:
@@ -137,6 +143,8 @@ class BlockManager:
                     block_size=bs,
                     lora_id=None,
                     medium=self.medium,
+                    group_idx=KV_CACHE_GROUP,
+                    kv_cache_spec_kind=FULL_ATTENTION,
                 )
             )
 
@@ -144,7 +152,9 @@ class BlockManager:
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]
-            self.events.append(BlockRemoved(block_hashes=[to_wire(h)], medium=self.medium))
+            self.events.append(
+                BlockRemoved(block_hashes=[to_wire(h)], medium=self.medium, group_idx=KV_CACHE_GROUP)
+            )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every registered free block (the caller publishes AllBlocksCleared)."""

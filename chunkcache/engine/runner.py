@@ -11,6 +11,7 @@ import logging
 import torch
 
 from chunkcache.chunk.blend import BlendInput, blend_prefill
+from chunkcache.engine.prompt_logprobs import record_prompt_logprobs
 from chunkcache.engine.scheduler import ScheduledBatch
 from chunkcache.engine.sequence import Sequence
 from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
@@ -107,6 +108,8 @@ class ModelRunner:
         if regular.seqs:
             input_ids, positions, meta, sample_index = self.prepare(regular)
             out = self.model(input_ids, positions, self.kv_caches, meta)
+            if any(s.params.prompt_logprobs is not None for s in regular.seqs):
+                record_prompt_logprobs(self.model.compute_logits, out, regular.seqs, regular.num_new_tokens)
             for row, i in zip(regular_rows, sample_index, strict=True):
                 if i >= 0:
                     hidden[row] = out[i : i + 1]

@@ -91,8 +91,15 @@ class Scheduler:
                 skipped.append(seq)
                 continue
             # Only plain requests match the prefix cache: a chunked request's KV comes from the
-            # chunk pool (an "offset" one has no borrowed slots, yet its blend must start at 0).
-            if not seq.block_table and seq.num_computed == 0 and seq.prefix_cacheable and not seq.is_fill:
+            # chunk pool (an "offset" one has no borrowed slots, yet its blend must start at 0),
+            # and prompt logprobs need every prompt position computed.
+            if (
+                not seq.block_table
+                and seq.num_computed == 0
+                and seq.prefix_cacheable
+                and not seq.is_fill
+                and seq.params.prompt_logprobs is None
+            ):
                 self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, seq.num_computed + n):

@@ -43,6 +43,10 @@ class Sequence:
     num_prefix_cached: int = 0  # own prompt tokens found in the prefix cache
     num_chunk_cached: int = 0  # prompt tokens borrowed from the chunk cache
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one entry per own prompt token, None for the first.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # SamplingParams.json_schema: the llguidance matcher that constrains the output.
+    grammar: Any = None
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -5,6 +5,15 @@ one bound SUB socket that pods connect to (pod id = the topic's `kv@<pod>@<model
 Messages go to a pool of workers sharded by FNV-1a(pod id), so each pod's batches apply in order
 while different pods proceed in parallel.
 
+A pod publishes up to two streams, each with its own seq: vLLM's events on its `kv@...` topic and
+this project's chunk events on `chunk@...` (kv_events.py). Seq tracking and replay are per stream;
+a lost batch on either clears the whole pod.
+
+KV cache groups (vLLM's hybrid allocator tags events with `group_idx`): only the full-attention
+group with the lowest index is indexed, because only its blocks make a prefix hit; a sliding-window
+group evicts blocks that the full-attention group still holds, and letting those removals through
+would zero the pod's score. Events without `group_idx` (older vLLM, one group) all count.
+
 Per pod, a worker tracks the publisher's seq. A gap asks the pod's replay endpoint for the missing
 batches; when replay cannot fill it (no endpoint, buffer too short, timeout) the pod's entries are
 cleared: with a batch lost we may have missed removals, and a pod claiming KV it no longer has
@@ -25,7 +34,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from chunkcache.kv_events import (
-    END_SEQ,
+    FULL_ATTENTION_KINDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -33,7 +42,11 @@ from chunkcache.kv_events import (
     ChunkStored,
     KVEventBatch,
     KVEventDecodeError,
+    chunk_topic_for,
     decode_batch,
+    is_chunk_topic,
+    read_replay_reply,
+    replay_request,
 )
 from chunkcache.router.index import IndexUnavailableError, KVIndex
 from chunkcache.router.tokens import BlockKeyer, EngineKeyMap
@@ -52,9 +65,18 @@ def fnv1a_64(data: bytes) -> int:
 
 
 def pod_from_topic(topic: str) -> str:
-    """`kv@<pod>@<model>` -> pod (llm-d's topic convention); any other topic is the pod id itself."""
+    """`kv@<pod>@<model>` -> pod (llm-d's topic convention), `chunk@<pod>@<model>` too (our chunk
+    stream); any other topic is the pod id itself."""
     parts = topic.split("@")
-    return parts[1] if len(parts) == 3 and parts[0] == "kv" else topic
+    return parts[1] if len(parts) == 3 and parts[0] in ("kv", "chunk") else topic
+
+
+def subscriptions(topic_filter: str) -> list[str]:
+    """The ZMQ prefixes to subscribe to for a vLLM topic filter: a filter on vLLM's `kv@...` also
+    takes our chunk stream of the same pods (`chunk@...`), which vLLM's prefix cannot match."""
+    if topic_filter.startswith("kv@"):
+        return [topic_filter, chunk_topic_for(topic_filter)]
+    return [topic_filter]
 
 
 def tier_of(medium: str | None) -> str:
@@ -73,14 +95,32 @@ class IntakeStats:
     replays: int = 0  # replay requests sent
     replay_failures: int = 0  # replays that could not fill their gap
     clears: int = 0  # pods cleared (restart, lost history, AllBlocksCleared)
+    other_group_blocks: int = 0  # stored/removed blocks of KV cache groups that are not scored
+
+
+# Stream key of vLLM's events; the chunk stream's key is its topic (which a replay request names).
+VLLM_STREAM = ""
 
 
 @dataclass
 class _PodState:
     keymap: EngineKeyMap
-    last_seq: int | None = None
+    # Last applied seq per stream (VLLM_STREAM, or the chunk topic).
+    last_seqs: dict[str, int] = field(default_factory=dict)
     dirty: bool = False  # a batch was lost: clear before trusting the next one
     replay_socket: zmq.Socket | None = None
+    # KV cache group -> its kv_cache_spec_kind (None when the engine did not say), as learned.
+    groups: dict[int, str | None] = field(default_factory=dict)
+
+    def scored(self, group_idx: int | None) -> bool:
+        """Whether blocks of this KV cache group are indexed: the lowest full-attention group
+        (group 0 when the engine names no kinds)."""
+        if group_idx is None:
+            return True
+        full = [g for g, kind in self.groups.items() if kind in FULL_ATTENTION_KINDS]
+        if full:
+            return group_idx == min(full)
+        return group_idx == 0 and self.groups.get(0) is None
 
 
 @dataclass
@@ -88,6 +128,7 @@ class _Msg:
     pod: str
     seq: int
     payload: bytes
+    stream: str = VLLM_STREAM
 
 
 @dataclass
@@ -131,7 +172,8 @@ class EventIntake:
             self._bound = self._ctx.socket(zmq.SUB)
             self._bound.setsockopt(zmq.RCVHWM, 0)
             self._bound.bind(bind_endpoint[:-2] + ":*" if bind_endpoint.endswith(":0") else bind_endpoint)
-            self._bound.setsockopt_string(zmq.SUBSCRIBE, topic_filter)
+            for prefix in subscriptions(topic_filter):
+                self._bound.setsockopt_string(zmq.SUBSCRIBE, prefix)
             self.bound_endpoint = self._bound.getsockopt_string(zmq.LAST_ENDPOINT)
         self._running = False
         self._receiver: threading.Thread | None = None
@@ -195,12 +237,13 @@ class EventIntake:
 
     # --- receiving ---------------------------------------------------------------------------
 
-    def submit(self, pod: str, seq: int, payload: bytes) -> None:
-        """Queue one batch for its pod's worker (the receiver's path; also usable directly)."""
+    def submit(self, pod: str, seq: int, payload: bytes, stream: str = VLLM_STREAM) -> None:
+        """Queue one batch for its pod's worker (the receiver's path; also usable directly).
+        `stream` is VLLM_STREAM, or the chunk topic for a batch of the chunk stream."""
         w = self.worker_for(pod)
         with self._stats_lock:
             w.pending += 1
-        w.queue.put(_Msg(pod, seq, payload))
+        w.queue.put(_Msg(pod, seq, payload, stream))
 
     def _apply_commands(self, poller: zmq.Poller) -> None:
         while True:
@@ -216,7 +259,8 @@ class EventIntake:
                 sock = self._ctx.socket(zmq.SUB)
                 sock.setsockopt(zmq.RCVHWM, 0)  # never drop silently here; the publisher's HWM rules
                 sock.connect(endpoint)
-                sock.setsockopt_string(zmq.SUBSCRIBE, self.topic_filter)
+                for prefix in subscriptions(self.topic_filter):
+                    sock.setsockopt_string(zmq.SUBSCRIBE, prefix)
                 self._subs[pod] = sock
                 poller.register(sock, zmq.POLLIN)
 
@@ -251,10 +295,12 @@ class EventIntake:
             logger.warning("dropping a KV event message with %d frames", len(frames))
             self._count(failed=1)
             return
-        topic, seq_bytes, payload = frames
+        topic_bytes, seq_bytes, payload = frames
+        topic = topic_bytes.decode(errors="replace")
         if pod is None:
-            pod = pod_from_topic(topic.decode(errors="replace"))
-        self.submit(pod, int.from_bytes(seq_bytes, "big"), payload)
+            pod = pod_from_topic(topic)
+        stream = topic if is_chunk_topic(topic) else VLLM_STREAM
+        self.submit(pod, int.from_bytes(seq_bytes, "big"), payload, stream)
 
     # --- applying (worker threads; each pod only ever on one worker) --------------------------
 
@@ -264,7 +310,7 @@ class EventIntake:
             if msg is None:
                 break
             try:
-                self.process(w, msg.pod, msg.seq, msg.payload)
+                self.process(w, msg.pod, msg.seq, msg.payload, msg.stream)
             except Exception:
                 logger.exception("KV event worker failed on pod %s seq %d", msg.pod, msg.seq)
             finally:
@@ -278,23 +324,28 @@ class EventIntake:
         """The one worker that applies this pod's batches (FNV-1a of the pod id)."""
         return self._workers[fnv1a_64(pod.encode()) % len(self._workers)]
 
-    def process(self, w: _Worker, pod: str, seq: int, payload: bytes) -> None:
+    def process(self, w: _Worker, pod: str, seq: int, payload: bytes, stream: str = VLLM_STREAM) -> None:
         """Apply one live batch with seq tracking (called on the pod's worker thread)."""
         st = w.pods.get(pod)
         if st is None:
             st = w.pods[pod] = _PodState(EngineKeyMap(self.keyer, self.pod_map_capacity))
-        if st.last_seq is not None and seq <= st.last_seq:
-            # Seqs only grow within one publisher: this one restarted with a fresh cache.
+        last = st.last_seqs.get(stream)
+        if last is not None and seq <= last:
+            # Seqs only grow within one publisher: this one restarted with a fresh cache. Every
+            # stream restarted with it, so each starts over (the others must not clear again).
             self._clear(pod, st, "publisher restarted")
-            st.last_seq = None
-        expected = 0 if st.last_seq is None else st.last_seq + 1
+            st.last_seqs.clear()
+            last = None
+        expected = 0 if last is None else last + 1
         if seq > expected:
             # On first contact (late join, slow-joining SUB) we hold nothing of this pod, so an
             # unfilled gap loses nothing we claimed; a gap after that may hide removals.
-            self._replay(pod, st, expected, seq, must_fill=st.last_seq is not None)
-        self._apply_payload(pod, st, seq, payload)
+            self._replay(pod, st, expected, seq, must_fill=last is not None, stream=stream)
+        self._apply_payload(pod, st, seq, payload, stream)
 
-    def _replay(self, pod: str, st: _PodState, start: int, stop: int, must_fill: bool) -> None:
+    def _replay(
+        self, pod: str, st: _PodState, start: int, stop: int, must_fill: bool, stream: str = VLLM_STREAM
+    ) -> None:
         """Fetch batches [start, stop) from the pod's replay endpoint and apply them. When the range
         does not fully arrive and `must_fill`, the pod is marked for clearing first, then only the
         contiguous tail ending at stop-1 applies (everything before the hole is unknown anyway)."""
@@ -312,22 +363,21 @@ class EventIntake:
             sock.connect(endpoint)
         ok = False
         try:
-            sock.send_multipart((b"", start.to_bytes(8, "big")))
+            # vLLM's request for its own stream; the chunk stream is named by a topic frame.
+            sock.send_multipart(replay_request(start, stream or None))
             deadline = time.monotonic() + self.replay_timeout_s
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
                     break
-                frames = sock.recv_multipart()
-                if len(frames) != 3:
+                reply = read_replay_reply(sock.recv_multipart())  # either vLLM generation's layout
+                if reply is None:
                     continue
-                _, seq_bytes, payload = frames
-                if seq_bytes == END_SEQ:
+                if reply.end:
                     ok = True
                     break
-                seq = int.from_bytes(seq_bytes, "big")
-                if start <= seq < stop:
-                    got[seq] = payload
+                if start <= reply.seq < stop:
+                    got[reply.seq] = reply.payload
         except zmq.ZMQError:
             logger.exception("replay request to %s failed", endpoint)
         if not ok:
@@ -343,7 +393,7 @@ class EventIntake:
                 hole -= 1
             got = {s: p for s, p in got.items() if s > hole}
         for s in sorted(got):
-            self._apply_payload(pod, st, s, got[s])
+            self._apply_payload(pod, st, s, got[s], stream)
 
     def _clear(self, pod: str, st: _PodState, reason: str) -> None:
         self.index.clear_pod(pod)
@@ -354,8 +404,10 @@ class EventIntake:
         if self.on_clear is not None:
             self.on_clear(pod, reason)
 
-    def _apply_payload(self, pod: str, st: _PodState, seq: int, payload: bytes) -> None:
-        st.last_seq = seq
+    def _apply_payload(
+        self, pod: str, st: _PodState, seq: int, payload: bytes, stream: str = VLLM_STREAM
+    ) -> None:
+        st.last_seqs[stream] = seq
         try:
             if st.dirty:
                 self._clear(pod, st, "history lost: cleared, not trusted")
@@ -381,14 +433,22 @@ class EventIntake:
 
     def apply_batch(self, pod: str, st: _PodState, batch: KVEventBatch) -> None:
         index, keymap = self.index, st.keymap
-        stored = removed = 0
+        stored = removed = other = 0
         unresolved_before = keymap.unresolved_blocks
         for ev in batch.events:
             if isinstance(ev, BlockStored):
+                if ev.group_idx is not None and (ev.group_idx not in st.groups or ev.kv_cache_spec_kind):
+                    st.groups[ev.group_idx] = ev.kv_cache_spec_kind
+                if not st.scored(ev.group_idx):
+                    other += len(ev.block_hashes)
+                    continue
                 keys = keymap.stored(ev)
                 index.add(pod, keys, tier_of(ev.medium))
                 stored += len(ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
+                if not st.scored(ev.group_idx):
+                    other += len(ev.block_hashes)
+                    continue
                 index.remove(pod, keymap.removed(ev.block_hashes), tier_of(ev.medium))
                 removed += len(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
@@ -398,6 +458,7 @@ class EventIntake:
             elif isinstance(ev, ChunkRemoved):
                 index.remove_chunks(pod, ev.chunk_hashes)
         self._count(
+            other_group_blocks=other,
             blocks_stored=stored,
             blocks_removed=removed,
             unresolved_blocks=keymap.unresolved_blocks - unresolved_before,

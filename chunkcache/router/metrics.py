@@ -60,6 +60,11 @@ class _StateCollector(Collector):
                 ("event_replays", ev.replays, "Replay requests sent after a seq gap"),
                 ("event_replay_failures", ev.replay_failures, "Seq gaps replay could not fill"),
                 ("pod_clears", ev.clears, "Pods cleared from the index (restart, lost history)"),
+                (
+                    "event_blocks_other_group",
+                    ev.other_group_blocks,
+                    "Blocks of KV cache groups not scored (sliding window, mamba, ...)",
+                ),
             ):
                 yield CounterMetricFamily(P + name, doc, value)
             yield GaugeMetricFamily(P + "event_queue_length", "KV event batches waiting", intake.pending())

@@ -9,7 +9,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,8 @@ from starlette.types import Receive, Scope, Send
 
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
-from chunkcache.server.engine_loop import EngineDeadError, EngineLoop, RequestStream
+from chunkcache.server.choices import ChoiceGroup
+from chunkcache.server.engine_loop import EngineLoop, RequestStream
 from chunkcache.server.errors import (
     CLIENT_CLOSED,
     ApiError,
@@ -46,13 +47,23 @@ from chunkcache.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     PromptTokensDetails,
+    ResponseToolCall,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
     Usage,
+)
+from chunkcache.server.tools import (
+    HERMES_TAG,
+    ToolCall,
+    parse_hermes,
+    parse_required_calls,
+    template_speaks_hermes,
 )
 
 if TYPE_CHECKING:
@@ -61,12 +72,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# (content, tool calls, whether the calls make the finish reason "tool_calls") of an answer's text.
+ToolReader = Callable[[str], tuple[str | None, list[ToolCall], bool]]
+
+
 class _EventStreamResponse(StreamingResponse):
     """SSE response that releases its request however the response ends: finished, failed or cut
     off by the client. Starlette may stop iterating without closing the generator, which would
     leave the request running (and its KV blocks allocated) until garbage collection."""
 
-    def __init__(self, events: AsyncGenerator[str, None], stream: RequestStream) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], stream: RequestStream | ChoiceGroup) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
@@ -118,14 +133,17 @@ def _top(entries: dict[int, float], k: int) -> list[tuple[int, float]]:
     return [(t, _finite(v)) for t, v in ranked]
 
 
-def _usage(output: RequestOutput) -> Usage:
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = len(output.outputs[0].token_ids)
+def _group_usage(finals: dict[int, RequestOutput], n: int) -> Usage:
+    """Usage of a request's choices: each prompt counted once (from its choice 0), every choice's
+    completion tokens summed, as OpenAI reports n > 1."""
+    leads = [out for index, out in finals.items() if index % n == 0]
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in leads)
+    completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals.values())
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in leads)),
     )
 
 
@@ -145,7 +163,7 @@ def build_app(
         names = (served_model_name,)
     else:
         names = tuple(served_model_name) or (engine.model_name,)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(model_name=names[0])
     engine_loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
     started = int(time.time())
     token_str = _TokenStrings(engine.tokenizer)
@@ -217,18 +235,30 @@ def build_app(
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    async def collect(stream: RequestStream, request: Request) -> RequestOutput | None:
-        """The final output of a non-streamed request, or None if the client went away first
-        (the request is then aborted and its KV freed right away, not when it would have ended)."""
+    def submit_group(
+        prefix: str,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        n: int,
+        chunk_options: dict[str, Any] | None,
+        add_special_tokens: bool = True,
+    ) -> ChoiceGroup:
+        def one(prompt: str | list[int], choice_params: SamplingParams) -> RequestStream:
+            return submit(prefix, prompt, choice_params, chunk_options, add_special_tokens)
 
-        async def last_output() -> RequestOutput:
-            final: RequestOutput | None = None
-            async for output in stream:
-                final = output
-            assert final is not None
-            return final
+        return ChoiceGroup(one, prompts, params, n)
 
-        consumer = asyncio.ensure_future(last_output())
+    async def collect_group(group: ChoiceGroup, request: Request) -> dict[int, RequestOutput] | None:
+        """The final output of every choice of a non-streamed request, or None if the client went
+        away first (everything is then aborted and its KV freed at once)."""
+
+        async def last_outputs() -> dict[int, RequestOutput]:
+            finals: dict[int, RequestOutput] = {}
+            async for index, output in group.outputs():
+                finals[index] = output
+            return finals
+
+        consumer = asyncio.ensure_future(last_outputs())
         watcher = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -238,7 +268,7 @@ def build_app(
         finally:
             for task in (consumer, watcher):
                 task.cancel()
-            stream.release()
+            group.release()
 
     def completion_logprobs(
         completion: CompletionOutput, start: int, stop: int, k: int, text_offset: int
@@ -304,67 +334,106 @@ def build_app(
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         model = resolve_model(body.model)
         try:
-            prompt = body.single_prompt()
+            prompts = body.prompts()
         except ValueError as e:
             raise invalid(str(e), "prompt") from None
         params = sampling_params(body)
-        stream = submit("cmpl", prompt, params, body.chunk_options())
+        n = body.num_choices
+        group = submit_group("cmpl", prompts, params, n, body.chunk_options())
         k = body.logprobs
+        echoes = [echo_text(p) for p in prompts] if body.echo else None
         if body.stream:
             return _EventStreamResponse(
-                completion_events(stream, model, k, body.include_usage_in_stream), stream
+                completion_events(group, model, k, body.include_usage_in_stream, echoes), group
             )
-        final = await collect(stream, request)
-        if final is None:
+        finals = await collect_group(group, request)
+        if finals is None:
             return Response(status_code=CLIENT_CLOSED)
-        completion = final.outputs[0]
-        logprobs = None
-        if k is not None:
-            logprobs, _ = completion_logprobs(
-                completion, 0, len(completion.token_ids), k, len(final.prompt or "")
-            )
-        response = CompletionResponse(
-            id=stream.request_id,
-            model=model,
-            choices=[
+        choices = []
+        for index in sorted(finals):
+            final = finals[index]
+            completion = final.outputs[0]
+            logprobs = None
+            if k is not None:
+                logprobs, _ = completion_logprobs(
+                    completion, 0, len(completion.token_ids), k, len(final.prompt or "")
+                )
+                if echoes is not None:
+                    logprobs = echoed_prompt_logprobs(final, k).merged(logprobs)
+            prefix = echoes[index // n] if echoes is not None else ""
+            choices.append(
                 CompletionChoice(
-                    text=completion.text,
+                    index=index,
+                    text=prefix + completion.text,
                     logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-            ],
-            usage=_usage(final),
+            )
+        response = CompletionResponse(
+            id=group.request_id, model=model, choices=choices, usage=_group_usage(finals, n)
         )
         return JSONResponse(response.model_dump())
 
+    def echo_text(prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
+
+    def echoed_prompt_logprobs(output: RequestOutput, k: int) -> CompletionLogprobs:
+        """The prompt tokens in the completions logprobs format (the first has no logprob)."""
+        result = CompletionLogprobs()
+        entries = output.prompt_logprobs or []
+        offset = 0
+        for i, token_id in enumerate(output.prompt_token_ids):
+            token = token_str(token_id)
+            lp = entries[i] if i < len(entries) else None
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+            if lp is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(_finite(lp[token_id]))
+            top = {token_str(t): v for t, v in _top(lp, k)}
+            top.setdefault(token, _finite(lp[token_id]))
+            result.top_logprobs.append(top)
+        return result
+
     async def completion_events(
-        stream: RequestStream, model: str, k: int | None, include_usage: bool
+        group: ChoiceGroup, model: str, k: int | None, include_usage: bool, echoes: list[str] | None
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
-        text_offset: int | None = None
-        final: RequestOutput | None = None
+        text_offsets: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
+        echoed: set[int] = set()
         try:
-            async for output in stream:
-                final = output
+            async for index, output in group.outputs():
+                finals[index] = output
                 completion = output.outputs[0]
                 logprobs = None
                 if k is not None:
-                    if text_offset is None:
-                        text_offset = len(output.prompt or "")
+                    if index not in text_offsets:
+                        text_offsets[index] = len(output.prompt or "")
                     end = len(completion.token_ids)
-                    logprobs, text_offset = completion_logprobs(
-                        completion, end - len(output.new_token_ids), end, k, text_offset
+                    logprobs, text_offsets[index] = completion_logprobs(
+                        completion, end - len(output.new_token_ids), end, k, text_offsets[index]
                     )
-                if not (output.new_text or output.finished or (logprobs and logprobs.tokens)):
+                text = output.new_text
+                if echoes is not None and index not in echoed:
+                    echoed.add(index)  # the prompt goes first, in the choice's first chunk
+                    text = echoes[index // group.n] + text
+                    if logprobs is not None:
+                        logprobs = echoed_prompt_logprobs(output, k or 0).merged(logprobs)
+                if not (text or output.finished or (logprobs and logprobs.tokens)):
                     continue
                 chunk = CompletionChunk(
-                    id=stream.request_id,
+                    id=group.request_id,
                     created=created,
                     model=model,
                     choices=[
                         CompletionChoice(
-                            text=output.new_text,
+                            index=index,
+                            text=text,
                             logprobs=logprobs,
                             finish_reason=completion.finish_reason if output.finished else None,
                             stop_reason=completion.stop_reason if output.finished else None,
@@ -372,12 +441,16 @@ def build_app(
                     ],
                 )
                 yield _sse(chunk.model_dump_json())
-        except EngineDeadError as e:
+        except Exception as e:  # the engine died, or a later choice was refused: say so in-stream
             yield _sse(stream_error(str(e)))
         else:
-            if include_usage and final is not None:
+            if include_usage and finals:
                 chunk = CompletionChunk(
-                    id=stream.request_id, created=created, model=model, choices=[], usage=_usage(final)
+                    id=group.request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=_group_usage(finals, group.n),
                 )
                 yield _sse(chunk.model_dump_json())
         yield _sse("[DONE]")
@@ -388,41 +461,94 @@ def build_app(
         params = sampling_params(body)
         # The rendered text goes through the same chunk parsing as any prompt (DESIGN.md §2). As in
         # `LLM.chat` and vLLM, the template writes the special prefix (BOS) itself.
-        prompt = engine.render_chat(body.template_messages(), add_generation_prompt=True)
-        stream = submit("chatcmpl", prompt, params, body.chunk_options(), add_special_tokens=False)
+        tool_mode = body.tool_mode()
+        if tool_mode == "auto" and not template_speaks_hermes(
+            getattr(engine.tokenizer, "chat_template", None)
+        ):
+            raise invalid(
+                "tool_choice 'auto' needs a chat template whose tool calls this server can read back "
+                f"(the {HERMES_TAG} format of Qwen2.5, Qwen3 and Hermes); this model's template has none. "
+                "Use tool_choice 'required' or a named function, which work with any model",
+                "tool_choice",
+            )
+        prompt = engine.render_chat(body.template_messages(), **body.template_kwargs())
+        tool_names = {t.function.name for t in body.tools or []}
+
+        def read_tools(text: str) -> tuple[str | None, list[ToolCall], bool]:
+            """(content, tool calls, whether the calls replace the finish reason) of an answer."""
+            if tool_mode == "named":
+                assert isinstance(body.tool_choice, NamedToolChoice)
+                return None, [ToolCall(body.tool_choice.function.name, text)], False
+            if tool_mode == "required":
+                return None, parse_required_calls(text), True
+            if tool_mode == "auto":
+                content, calls = parse_hermes(text, tool_names)
+                return content, calls, bool(calls)
+            return text, [], False
+
+        n = body.num_choices
+        group = submit_group("chatcmpl", [prompt], params, n, body.chunk_options(), add_special_tokens=False)
         k = (body.top_logprobs or 0) if body.logprobs else None
+        reader = read_tools if tool_mode is not None else None
         if body.stream:
-            return _EventStreamResponse(chat_events(stream, model, k, body.include_usage_in_stream), stream)
-        final = await collect(stream, request)
-        if final is None:
+            return _EventStreamResponse(
+                chat_events(group, model, k, body.include_usage_in_stream, reader), group
+            )
+        finals = await collect_group(group, request)
+        if finals is None:
             return Response(status_code=CLIENT_CLOSED)
-        completion = final.outputs[0]
-        response = ChatCompletionResponse(
-            id=stream.request_id,
-            model=model,
-            choices=[
+        choices = []
+        for index in sorted(finals):
+            completion = finals[index].outputs[0]
+            message, finish_reason = assistant_message(completion, reader)
+            choices.append(
                 ChatChoice(
-                    message=AssistantMessage(content=completion.text),
+                    index=index,
+                    message=message,
                     logprobs=None
                     if k is None
                     else chat_logprobs(completion, 0, len(completion.token_ids), k),
-                    finish_reason=completion.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-            ],
-            usage=_usage(final),
+            )
+        response = ChatCompletionResponse(
+            id=group.request_id, model=model, choices=choices, usage=_group_usage(finals, n)
         )
         return JSONResponse(response.model_dump())
 
-    async def chat_events(
-        stream: RequestStream, model: str, k: int | None, include_usage: bool
-    ) -> AsyncGenerator[str, None]:
-        created = int(time.time())
-        role_sent = False
-        final: RequestOutput | None = None
+    def assistant_message(
+        completion: CompletionOutput, reader: ToolReader | None
+    ) -> tuple[AssistantMessage, str | None]:
+        """The answer as an assistant message, tool calls read back when tools are in use. A
+        forced call cut short by max_tokens is not valid JSON: it stays text, finish "length"."""
+        if reader is None or completion.finish_reason != "stop":
+            return AssistantMessage(content=completion.text), completion.finish_reason
         try:
-            async for output in stream:
-                final = output
+            content, calls, calls_finish = reader(completion.text)
+        except ValueError:  # the JSON did not parse: the model's words are returned as they are
+            return AssistantMessage(content=completion.text), completion.finish_reason
+        message = AssistantMessage(
+            content=content,
+            tool_calls=[ResponseToolCall.model_validate(c.to_openai()) for c in calls] or None,
+        )
+        return message, "tool_calls" if calls_finish else completion.finish_reason
+
+    async def chat_events(
+        group: ChoiceGroup,
+        model: str,
+        k: int | None,
+        include_usage: bool,
+        reader: ToolReader | None = None,
+    ) -> AsyncGenerator[str, None]:
+        """With tools in use, a choice's text is held back and sent whole at its end, as content
+        and tool_calls deltas (a call can only be read once complete)."""
+        created = int(time.time())
+        role_sent: set[int] = set()
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for index, output in group.outputs():
+                finals[index] = output
                 completion = output.outputs[0]
                 logprobs = None
                 if k is not None and output.new_token_ids:
@@ -430,29 +556,48 @@ def build_app(
                     logprobs = chat_logprobs(completion, end - len(output.new_token_ids), end, k)
                 if not (output.new_text or output.finished or logprobs):
                     continue
-                # OpenAI announces the role once, in the first chunk.
-                delta = DeltaMessage(role=None if role_sent else "assistant", content=output.new_text)
-                role_sent = True
+                # OpenAI announces the role once per choice, in its first chunk.
+                role = None if index in role_sent else "assistant"
+                role_sent.add(index)
+                finish_reason = completion.finish_reason if output.finished else None
+                if reader is None:
+                    delta = DeltaMessage(role=role, content=output.new_text)
+                elif not output.finished:
+                    if role is None:
+                        continue  # nothing to say until the answer is complete
+                    delta = DeltaMessage(role=role, content="")
+                else:
+                    message, finish_reason = assistant_message(completion, reader)
+                    calls = [
+                        DeltaToolCall.model_validate({**c.model_dump(), "index": i})
+                        for i, c in enumerate(message.tool_calls or [])
+                    ]
+                    delta = DeltaMessage(role=role, content=message.content, tool_calls=calls or None)
                 chunk = ChatCompletionChunk(
-                    id=stream.request_id,
+                    id=group.request_id,
                     created=created,
                     model=model,
                     choices=[
                         ChatChunkChoice(
+                            index=index,
                             delta=delta,
                             logprobs=logprobs,
-                            finish_reason=completion.finish_reason if output.finished else None,
+                            finish_reason=finish_reason,
                             stop_reason=completion.stop_reason if output.finished else None,
                         )
                     ],
                 )
                 yield _sse(chunk.model_dump_json(exclude_none=False))
-        except EngineDeadError as e:
+        except Exception as e:  # the engine died, or a later choice was refused: say so in-stream
             yield _sse(stream_error(str(e)))
         else:
-            if include_usage and final is not None:
+            if include_usage and finals:
                 chunk = ChatCompletionChunk(
-                    id=stream.request_id, created=created, model=model, choices=[], usage=_usage(final)
+                    id=group.request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=_group_usage(finals, group.n),
                 )
                 yield _sse(chunk.model_dump_json())
         yield _sse("[DONE]")

@@ -4,6 +4,13 @@ process, as in the tests, without clashing in prometheus_client's global registr
 Request latencies are observed by the engine thread as outputs come out of `step()`; engine state
 (queue lengths, KV blocks, chunk pool) is read from `LLMEngine.stats()` at scrape time and exposed
 through a collector, so the numbers are exactly those of the engine, never a shadow copy.
+
+Two name sets: this project's (`chunkcache_*`; gauges never end in `_total`, 0-1 values end in
+`_ratio`) and vLLM's (`vllm:*`, labelled `model_name` and `engine` as vLLM does), so that llm-d's
+scheduler and vLLM dashboards read a chunkcache server unchanged. vLLM's names keep vLLM's meaning,
+quirks included: `vllm:kv_cache_usage_perc` is a 0-1 fraction. Differences: `vllm:prefix_cache_*`
+count prompt tokens of finished requests (vLLM counts at scheduling), and hits include tokens
+served by the chunk cache, the second place this engine reuses KV from.
 """
 
 from __future__ import annotations
@@ -21,9 +28,13 @@ if TYPE_CHECKING:
     from chunkcache.server.engine_loop import RequestStream
 
 PREFIX = "chunkcache"
+VLLM_PREFIX = "vllm:"
+# vLLM's label names on every vllm:* metric; "engine" is the engine index (one engine here).
+VLLM_LABELS = ("model_name", "engine")
 
 # Seconds. Fine steps at the low end: a cached chunked prompt answers in milliseconds.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # Cumulative engine counters among the chunk cache stats: exported as counters, the rest as gauges.
@@ -33,21 +44,48 @@ _CHUNK_COUNTERS = ("hits", "misses", "evictions")
 class _EngineStatsCollector(Collector):
     """Exposes the last `LLMEngine.stats()` snapshot handed to `ServerMetrics.update_engine_stats`."""
 
-    def __init__(self) -> None:
+    def __init__(self, vllm_labels: tuple[str, str]) -> None:
         self.stats: Mapping[str, Any] = {}
+        self.vllm_labels = list(vllm_labels)
+
+    def _vllm_gauge(self, name: str, doc: str, value: float) -> Metric:
+        family = GaugeMetricFamily(f"{VLLM_PREFIX}{name}", doc, labels=VLLM_LABELS)
+        family.add_metric(self.vllm_labels, value)
+        return family
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats
         gauges = {
             "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
             "num_requests_running": ("num_running", "Requests being run."),
-            "kv_blocks_total": ("kv_blocks_total", "KV cache blocks in the paged pool."),
+            "kv_blocks": ("kv_blocks_total", "KV cache blocks in the paged pool."),
             "kv_blocks_free": ("kv_blocks_free", "Free KV cache blocks."),
             "kv_cache_usage_ratio": ("kv_usage", "Share of KV cache blocks in use (0-1)."),
         }
         for name, (key, doc) in gauges.items():
             if stats.get(key) is not None:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(stats[key]))
+        vllm_gauges = {
+            "num_requests_running": ("num_running", "Number of requests in model execution batches."),
+            "num_requests_waiting": ("num_waiting", "Number of requests waiting to be processed."),
+            "kv_cache_usage_perc": ("kv_usage", "KV-cache usage. 1 means 100 percent usage."),
+        }
+        for name, (key, doc) in vllm_gauges.items():
+            if stats.get(key) is not None:
+                yield self._vllm_gauge(name, doc, float(stats[key]))
+        if stats.get("num_preemptions") is not None:
+            preemptions = CounterMetricFamily(
+                f"{VLLM_PREFIX}num_preemptions",
+                "Cumulative number of preemption from the engine.",
+                labels=VLLM_LABELS,
+            )
+            preemptions.add_metric(self.vllm_labels, float(stats["num_preemptions"]))
+            yield preemptions
+            yield CounterMetricFamily(
+                f"{PREFIX}_num_preemptions",
+                "Requests preempted (KV freed, recomputed later).",
+                value=float(stats["num_preemptions"]),
+            )
         chunk = stats.get("chunk_cache")
         if not chunk:
             return
@@ -60,17 +98,59 @@ class _EngineStatsCollector(Collector):
             "bytes": "Bytes of KV held by the chunk cache pool.",
             "entries": "Chunks held by the chunk cache pool.",
             "usage_ratio": "Share of the chunk cache budget in use (0-1).",
-            "hit_rate": "Chunk cache hit rate over chunks (0-1).",
-            "token_hit_rate": "Chunk cache hit rate over tokens (0-1).",
+            "hit_rate": "Chunk cache hits over lookups, counting chunks (0-1).",
+            "token_hit_rate": "Chunk cache hits over lookups, counting tokens (0-1).",
         }
+        # Exported names: every 0-1 value ends in _ratio.
+        exported = {"hit_rate": "hit_ratio", "token_hit_rate": "token_hit_ratio"}
         for key, doc in chunk_gauges.items():
             if chunk.get(key) is not None:
-                yield GaugeMetricFamily(f"{PREFIX}_chunk_cache_{key}", doc, value=float(chunk[key]))
+                name = exported.get(key, key)
+                yield GaugeMetricFamily(f"{PREFIX}_chunk_cache_{name}", doc, value=float(chunk[key]))
+
+
+class _VllmMetrics:
+    """vLLM's request metrics under vLLM's names and labels (vllm/v1/metrics/loggers.py)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: tuple[str, str]) -> None:
+        self.labels = labels
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"{VLLM_PREFIX}{name}", doc, VLLM_LABELS, registry=registry).labels(*labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            metric = Histogram(f"{VLLM_PREFIX}{name}", doc, VLLM_LABELS, buckets=buckets, registry=registry)
+            return metric.labels(*labels)
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.request_success = Counter(
+            f"{VLLM_PREFIX}request_success",
+            "Count of successfully processed requests.",
+            [*VLLM_LABELS, "finished_reason"],
+            registry=registry,
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _E2E_BUCKETS
+        )
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
+        self._vllm = _VllmMetrics(self.registry, (model_name, "0"))
         self.http_requests = Counter(
             f"{PREFIX}_http_requests",
             "HTTP requests to the API endpoints, by endpoint and status code.",
@@ -106,28 +186,38 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             f"{PREFIX}_generation_tokens", "Generated tokens.", registry=self.registry
         )
-        self._engine_stats = _EngineStatsCollector()
+        self._engine_stats = _EngineStatsCollector((model_name, "0"))
         self.registry.register(self._engine_stats)
 
     def observe_output(self, output: RequestOutput, stream: RequestStream | None, now: float) -> None:
         """Called by the engine thread for every output of a step, before the stream's
         `last_token_time` is advanced to `now`."""
         num_new = len(output.new_token_ids)
+        vllm = self._vllm
         if num_new:
             self.generation_tokens.inc(num_new)
+            vllm.generation_tokens.inc(num_new)
             if stream is not None:
                 if stream.last_token_time is None:
                     self.ttft.observe(now - stream.arrival_time)
+                    vllm.ttft.observe(now - stream.arrival_time)
                 else:
                     # Several tokens in one output share the gap; each counts as one interval.
                     per_token = (now - stream.last_token_time) / num_new
                     for _ in range(num_new):
                         self.itl.observe(per_token)
+                        vllm.itl.observe(per_token)
         if output.finished:
-            reason = output.outputs[0].finish_reason if output.outputs else None
-            self.finished_requests.labels(finish_reason=reason or "unknown").inc()
+            reason = (output.outputs[0].finish_reason if output.outputs else None) or "unknown"
+            self.finished_requests.labels(finish_reason=reason).inc()
             self.prompt_tokens.inc(len(output.prompt_token_ids))
             self.cached_tokens.inc(output.num_cached_tokens)
+            vllm.request_success.labels(*vllm.labels, reason).inc()
+            vllm.prompt_tokens.inc(len(output.prompt_token_ids))
+            vllm.prefix_cache_queries.inc(len(output.prompt_token_ids))
+            vllm.prefix_cache_hits.inc(output.num_cached_tokens)
+            if stream is not None:
+                vllm.e2e.observe(now - stream.arrival_time)
 
     def observe_http(self, endpoint: str, status: int) -> None:
         self.http_requests.labels(endpoint=endpoint, status=str(status)).inc()
