@@ -57,7 +57,11 @@ class Question:
         return 2 if self.kind.startswith("two_") else 1
 
 
-def load_elements() -> dict[int, Element]:
+def load_elements(export: Path | None = None) -> dict[int, Element]:
+    """The elements from the `mendeleev` package, or from a JSON `export` of them (written by
+    `export_elements`) on a machine without it."""
+    if export is not None:
+        return {int(k): Element(**v) for k, v in json.loads(export.read_text()).items()}
     import mendeleev
 
     db = Path(mendeleev.__file__).with_name("elements.db")
@@ -132,6 +136,10 @@ def build(seed: int = 15) -> list[Question]:
         split = "heldout" if i % 2 else "tune"
         questions.append(Question(f"q{i:04d}", kind, text, answers, docs, split))
     return questions
+
+
+def export_elements(path: Path) -> None:
+    path.write_text(json.dumps({n: asdict(e) for n, e in load_elements().items()}))
 
 
 def fingerprint(questions: list[Question]) -> str:
