@@ -75,7 +75,7 @@ from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.outputs import RequestOutput
-from chunkcache.tiny_checkpoint import TOKENIZER_VOCAB_SIZE
+from tiny_checkpoint import TOKENIZER_VOCAB_SIZE
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The engine against transformers, side by side in one process, on the same random checkpoint.
 
 Checkpoint: random weights shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads, 2 KV heads,
-vocab 151936, tied embeddings), built by `chunkcache.tiny_checkpoint` on first use. fp32, CPU.
+vocab 151936, tied embeddings), built by `tests/tiny_checkpoint.py` on first use. fp32, CPU.
 transformers runs `AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32)` with
 `attn_implementation="sdpa"`, under `torch.inference_mode()`. Prompts are random ordinary token
 ids, fresh for every run (so the prefix cache, on as by default, never hits: checked), the same
@@ -58,7 +58,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.tiny_checkpoint import TOKENIZER_VOCAB_SIZE
+from tiny_checkpoint import TOKENIZER_VOCAB_SIZE
 
 
 @dataclass(frozen=True)

