@@ -71,11 +71,11 @@ from common import (
     setup_torch,
     summary,
 )
+from tiny_checkpoint import TOKENIZER_VOCAB_SIZE
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.outputs import RequestOutput
-from tiny_checkpoint import TOKENIZER_VOCAB_SIZE
 
 
 @dataclass(frozen=True)

@@ -53,12 +53,12 @@ from common import (
     setup_torch,
     summary,
 )
+from tiny_checkpoint import TOKENIZER_VOCAB_SIZE
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from chunkcache import LLM, SamplingParams
-from tiny_checkpoint import TOKENIZER_VOCAB_SIZE
 
 
 @dataclass(frozen=True)

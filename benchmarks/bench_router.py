@@ -41,7 +41,8 @@ import numpy as np
 from tqdm import tqdm
 
 # The repo root (chunkcache) and tests/ (tiny_checkpoint: the random tokenizer).
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chunkcache.kv_events import BlockStored, KVEventBatch, encode_batch
 from chunkcache.router.events import EventIntake

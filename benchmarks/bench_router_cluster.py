@@ -437,9 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown policies {unknown}; choose from {POLICIES}")
 
     sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/tiny_checkpoint.py builds the random checkpoints
-    from transformers import AutoTokenizer
-
     from tiny_checkpoint import build_checkpoint
+    from transformers import AutoTokenizer
 
     work = Path(tempfile.gettempdir()) / "chunkcache-bench"
     work.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,10 @@ def physical_cores() -> int:
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
             cores.add(
-                ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+                (
+                    (topology / "physical_package_id").read_text().strip(),
+                    (topology / "core_id").read_text().strip(),
+                )
             )
         except OSError:
             cores.clear()

@@ -88,12 +88,15 @@ def write_gguf(
     """Write the checkpoint `src` as the GGUF file `out`, 2-D weights in `qtype`; returns the
     weights as the file holds them after dequantization, under HF names and in HF layout."""
     hf = json.loads((src / "config.json").read_text())
-    arch = arch_name or {
-        "LlamaForCausalLM": "llama",
-        "MistralForCausalLM": "llama",
-        "Qwen2ForCausalLM": "qwen2",
-        "Qwen3ForCausalLM": "qwen3",
-    }[hf["architectures"][0]]
+    arch = (
+        arch_name
+        or {
+            "LlamaForCausalLM": "llama",
+            "MistralForCausalLM": "llama",
+            "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3",
+        }[hf["architectures"][0]]
+    )
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name("mistral-tiny" if hf["architectures"][0] == "MistralForCausalLM" else "tiny")
@@ -222,11 +225,13 @@ def test_unknown_architecture_and_quant_type_are_named(checkpoint: Factory, tmp_
 
     def iq4(writer) -> None:  # one extra tensor in a type we do not dequantize
         block, size = gguf.GGML_QUANT_SIZES[Q.IQ4_NL]
-        writer.add_tensor("blk.0.extra.weight", np.zeros((4, 64 // block * size), np.uint8), raw_dtype=Q.IQ4_NL)
+        writer.add_tensor(
+            "blk.0.extra.weight", np.zeros((4, 64 // block * size), np.uint8), raw_dtype=Q.IQ4_NL
+        )
 
     odd = tmp_path / "odd.gguf"
     write_gguf(src, odd, Q.Q8_0, extra=iq4)
-    with pytest.raises(ModelLoadError, match="blk.0.extra.weight has quantization type IQ4_NL"):
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.extra\.weight has quantization type IQ4_NL"):
         load_model(str(odd), "cpu", "float32", tokenizer=str(src))
 
 

@@ -19,7 +19,6 @@ from oracle import (
     hf_model,
 )
 from safetensors import safe_open
-
 from tiny_checkpoint import ARCHS, ROPE_TYPES, build_checkpoint, checkpoint_config
 
 Factory = Callable[..., Path]

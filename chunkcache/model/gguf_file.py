@@ -202,7 +202,9 @@ def _hf_config(file: Path, reader: Any, arch: str, hf_arch: str) -> dict[str, An
     kv_heads = get("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer counts: only a uniform one fits this model
         if len(set(kv_heads)) != 1:
-            raise ModelLoadError(f"{file.name}: per-layer KV head counts {sorted(set(kv_heads))} are not supported")
+            raise ModelLoadError(
+                f"{file.name}: per-layer KV head counts {sorted(set(kv_heads))} are not supported"
+            )
         kv_heads = kv_heads[0]
     head_dim = int(get("attention.key_length", 0) or hidden // heads)
     rotary_dim = int(get("rope.dimension_count", head_dim))
