@@ -33,8 +33,9 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-# Architectures whose Q/K rows llama.cpp's converter permuted (its rope kernel is "normal", not NEOX).
-_PERMUTED = ("llama", "mistral")
+# general.architecture values whose Q/K rows llama.cpp's converter permuted (its rope kernel for
+# them is "normal", not NEOX). Mistral files are "llama" too.
+_PERMUTED = ("llama",)
 
 # Types `gguf.quants.dequantize` turns into float32 (tested here: F32, F16, BF16, Q8_0, Q4_0, Q4_1,
 # Q4_K, Q5_K, Q6_K; the others share gguf's implementation).
@@ -132,7 +133,7 @@ class GGUFCheckpoint:
         """(transformers name, float32 tensor) for every tensor of the file, dequantized."""
         from gguf.quants import dequantize
 
-        permute = self.config["architectures"][0] in ("LlamaForCausalLM", "MistralForCausalLM")
+        permute = self.arch in _PERMUTED
         heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
         for t in tqdm(self._reader.tensors, desc=f"loading {self.file.name}", unit="tensor", leave=False):
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first

@@ -8,6 +8,7 @@ unexpected tensor is an error that names it, never a silently random weight.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from collections.abc import Iterator
@@ -228,7 +229,7 @@ def load_model(
         hf, read, name = checkpoint.config, checkpoint.tensors, gguf.stem
     else:
         hf, name = read_hf_config(path), path.name
-        read = lambda: _read_tensors(path)  # noqa: E731
+        read = functools.partial(_read_tensors, path)
     spec = ModelSpec.from_hf(hf)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, spec, dev)
