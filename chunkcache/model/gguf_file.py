@@ -117,7 +117,9 @@ class GGUFCheckpoint:
         try:
             reader = GGUFReader(str(file))
         except Exception as e:  # truncated, not GGUF, unknown type id: gguf raises many kinds
-            raise ModelLoadError(f"{file} is not a readable GGUF file: {type(e).__name__}: {e}") from e
+            raise ModelLoadError(
+                f"{file} is not a readable GGUF file (truncated, or not GGUF): {type(e).__name__}: {e}"
+            ) from e
         gguf_arch = _field(reader, "general.architecture")
         name = str(_field(reader, "general.name", "") or "")
         arch = "mistral" if gguf_arch == "llama" and "mistral" in name.lower() else gguf_arch
