@@ -52,9 +52,9 @@ from common import (
     ChunkShapes,
     TextMaker,
     add_common_args,
+    bench_model,
     chunked_prompt,
     describe_machine,
-    ensure_checkpoint,
     first_token_time,
     fmt_runs,
     median,
@@ -99,6 +99,7 @@ class Bench:
             enable_chunk_cache=True,
             enable_prefix_caching=False,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            threads=args.threads,  # the engine sets torch's threads
         )
         self.tok = self.llm.tokenizer
         self.maker = TextMaker(self.tok, args.seed)
@@ -133,7 +134,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_torch(args.threads)
     shapes = QUICK_CHUNK_SHAPES if args.quick else ChunkShapes()
-    model_dir = ensure_checkpoint(args.model_dir)
+    model_dir = bench_model(args)
     log(f"machine: {describe_machine()}")
     log(f"checkpoint: {model_dir}  shapes: {shapes}  max_num_batched_tokens={args.max_num_batched_tokens}")
     b = Bench(args, shapes, str(model_dir))

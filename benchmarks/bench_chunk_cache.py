@@ -1,6 +1,7 @@
 """Time to first token of a chunked RAG prompt `S # # C1 # # ... # # Cn # # Q`: plain, cold, warm, floor.
 
-Checkpoint: the random Qwen2.5-0.5B-shaped one of bench_engine (built on first use), fp32, CPU.
+Checkpoint: `--model` (a directory or .gguf file; `--model default` = SmolLM2-135M-Instruct), else
+the random Qwen2.5-0.5B-shaped one of bench_engine (built on first use); fp32, CPU.
 Shapes: S = 128 tokens (BOS included), n = 4 chunks of 1024 tokens, Q = 64 tokens, 16 new tokens
 (greedy, EOS ignored). Texts are random words of exactly those token counts (each part tokenized on
 its own, as the engine does), fresh from a seeded RNG, so no two chunks share content.
@@ -41,7 +42,7 @@ chunks already cached, the 8-chunk set adds 4 chunks cached by one priming reque
 
 Targets: warm >= 20x faster than plain; warm <= 1.3x floor; cold <= 1.0x plain.
 
-    python benchmarks/bench_chunk_cache.py [--quick] [--model-dir DIR] [--repeats 3] [--threads N]
+    python benchmarks/bench_chunk_cache.py [--quick] [--model DIR|FILE.gguf|default] [--model-dir DIR] [--repeats 3] [--threads N]
 
 The last line is `SUMMARY bench_chunk_cache: warm_vs_plain=XX.Xx warm_vs_floor=X.XXx
 cold_vs_plain=X.XXx cpu_warm_vs_plain=... cpu_warm_vs_floor=... cpu_cold_vs_plain=...`.
@@ -61,12 +62,13 @@ from common import (
     ChunkShapes,
     TextMaker,
     add_common_args,
+    bench_model,
     chunked_prompt,
     describe_machine,
-    ensure_checkpoint,
     first_token_time,
     fmt_runs,
     median,
+    ordinary_token_ids,
     random_token_ids,
     setup_torch,
     summary,
@@ -75,7 +77,6 @@ from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.outputs import RequestOutput
-from chunkcache.tiny_checkpoint import TOKENIZER_VOCAB_SIZE
 
 
 @dataclass(frozen=True)
@@ -91,19 +92,21 @@ def log(msg: str) -> None:
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, shapes: Shapes, model_dir: str) -> None:
+    def __init__(self, args: argparse.Namespace, shapes: Shapes, model: str) -> None:
         self.shapes = shapes
         common: dict[str, Any] = {
             "device": "cpu",
             "dtype": "float32",
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            # The engine sets torch's (process-wide) threads: the same number for every side.
+            "threads": args.threads,
         }
-        self.plain = LLM(model_dir, enable_chunk_cache=False, enable_prefix_caching=False, **common)
-        self.chunk = LLM(model_dir, enable_chunk_cache=True, **common)
+        self.plain = LLM(model, enable_chunk_cache=False, enable_prefix_caching=False, **common)
+        self.chunk = LLM(model, enable_chunk_cache=True, **common)
         self.tok = self.chunk.tokenizer
         self.maker = TextMaker(self.tok, args.seed)
         self.rng = random.Random(args.seed)
-        self.vocab = min(len(self.tok), TOKENIZER_VOCAB_SIZE)
+        self.vocab = ordinary_token_ids(self.tok, self.chunk.engine.spec.vocab_size)
         self.params = SamplingParams(temperature=0.0, max_tokens=shapes.new_tokens, ignore_eos=True)
         self._ids = itertools.count()
         self.last_cpu = 0.0
@@ -161,10 +164,10 @@ def main() -> None:
     args = parser.parse_args()
     setup_torch(args.threads)
     shapes = QUICK if args.quick else Shapes()
-    model_dir = ensure_checkpoint(args.model_dir)
+    model = bench_model(args)
     log(f"machine: {describe_machine()}")
-    log(f"checkpoint: {model_dir}  shapes: {shapes}  max_num_batched_tokens={args.max_num_batched_tokens}")
-    b = Bench(args, shapes, str(model_dir))
+    log(f"checkpoint: {model}  shapes: {shapes}  max_num_batched_tokens={args.max_num_batched_tokens}")
+    b = Bench(args, shapes, model)
     reps = args.repeats
     n, c = shapes.num_chunks, shapes.chunk_len
     kv_len = shapes.sys_len + n * c

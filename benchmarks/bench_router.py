@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+# The repo root (chunkcache) and tests/ (tiny_checkpoint: the random tokenizer).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chunkcache.kv_events import BlockStored, KVEventBatch, encode_batch
@@ -198,7 +200,7 @@ def bench_tokenization(
     tokenizer_dir: str | None, prompt_tokens: int, runs: int, seed: int
 ) -> dict[str, float]:
     if tokenizer_dir is None:
-        from chunkcache.tiny_checkpoint import build_tokenizer
+        from tiny_checkpoint import build_tokenizer
 
         tokenizer_dir = tempfile.mkdtemp(prefix="bench-router-tok-")
         build_tokenizer(tokenizer_dir)

@@ -81,7 +81,7 @@ PAGE = 16  # the engine's block (= chunk pool page) size
 
 def build_documents(tokenizer: Any, num_docs: int, lo: int, hi: int, seed: int) -> list[str]:
     """`num_docs` documents of lo..hi tokens each, from the tiny corpus' sentences (no separator)."""
-    from chunkcache.tiny_checkpoint import corpus
+    from tiny_checkpoint import corpus
 
     sentences = [s.strip() for s in corpus(num_lines=4000, seed=seed) if "#" not in s]
     rng = random.Random(seed)
@@ -98,7 +98,7 @@ def build_documents(tokenizer: Any, num_docs: int, lo: int, hi: int, seed: int) 
 def build_prompts(
     docs: list[str], num_requests: int, topics: int, min_docs: int, max_docs: int, seed: int
 ) -> list[str]:
-    from chunkcache.tiny_checkpoint import corpus
+    from tiny_checkpoint import corpus
 
     rng = random.Random(seed + 1)
     questions = [q for q in corpus(num_lines=1200, seed=seed + 2) if q.endswith("?") and "#" not in q]
@@ -436,10 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not policies:
         p.error(f"unknown policies {unknown}; choose from {POLICIES}")
 
-    sys.path.insert(0, str(REPO))
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/tiny_checkpoint.py builds the random checkpoints
+    from tiny_checkpoint import build_checkpoint
     from transformers import AutoTokenizer
-
-    from chunkcache.tiny_checkpoint import build_checkpoint
 
     work = Path(tempfile.gettempdir()) / "chunkcache-bench"
     work.mkdir(parents=True, exist_ok=True)

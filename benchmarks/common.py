@@ -1,7 +1,8 @@
 """Shared helpers of the benchmarks: the benchmark checkpoint, timing, prompts of exact token counts.
 
 The scripts run as `python benchmarks/<name>.py`, so this module is imported as `common` (the
-script's directory is first on `sys.path`).
+script's directory is first on `sys.path`). Importing it puts tests/ on `sys.path` too, for
+`tiny_checkpoint` (the random checkpoints the tests use, and the Qwen2.5-0.5B-shaped one here).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import platform
 import random
 import statistics
 import string
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 if TYPE_CHECKING:
     from chunkcache import SamplingParams
@@ -51,22 +55,61 @@ QUICK_CHUNK_SHAPES = ChunkShapes(sys_len=32, chunk_len=128, num_chunks=4, q_len=
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint directory or .gguf file to measure, or 'default' for chunkcache's default "
+        "model (SmolLM2-135M-Instruct); without it, the random Qwen2.5-0.5B-shaped checkpoint of --model-dir",
+    )
+    parser.add_argument(
         "--model-dir",
         type=Path,
         default=DEFAULT_MODEL_DIR,
         help="the Qwen2.5-0.5B-shaped random checkpoint; built there if missing (default: %(default)s)",
     )
     parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads, for both sides (default: the engine's, the physical cores)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
 def ensure_checkpoint(model_dir: Path) -> Path:
     """The random Qwen2.5-0.5B-shaped checkpoint (hidden 896, 24 layers, 14 heads, 2 KV heads,
     vocab 151936, tied embeddings), built once (~2 GB, about a minute) and reused."""
-    from chunkcache.tiny_checkpoint import build_checkpoint
+    from tiny_checkpoint import build_checkpoint
 
     return build_checkpoint(model_dir, arch="qwen2", preset="qwen2.5-0.5b")
+
+
+def bench_model(args: argparse.Namespace) -> str:
+    """The model a benchmark measures: --model (`default` = chunkcache's default model), else the
+    random Qwen2.5-0.5B-shaped checkpoint, built on first use."""
+    if args.model == "default":
+        from chunkcache.model.loader import default_model
+
+        return default_model()
+    return args.model or str(ensure_checkpoint(args.model_dir))
+
+
+def hf_causal_lm(model: str, **kwargs: Any) -> Any:
+    """transformers' model of a checkpoint directory or a .gguf file (its own GGUF reader)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+
+
+def ordinary_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
+    """Ids below both the tokenizer's and the model's vocab size that are not special tokens."""
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+    }
+    return [i for i in range(min(len(tokenizer), vocab_size)) if i not in special]
 
 
 def setup_torch(threads: int | None) -> None:
@@ -166,8 +209,11 @@ def interleaved(reps: int, a: Callable[[int], Any], b: Callable[[int], Any]) -> 
             a(i)
 
 
-def random_token_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
-    """`n` ordinary token ids (no special tokens), drawn from `rng`."""
+def random_token_ids(rng: random.Random, n: int, vocab: int | list[int]) -> list[int]:
+    """`n` ordinary token ids drawn from `rng`: from `vocab` when it is a list of ids (see
+    `ordinary_token_ids`), else from FIRST_ORDINARY_TOKEN..vocab-1 (the tiny tokenizer's)."""
+    if isinstance(vocab, list):
+        return [rng.choice(vocab) for _ in range(n)]
     return [rng.randrange(FIRST_ORDINARY_TOKEN, vocab) for _ in range(n)]
 
 

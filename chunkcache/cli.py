@@ -7,9 +7,7 @@ import json
 import sys
 import time
 
-from chunkcache.engine_args import add_engine_arguments, engine_options
-
-MODEL_HELP = "model directory (default: the bundled demo model; a tiny random checkpoint where its weights are missing)"
+from chunkcache.engine_args import MODEL_HELP, add_engine_arguments, engine_options
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +57,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     from chunkcache import LLM
     from chunkcache.evaluate import default_modes, evaluate, format_table, load_prompts, results_json
+    from chunkcache.model.loader import default_model
 
     options = {"enable_prefix_caching": False, **engine_options(args)}
     llm = LLM(args.model or default_model(), **options)
@@ -79,22 +78,9 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def default_model() -> str:
-    """The bundled demo model (chunkcache/demo/model-block), else, in a build without its weights,
-    a tiny random checkpoint built on first use."""
-    from pathlib import Path
-
-    from chunkcache.demo import DEMO_MODEL_DIR
-    from chunkcache.tiny_checkpoint import build_checkpoint
-
-    if (DEMO_MODEL_DIR / "config.json").exists():
-        return str(DEMO_MODEL_DIR)
-
-    return str(build_checkpoint(Path.home() / ".cache" / "chunkcache" / "tiny-llama"))
-
-
 def run_generate(args: argparse.Namespace) -> int:
     from chunkcache import LLM, SamplingParams
+    from chunkcache.model.loader import default_model
 
     params = SamplingParams(
         temperature=args.temperature,

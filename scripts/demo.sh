@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: set up, serve the default model (chunkcache.cli.default_model), show one RAG request cold then warm, and keep
+# The main job: set up, serve the default model (SmolLM2-135M-Instruct, chunkcache.model.loader.default_model), show one RAG request cold then warm, and keep
 # serving until Ctrl-C. PORT picks the port (default: a free one); extra args go to `chunkcache serve`.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,14 +19,14 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from chunkcache.tiny_checkpoint import build_checkpoint  # noqa: E402
+from tiny_checkpoint import build_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory `checkpoint(arch="llama", rope="default", **kw) -> Path`.
 
-    Arguments are those of `chunkcache.tiny_checkpoint.build_checkpoint`. Each distinct set of
+    Arguments are those of `tiny_checkpoint.build_checkpoint`. Each distinct set of
     arguments is built once per test session (a tiny checkpoint takes well under a second) and
     shared by every test that asks for it; treat the directory as read-only.
     """

@@ -36,14 +36,18 @@ __all__ = [
 def _load(path: str, attn_implementation: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    kwargs = {}
+    if path.endswith(".gguf"):  # transformers' own GGUF reader (gguf's dequantize + its renaming)
+        path, kwargs["gguf_file"] = str(Path(path).parent), Path(path).name
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation
+        path, dtype=torch.float32, attn_implementation=attn_implementation, **kwargs
     )
     return model.eval()
 
 
 def hf_model(path: str | Path, attn_implementation: str = "eager") -> torch.nn.Module:
-    """The checkpoint at `path` loaded by transformers: float32, eval mode, cached per path.
+    """The checkpoint at `path` (a directory, or a .gguf file) loaded by transformers: float32,
+    eval mode, cached per path.
 
     "eager" is the default because it is plain PyTorch math (the most literal reference);
     "sdpa" gives the same numbers to ~1e-6.

@@ -19,8 +19,7 @@ from oracle import (
     hf_model,
 )
 from safetensors import safe_open
-
-from chunkcache.tiny_checkpoint import ARCHS, ROPE_TYPES, build_checkpoint, checkpoint_config
+from tiny_checkpoint import ARCHS, ROPE_TYPES, build_checkpoint, checkpoint_config
 
 Factory = Callable[..., Path]
 

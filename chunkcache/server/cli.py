@@ -10,7 +10,7 @@ import argparse
 import logging
 
 from chunkcache.config import EngineConfig
-from chunkcache.engine_args import add_engine_arguments, engine_options
+from chunkcache.engine_args import MODEL_HELP, add_engine_arguments, engine_options
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument(
         "--model",
         default=None,
-        help="model directory, or a hub id where a hub is reachable (default: the bundled demo model; a tiny random checkpoint where its weights are missing)",
+        help=MODEL_HELP,
     )
     server.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind (default: %(default)s)")
@@ -56,8 +56,8 @@ def run_serve(args: argparse.Namespace) -> None:
     """Load the engine and serve until SIGINT/SIGTERM; in-flight requests are drained first."""
     import uvicorn
 
-    from chunkcache.cli import default_model
     from chunkcache.engine.engine import LLMEngine
+    from chunkcache.model.loader import default_model
     from chunkcache.server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper() if args.log_level != "trace" else "DEBUG")

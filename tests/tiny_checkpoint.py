@@ -1,6 +1,6 @@
 """Tiny random Hugging Face checkpoints, built locally with `transformers` and `tokenizers`.
 
-Tests, benchmarks and the CLI need real checkpoints (a `config.json` written by transformers,
+Tests and benchmarks need real checkpoints (a `config.json` written by transformers,
 `*.safetensors` weights, a tokenizer with a chat template) without network access and without
 downloading gigabytes. This module makes them from scratch, deterministically:
 
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # heavy imports stay lazy so that importing this module (e.g. from the CLI) is cheap
+if TYPE_CHECKING:  # heavy imports stay lazy so that importing this module is cheap
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 __all__ = [
@@ -210,7 +210,7 @@ def build_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Train the tiny tokenizer, save it into `out_dir` (transformers format) and return it.
 
-    `texts` defaults to the built-in `corpus()`; the demo model's training script passes its own.
+    `texts` defaults to the built-in `corpus()`.
     The result round-trips through `transformers.AutoTokenizer.from_pretrained(out_dir)`.
     """
     from tokenizers import Tokenizer
