@@ -101,7 +101,9 @@ def evaluate(
     max_tokens: int,
     ttft_every: int,
     elements: dict[int, fidelity_set.Element],
+    checkpoint: Any = None,
 ) -> dict[str, ModeResult]:
+    """Every question through every mode; `checkpoint(results)` is called every 8 questions."""
     results = {name: ModeResult() for name in modes}
     answer = SamplingParams(temperature=0, max_tokens=max_tokens)
     names = list(modes)
@@ -134,6 +136,8 @@ def evaluate(
                 res.recomputed[q.qid] = (out.num_blend_recomputed_tokens - num_q) / doc_tokens
             else:
                 res.recomputed[q.qid] = 0.0
+        if checkpoint is not None and i % 8 == 7:
+            checkpoint(results)
     return results
 
 
@@ -284,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", default=None, help="checkpoint (default: chunkcache's default model)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--split", choices=["all", "tune", "heldout"], default="all")
     parser.add_argument("--limit", type=int, default=0, help="first N questions of the split (0 = all)")
@@ -307,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.limit:
         questions = questions[: args.limit]
     if args.model is None:
-        from chunkcache.cli import default_model
+        from chunkcache.model.loader import default_model
 
         args.model = str(default_model())
     if args.merge:
@@ -316,10 +321,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     index, count = (int(x) for x in args.shard.split("/"))
     questions = questions[index::count]
-    llm = LLM(args.model, device=args.device, enable_prefix_caching=True)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     t0 = time.time()
     elements = fidelity_set.load_elements(args.elements)
-    results = evaluate(llm, questions, modes, args.max_tokens, args.ttft_every, elements)
+    dump = (lambda res: _dump(res, args.raw)) if args.raw else None
+    results = evaluate(llm, questions, modes, args.max_tokens, args.ttft_every, elements, dump)
     print(f"{len(questions)} questions, model {args.model}, {time.time() - t0:.0f} s")
     if args.raw:
         _dump(results, args.raw)
