@@ -7,6 +7,7 @@ objects (`model.loader.ModelSpec`, `engine.kv_blocks.BlockManager`), never in a 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ class ChunkConfig:
     def validate(self, num_layers: int | None = None) -> None:
         if not self.separator:
             raise ValueError("chunk_separator must not be empty")
-        if self.cache_size_gb < 0:
+        if not math.isfinite(self.cache_size_gb) or self.cache_size_gb < 0:
             raise ValueError(f"chunk_cache_size_gb must be >= 0, got {self.cache_size_gb}")
         if not 0.0 < self.lru_threshold <= 1.0:
             raise ValueError(f"chunk_cache_lru_threshold must be in (0, 1], got {self.lru_threshold}")
@@ -125,8 +126,8 @@ class ChunkConfig:
             )
         if self.blend_selector not in BLEND_SELECTORS:
             raise ValueError(f"blend_selector {self.blend_selector!r} is not one of {BLEND_SELECTORS}")
-        if self.blend_threshold < 0:
-            raise ValueError(f"blend_threshold must be >= 0, got {self.blend_threshold}")
+        if not math.isfinite(self.blend_threshold) or self.blend_threshold < 0:
+            raise ValueError(f"blend_threshold must be a finite number >= 0, got {self.blend_threshold}")
         if self.blend_boundary_tokens < 0:
             raise ValueError(f"blend_boundary_tokens must be >= 0, got {self.blend_boundary_tokens}")
         if self.blend_min_tokens < 0:

@@ -12,7 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     # One dict per generated token: token id -> log-probability (the top-k plus the sampled token).
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
 
 
@@ -50,3 +50,5 @@ class RequestOutput:
     # Tokens generated since the previous RequestOutput of this request (for streaming).
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # Set when the engine failed this request (finish_reason "error"): what went wrong.
+    error: str | None = None

@@ -6,6 +6,7 @@ an inbox. `step()` runs on one thread and owns every other piece of state.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -118,11 +119,16 @@ class LLMEngine:
         try:
             params.validate()
         except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+            # SamplingParams' messages start with the field's name.
+            raise InvalidRequestError(str(e), param=str(e).split(" ", 1)[0]) from None
         if params.logprobs is not None and params.logprobs > self.spec.vocab_size:
-            raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary size")
+            raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary size", "logprobs")
         chunk_config = self._chunk_config(chunk_options)
-        seq = self._make_sequence(request_id, prompt, params, add_special_tokens, chunk_config)
+        try:
+            seq = self._make_sequence(request_id, prompt, params, add_special_tokens, chunk_config)
+        except InvalidRequestError as e:
+            e.param = e.param or "prompt"  # the prompt's checks (chunk parsing included) name no field
+            raise
         with self._lock:
             if request_id in self._ids_in_use:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -139,14 +145,14 @@ class LLMEngine:
         try:
             return self.config.chunk.with_request_options(options, self.spec.num_layers)
         except (TypeError, ValueError) as e:
-            raise InvalidRequestError(str(e)) from None
+            raise InvalidRequestError(str(e), param=str(e).split(" ", 1)[0]) from None
 
     def _tokenize(
         self, prompt: str | list[int], add_special_tokens: bool, chunk_config: ChunkConfig
     ) -> tuple[list[int], ChunkedPrompt | None]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("prompt is empty")
+                raise InvalidRequestError("prompt is empty", "prompt")
             if self.chunks is not None:
                 chunked = parse_chunked_prompt(
                     prompt, chunk_config.separator, self.tokenizer, add_special_tokens
@@ -158,10 +164,12 @@ class LLMEngine:
             vocab = self.spec.vocab_size
             bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
-                raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+                raise InvalidRequestError(
+                    f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt"
+                )
             return list(prompt), None
         raise InvalidRequestError(
-            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
         )
 
     def _make_sequence(
@@ -174,7 +182,7 @@ class LLMEngine:
     ) -> Sequence:
         token_ids, chunked = self._tokenize(prompt, add_special_tokens, chunk_config)
         if not token_ids:
-            raise InvalidRequestError("prompt is empty (no tokens)")
+            raise InvalidRequestError("prompt is empty (no tokens)", "prompt")
         offset = chunk_config.layout == "offset"
         if (
             chunked is not None
@@ -197,7 +205,8 @@ class LLMEngine:
         if params.max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {self.max_model_len}"
+                f"max_model_len {self.max_model_len}",
+                "max_tokens",
             )
         # Isolated: the request computes only Q (and its output); the rest is borrowed.
         own = list(chunked.question_token_ids) if isolated else token_ids
@@ -206,6 +215,7 @@ class LLMEngine:
                 f"prompt needs {self.blocks.blocks_for(len(own) + 1)} KV blocks, "
                 f"the cache has {self.blocks.num_blocks}"
             )
+        params = self._fit_kv_cache(params, len(own), prompt_len)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -221,6 +231,25 @@ class LLMEngine:
             seq.chunk_config = chunk_config
             seq.prefix_cacheable = False
         return seq
+
+    def _fit_kv_cache(self, params: SamplingParams, own_tokens: int, prompt_len: int) -> SamplingParams:
+        """A request must fit the whole paged KV cache alone, or preemption could never let it
+        finish: an explicit max_tokens beyond that is refused; an open one (None) is capped there,
+        as it is capped at max_model_len otherwise."""
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        room = capacity - own_tokens
+        if params.max_tokens is not None:
+            if params.max_tokens > room:
+                raise InvalidRequestError(
+                    f"max_tokens ({params.max_tokens}) plus the {own_tokens} prompt tokens computed here "
+                    f"exceed the KV cache of {capacity} tokens: max_tokens may be at most {room} "
+                    "for this prompt",
+                    "max_tokens",
+                )
+            return params
+        if room < self.max_model_len - prompt_len:
+            return dataclasses.replace(params, max_tokens=room)
+        return params
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -238,11 +267,40 @@ class LLMEngine:
         finished_now = self._drain_inbox()
         batch = self.scheduler.schedule()
         if batch:
-            logits, rows = self.runner.run(batch)
-            self._postprocess(batch, logits, rows)
+            try:
+                logits, rows = self.runner.run(batch)
+                self._postprocess(batch, logits, rows)
+            except Exception as e:
+                # One bad request must not stop the engine: fail this batch's requests (their KV
+                # is in an unknown state), free what they held, and go on with the others.
+                logger.exception("step failed; failing the %d sequences of its batch", len(batch))
+                finished_now += self._fail_batch(batch, f"{type(e).__name__}: {e}")
         outputs = self._collect_outputs(batch, finished_now)
         self._publish_events()
         return outputs
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        if seq.is_finished:
+            return
+        seq.finish_reason, seq.stop_reason, seq.error = "error", None, message
+        self._finish(seq)
+
+    def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[Sequence]:
+        """Fail every request of `batch`, and every request waiting for a fill job of it."""
+        failed = [s for s in batch.seqs if not s.is_fill]
+        jobs = [s for s in batch.seqs if s.is_fill]
+        entries = [job.chunk_state.entry for job in jobs]
+        for seq in list(self._requests.values()):
+            state = seq.chunk_state
+            if seq.is_fill or seq in failed or state is None or not hasattr(state, "entries"):
+                continue
+            if any(any(e is x for x in state.entries) for e in entries):
+                failed.append(seq)
+        for seq in failed:
+            self._fail(seq, f"the engine failed on this request's batch: {message}")
+        for job in jobs:  # jobs still wanted by a request outside the batch are not left half done
+            self._fail(job, message)
+        return failed
 
     def _drain_inbox(self) -> list[Sequence]:
         with self._lock:
@@ -251,14 +309,21 @@ class LLMEngine:
             # Registered under the lock: has_unfinished_requests never sees a request nowhere.
             for seq in inbox:
                 self._requests[seq.request_id] = seq
+        failed = []
         for seq in inbox:
             self.counters["requests"] += 1
-            if self.chunks is not None and seq.chunk_state is not None:
-                for job in self.chunks.admit(seq):
-                    self._requests[job.request_id] = job
-                    self.scheduler.add(job)
+            try:
+                if self.chunks is not None and seq.chunk_state is not None:
+                    for job in self.chunks.admit(seq):
+                        self._requests[job.request_id] = job
+                        self.scheduler.add(job)
+            except Exception as e:
+                logger.exception("admitting %s failed", seq.request_id)
+                self._fail(seq, f"admission failed: {type(e).__name__}: {e}")
+                failed.append(seq)
+                continue
             self.scheduler.add(seq)
-        aborted = []
+        aborted = failed
         for request_id in aborts:
             seq = self._requests.get(request_id)
             if seq is None or seq.is_finished or seq.is_fill:
@@ -283,6 +348,9 @@ class LLMEngine:
         sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         now = time.time()
         for seq, s in zip(seqs, sampled, strict=True):
+            if s.error is not None:
+                self._fail(seq, s.error)
+                continue
             seq.token_ids.append(s.token_id)
             if s.logprobs is not None:
                 seq.output_logprobs.append(s.logprobs)
@@ -352,6 +420,7 @@ class LLMEngine:
             blend_fallback=seq.blend_fallback,
             new_token_ids=new_tokens,
             new_text=new_text,
+            error=seq.error,
         )
 
     def _publish_events(self) -> None:

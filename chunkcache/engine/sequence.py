@@ -46,6 +46,8 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Why the engine failed this request (finish_reason "error"); other requests go on.
+    error: str | None = None
     text: str = ""
     num_sent_tokens: int = 0
     sent_text_len: int = 0

@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
-from chunkcache.server.engine_loop import EngineDeadError, EngineLoop, RequestStream
+from chunkcache.server.engine_loop import EngineDeadError, EngineLoop, RequestFailedError, RequestStream
 from chunkcache.server.errors import (
     CLIENT_CLOSED,
     ApiError,
@@ -30,6 +30,7 @@ from chunkcache.server.errors import (
     param_named_in,
     stream_error,
 )
+from chunkcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from chunkcache.server.metrics import ServerMetrics
 from chunkcache.server.protocol import (
     AssistantMessage,
@@ -136,6 +137,7 @@ def build_app(
     max_queue: int,
     served_model_name: str | Sequence[str] | None,
     drain_timeout: float | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The application serving `engine`. The engine thread starts with the app's lifespan and, at
     shutdown, in-flight requests are drained (up to `drain_timeout` seconds) before the engine closes."""
@@ -160,6 +162,7 @@ def build_app(
 
     app = FastAPI(title="chunkcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_loop = engine_loop
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.add_middleware(GuardMiddleware, metrics=metrics)
     install_error_handlers(app)
 
@@ -197,14 +200,14 @@ def build_app(
         except ValueError as e:
             raise invalid(str(e), param_named_in(str(e), list(type(body).model_fields))) from None
 
-    def submit(
+    async def submit(
         prefix: str,
         prompt: str | list[int],
         params: SamplingParams,
         chunk_options: dict[str, Any] | None,
         add_special_tokens: bool = True,
     ) -> RequestStream:
-        return engine_loop.submit(
+        return await engine_loop.submit(
             engine_loop.new_request_id(prefix),
             prompt,
             params,
@@ -308,7 +311,7 @@ def build_app(
         except ValueError as e:
             raise invalid(str(e), "prompt") from None
         params = sampling_params(body)
-        stream = submit("cmpl", prompt, params, body.chunk_options())
+        stream = await submit("cmpl", prompt, params, body.chunk_options())
         k = body.logprobs
         if body.stream:
             return _EventStreamResponse(
@@ -374,6 +377,8 @@ def build_app(
                 yield _sse(chunk.model_dump_json())
         except EngineDeadError as e:
             yield _sse(stream_error(str(e)))
+        except RequestFailedError as e:
+            yield _sse(stream_error(str(e), type="server_error", code="request_failed"))
         else:
             if include_usage and final is not None:
                 chunk = CompletionChunk(
@@ -388,8 +393,11 @@ def build_app(
         params = sampling_params(body)
         # The rendered text goes through the same chunk parsing as any prompt (DESIGN.md §2). As in
         # `LLM.chat` and vLLM, the template writes the special prefix (BOS) itself.
-        prompt = engine.render_chat(body.template_messages(), add_generation_prompt=True)
-        stream = submit("chatcmpl", prompt, params, body.chunk_options(), add_special_tokens=False)
+        messages = body.template_messages()
+        prompt = await engine_loop.run_off_loop(
+            lambda: engine.render_chat(messages, add_generation_prompt=True)
+        )
+        stream = await submit("chatcmpl", prompt, params, body.chunk_options(), add_special_tokens=False)
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             return _EventStreamResponse(chat_events(stream, model, k, body.include_usage_in_stream), stream)
@@ -449,6 +457,8 @@ def build_app(
                 yield _sse(chunk.model_dump_json(exclude_none=False))
         except EngineDeadError as e:
             yield _sse(stream_error(str(e)))
+        except RequestFailedError as e:
+            yield _sse(stream_error(str(e), type="server_error", code="request_failed"))
         else:
             if include_usage and final is not None:
                 chunk = ChatCompletionChunk(
@@ -469,9 +479,9 @@ def build_app(
         resolve_model(body.model)
         tokenizer = engine.tokenizer
         if body.messages is not None:
-            text = engine.render_chat(
-                [m.to_template_message() for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt,
+            messages = [m.to_template_message() for m in body.messages]
+            text = await engine_loop.run_off_loop(
+                lambda: engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
             )
         else:
             assert body.prompt is not None
@@ -480,7 +490,9 @@ def build_app(
         if add_special is None:
             # Same defaults as generation: prompts get the special prefix, rendered chats carry their own.
             add_special = body.messages is None
-        tokens = list(tokenizer.encode(text, add_special_tokens=add_special))
+        tokens = await engine_loop.run_off_loop(
+            lambda: list(tokenizer.encode(text, add_special_tokens=add_special))
+        )
         return TokenizeResponse(
             count=len(tokens),
             max_model_len=engine.max_model_len,

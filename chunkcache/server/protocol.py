@@ -24,7 +24,8 @@ MAX_TOP_LOGPROBS = 20
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity (which Python's JSON parser accepts) are refused in every float field.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
