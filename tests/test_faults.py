@@ -1,0 +1,409 @@
+"""Faults a user or a network can cause (issue 16): no request may stop, hang or poison the server.
+
+Each defect is reproduced against a real `chunkcache serve` process where only a process shows it
+(exit status, a thread that dies for good, SIGTERM), or an in-process server where the test must
+reach inside (a fault injected into one batch); scheduler and validation rules also have unit tests.
+Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_util import ServerProcess, ServerThread
+
+from chunkcache.config import ChunkConfig, EngineConfig, SchedulerConfig
+from chunkcache.engine.engine import LLMEngine
+from chunkcache.engine.kv_blocks import BlockManager
+from chunkcache.engine.scheduler import Scheduler
+from chunkcache.engine.sequence import Sequence
+from chunkcache.errors import InvalidRequestError
+from chunkcache.sampling import MAX_STOP_STRINGS, SamplingParams
+from chunkcache.server.app import build_app
+from chunkcache.server.cli import DEFAULT_DRAIN_TIMEOUT, add_serve_arguments
+
+# 1024 KV tokens = 64 blocks of 16: the issue's over-committed configuration.
+SERVE_ARGS = ["--device", "cpu", "--kv-cache-tokens", "1024", "--max-model-len", "2048", "--log-level", "warning"]
+REQUEST_TIMEOUT = 120.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint: Callable[..., Path]) -> Path:
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def proc(model_dir: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess(["--model", str(model_dir), *SERVE_ARGS, "--max-request-bytes", "200000"])
+    try:
+        yield server.wait_healthy()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def http(proc: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=proc.url, timeout=REQUEST_TIMEOUT) as c:
+        yield c
+
+
+def error_of(r: httpx.Response) -> dict[str, Any]:
+    return r.json()["error"]
+
+
+def assert_serves(http: httpx.Client) -> None:
+    """The server still answers an ordinary request, and says it is healthy."""
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    assert http.get("/health").status_code == 200
+
+
+# ---- defect 1: one request kills the engine ----------------------------------------------------
+
+
+def test_tiny_temperature_is_greedy_not_fatal(http: httpx.Client) -> None:
+    base = {"prompt": "Zorvath sells apples", "max_tokens": 8, "ignore_eos": True}
+    greedy = http.post("/v1/completions", json={**base, "temperature": 0})
+    tiny = http.post("/v1/completions", json={**base, "temperature": 1e-38})
+    assert greedy.status_code == tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    assert_serves(http)
+
+
+@pytest.mark.parametrize(
+    ("field", "literal"),
+    [
+        ("temperature", "NaN"),
+        ("temperature", "Infinity"),
+        ("top_p", "NaN"),
+        ("top_p", "-Infinity"),
+        ("blend_threshold", "NaN"),
+        ("blend_threshold", "Infinity"),
+        ("presence_penalty", "NaN"),
+    ],
+)
+def test_non_finite_floats_are_400_naming_the_field(http: httpx.Client, field: str, literal: str) -> None:
+    # Python's JSON parser accepts these literals; the server must not.
+    body = f'{{"prompt": "hi", "max_tokens": 2, "{field}": {literal}}}'
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == field
+    assert "finite" in error_of(r)["message"]
+    assert_serves(http)
+
+
+def test_sampling_params_validation_units() -> None:
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=float("nan"))
+    assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=0.5).greedy
+    with pytest.raises(ValueError, match="blend_threshold"):
+        ChunkConfig(blend_threshold=float("nan")).validate()
+    with pytest.raises(ValueError, match="blend_threshold"):
+        ChunkConfig(blend_threshold=float("inf")).validate()
+
+
+@pytest.fixture(scope="module")
+def inproc(model_dir: Path) -> Iterator[ServerThread]:
+    options = {"device": "cpu", "kv_cache_tokens": 2048, "max_model_len": 512, "chunk_cache_size_gb": 0.01}
+    engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, **options))
+    srv = ServerThread(build_app(engine, api_key=None, max_queue=64, served_model_name=None)).start()
+    yield srv
+    srv.stop()
+
+
+def test_a_failing_batch_fails_its_requests_only(inproc: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that raises ends its batch's requests with an error (500, or an SSE error event);
+    the engine goes on, later requests are served and no KV block is lost."""
+    engine = inproc.engine_loop.engine
+    runner_run = engine.runner.run
+    marker = 997  # a token id that only the doomed requests contain
+
+    def run(batch: Any) -> Any:
+        if any(marker in s.token_ids for s in batch.seqs):
+            raise RuntimeError("injected fault")
+        return runner_run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    with httpx.Client(base_url=inproc.url, timeout=REQUEST_TIMEOUT) as http:
+        r = http.post("/v1/completions", json={"prompt": [5, marker, 7], "max_tokens": 4})
+        assert r.status_code == 500, r.text
+        assert error_of(r)["code"] == "request_failed" and "injected fault" in error_of(r)["message"]
+        body = {"prompt": [5, marker, 7], "max_tokens": 4, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as s:
+            events = [line.removeprefix("data: ") for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_failed"
+        r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert http.get("/health").status_code == 200
+    inproc.wait_idle()
+    inproc.on_engine(engine.check_integrity)
+
+
+def test_failing_fill_job_fails_the_requests_waiting_for_it(
+    inproc: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk-cache fill job that fails takes down the requests that wait for its chunk, frees its
+    pool pages, and the same chunk is computed afresh by the next request."""
+    engine = inproc.engine_loop.engine
+    runner_run = engine.runner.run
+    poisoned = {"on": True}
+
+    def run(batch: Any) -> Any:
+        if poisoned["on"] and any(s.is_fill for s in batch.seqs):
+            raise RuntimeError("injected fill fault")
+        return runner_run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    prompt = "sys part # # a document about Ashford # # another about Port Kellam # # where?"
+    with httpx.Client(base_url=inproc.url, timeout=REQUEST_TIMEOUT) as http:
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+        assert r.status_code == 500, r.text
+        inproc.wait_idle()
+        poisoned["on"] = False
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+    inproc.wait_idle()
+    inproc.on_engine(engine.check_integrity)
+
+
+def test_engine_thread_death_makes_health_503(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, device="cpu", kv_cache_tokens=512))
+    srv = ServerThread(build_app(engine, api_key=None, max_queue=8, served_model_name=None)).start()
+    deaths: list[BaseException] = []
+    srv.engine_loop.on_death = deaths.append
+    try:
+        # Outside the per-batch guard (the inbox), as a bug in the engine itself would be.
+        monkeypatch.setattr(engine, "_drain_inbox", lambda: (_ for _ in ()).throw(SystemError("engine bug")))
+        with httpx.Client(base_url=srv.url, timeout=REQUEST_TIMEOUT) as http:
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503, r.text
+            assert http.get("/health").status_code == 503
+        assert len(deaths) == 1 and isinstance(deaths[0], SystemError)
+    finally:
+        srv.stop()
+
+
+# Patches the engine so that the first step raises outside the per-batch guard, then runs `serve`.
+_DYING_SERVER = """
+import sys
+from chunkcache.engine.engine import LLMEngine
+def broken(self):
+    raise SystemError("injected engine bug")
+LLMEngine._drain_inbox = broken
+from chunkcache.server.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_engine_death_exits_non_zero(model_dir: Path) -> None:
+    server = ServerProcess(["--model", str(model_dir), *SERVE_ARGS], script=_DYING_SERVER)
+    try:
+        server.wait_healthy()
+        try:
+            r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+            assert r.status_code == 503, r.text
+        except httpx.TransportError:
+            pass  # the server may already be going down
+        code = server.proc.wait(60)
+        assert code != 0, server.output()
+        assert "the engine died" in server.output()
+    finally:
+        server.stop()
+
+
+# ---- defects 2 and 3: KV livelock ------------------------------------------------------------
+
+
+def _drive(sched: Scheduler, blocks: BlockManager, max_out: int, max_steps: int) -> int:
+    """Run the scheduler as the engine does, with a fake model (every step computes what it was
+    given and samples token 7); asserts that no waiting sequence holds blocks. Returns steps taken."""
+    for step in range(max_steps):
+        batch = sched.schedule()
+        for seq in sched.waiting:
+            assert not seq.block_table, f"waiting {seq.request_id} holds {len(seq.block_table)} blocks"
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed += n
+            blocks.register_full_blocks(seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed)
+            if seq.num_computed == seq.num_tokens:
+                seq.token_ids.append(7)
+                if seq.num_output_tokens >= max_out:
+                    sched.finish(seq)
+        if not sched.has_work():
+            return step
+    raise AssertionError(
+        f"no progress after {max_steps} steps: {len(sched.running)} running, {len(sched.waiting)} waiting, "
+        f"{blocks.num_blocks - blocks.num_free_blocks} of {blocks.num_blocks} blocks held"
+    )
+
+
+def test_scheduler_overcommitted_kv_makes_progress() -> None:
+    """The issue's case: 64 blocks, two 260-token prompts each wanting 600 more tokens."""
+    blocks = BlockManager(64, 16, enable_prefix_caching=True, hash_seed="0", medium="GPU")
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048), blocks, lambda s: True)
+    for i in range(2):
+        prompt = [(i * 131 + j) % 900 + 1 for j in range(260)]
+        sched.add(Sequence(f"r{i}", list(prompt), list(prompt), SamplingParams(max_tokens=600)))
+    _drive(sched, blocks, max_out=600, max_steps=20_000)
+    assert sched.num_preemptions > 0  # the case did over-commit
+    assert blocks.num_free_blocks == blocks.num_blocks
+    blocks.check_integrity()
+
+
+def _stream_text(http: httpx.Client, body: dict[str, Any]) -> tuple[str, str | None]:
+    text, reason = "", None
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                text += choice["text"]
+                reason = choice["finish_reason"] or reason
+    return text, reason
+
+
+def test_overcommitted_kv_requests_all_finish(http: httpx.Client) -> None:
+    prompt = [(j * 7) % 900 + 1 for j in range(260)]
+    body = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(_stream_text, http, {**body, "prompt": [i + 1, *prompt[1:]]}) for i in range(2)]
+        results = [f.result(timeout=REQUEST_TIMEOUT) for f in futures]
+    assert [reason for _, reason in results] == ["length", "length"]
+    assert_serves(http)
+
+
+def test_request_larger_than_the_kv_cache_is_refused(http: httpx.Client) -> None:
+    prompt = list(range(1, 301))
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 800})
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert err["param"] == "max_tokens"
+    assert "KV cache of 1024 tokens" in err["message"] and "at most 724" in err["message"]
+    # At the limit it runs; "hi" was never stalled by the refused one.
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 724, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 724
+    assert_serves(http)
+
+
+def test_open_max_tokens_is_capped_at_the_kv_cache(model_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, device="cpu", kv_cache_tokens=256))
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request("a", list(range(1, 101)), SamplingParams(max_tokens=200))
+        assert info.value.param == "max_tokens"
+        engine.add_request("b", list(range(1, 101)), SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+        assert len(outputs[0].outputs[0].token_ids) == 156
+    finally:
+        engine.close()
+
+
+# ---- defect 4: body size, tokenization off the event loop, stop strings -----------------------
+
+
+def test_oversized_body_is_413_before_parsing(http: httpx.Client) -> None:
+    big = json.dumps({"prompt": "x " * 150_000, "max_tokens": 1})
+    r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert "200000 bytes" in error_of(r)["message"]
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the limit applies while reading
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536].encode()
+
+    r = http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert_serves(http)
+
+
+def test_prompts_are_tokenized_off_the_event_loop(inproc: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = inproc.engine_loop.engine
+    threads: list[str] = []
+    encode = engine.tokenizer.encode
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", spy)
+    with httpx.Client(base_url=inproc.url, timeout=REQUEST_TIMEOUT) as http:
+        assert http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 1}).status_code == 200
+        assert http.post("/tokenize", json={"prompt": "hello there"}).status_code == 200
+    assert threads and all(t.startswith("chunkcache-prep") for t in threads), threads
+
+
+def test_stop_strings_are_bounded(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": "hi", "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]})
+    assert r.status_code == 400 and error_of(r)["param"] == "stop", r.text
+    r = http.post("/v1/completions", json={"prompt": "hi", "stop": ["x" * 5000]})
+    assert r.status_code == 400 and error_of(r)["param"] == "stop", r.text
+
+
+# ---- defect 9: drain default, 64-bit seeds, `param` -------------------------------------------
+
+
+def test_seed_beyond_64_bits_is_400(http: httpx.Client) -> None:
+    for seed in (2**64, -(2**63) - 1):
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "seed": seed})
+        assert r.status_code == 400, r.text
+        assert error_of(r)["param"] == "seed"
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "seed": 2**64 - 1})
+    assert r.status_code == 200, r.text
+
+
+def test_whole_request_errors_name_their_field(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2047})
+    assert r.status_code == 400 and error_of(r)["param"] == "max_tokens", r.text
+    r = http.post("/v1/completions", json={"prompt": [5, 10**6], "max_tokens": 2})
+    assert r.status_code == 400 and error_of(r)["param"] == "prompt", r.text
+    r = http.post("/v1/completions", json={"prompt": "a # # b # # c", "max_tokens": 2, "chunk_layout": "nope"})
+    assert r.status_code == 400 and error_of(r)["param"] == "chunk_layout", r.text
+
+
+def test_drain_timeout_has_a_default() -> None:
+    import argparse
+
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args([])
+    assert args.drain_timeout == DEFAULT_DRAIN_TIMEOUT > 0
+
+
+def test_sigterm_with_a_hung_request_exits_within_the_drain_timeout(model_dir: Path) -> None:
+    server = ServerProcess(["--model", str(model_dir), *SERVE_ARGS, "--drain-timeout", "2"])
+    try:
+        server.wait_healthy()
+        started = threading.Event()
+
+        def endless() -> None:  # a client that keeps a long request open
+            body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+                    for _ in r.iter_lines():
+                        started.set()
+                        time.sleep(0.2)  # a slow reader: the request outlives the drain timeout
+            except httpx.HTTPError:
+                pass
+
+        reader = threading.Thread(target=endless, daemon=True)
+        reader.start()
+        assert started.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) in (0, -signal.SIGTERM), server.output()
+    finally:
+        server.stop()
