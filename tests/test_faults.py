@@ -32,7 +32,16 @@ from chunkcache.server.app import build_app
 from chunkcache.server.cli import DEFAULT_DRAIN_TIMEOUT, add_serve_arguments
 
 # 1024 KV tokens = 64 blocks of 16: the issue's over-committed configuration.
-SERVE_ARGS = ["--device", "cpu", "--kv-cache-tokens", "1024", "--max-model-len", "2048", "--log-level", "warning"]
+SERVE_ARGS = [
+    "--device",
+    "cpu",
+    "--kv-cache-tokens",
+    "1024",
+    "--max-model-len",
+    "2048",
+    "--log-level",
+    "warning",
+]
 REQUEST_TIMEOUT = 120.0
 
 
@@ -125,7 +134,9 @@ def inproc(model_dir: Path) -> Iterator[ServerThread]:
     srv.stop()
 
 
-def test_a_failing_batch_fails_its_requests_only(inproc: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_batch_fails_its_requests_only(
+    inproc: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A forward that raises ends its batch's requests with an error (500, or an SSE error event);
     the engine goes on, later requests are served and no KV block is lost."""
     engine = inproc.engine_loop.engine
@@ -182,7 +193,9 @@ def test_failing_fill_job_fails_the_requests_waiting_for_it(
 
 
 def test_engine_thread_death_makes_health_503(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, device="cpu", kv_cache_tokens=512))
+    engine = LLMEngine(
+        EngineConfig.from_options(str(model_dir), use_env=False, device="cpu", kv_cache_tokens=512)
+    )
     srv = ServerThread(build_app(engine, api_key=None, max_queue=8, served_model_name=None)).start()
     deaths: list[BaseException] = []
     srv.engine_loop.on_death = deaths.append
@@ -280,7 +293,9 @@ def test_overcommitted_kv_requests_all_finish(http: httpx.Client) -> None:
     prompt = [(j * 7) % 900 + 1 for j in range(260)]
     body = {"max_tokens": 600, "ignore_eos": True, "temperature": 0}
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(_stream_text, http, {**body, "prompt": [i + 1, *prompt[1:]]}) for i in range(2)]
+        futures = [
+            pool.submit(_stream_text, http, {**body, "prompt": [i + 1, *prompt[1:]]}) for i in range(2)
+        ]
         results = [f.result(timeout=REQUEST_TIMEOUT) for f in futures]
     assert [reason for _, reason in results] == ["length", "length"]
     assert_serves(http)
@@ -294,19 +309,25 @@ def test_request_larger_than_the_kv_cache_is_refused(http: httpx.Client) -> None
     assert err["param"] == "max_tokens"
     assert "KV cache of 1024 tokens" in err["message"] and "at most 724" in err["message"]
     # At the limit it runs; "hi" was never stalled by the refused one.
-    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 724, "ignore_eos": True, "temperature": 0})
+    r = http.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": 724, "ignore_eos": True, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 724
     assert_serves(http)
 
 
 def test_open_max_tokens_is_capped_at_the_kv_cache(model_dir: Path) -> None:
-    engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, device="cpu", kv_cache_tokens=256))
+    engine = LLMEngine(
+        EngineConfig.from_options(str(model_dir), use_env=False, device="cpu", kv_cache_tokens=256)
+    )
     try:
         with pytest.raises(InvalidRequestError) as info:
             engine.add_request("a", list(range(1, 101)), SamplingParams(max_tokens=200))
         assert info.value.param == "max_tokens"
-        engine.add_request("b", list(range(1, 101)), SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
+        engine.add_request(
+            "b", list(range(1, 101)), SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+        )
         outputs = []
         while engine.has_unfinished_requests():
             outputs += [o for o in engine.step() if o.finished]
@@ -333,7 +354,9 @@ def test_oversized_body_is_413_before_parsing(http: httpx.Client) -> None:
     assert_serves(http)
 
 
-def test_prompts_are_tokenized_off_the_event_loop(inproc: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prompts_are_tokenized_off_the_event_loop(
+    inproc: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = inproc.engine_loop.engine
     threads: list[str] = []
     encode = engine.tokenizer.encode
@@ -344,13 +367,17 @@ def test_prompts_are_tokenized_off_the_event_loop(inproc: ServerThread, monkeypa
 
     monkeypatch.setattr(engine.tokenizer, "encode", spy)
     with httpx.Client(base_url=inproc.url, timeout=REQUEST_TIMEOUT) as http:
-        assert http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 1}).status_code == 200
+        assert (
+            http.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 1}).status_code == 200
+        )
         assert http.post("/tokenize", json={"prompt": "hello there"}).status_code == 200
     assert threads and all(t.startswith("chunkcache-prep") for t in threads), threads
 
 
 def test_stop_strings_are_bounded(http: httpx.Client) -> None:
-    r = http.post("/v1/completions", json={"prompt": "hi", "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]})
+    r = http.post(
+        "/v1/completions", json={"prompt": "hi", "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}
+    )
     assert r.status_code == 400 and error_of(r)["param"] == "stop", r.text
     r = http.post("/v1/completions", json={"prompt": "hi", "stop": ["x" * 5000]})
     assert r.status_code == 400 and error_of(r)["param"] == "stop", r.text
@@ -373,7 +400,9 @@ def test_whole_request_errors_name_their_field(http: httpx.Client) -> None:
     assert r.status_code == 400 and error_of(r)["param"] == "max_tokens", r.text
     r = http.post("/v1/completions", json={"prompt": [5, 10**6], "max_tokens": 2})
     assert r.status_code == 400 and error_of(r)["param"] == "prompt", r.text
-    r = http.post("/v1/completions", json={"prompt": "a # # b # # c", "max_tokens": 2, "chunk_layout": "nope"})
+    r = http.post(
+        "/v1/completions", json={"prompt": "a # # b # # c", "max_tokens": 2, "chunk_layout": "nope"}
+    )
     assert r.status_code == 400 and error_of(r)["param"] == "chunk_layout", r.text
 
 
