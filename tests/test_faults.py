@@ -19,6 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.testclient import TestClient
 from server_util import ServerProcess, ServerThread
 
 from chunkcache.config import ChunkConfig, EngineConfig, SchedulerConfig
@@ -27,6 +31,9 @@ from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.scheduler import Scheduler
 from chunkcache.engine.sequence import Sequence
 from chunkcache.errors import InvalidRequestError
+from chunkcache.router.app import create_app
+from chunkcache.router.backends import BackendSpec
+from chunkcache.router.service import Router, RouterConfig
 from chunkcache.sampling import MAX_STOP_STRINGS, SamplingParams
 from chunkcache.server.app import build_app
 from chunkcache.server.cli import DEFAULT_DRAIN_TIMEOUT, add_serve_arguments
@@ -436,3 +443,187 @@ def test_sigterm_with_a_hung_request_exits_within_the_drain_timeout(model_dir: P
         assert server.proc.wait(60) in (0, -signal.SIGTERM), server.output()
     finally:
         server.stop()
+
+
+# ---- defect 7: the router and failing backends -----------------------------------------------
+
+
+class RawBackend:
+    """A TCP server that fails the way a killed backend does: `mode` "close" drops each connection
+    before answering, "headers" sends a streaming 200 header block and then drops it."""
+
+    def __init__(self, mode: str) -> None:
+        import socket
+
+        self.mode = mode
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.settimeout(5)
+                try:
+                    conn.recv(65536)
+                    if self.mode == "headers":
+                        conn.sendall(
+                            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                            b"transfer-encoding: chunked\r\n\r\n"
+                        )
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def ok_backend(api_key: str | None = None) -> FastAPI:
+    app = FastAPI()
+
+    def authorized(request: Request) -> bool:
+        return api_key is None or request.headers.get("authorization") == f"Bearer {api_key}"
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if not authorized(request):
+            return JSONResponse({"error": {"message": "no key"}}, status_code=401)
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        if not authorized(request):
+            return JSONResponse({"error": {"message": "no key"}}, status_code=401)
+        if (await request.json()).get("stream"):
+
+            async def events() -> Any:
+                yield 'data: {"choices": [{"text": "ok"}]}\n\n'
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return JSONResponse({"choices": [{"text": "ok"}]})
+
+    return app
+
+
+def router_metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_router_retries_backends_that_fail_before_sending(model_dir: Path) -> None:
+    closing, headers_only = RawBackend("close"), RawBackend("headers")
+    ok = _FakeServer(ok_backend()).start()
+    try:
+        specs = (
+            BackendSpec(closing.url, "closes"),
+            BackendSpec(headers_only.url, "headers"),
+            BackendSpec(ok.url, "ok"),
+        )
+        config = RouterConfig(specs, "m", str(model_dir), policy="round_robin", health_interval_s=0)
+        with TestClient(create_app(Router(config))) as client:
+            for stream in (False, True, False, True):
+                r = client.post("/v1/completions", json={"prompt": "hi", "stream": stream})
+                assert r.status_code == 200, r.text
+                assert "ok" in r.text and "error" not in r.text
+            text = client.get("/metrics").text
+            assert router_metric(text, "chunkcache_router_requests_failed_total") == 0
+            assert router_metric(text, 'chunkcache_router_proxy_errors_total{backend="closes"}') >= 1
+            assert router_metric(text, 'chunkcache_router_proxy_errors_total{backend="headers"}') >= 1
+    finally:
+        closing.close()
+        headers_only.close()
+        ok.stop()
+
+
+def test_router_reports_a_backend_killed_mid_stream(model_dir: Path) -> None:
+    backend = ServerProcess(["--model", str(model_dir), *SERVE_ARGS])
+    try:
+        backend.wait_healthy()
+        config = RouterConfig((BackendSpec(backend.url, "b1"),), "m", str(model_dir), health_interval_s=0)
+        with TestClient(create_app(Router(config))) as client:
+            body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            events: list[str] = []
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line.removeprefix("data: "))
+                    if len(events) == 3:
+                        backend.proc.kill()
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+            assert error["code"] == "backend_failed" and "mid-stream" in error["message"]
+            text = client.get("/metrics").text
+            assert router_metric(text, "chunkcache_router_requests_failed_total") == 1
+    finally:
+        backend.stop()
+
+
+def test_router_api_key_guards_routes_and_is_forwarded(model_dir: Path) -> None:
+    ok = _FakeServer(ok_backend(api_key="k")).start()
+    try:
+        specs = (BackendSpec(ok.url, "ok"),)
+        auth = {"Authorization": "Bearer k"}
+        for open_metrics in (False, True):
+            config = RouterConfig(
+                specs, "m", str(model_dir), health_interval_s=0, api_key="k", open_metrics=open_metrics
+            )
+            with TestClient(create_app(Router(config))) as client:
+                for method, path, body in (
+                    ("GET", "/v1/models", None),
+                    ("POST", "/v1/completions", {"prompt": "hi"}),
+                    ("POST", "/score", {"prompt": "hi"}),
+                ):
+                    assert client.request(method, path, json=body).status_code == 401, path
+                    wrong = {"Authorization": "Bearer nope"}
+                    assert client.request(method, path, json=body, headers=wrong).status_code == 401
+                    r = client.request(method, path, json=body, headers=auth)
+                    assert r.status_code == 200, (path, r.text)
+                assert client.get("/metrics").status_code == (200 if open_metrics else 401)
+                assert client.get("/metrics", headers=auth).status_code == 200
+                assert client.get("/health").status_code == 200
+    finally:
+        ok.stop()
+
+
+class _FakeServer:
+    """A FastAPI app under uvicorn on a loopback port, in a thread (without an engine)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> _FakeServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake backend did not start"
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()

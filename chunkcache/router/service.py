@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,10 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     index_retry_s: float = 2.0  # after an index failure, skip the index this long
     seed: int | None = None
+    # Required as 'Authorization: Bearer <key>' on every route but /health (and /metrics when
+    # `open_metrics`); clients' Authorization headers are forwarded to the backends.
+    api_key: str | None = None
+    open_metrics: bool = False
 
 
 @dataclass
@@ -213,10 +218,18 @@ class Router:
             self.metrics.record_lookup(result.num_tokens, min(hit, result.num_tokens))
 
     async def forward(
-        self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str], chat: bool
+        self,
+        path: str,
+        body: dict[str, Any],
+        raw: bytes,
+        headers: dict[str, str],
+        chat: bool,
+        stream: bool = False,
     ) -> Upstream:
-        """Send the request to the chosen backend (another one when it refuses the connection).
-        The response is open (streamed); the caller must `release()` it."""
+        """Send the request to the chosen backend; to another one while nothing has reached the
+        client: when the backend refuses the connection, drops it before answering, answers 503,
+        or (`stream`) breaks before the first bytes of its body. The response is open (its first
+        bytes read when streaming, its whole body otherwise); the caller must `release()` it."""
         assert self.client is not None, "Router.start() was not called"
         tried: set[str] = set()
         while True:
@@ -227,6 +240,7 @@ class Router:
                 raise
             backend = decision.backend
             backend.in_flight += 1
+            up: Upstream | None = None
             try:
                 req = self.client.build_request(
                     "POST",
@@ -235,19 +249,44 @@ class Router:
                     headers=headers,
                     timeout=self.config.request_timeout_s,
                 )
-                resp = await self.client.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                # Nothing reached the backend, so trying another one cannot run the request twice.
-                backend.in_flight -= 1
+                up = Upstream(await self.client.send(req, stream=True), backend)
+                if up.resp.status_code == 503 and self._others_left(tried, backend):
+                    # Down or overloaded (engine dead, queue full): the request did not run there.
+                    self.metrics.proxy_errors.labels(backend.pod_id).inc()
+                    tried.add(backend.pod_id)
+                    await up.release()
+                    continue
+                await up.prefetch(whole=not stream)
+            except (httpx.TransportError, httpx.StreamError) as e:
+                if up is not None:
+                    await up.release()
+                else:
+                    backend.in_flight -= 1
+                if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+                    raise  # it did run there, for as long as we allow: do not double the wait
+                # Nothing reached the client, so another backend can take the request.
                 tried.add(backend.pod_id)
-                self.pool.mark(backend, False, f"connection failed: {type(e).__name__}")
+                self.pool.mark(backend, False, f"request failed: {type(e).__name__}")
                 self.metrics.proxy_errors.labels(backend.pod_id).inc()
                 continue
             except BaseException:
-                backend.in_flight -= 1
+                if up is not None:
+                    await up.release()
+                else:
+                    backend.in_flight -= 1
                 raise
             self._record(decision, result)
-            return Upstream(resp, backend)
+            return up
+
+    def _others_left(self, tried: set[str], backend: Backend) -> bool:
+        return any(b.pod_id not in tried and b is not backend for b in self.pool.candidates())
+
+
+def sse_error_event(message: str) -> bytes:
+    """An OpenAI-shaped error as one SSE event plus [DONE]; the blank line first ends whatever
+    partial event the broken stream left behind."""
+    error = {"error": {"message": message, "type": "backend_error", "param": None, "code": "backend_failed"}}
+    return f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
 
 @dataclass
@@ -257,11 +296,34 @@ class Upstream:
     resp: httpx.Response
     backend: Backend
     released: bool = False
+    first: bytes = b""
+    _chunks: AsyncIterator[bytes] | None = None
 
-    async def relay(self) -> AsyncIterator[bytes]:
+    async def prefetch(self, whole: bool) -> None:
+        """Read the body (`whole`) or its first bytes, so that a backend failing before it sent
+        anything fails here, where the request can still go elsewhere."""
+        if whole:
+            self.first = await self.resp.aread()
+            return
+        self._chunks = self.resp.aiter_raw()
+        self.first = await anext(self._chunks, b"")
+
+    async def relay(self, on_error: Callable[[BaseException], None] | None = None) -> AsyncIterator[bytes]:
+        """The body, for a streamed response. A backend failing mid-stream ends it with an SSE
+        error event (the status line is sent already), reported to `on_error`."""
         try:
-            async for chunk in self.resp.aiter_raw():
-                yield chunk
+            if self.first:
+                yield self.first
+            if self._chunks is None:
+                self._chunks = self.resp.aiter_raw()
+            try:
+                async for chunk in self._chunks:
+                    yield chunk
+            except (httpx.TransportError, httpx.StreamError) as e:
+                logger.warning("backend %s failed mid-stream: %s", self.backend.pod_id, e)
+                if on_error is not None:
+                    on_error(e)
+                yield sse_error_event(f"the backend failed mid-stream: {type(e).__name__}: {e}")
         finally:
             await self.release()
 
