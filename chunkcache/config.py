@@ -159,6 +159,19 @@ class KVEventsConfig:
     replay_endpoint: str | None = None
     # How many published batches the replay socket can serve.
     buffer_steps: int = 10_000
+    # ZMQ CURVE (chunkcache/curve.py): this engine's secret certificate file; the directory of
+    # public keys (*.key) allowed to connect to its bound sockets (the routers); the router's
+    # public key file when the PUB socket connects to a router.
+    curve_secret_key: str | None = None
+    curve_authorized_keys: str | None = None
+    curve_server_key: str | None = None
+
+    def validate(self) -> None:
+        curve = (self.curve_authorized_keys, self.curve_server_key)
+        if self.curve_secret_key is None and any(k is not None for k in curve):
+            raise ValueError(
+                "kv_events_curve_* keys need kv_events_curve_secret_key (this engine's certificate)"
+            )
 
 
 @dataclass(frozen=True)
@@ -179,6 +192,7 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.chunk.validate()
+        self.kv_events.validate()
 
     @classmethod
     def from_options(cls, model: str, use_env: bool = True, **options: Any) -> EngineConfig:
@@ -229,6 +243,9 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "kv_events_topic": ("kv_events", "topic"),
     "kv_events_replay_endpoint": ("kv_events", "replay_endpoint"),
     "kv_events_buffer_steps": ("kv_events", "buffer_steps"),
+    "kv_events_curve_secret_key": ("kv_events", "curve_secret_key"),
+    "kv_events_curve_authorized_keys": ("kv_events", "curve_authorized_keys"),
+    "kv_events_curve_server_key": ("kv_events", "curve_server_key"),
 }
 
 

@@ -627,3 +627,146 @@ class _FakeServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.sock.close()
+
+
+# ---- defect 5: event-socket poisoning ------------------------------------------------------
+
+
+def _publish_until(pub: Any, events: list[Any], cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Publish until `cond` holds (a SUB joins asynchronously); False if it never does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pub.publish(events)
+        time.sleep(0.05)
+        if cond():
+            return True
+    return False
+
+
+def test_bound_socket_takes_only_configured_backends_and_caps_claims() -> None:
+    from chunkcache.kv_events import ChunkStored, KVEventPublisher
+    from chunkcache.router.events import MAX_CHUNK_TOKENS, EventIntake
+    from chunkcache.router.index import MemoryIndex
+    from chunkcache.router.scorer import Scorer
+
+    index = MemoryIndex()
+    intake = EventIntake(index, num_workers=1, bind_endpoint="tcp://127.0.0.1:0", allowed_pods={"b1"})
+    intake.start()
+    evil = KVEventPublisher(intake.bound_endpoint, topic="kv@evil@m")
+    real = KVEventPublisher(intake.bound_endpoint, topic="kv@b1@m")
+    try:
+        forged = [ChunkStored([111], [10**9]), ChunkStored([222], [MAX_CHUNK_TOKENS + 1])]
+        assert _publish_until(evil, forged, lambda: intake.stats().unknown_topics > 0)
+        assert _publish_until(
+            real, [*forged, ChunkStored([333], [40])], lambda: bool(index.lookup_chunks([333])[0])
+        )
+        assert index.lookup_chunks([111, 222, 333]) == [{}, {}, {"b1": 40}]
+        assert intake.stats().rejected_claims >= 2
+        # Whatever a pod claims, a chunk earns at most its real length in the prompt.
+        index.add_chunks("b1", [(444, 5000)])
+        scores = Scorer(index).score([], [444, 333], ["b1"], chunk_tokens=[30, 40])
+        assert scores["b1"].chunk_tokens == 70
+    finally:
+        evil.close()
+        real.close()
+        intake.close()
+
+
+def _certificates(tmp_path: Path, names: list[str]) -> dict[str, tuple[Path, Path]]:
+    """zmq.auth certificates: name -> (public key file, secret key file); public keys of the
+    backends in tmp/backends, of the router in tmp/routers."""
+    import zmq.auth
+
+    out = {}
+    for name in names:
+        folder = tmp_path / ("routers" if name.startswith("router") else "backends")
+        folder.mkdir(exist_ok=True)
+        secret_dir = tmp_path / "secrets"
+        secret_dir.mkdir(exist_ok=True)
+        public, secret = zmq.auth.create_certificates(secret_dir, name)
+        (folder / f"{name}.key").write_bytes(Path(public).read_bytes())
+        out[name] = (folder / f"{name}.key", Path(secret))
+    return out
+
+
+def test_curve_authenticates_publishers_on_the_bound_socket(tmp_path: Path) -> None:
+    from chunkcache.curve import CurveKeys, load_public_key
+    from chunkcache.kv_events import ChunkStored, KVEventPublisher, PublisherCurve
+    from chunkcache.router.events import EventIntake, IntakeCurve
+    from chunkcache.router.index import MemoryIndex
+
+    certs = _certificates(tmp_path, ["router", "b1", "b2", "stranger"])
+    (tmp_path / "backends" / "stranger.key").unlink()  # a key the router does not know
+    router_public = load_public_key(certs["router"][0])
+    index = MemoryIndex()
+    intake = EventIntake(
+        index,
+        num_workers=1,
+        bind_endpoint="tcp://127.0.0.1:0",
+        allowed_pods={"b1", "b2"},
+        curve=IntakeCurve(CurveKeys.load(certs["router"][1]), str(tmp_path / "backends")),
+    )
+    intake.start()
+
+    def publisher(topic: str, key: str | None) -> KVEventPublisher:
+        curve = (
+            None if key is None else PublisherCurve(CurveKeys.load(certs[key][1]), server_key=router_public)
+        )
+        return KVEventPublisher(intake.bound_endpoint, topic=topic, curve=curve)
+
+    plain, stranger, b2_as_b1, b1 = (
+        publisher("kv@b1@m", None),
+        publisher("kv@b1@m", "stranger"),
+        publisher("kv@b1@m", "b2"),
+        publisher("kv@b1@m", "b1"),
+    )
+    try:
+        for pub in (plain, stranger):  # the CURVE handshake refuses them: nothing arrives
+            assert not _publish_until(
+                pub, [ChunkStored([1], [10])], lambda: bool(index.lookup_chunks([1])[0]), 1.0
+            )
+        # An authorized key speaking for another backend is dropped and counted.
+        assert _publish_until(b2_as_b1, [ChunkStored([2], [10])], lambda: intake.stats().unknown_topics > 0)
+        assert _publish_until(b1, [ChunkStored([3], [10])], lambda: bool(index.lookup_chunks([3])[0]))
+        assert index.lookup_chunks([1, 2, 3]) == [{}, {}, {"b1": 10}]
+    finally:
+        for pub in (plain, stranger, b2_as_b1, b1):
+            pub.close()
+        intake.close()
+
+
+def test_curve_on_connected_event_and_replay_sockets(tmp_path: Path) -> None:
+    """The engine binds (CURVE server, the router's key authorized); the router connects."""
+    from chunkcache.curve import CurveKeys
+    from chunkcache.kv_events import ChunkStored, KVEventPublisher, PublisherCurve
+    from chunkcache.router.events import EventIntake, IntakeCurve
+    from chunkcache.router.index import MemoryIndex
+
+    certs = _certificates(tmp_path, ["router", "router-other", "b1"])
+    (tmp_path / "routers" / "router-other.key").unlink()  # not authorized by the engine
+    pub = KVEventPublisher(
+        "tcp://127.0.0.1:0",
+        topic="kv@b1@m",
+        replay_endpoint="tcp://127.0.0.1:0",
+        curve=PublisherCurve(CurveKeys.load(certs["b1"][1]), authorized_dir=str(tmp_path / "routers")),
+    )
+    # Published before any router listens: it can only arrive through the replay socket.
+    pub.publish([ChunkStored([8], [10])])
+    intakes = []
+    try:
+        for router in ("router", "router-other"):
+            index = MemoryIndex()
+            curve = IntakeCurve(CurveKeys.load(certs[router][1]), str(tmp_path / "backends"))
+            it = EventIntake(index, num_workers=1, curve=curve)
+            it.add_pod("b1", pub.endpoint, pub.replay_endpoint)
+            it.start()
+            intakes.append((it, index))
+        (good, good_index), (bad, bad_index) = intakes
+        assert _publish_until(pub, [ChunkStored([7], [10])], lambda: bool(good_index.lookup_chunks([7])[0]))
+        assert good.wait_idle(10)
+        assert good_index.lookup_chunks([8]) == [{"b1": 10}] and good.stats().replays >= 1
+        assert bad_index.lookup_chunks([7, 8]) == [{}, {}] and bad.stats().batches == 0
+    finally:
+        for it, _ in intakes:
+            it.close()
+        pub.close()

@@ -20,6 +20,7 @@ from chunkcache.chunk.manager import ChunkManager
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.config import ChunkConfig, EngineConfig
+from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.detokenizer import Detokenizer
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
@@ -27,7 +28,7 @@ from chunkcache.engine.sampler import sample
 from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
 from chunkcache.engine.sequence import Sequence, Status
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
-from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher
+from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher, PublisherCurve
 from chunkcache.model.loader import load_model
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
@@ -85,7 +86,15 @@ class LLMEngine:
         ev = config.kv_events
         if ev.endpoint:
             topic = ev.topic or f"kv@{socket.gethostname()}-{os.getpid()}@{self.model_name}"
-            self.publisher = KVEventPublisher(ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps)
+            curve = None
+            if ev.curve_secret_key is not None:
+                server_key = None if ev.curve_server_key is None else load_public_key(ev.curve_server_key)
+                curve = PublisherCurve(
+                    CurveKeys.load(ev.curve_secret_key), ev.curve_authorized_keys, server_key
+                )
+            self.publisher = KVEventPublisher(
+                ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps, curve=curve
+            )
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
 
     @classmethod

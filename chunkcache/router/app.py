@@ -196,6 +196,14 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--events-bind", help="bind one SUB socket that pods connect to, e.g. tcp://*:5557")
     g.add_argument("--events-topic-filter", default="", help="ZMQ topic prefix to subscribe to, e.g. kv@")
     g.add_argument("--event-workers", type=int, default=4)
+    g.add_argument(
+        "--events-curve-secret-key",
+        help="ZMQ CURVE: the router's secret certificate file (zmq.auth format, '.key_secret')",
+    )
+    g.add_argument(
+        "--events-curve-backend-keys",
+        help="ZMQ CURVE: directory of the backends' public keys, one '<backend name>.key' each",
+    )
     g = parser.add_argument_group("routing")
     g.add_argument("--policy", default="cache_aware", choices=POLICIES)
     g.add_argument(
@@ -243,6 +251,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         seed=args.seed,
         api_key=args.api_key,
         open_metrics=args.metrics_without_api_key,
+        events_curve_secret_key=args.events_curve_secret_key,
+        events_curve_backend_keys=args.events_curve_backend_keys,
     )
 
 

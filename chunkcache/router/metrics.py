@@ -60,6 +60,12 @@ class _StateCollector(Collector):
                 ("event_replays", ev.replays, "Replay requests sent after a seq gap"),
                 ("event_replay_failures", ev.replay_failures, "Seq gaps replay could not fill"),
                 ("pod_clears", ev.clears, "Pods cleared from the index (restart, lost history)"),
+                (
+                    "events_unknown_topic",
+                    ev.unknown_topics,
+                    "KV event messages not from a configured backend",
+                ),
+                ("events_rejected_claims", ev.rejected_claims, "Chunk claims with impossible token counts"),
             ):
                 yield CounterMetricFamily(P + name, doc, value)
             yield GaugeMetricFamily(P + "event_queue_length", "KV event batches waiting", intake.pending())

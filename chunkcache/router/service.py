@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 from starlette.concurrency import run_in_threadpool
 
+from chunkcache.curve import CurveKeys
 from chunkcache.router.backends import Backend, BackendPool, BackendSpec
-from chunkcache.router.events import EventIntake
+from chunkcache.router.events import EventIntake, IntakeCurve
 from chunkcache.router.index import IndexUnavailableError, KVIndex, open_index
 from chunkcache.router.metrics import RouterMetrics
 from chunkcache.router.policy import Decision, Picker
@@ -54,6 +55,10 @@ class RouterConfig:
     # `open_metrics`); clients' Authorization headers are forwarded to the backends.
     api_key: str | None = None
     open_metrics: bool = False
+    # ZMQ CURVE on the event and replay sockets (chunkcache/curve.py): the router's secret
+    # certificate file, and a directory of the backends' public keys named `<pod>.key`.
+    events_curve_secret_key: str | None = None
+    events_curve_backend_keys: str | None = None
 
 
 @dataclass
@@ -98,6 +103,15 @@ class Router:
         self.picker = Picker(config.policy, config.load_weight, config.seed)
         self.intake: EventIntake | None = None
         if config.events_bind is not None or any(s.events for s in config.backends):
+            curve = None
+            if config.events_curve_secret_key is not None or config.events_curve_backend_keys is not None:
+                if config.events_curve_secret_key is None or config.events_curve_backend_keys is None:
+                    raise ValueError(
+                        "CURVE needs both the router's secret key and the backends' key directory"
+                    )
+                curve = IntakeCurve(
+                    CurveKeys.load(config.events_curve_secret_key), config.events_curve_backend_keys
+                )
             self.intake = EventIntake(
                 self.index,
                 self.processor.keyer,
@@ -105,6 +119,9 @@ class Router:
                 topic_filter=config.events_topic_filter,
                 bind_endpoint=config.events_bind,
                 replay_timeout_s=config.replay_timeout_s,
+                # Only configured backends may publish into the index.
+                allowed_pods=[spec.pod_id for spec in config.backends],
+                curve=curve,
             )
         self.metrics = RouterMetrics(self.index, self.pool, lambda: self.intake)
         self._transport = transport
@@ -170,7 +187,9 @@ class Router:
         if time.monotonic() < self._index_down_until:
             return result
         try:
-            result.scores = self.scorer.score(keys.block_keys, keys.chunk_keys, list(self.pool.backends))
+            result.scores = self.scorer.score(
+                keys.block_keys, keys.chunk_keys, list(self.pool.backends), chunk_tokens=keys.chunk_tokens
+            )
         except IndexUnavailableError as e:
             logger.warning(
                 "index unavailable, routing without it for %.1fs: %s", self.config.index_retry_s, e
