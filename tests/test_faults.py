@@ -770,3 +770,63 @@ def test_curve_on_connected_event_and_replay_sockets(tmp_path: Path) -> None:
         for it, _ in intakes:
             it.close()
         pub.close()
+
+
+# ---- defect 6: tenant isolation (cache_salt) ---------------------------------------------------
+
+
+def test_cache_salt_separates_prefix_and_chunk_caches(inproc: ServerThread) -> None:
+    engine = inproc.engine_loop.engine
+    plain = "Zorvath sells apples in Ashford and Mirela lives in Port Kellam near the lanterns " * 3
+    chunked = "sys part # # the salted document one # # the salted document two # # question?"
+
+    def cached(http: httpx.Client, prompt: str, salt: str | None) -> int:
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with httpx.Client(base_url=inproc.url, timeout=REQUEST_TIMEOUT) as http:
+        for prompt in (plain, chunked):
+            assert cached(http, prompt, "tenant-a") == 0
+            assert cached(http, prompt, "tenant-b") == 0  # another tenant learns nothing
+            assert cached(http, prompt, None) == 0
+            assert cached(http, prompt, "tenant-a") > 0  # the same tenant reuses its KV
+        r = http.post("/v1/completions", json={"prompt": "hi", "cache_salt": ""})
+        assert r.status_code == 400 and error_of(r)["param"] == "cache_salt", r.text
+    inproc.wait_idle()
+    inproc.on_engine(engine.check_integrity)
+
+
+def test_salted_blocks_are_never_published() -> None:
+    blocks = BlockManager(8, 4, enable_prefix_caching=True, hash_seed="0", medium="GPU")
+    tokens = list(range(1, 13))
+    salted = blocks.allocate(3)
+    blocks.register_full_blocks(salted, tokens, [], 12, cache_salt="t")
+    assert blocks.events == [] and blocks.num_cached_blocks == 3
+    assert blocks.match_prefix(tokens, 3) == ([], [])  # unsalted: no hit
+    hit, _ = blocks.match_prefix(tokens, 3, cache_salt="t")
+    assert hit == salted
+    blocks.free(hit)
+    blocks.free(salted)
+    blocks.allocate(8)  # evicts every cached block: no BlockRemoved for the salted ones either
+    assert blocks.events == []
+    blocks.check_integrity()
+
+
+def test_router_keys_chunks_by_salt(model_dir: Path) -> None:
+    from chunkcache.hashing import chunk_hash, to_wire
+    from chunkcache.router.tokens import PromptProcessor
+
+    proc = PromptProcessor.from_pretrained(str(model_dir), "m")
+    prompt = proc.tokenize("sys # # doc one # # doc two # # q?")
+    plain, salted = proc.keys(prompt), proc.keys(prompt, cache_salt="t")
+    assert not set(plain.chunk_keys) & set(salted.chunk_keys)
+    sys_ids, first = prompt.prefix_token_ids, prompt.chunks[0]
+    assert salted.chunk_keys[1] == to_wire(chunk_hash("m", sys_ids, first, cache_salt="t"))
+    plain_prompt = proc.tokenize("a plain prompt " * 10)
+    assert not set(proc.keys(plain_prompt).block_keys) & set(
+        proc.keys(plain_prompt, cache_salt="t").block_keys
+    )

@@ -117,12 +117,16 @@ class LLMEngine:
         params: SamplingParams,
         add_special_tokens: bool = True,
         chunk_options: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
 
         `chunk_options` overrides the engine's chunk layout and blend options for this request
-        (flat names: chunk_layout, blend_recompute_ratios, ...).
+        (flat names: chunk_layout, blend_recompute_ratios, ...). Requests share cached KV only
+        with requests of the same `cache_salt` (vLLM's field; None shares with None).
         """
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         try:
@@ -134,7 +138,9 @@ class LLMEngine:
             raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary size", "logprobs")
         chunk_config = self._chunk_config(chunk_options)
         try:
-            seq = self._make_sequence(request_id, prompt, params, add_special_tokens, chunk_config)
+            seq = self._make_sequence(
+                request_id, prompt, params, add_special_tokens, chunk_config, cache_salt
+            )
         except InvalidRequestError as e:
             e.param = e.param or "prompt"  # the prompt's checks (chunk parsing included) name no field
             raise
@@ -188,6 +194,7 @@ class LLMEngine:
         params: SamplingParams,
         add_special_tokens: bool,
         chunk_config: ChunkConfig,
+        cache_salt: str | None = None,
     ) -> Sequence:
         token_ids, chunked = self._tokenize(prompt, add_special_tokens, chunk_config)
         if not token_ids:
@@ -231,6 +238,7 @@ class LLMEngine:
             token_ids=list(own),
             params=params,
             prompt=prompt if isinstance(prompt, str) else None,
+            cache_salt=cache_salt,
         )
         seq.generator = (
             torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
@@ -347,7 +355,7 @@ class LLMEngine:
             seq.num_computed += n
             if seq.prefix_cacheable and not seq.is_fill:
                 self.blocks.register_full_blocks(
-                    seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed
+                    seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed, seq.cache_salt
                 )
             if seq.is_fill and seq.num_computed == seq.num_tokens:
                 self._finish(seq)

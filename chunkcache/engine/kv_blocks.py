@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from chunkcache.hashing import block_hash, none_hash, to_wire
+from chunkcache.hashing import block_hash, first_block_extra, none_hash, to_wire
 from chunkcache.kv_events import BlockRemoved, BlockStored
 
 
@@ -43,6 +43,8 @@ class BlockManager:
         self._ref = dict.fromkeys(range(first_block, first_block + num_blocks), 0)
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        # Hashes of salted chains: never published, so that no event tells who cached what.
+        self._private: set[bytes] = set()
         # Free blocks, front = next to reuse.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in self._ref)
         self.events: list[BlockStored | BlockRemoved] = []
@@ -85,8 +87,11 @@ class BlockManager:
                 if block not in self._hash_of:
                     self._free.move_to_end(block, last=False)
 
-    def match_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
-        """Referenced blocks and their hashes for the longest cached chain of `token_ids`'s full blocks."""
+    def match_prefix(
+        self, token_ids: Sequence[int], max_blocks: int, cache_salt: str | None = None
+    ) -> tuple[list[int], list[bytes]]:
+        """Referenced blocks and their hashes for the longest cached chain of `token_ids`'s full
+        blocks (of chains with the same `cache_salt` only)."""
         if not self.enable_prefix_caching:
             return [], []
         blocks: list[int] = []
@@ -95,7 +100,9 @@ class BlockManager:
         bs = self.block_size
         for i in range(min(max_blocks, len(token_ids) // bs)):
             self.queries += 1
-            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(
+                parent, token_ids[i * bs : (i + 1) * bs], first_block_extra(cache_salt) if i == 0 else None
+            )
             block = self._block_of.get(h)
             if block is None:
                 break
@@ -110,7 +117,12 @@ class BlockManager:
         return blocks, hashes
 
     def register_full_blocks(
-        self, blocks: Sequence[int], token_ids: Sequence[int], hashes: list[bytes], num_tokens: int
+        self,
+        blocks: Sequence[int],
+        token_ids: Sequence[int],
+        hashes: list[bytes],
+        num_tokens: int,
+        cache_salt: str | None = None,
     ) -> None:
         """Hash and register the sequence's full blocks among its first `num_tokens` computed tokens.
 
@@ -122,13 +134,16 @@ class BlockManager:
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else self.root_hash
             tokens = token_ids[i * bs : (i + 1) * bs]
-            h = block_hash(parent, tokens)
+            h = block_hash(parent, tokens, first_block_extra(cache_salt) if i == 0 else None)
             hashes.append(h)
             block = blocks[i]
             if h in self._block_of or block in self._hash_of:
                 continue  # the same content is cached elsewhere already
             self._block_of[h] = block
             self._hash_of[block] = h
+            if cache_salt is not None:
+                self._private.add(h)
+                continue
             self.events.append(
                 BlockStored(
                     block_hashes=[to_wire(h)],
@@ -144,7 +159,10 @@ class BlockManager:
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]
-            self.events.append(BlockRemoved(block_hashes=[to_wire(h)], medium=self.medium))
+            if h in self._private:
+                self._private.discard(h)
+            else:
+                self.events.append(BlockRemoved(block_hashes=[to_wire(h)], medium=self.medium))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every registered free block (the caller publishes AllBlocksCleared)."""
@@ -152,6 +170,7 @@ class BlockManager:
             return False
         self._block_of.clear()
         self._hash_of.clear()
+        self._private.clear()
         return True
 
     def check_integrity(self) -> None:
@@ -162,3 +181,4 @@ class BlockManager:
         for h, block in self._block_of.items():
             assert self._hash_of.get(block) == h, f"hash maps disagree for block {block}"
         assert len(self._hash_of) == len(self._block_of)
+        assert self._private <= self._block_of.keys(), "a private hash outlived its block"

@@ -123,7 +123,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         # At least one prompt token is always computed: it yields the first token's logits.
         max_blocks = (seq.num_own_prompt_tokens - 1) // self.blocks.block_size
-        blocks, hashes = self.blocks.match_prefix(seq.token_ids, max_blocks)
+        blocks, hashes = self.blocks.match_prefix(seq.token_ids, max_blocks, seq.cache_salt)
         seq.block_table = blocks
         seq.block_hashes = hashes
         seq.num_computed = len(blocks) * self.blocks.block_size

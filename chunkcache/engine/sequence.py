@@ -64,6 +64,9 @@ class Sequence:
     blend_fallback: bool = False
     # Blocks whose KV is not plain causal attention over the tokens must never be found by hash.
     prefix_cacheable: bool = True
+    # vLLM's cache_salt: enters the first prefix block's hash and every chunk key, so requests
+    # with different salts (tenants) never share KV.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not self.num_own_prompt_tokens:

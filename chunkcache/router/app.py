@@ -126,7 +126,9 @@ def create_app(router: Router) -> FastAPI:
             prompt, rendered = router.prompt_of(body, chat)
         except ValueError as e:
             return _error(400, str(e))
-        result = await run_in_threadpool(router.score_prompt, prompt, rendered, router.lora_of(body))
+        result = await run_in_threadpool(
+            router.score_prompt, prompt, rendered, router.lora_of(body), router.salt_of(body)
+        )
         if result.scores is None:
             return _error(503, "the index is unavailable", "index_unavailable")
         scores = {

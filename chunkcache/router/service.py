@@ -176,13 +176,17 @@ class Router:
         raise ValueError("'prompt' must be a string, a list of token ids, or a list of those")
 
     def score_prompt(
-        self, prompt: str | Sequence[int], rendered_chat: bool = False, lora: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        rendered_chat: bool = False,
+        lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> ScoreResult:
         """Tokenize and score a prompt against every backend (blocking: run it off the event loop)."""
         t0 = time.perf_counter()
         tokenized = self.processor.tokenize(prompt, rendered_chat)
         t1 = time.perf_counter()
-        keys = self.processor.keys(tokenized, lora)
+        keys = self.processor.keys(tokenized, lora, cache_salt)
         result = ScoreResult(None, keys.num_tokens, len(keys.block_keys), len(tokenized.chunks), t1 - t0)
         if time.monotonic() < self._index_down_until:
             return result
@@ -202,6 +206,11 @@ class Router:
         self.metrics.scoring_latency.observe(result.score_s)
         return result
 
+    @staticmethod
+    def salt_of(body: dict[str, Any]) -> str | None:
+        salt = body.get("cache_salt")
+        return salt if isinstance(salt, str) and salt else None
+
     def lora_of(self, body: dict[str, Any]) -> str | None:
         model = body.get("model")
         return model if isinstance(model, str) and model in self.config.lora_names else None
@@ -218,7 +227,9 @@ class Router:
             return self.picker.pick(cands), None
         try:
             prompt, rendered = self.prompt_of(body, chat)
-            result = await run_in_threadpool(self.score_prompt, prompt, rendered, self.lora_of(body))
+            result = await run_in_threadpool(
+                self.score_prompt, prompt, rendered, self.lora_of(body), self.salt_of(body)
+            )
         except Exception as e:  # a prompt we cannot read still gets served, by the backend's rules
             logger.debug("prompt not scored: %s", e)
             return Decision(self.picker.least_loaded(cands), "least_loaded", "prompt_unparsed"), None

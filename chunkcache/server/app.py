@@ -138,6 +138,7 @@ def build_app(
     served_model_name: str | Sequence[str] | None,
     drain_timeout: float | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    metrics_without_api_key: bool = False,
 ) -> FastAPI:
     """The application serving `engine`. The engine thread starts with the app's lifespan and, at
     shutdown, in-flight requests are drained (up to `drain_timeout` seconds) before the engine closes."""
@@ -206,6 +207,7 @@ def build_app(
         params: SamplingParams,
         chunk_options: dict[str, Any] | None,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         return await engine_loop.submit(
             engine_loop.new_request_id(prefix),
@@ -213,6 +215,7 @@ def build_app(
             params,
             add_special_tokens=add_special_tokens,
             chunk_options=chunk_options,
+            cache_salt=cache_salt,
         )
 
     async def wait_for_disconnect(request: Request) -> None:
@@ -311,7 +314,7 @@ def build_app(
         except ValueError as e:
             raise invalid(str(e), "prompt") from None
         params = sampling_params(body)
-        stream = await submit("cmpl", prompt, params, body.chunk_options())
+        stream = await submit("cmpl", prompt, params, body.chunk_options(), cache_salt=body.cache_salt)
         k = body.logprobs
         if body.stream:
             return _EventStreamResponse(
@@ -397,7 +400,14 @@ def build_app(
         prompt = await engine_loop.run_off_loop(
             lambda: engine.render_chat(messages, add_generation_prompt=True)
         )
-        stream = await submit("chatcmpl", prompt, params, body.chunk_options(), add_special_tokens=False)
+        stream = await submit(
+            "chatcmpl",
+            prompt,
+            params,
+            body.chunk_options(),
+            add_special_tokens=False,
+            cache_salt=body.cache_salt,
+        )
         k = (body.top_logprobs or 0) if body.logprobs else None
         if body.stream:
             return _EventStreamResponse(chat_events(stream, model, k, body.include_usage_in_stream), stream)
@@ -508,7 +518,10 @@ def build_app(
             return error_response(503, "the engine is not running", "service_unavailable")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    # Cached-token counts tell one tenant about another's traffic: behind the key unless asked.
+    metrics_guard = [] if metrics_without_api_key else [Depends(check_api_key)]
+
+    @app.get("/metrics", dependencies=metrics_guard)
     async def prometheus_metrics() -> Response:
         if engine_loop.alive:
             metrics.update_engine_stats(await engine_loop.call(engine.stats))

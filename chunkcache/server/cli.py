@@ -36,6 +36,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/* and /tokenize"
     )
     server.add_argument(
+        "--metrics-without-api-key",
+        action="store_true",
+        help="leave /metrics open for scrapers when --api-key is set",
+    )
+    server.add_argument(
         "--max-queue",
         type=int,
         default=DEFAULT_MAX_QUEUE,
@@ -79,6 +84,7 @@ def run_serve(args: argparse.Namespace) -> None:
         served_model_name=config.served_model_name,
         drain_timeout=args.drain_timeout,
         max_request_bytes=args.max_request_bytes,
+        metrics_without_api_key=args.metrics_without_api_key,
     )
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     # uvicorn's own graceful shutdown stops accepting connections and waits for open requests to

@@ -180,6 +180,7 @@ class EngineLoop:
         *,
         add_special_tokens: bool = True,
         chunk_options: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Admit a request. Call on the event loop. Raises QueueFullError / EngineDeadError, or the
         engine's InvalidRequestError (PromptTooLongError) from its synchronous validation, which
@@ -199,7 +200,12 @@ class EngineLoop:
         added = asyncio.get_running_loop().run_in_executor(
             self._prep_pool,
             lambda: self.engine.add_request(
-                request_id, prompt, params, add_special_tokens=add_special_tokens, chunk_options=chunk_options
+                request_id,
+                prompt,
+                params,
+                add_special_tokens=add_special_tokens,
+                chunk_options=chunk_options,
+                cache_salt=cache_salt,
             ),
         )
         try:

@@ -52,6 +52,8 @@ class _SamplingFields(StrictModel):
     top_k: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's: requests share cached KV only with requests of the same salt (tenant isolation).
+    cache_salt: str | None = Field(default=None, min_length=1)
     # chunkcache's extensions: this request's chunk layout and blend options (ChunkConfig).
     chunk_layout: str | None = None
     blend_check_layers: list[int] | None = None
