@@ -830,3 +830,82 @@ def test_router_keys_chunks_by_salt(model_dir: Path) -> None:
     assert not set(proc.keys(plain_prompt).block_keys) & set(
         proc.keys(plain_prompt, cache_salt="t").block_keys
     )
+
+
+# ---- defect 8: the index is rebuilt after Redis restarts ----------------------------------------
+
+
+def test_block_state_events_list_parents_first() -> None:
+    from chunkcache.hashing import block_hashes, to_wire
+
+    blocks = BlockManager(8, 4, enable_prefix_caching=True, hash_seed="0", medium="GPU")
+    tokens = list(range(1, 13))
+    table = blocks.allocate(3)
+    blocks.register_full_blocks(table, tokens, [], 12)
+    blocks.register_full_blocks(table, tokens, [], 12, cache_salt="t")  # already cached: no change
+    state = blocks.state_events()
+    wire = [to_wire(h) for h in block_hashes("0", tokens, 4)]
+    assert [e.block_hashes for e in state] == [[w] for w in wire]
+    assert [e.parent_block_hash for e in state] == [None, *wire[:2]]
+    assert state == [e for e in blocks.events]
+
+
+def test_router_index_recovers_after_a_redis_restart(model_dir: Path) -> None:
+    from redis_server import REDIS_BIN, RedisServer
+
+    if REDIS_BIN is None:
+        pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
+    import argparse
+    import tempfile
+
+    from chunkcache.engine_args import engine_options
+
+    redis_dir = Path(tempfile.mkdtemp(prefix="faults-redis-"))
+    redis = RedisServer(redis_dir)
+    redis.start()
+    argv = [
+        "--model", str(model_dir), "--device", "cpu", "--kv-cache-tokens", "2048", "--chunk-cache-size-gb", "0.01",
+        "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0",
+        "--kv-events-topic", "kv@b1@m", "--served-model-name", "m",
+    ]  # fmt: skip
+    args = add_serve_arguments(argparse.ArgumentParser()).parse_args(argv)
+    engine = LLMEngine(EngineConfig.from_options(args.model, use_env=False, **engine_options(args)))
+    backend = ServerThread(build_app(engine, api_key=None, max_queue=8, served_model_name=None)).start()
+    try:
+        pub = engine.publisher
+        assert pub is not None
+        spec = BackendSpec(backend.url, "b1", pub.endpoint, pub.replay_endpoint)
+        config = RouterConfig((spec,), "m", str(model_dir), index=redis.url, health_interval_s=0.2)
+        rag = "You are a careful assistant # # the first document # # the second document # # which?"
+        plain = "Zorvath sells apples in Ashford and Mirela lives in Port Kellam " * 4
+
+        def scores() -> dict[str, Any]:
+            out = {}
+            for name, prompt in (("rag", rag), ("plain", plain)):
+                r = client.post("/score", json={"prompt": prompt})
+                out[name] = r.json()["scores"].get("b1", {}) if r.status_code == 200 else {}
+            return out
+
+        def recovered(timeout: float) -> dict[str, Any]:
+            deadline = time.monotonic() + timeout
+            while True:
+                got = scores()
+                if got["rag"].get("chunk_tokens", 0) > 0 and got["plain"].get("prefix_blocks", 0) > 0:
+                    return got
+                assert time.monotonic() < deadline, f"scores did not recover: {got}"
+                time.sleep(0.1)
+
+        with TestClient(create_app(Router(config))) as client:
+            for prompt in (rag, plain):
+                r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+                assert r.status_code == 200, r.text
+            before = recovered(20)
+            port = redis.port
+            redis.stop()
+            redis.start(port=port)  # empty: the index lost everything
+            assert scores()["rag"].get("chunk_tokens", 0) == 0
+            after = recovered(20)
+            assert after == before
+    finally:
+        backend.stop()
+        redis.stop()

@@ -475,6 +475,18 @@ class LLMEngine:
             self.publisher.publish([AllBlocksCleared()])
         return ok
 
+    def republish_state(self) -> int | None:
+        """Publish the whole cache state (AllBlocksCleared, then every cached block and chunk), for
+        a router whose index lost it (Redis restarted, a gap replay could not fill). Returns the
+        number of events published, None without a publisher. Call between steps."""
+        if self.publisher is None:
+            return None
+        events: list[Any] = [AllBlocksCleared(), *self.blocks.state_events()]
+        if self.chunks is not None:
+            events += self.chunks.pool.state_events()
+        self.publisher.publish(events)
+        return len(events)
+
     def chunk_cache_stats(self) -> dict[str, Any] | None:
         if self.chunks is None:
             return None

@@ -45,6 +45,8 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}
         # Hashes of salted chains: never published, so that no event tells who cached what.
         self._private: set[bytes] = set()
+        # Published blocks: hash -> (parent hash, its BlockStored), to re-publish the whole state.
+        self._stored: dict[bytes, tuple[bytes | None, BlockStored]] = {}
         # Free blocks, front = next to reuse.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in self._ref)
         self.events: list[BlockStored | BlockRemoved] = []
@@ -144,16 +146,16 @@ class BlockManager:
             if cache_salt is not None:
                 self._private.add(h)
                 continue
-            self.events.append(
-                BlockStored(
-                    block_hashes=[to_wire(h)],
-                    parent_block_hash=to_wire(parent) if hashes[:-1] else None,
-                    token_ids=list(tokens),
-                    block_size=bs,
-                    lora_id=None,
-                    medium=self.medium,
-                )
+            event = BlockStored(
+                block_hashes=[to_wire(h)],
+                parent_block_hash=to_wire(parent) if hashes[:-1] else None,
+                token_ids=list(tokens),
+                block_size=bs,
+                lora_id=None,
+                medium=self.medium,
             )
+            self._stored[h] = (parent if hashes[:-1] else None, event)
+            self.events.append(event)
 
     def _evict(self, block: int) -> None:
         h = self._hash_of.pop(block, None)
@@ -162,6 +164,7 @@ class BlockManager:
             if h in self._private:
                 self._private.discard(h)
             else:
+                del self._stored[h]
                 self.events.append(BlockRemoved(block_hashes=[to_wire(h)], medium=self.medium))
 
     def reset_prefix_cache(self) -> bool:
@@ -171,7 +174,24 @@ class BlockManager:
         self._block_of.clear()
         self._hash_of.clear()
         self._private.clear()
+        self._stored.clear()
         return True
+
+    def state_events(self) -> list[BlockStored]:
+        """A BlockStored for every published block still cached, each parent before its
+        children: what a subscriber that lost its state needs to rebuild it."""
+        out: list[BlockStored] = []
+        done: set[bytes] = set()
+        for h in self._stored:
+            chain: list[bytes] = []
+            node: bytes | None = h
+            while node is not None and node in self._stored and node not in done:
+                chain.append(node)
+                node = self._stored[node][0]
+            for link in reversed(chain):
+                done.add(link)
+                out.append(self._stored[link][1])
+        return out
 
     def check_integrity(self) -> None:
         for block, ref in self._ref.items():
@@ -182,3 +202,4 @@ class BlockManager:
             assert self._hash_of.get(block) == h, f"hash maps disagree for block {block}"
         assert len(self._hash_of) == len(self._block_of)
         assert self._private <= self._block_of.keys(), "a private hash outlived its block"
+        assert self._stored.keys() == self._block_of.keys() - self._private, "published blocks disagree"

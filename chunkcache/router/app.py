@@ -220,6 +220,11 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer <key>' on every route but /health; forwarded to backends",
     )
     g.add_argument("--metrics-without-api-key", action="store_true", help="leave /metrics open for scrapers")
+    g.add_argument(
+        "--backend-api-key",
+        default=None,
+        help="key for the router's own calls to backends (state re-publishing; default: --api-key)",
+    )
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8080)
 
@@ -255,6 +260,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         open_metrics=args.metrics_without_api_key,
         events_curve_secret_key=args.events_curve_secret_key,
         events_curve_backend_keys=args.events_curve_backend_keys,
+        backend_api_key=args.backend_api_key,
     )
 
 

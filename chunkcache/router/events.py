@@ -444,7 +444,7 @@ class EventIntake:
                 self._clear(pod, st, "AllBlocksCleared")
             elif isinstance(ev, ChunkStored):
                 claims = list(zip(ev.chunk_hashes, ev.num_tokens, strict=True))
-                sane = [(h, n) for h, n in claims if isinstance(n, int) and 0 <= n <= MAX_CHUNK_TOKENS]
+                sane = [(h, n) for h, n in claims if isinstance(n, int) and 0 < n <= MAX_CHUNK_TOKENS]
                 if len(sane) < len(claims):
                     self._count(rejected_claims=len(claims) - len(sane))
                 index.add_chunks(pod, sane)

@@ -59,6 +59,9 @@ class RouterConfig:
     # certificate file, and a directory of the backends' public keys named `<pod>.key`.
     events_curve_secret_key: str | None = None
     events_curve_backend_keys: str | None = None
+    # Sent as 'Authorization: Bearer' on the router's own calls to backends (state re-publishing);
+    # None: the router's api_key.
+    backend_api_key: str | None = None
 
 
 @dataclass
@@ -122,11 +125,17 @@ class Router:
                 # Only configured backends may publish into the index.
                 allowed_pods=[spec.pod_id for spec in config.backends],
                 curve=curve,
+                on_clear=self._on_pod_cleared,
             )
         self.metrics = RouterMetrics(self.index, self.pool, lambda: self.intake)
         self._transport = transport
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._resyncing: set[str] = set()
+        self._resync_tasks: set[asyncio.Task[None]] = set()
+        self.resyncs = 0  # state re-publications asked of backends
         self._index_down_until = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -138,23 +147,76 @@ class Router:
             self.intake.start()
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(transport=self._transport, limits=limits, timeout=None)
+        self._loop = asyncio.get_running_loop()
         if self.config.health_interval_s > 0:
             self._health_task = asyncio.create_task(
                 self.pool.health_loop(
                     self.client, self.config.health_interval_s, self.config.health_timeout_s
                 )
             )
+            if self.intake is not None:
+                self._watch_task = asyncio.create_task(self._watch_index(self.config.health_interval_s))
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._watch_task, *self._resync_tasks):
+            if task is None:
+                continue
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+                await task
         if self.client is not None:
             await self.client.aclose()
         if self.intake is not None:
             await run_in_threadpool(self.intake.close)
         self.index.close()
+
+    # --- rebuilding the index ----------------------------------------------------------------
+
+    async def _watch_index(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                lost = await run_in_threadpool(self.index.lost_state)
+            except IndexUnavailableError:
+                continue  # down: asked again once it is back
+            if lost:
+                logger.warning("the index lost its state: asking every backend to re-publish")
+                for spec in self.config.backends:
+                    self.request_resync(spec.pod_id)
+
+    def _on_pod_cleared(self, pod: str, reason: str) -> None:
+        # Event worker thread. A pod whose history was lost holds KV the index no longer knows.
+        if reason.startswith("history lost") and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.request_resync, pod)
+
+    def request_resync(self, pod: str) -> None:
+        """Ask a backend to re-publish its whole cache state (once at a time per backend)."""
+        backend = self.pool.backends.get(pod)
+        if backend is None or pod in self._resyncing or self.client is None:
+            return
+        self._resyncing.add(pod)
+        task = asyncio.create_task(self._resync(backend))
+        self._resync_tasks.add(task)
+        task.add_done_callback(self._resync_tasks.discard)
+
+    async def _resync(self, backend: Backend) -> None:
+        assert self.client is not None
+        key = self.config.backend_api_key or self.config.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            resp = await self.client.post(
+                f"{backend.url}/kv_events/republish", headers=headers, timeout=self.config.health_timeout_s
+            )
+            if resp.status_code != 200:
+                logger.warning(
+                    "backend %s did not re-publish its state: HTTP %d", backend.pod_id, resp.status_code
+                )
+            else:
+                self.resyncs += 1
+        except httpx.HTTPError as e:
+            logger.warning("backend %s did not re-publish its state: %s", backend.pod_id, e)
+        finally:
+            self._resyncing.discard(backend.pod_id)
 
     # --- scoring -----------------------------------------------------------------------------
 

@@ -484,6 +484,15 @@ def build_app(
             return {"enabled": False}
         return {"enabled": True, **stats}
 
+    @api.post("/kv_events/republish")
+    async def republish_kv_events() -> Response:
+        """Re-publish every cached block and chunk on the KV event socket: a router whose index lost
+        its state (Redis restarted, history it could not replay) asks for this to rebuild it."""
+        published = await engine_loop.call(engine.republish_state)
+        if published is None:
+            return error_response(409, "this server publishes no KV events", "invalid_request_error")
+        return JSONResponse({"published_events": published})
+
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         resolve_model(body.model)

@@ -33,6 +33,7 @@ API_PATHS = frozenset(
         "/v1/models",
         "/v1/chunk_cache/stats",
         "/tokenize",
+        "/kv_events/republish",
         "/health",
         "/metrics",
     }
