@@ -540,6 +540,8 @@ def test_router_retries_backends_that_fail_before_sending(model_dir: Path) -> No
                 r = client.post("/v1/completions", json={"prompt": "hi", "stream": stream})
                 assert r.status_code == 200, r.text
                 assert "ok" in r.text and "error" not in r.text
+            big = json.dumps({"prompt": "x " * 3_000_000}).encode()  # over the router's 4 MiB default
+            assert client.post("/v1/completions", content=big).status_code == 413
             text = client.get("/metrics").text
             assert router_metric(text, "chunkcache_router_requests_failed_total") == 0
             assert router_metric(text, 'chunkcache_router_proxy_errors_total{backend="closes"}') >= 1

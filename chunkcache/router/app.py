@@ -27,6 +27,7 @@ from chunkcache.router.backends import load_backends_file, parse_backend_list
 from chunkcache.router.policy import POLICIES
 from chunkcache.router.scorer import parse_tier_weights
 from chunkcache.router.service import NoBackendError, Router, RouterConfig
+from chunkcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ def create_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="chunkcache router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(BodyLimitMiddleware, max_bytes=router.config.max_request_bytes)
     api_key = router.config.api_key
 
     @app.middleware("http")
@@ -221,6 +223,12 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--metrics-without-api-key", action="store_true", help="leave /metrics open for scrapers")
     g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies get HTTP 413 before they are read (default: %(default)s)",
+    )
+    g.add_argument(
         "--backend-api-key",
         default=None,
         help="key for the router's own calls to backends (state re-publishing; default: --api-key)",
@@ -261,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         events_curve_secret_key=args.events_curve_secret_key,
         events_curve_backend_keys=args.events_curve_backend_keys,
         backend_api_key=args.backend_api_key,
+        max_request_bytes=args.max_request_bytes,
     )
 
 

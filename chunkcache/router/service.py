@@ -62,6 +62,7 @@ class RouterConfig:
     # Sent as 'Authorization: Bearer' on the router's own calls to backends (state re-publishing);
     # None: the router's api_key.
     backend_api_key: str | None = None
+    max_request_bytes: int = 4 * 2**20  # larger bodies: HTTP 413 before they are read
 
 
 @dataclass
