@@ -780,7 +780,9 @@ def test_curve_on_connected_event_and_replay_sockets(tmp_path: Path) -> None:
 def test_cache_salt_separates_prefix_and_chunk_caches(inproc: ServerThread) -> None:
     engine = inproc.engine_loop.engine
     plain = "Zorvath sells apples in Ashford and Mirela lives in Port Kellam near the lanterns " * 3
-    chunked = "sys part # # the salted document one # # the salted document two # # question?"
+    chunked = (
+        "a system part seen only here # # the salted document one # # the salted document two # # question?"
+    )
 
     def cached(http: httpx.Client, prompt: str, salt: str | None) -> int:
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
