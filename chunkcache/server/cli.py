@@ -33,7 +33,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind (default: %(default)s)")
     server.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/* and /tokenize"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on every route but /health (see --metrics-without-api-key)",
     )
     server.add_argument(
         "--metrics-without-api-key",
