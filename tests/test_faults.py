@@ -913,3 +913,50 @@ def test_router_index_recovers_after_a_redis_restart(model_dir: Path) -> None:
     finally:
         backend.stop()
         redis.stop()
+
+
+def test_engine_curve_options_secure_its_publisher(model_dir: Path, tmp_path: Path) -> None:
+    """`serve --kv-events-curve-*`: the engine's bound sockets take only the authorized router."""
+    from chunkcache.curve import CurveKeys
+    from chunkcache.router.events import EventIntake, IntakeCurve
+    from chunkcache.router.index import MemoryIndex
+
+    certs = _certificates(tmp_path, ["router", "b1"])
+    with pytest.raises(ValueError, match="kv_events_curve_secret_key"):
+        EngineConfig.from_options(str(model_dir), use_env=False, kv_events_curve_authorized_keys="x")
+    engine = LLMEngine(
+        EngineConfig.from_options(
+            str(model_dir),
+            use_env=False,
+            device="cpu",
+            kv_cache_tokens=512,
+            kv_events_endpoint="tcp://127.0.0.1:0",
+            kv_events_replay_endpoint="tcp://127.0.0.1:0",
+            kv_events_topic="kv@b1@m",
+            kv_events_curve_secret_key=str(certs["b1"][1]),
+            kv_events_curve_authorized_keys=str(tmp_path / "routers"),
+        )
+    )
+    index = MemoryIndex()
+    intake = EventIntake(
+        index,
+        num_workers=1,
+        curve=IntakeCurve(CurveKeys.load(certs["router"][1]), str(tmp_path / "backends")),
+    )
+    try:
+        pub = engine.publisher
+        assert pub is not None
+        intake.add_pod("b1", pub.endpoint, pub.replay_endpoint)
+        intake.start()
+        n = 0
+        deadline = time.monotonic() + 20
+        while intake.stats().blocks_stored == 0:  # the SUB joins asynchronously: keep serving
+            assert time.monotonic() < deadline, "no event reached the router over CURVE"
+            n += 1
+            engine.add_request(f"r{n}", [5 + n, *range(10, 50)], SamplingParams(max_tokens=1))
+            while engine.has_unfinished_requests():
+                engine.step()
+            time.sleep(0.05)
+    finally:
+        intake.close()
+        engine.close()
