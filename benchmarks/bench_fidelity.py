@@ -299,6 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard", default="0/1", help="I/N: run every N-th question from the I-th")
     parser.add_argument("--raw", type=Path, default=None, help="write per-question results here")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, help="report on --raw files")
+    parser.add_argument("--skip", type=Path, nargs="+", default=[], help="skip questions done in --raw files")
+    parser.add_argument(
+        "--timing", type=Path, nargs="+", default=[], help="with --merge: take the TTFTs from these files"
+    )
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
     setup_torch(args.threads)
@@ -317,10 +321,16 @@ def main(argv: list[str] | None = None) -> None:
         args.model = str(default_model())
     if args.merge:
         results = _load(args.merge)
+        if args.timing:
+            # Accuracy from one run (e.g. every question on a GPU), TTFT from another (a CPU).
+            timing = _load(args.timing)
+            for mode, res in results.items():
+                res.ttft = timing[mode].ttft if mode in timing else {}
         report(results, [q for q in questions if q.qid in results["full"].correct], args)
         return
+    done = set(_load(args.skip)["full"].correct) if args.skip else set()
     index, count = (int(x) for x in args.shard.split("/"))
-    questions = questions[index::count]
+    questions = [q for q in questions if q.qid not in done][index::count]
     llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
     t0 = time.time()
     elements = fidelity_set.load_elements(args.elements)

@@ -7,6 +7,7 @@ objects (`model.loader.ModelSpec`, `engine.kv_blocks.BlockManager`), never in a 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -96,7 +97,7 @@ class ChunkConfig:
     def validate(self, num_layers: int | None = None) -> None:
         if not self.separator:
             raise ValueError("chunk_separator must not be empty")
-        if self.cache_size_gb < 0:
+        if not math.isfinite(self.cache_size_gb) or self.cache_size_gb < 0:
             raise ValueError(f"chunk_cache_size_gb must be >= 0, got {self.cache_size_gb}")
         if not 0.0 < self.lru_threshold <= 1.0:
             raise ValueError(f"chunk_cache_lru_threshold must be in (0, 1], got {self.lru_threshold}")
@@ -138,8 +139,8 @@ class ChunkConfig:
             raise ValueError(f"blend_unit {self.blend_unit!r} is not one of {BLEND_UNITS}")
         if self.blend_unit == "chunk" and self.blend_selector == "threshold":
             raise ValueError("blend_unit 'chunk' needs a ranking selector, not 'threshold'")
-        if self.blend_threshold < 0:
-            raise ValueError(f"blend_threshold must be >= 0, got {self.blend_threshold}")
+        if not math.isfinite(self.blend_threshold) or self.blend_threshold < 0:
+            raise ValueError(f"blend_threshold must be a finite number >= 0, got {self.blend_threshold}")
         if self.blend_boundary_tokens < 0:
             raise ValueError(f"blend_boundary_tokens must be >= 0, got {self.blend_boundary_tokens}")
         if self.blend_min_tokens < 0:
@@ -171,6 +172,19 @@ class KVEventsConfig:
     replay_endpoint: str | None = None
     # How many published batches the replay socket can serve.
     buffer_steps: int = 10_000
+    # ZMQ CURVE (chunkcache/curve.py): this engine's secret certificate file; the directory of
+    # public keys (*.key) allowed to connect to its bound sockets (the routers); the router's
+    # public key file when the PUB socket connects to a router.
+    curve_secret_key: str | None = None
+    curve_authorized_keys: str | None = None
+    curve_server_key: str | None = None
+
+    def validate(self) -> None:
+        curve = (self.curve_authorized_keys, self.curve_server_key)
+        if self.curve_secret_key is None and any(k is not None for k in curve):
+            raise ValueError(
+                "kv_events_curve_* keys need kv_events_curve_secret_key (this engine's certificate)"
+            )
 
 
 @dataclass(frozen=True)
@@ -197,6 +211,7 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.chunk.validate()
+        self.kv_events.validate()
 
     @classmethod
     def from_options(cls, model: str, use_env: bool = True, **options: Any) -> EngineConfig:
@@ -247,6 +262,9 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "kv_events_topic": ("kv_events", "topic"),
     "kv_events_replay_endpoint": ("kv_events", "replay_endpoint"),
     "kv_events_buffer_steps": ("kv_events", "buffer_steps"),
+    "kv_events_curve_secret_key": ("kv_events", "curve_secret_key"),
+    "kv_events_curve_authorized_keys": ("kv_events", "curve_authorized_keys"),
+    "kv_events_curve_server_key": ("kv_events", "curve_server_key"),
 }
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine will not run (HTTP 400)."""
+    """A request the engine will not run (HTTP 400). `param` names the request field to blame."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLongError(InvalidRequestError):

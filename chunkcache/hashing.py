@@ -79,6 +79,12 @@ def block_hash(
     return _BLOCK_HASH_FNS[algorithm]((parent, tuple(token_ids), extra))
 
 
+def first_block_extra(cache_salt: str | None) -> tuple[str, ...] | None:
+    """The extra keys of a sequence's first block: its cache salt, as vLLM puts it there, so that
+    requests with different salts never share a chain."""
+    return None if cache_salt is None else (cache_salt,)
+
+
 def block_hashes(
     seed: str | None, token_ids: Sequence[int], block_size: int, algorithm: str = DEFAULT_BLOCK_HASH_ALGORITHM
 ) -> list[bytes]:
@@ -92,15 +98,24 @@ def block_hashes(
 
 
 def chunk_hash(
-    model_name: str, sys_token_ids: Sequence[int], chunk_token_ids: Sequence[int], algorithm: str = "sha256"
+    model_name: str,
+    sys_token_ids: Sequence[int],
+    chunk_token_ids: Sequence[int],
+    algorithm: str = "sha256",
+    cache_salt: str | None = None,
 ) -> bytes:
-    """Key of a chunk's KV in the chunk pool: it depends on the system part and the chunk only."""
-    return _digest(("chunk-v1", model_name, tuple(sys_token_ids), tuple(chunk_token_ids)), algorithm)
+    """Key of a chunk's KV in the chunk pool: it depends on the system part and the chunk only
+    (and on the request's cache salt, when it has one: tenants with different salts share nothing)."""
+    salt = () if cache_salt is None else (cache_salt,)
+    return _digest(("chunk-v1", model_name, tuple(sys_token_ids), tuple(chunk_token_ids), *salt), algorithm)
 
 
-def system_hash(model_name: str, sys_token_ids: Sequence[int], algorithm: str = "sha256") -> bytes:
+def system_hash(
+    model_name: str, sys_token_ids: Sequence[int], algorithm: str = "sha256", cache_salt: str | None = None
+) -> bytes:
     """Key of the system part's own KV in the chunk pool."""
-    return _digest(("system-v1", model_name, tuple(sys_token_ids)), algorithm)
+    salt = () if cache_salt is None else (cache_salt,)
+    return _digest(("system-v1", model_name, tuple(sys_token_ids), *salt), algorithm)
 
 
 def to_wire(h: bytes) -> int:

@@ -41,6 +41,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from chunkcache.curve import CurveKeys, CurveServer, secure_client
+
 logger = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"
@@ -356,6 +358,29 @@ def _should_bind(endpoint: str) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class PublisherCurve:
+    """CURVE for a publisher: its own keys; the public keys allowed to connect to its bound
+    sockets (a directory of `*.key`); the public key of the router when its PUB connects."""
+
+    keys: CurveKeys
+    authorized_dir: str | None = None
+    server_key: bytes | None = None
+
+    def server(self, context: zmq.Context) -> CurveServer | None:
+        return None if self.authorized_dir is None else CurveServer(context, self.keys, self.authorized_dir)
+
+    def secure_bound(self, sock: zmq.Socket, server: CurveServer | None) -> None:
+        if server is None:
+            raise ValueError("CURVE on a bound event socket needs the authorized public keys directory")
+        server.secure(sock)
+
+    def secure_connecting(self, sock: zmq.Socket) -> None:
+        if self.server_key is None:
+            raise ValueError("CURVE on a connecting event socket needs the router's public key")
+        secure_client(sock, self.keys, self.server_key)
+
+
 @dataclass
 class _Stream:
     """One topic's sequence numbers and replay buffer."""
@@ -384,6 +409,7 @@ class KVEventPublisher:
         hwm: int = 100_000,
         bind: bool | None = None,
         chunk_topic: str | None = None,
+        curve: PublisherCurve | None = None,
     ) -> None:
         if buffer_steps <= 0:
             raise ValueError(f"buffer_steps must be > 0, got {buffer_steps}")
@@ -396,7 +422,9 @@ class KVEventPublisher:
             name: _Stream(name.encode(), deque(maxlen=buffer_steps)) for name in (topic, self.chunk_topic)
         }
         self._queue: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
-        self._ctx = zmq.Context.instance()
+        # CURVE needs a ZAP handler of its own, one per context.
+        self._ctx = zmq.Context() if curve is not None else zmq.Context.instance()
+        self._curve_server = curve.server(self._ctx) if curve is not None else None
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket | None = None
@@ -404,14 +432,20 @@ class KVEventPublisher:
         self.replay_endpoint: str | None = None
         try:
             if _should_bind(endpoint) if bind is None else bind:
+                if curve is not None:
+                    curve.secure_bound(self._pub, self._curve_server)
                 self._pub.bind(_bindable(endpoint))
                 self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
                 self._pub_bound = self.endpoint
             else:
+                if curve is not None:
+                    curve.secure_connecting(self._pub)
                 self._pub.connect(endpoint)
                 self.endpoint = endpoint
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                if curve is not None:
+                    curve.secure_bound(self._replay, self._curve_server)
                 self._replay.bind(_bindable(replay_endpoint))
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
@@ -499,3 +533,7 @@ class KVEventPublisher:
                     sock.unbind(bound)
             # linger=0: a router that went away must not keep an engine from shutting down.
             sock.close(linger=0)
+        if self._curve_server is not None:
+            self._curve_server.close()
+            self._curve_server = None
+            self._ctx.term()

@@ -12,7 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     # One dict per generated token: token id -> log-probability (the top-k plus the sampled token).
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
 
 
@@ -53,3 +53,5 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, token id -> log-probability (None for the
     # first token, which has no context), as vLLM returns them.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Set when the engine failed this request (finish_reason "error"): what went wrong.
+    error: str | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -85,3 +86,57 @@ class ServerThread:
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine not idle after {timeout}s: {stats}")
             time.sleep(0.05)
+
+
+class ServerProcess:
+    """`python -m chunkcache.server.cli ARGS` in its own process, on a free loopback port.
+
+    For what only a real process shows: its exit status, signals, a thread that dies for good."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, script: str | None = None) -> None:
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        self.port = free_port()
+        root = str(Path(__file__).resolve().parents[1])
+        # `script` replaces `-m chunkcache.server.cli` (tests inject faults through it); it gets
+        # the same argv.
+        head = ["-c", script] if script is not None else ["-m", "chunkcache.server.cli"]
+        cmd = [sys.executable, *head, *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        full_env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", **(env or {})}
+        # A file, not a pipe: a pipe nobody reads would block a chatty server.
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        """What the server has printed so far."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def wait_healthy(self, timeout: float = 90.0) -> ServerProcess:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not come up")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self._log.close()

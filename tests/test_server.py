@@ -313,7 +313,9 @@ def test_per_request_chunk_options(reference: LLM, client: openai.OpenAI) -> Non
 
 def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
-    text = httpx.get(f"{server.url}/metrics").text  # no API key needed for /metrics
+    # With --api-key, /metrics needs it too (serve --metrics-without-api-key leaves it open).
+    assert httpx.get(f"{server.url}/metrics").status_code == 401
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     for name in (
         'chunkcache_http_requests_total{endpoint="/v1/completions",status="200"}',
         "chunkcache_time_to_first_token_seconds_count",

@@ -106,8 +106,9 @@ class ChunkManager:
         seq.chunk_state = state
         jobs: list[Sequence] = []
         sys_ids = prompt.sys_token_ids
+        salt = seq.cache_salt
         sys_entry = self._acquire(
-            system_hash(self.model_name, sys_ids, self.config.hash_algorithm),
+            system_hash(self.model_name, sys_ids, self.config.hash_algorithm, salt),
             "system",
             (sys_ids,),
             len(sys_ids),
@@ -120,7 +121,7 @@ class ChunkManager:
         if sys_entry.ready:
             seq.num_prefix_cached = len(sys_ids)
         for chunk in prompt.chunks:
-            key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm)
+            key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
             hit = self.pool.get(key, (sys_ids, chunk))
             entry = self._acquire(key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids))
             if hit is not None:

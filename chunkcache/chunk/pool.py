@@ -109,6 +109,13 @@ class ChunkPool:
         limit = self.lru_threshold * self.budget_bytes
         self._evict_until(lambda: self.used_bytes <= limit)
 
+    def state_events(self) -> list[ChunkStored]:
+        """A ChunkStored of every ready entry, for a subscriber that lost its state."""
+        ready = [e for e in self._entries.values() if e.ready]
+        if not ready:
+            return []
+        return [ChunkStored([to_wire(e.key) for e in ready], [e.num_tokens for e in ready], self.medium)]
+
     def drop(self, entry: Entry) -> None:
         """Remove an entry that will never become ready (its job was cancelled)."""
         assert not entry.ready and entry.pins == 0

@@ -6,6 +6,7 @@ an inbox. `step()` runs on one thread and owns every other piece of state.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -19,6 +20,7 @@ from chunkcache.chunk.manager import ChunkManager
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.config import ChunkConfig, EngineConfig
+from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.detokenizer import Detokenizer
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
@@ -27,7 +29,7 @@ from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
 from chunkcache.engine.sequence import Sequence, Status
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
-from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher
+from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher, PublisherCurve
 from chunkcache.model.loader import load_model
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
@@ -101,7 +103,15 @@ class LLMEngine:
         ev = config.kv_events
         if ev.endpoint:
             topic = ev.topic or f"kv@{socket.gethostname()}-{os.getpid()}@{self.model_name}"
-            self.publisher = KVEventPublisher(ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps)
+            curve = None
+            if ev.curve_secret_key is not None:
+                server_key = None if ev.curve_server_key is None else load_public_key(ev.curve_server_key)
+                curve = PublisherCurve(
+                    CurveKeys.load(ev.curve_secret_key), ev.curve_authorized_keys, server_key
+                )
+            self.publisher = KVEventPublisher(
+                ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps, curve=curve
+            )
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
 
     @classmethod
@@ -124,22 +134,33 @@ class LLMEngine:
         params: SamplingParams,
         add_special_tokens: bool = True,
         chunk_options: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
 
         `chunk_options` overrides the engine's chunk layout and blend options for this request
-        (flat names: chunk_layout, blend_recompute_ratios, ...).
+        (flat names: chunk_layout, blend_recompute_ratios, ...). Requests share cached KV only
+        with requests of the same `cache_salt` (vLLM's field; None shares with None).
         """
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         try:
             params.validate()
         except ValueError as e:
-            raise InvalidRequestError(str(e)) from None
+            # SamplingParams' messages start with the field's name.
+            raise InvalidRequestError(str(e), param=str(e).split(" ", 1)[0]) from None
         if params.logprobs is not None and params.logprobs > self.spec.vocab_size:
-            raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary size")
+            raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary size", "logprobs")
         chunk_config = self._chunk_config(chunk_options)
-        seq = self._make_sequence(request_id, prompt, params, add_special_tokens, chunk_config)
+        try:
+            seq = self._make_sequence(
+                request_id, prompt, params, add_special_tokens, chunk_config, cache_salt
+            )
+        except InvalidRequestError as e:
+            e.param = e.param or "prompt"  # the prompt's checks (chunk parsing included) name no field
+            raise
         with self._lock:
             if request_id in self._ids_in_use:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -156,14 +177,14 @@ class LLMEngine:
         try:
             return self.config.chunk.with_request_options(options, self.spec.num_layers)
         except (TypeError, ValueError) as e:
-            raise InvalidRequestError(str(e)) from None
+            raise InvalidRequestError(str(e), param=str(e).split(" ", 1)[0]) from None
 
     def _tokenize(
         self, prompt: str | list[int], add_special_tokens: bool, chunk_config: ChunkConfig
     ) -> tuple[list[int], ChunkedPrompt | None]:
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("prompt is empty")
+                raise InvalidRequestError("prompt is empty", "prompt")
             if self.chunks is not None:
                 chunked = parse_chunked_prompt(
                     prompt, chunk_config.separator, self.tokenizer, add_special_tokens
@@ -175,10 +196,12 @@ class LLMEngine:
             vocab = self.spec.vocab_size
             bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
-                raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+                raise InvalidRequestError(
+                    f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt"
+                )
             return list(prompt), None
         raise InvalidRequestError(
-            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
         )
 
     def _make_sequence(
@@ -188,10 +211,11 @@ class LLMEngine:
         params: SamplingParams,
         add_special_tokens: bool,
         chunk_config: ChunkConfig,
+        cache_salt: str | None = None,
     ) -> Sequence:
         token_ids, chunked = self._tokenize(prompt, add_special_tokens, chunk_config)
         if not token_ids:
-            raise InvalidRequestError("prompt is empty (no tokens)")
+            raise InvalidRequestError("prompt is empty (no tokens)", "prompt")
         offset = chunk_config.layout == "offset"
         if (
             chunked is not None
@@ -219,7 +243,8 @@ class LLMEngine:
         if params.max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {self.max_model_len}"
+                f"max_model_len {self.max_model_len}",
+                "max_tokens",
             )
         # Isolated: the request computes only Q (and its output); the rest is borrowed.
         own = list(chunked.question_token_ids) if isolated else token_ids
@@ -228,12 +253,14 @@ class LLMEngine:
                 f"prompt needs {self.blocks.blocks_for(len(own) + 1)} KV blocks, "
                 f"the cache has {self.blocks.num_blocks}"
             )
+        params = self._fit_kv_cache(params, len(own), prompt_len)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
             token_ids=list(own),
             params=params,
             prompt=prompt if isinstance(prompt, str) else None,
+            cache_salt=cache_salt,
         )
         seq.generator = (
             torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
@@ -245,6 +272,25 @@ class LLMEngine:
             seq.chunk_config = chunk_config
             seq.prefix_cacheable = False
         return seq
+
+    def _fit_kv_cache(self, params: SamplingParams, own_tokens: int, prompt_len: int) -> SamplingParams:
+        """A request must fit the whole paged KV cache alone, or preemption could never let it
+        finish: an explicit max_tokens beyond that is refused; an open one (None) is capped there,
+        as it is capped at max_model_len otherwise."""
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        room = capacity - own_tokens
+        if params.max_tokens is not None:
+            if params.max_tokens > room:
+                raise InvalidRequestError(
+                    f"max_tokens ({params.max_tokens}) plus the {own_tokens} prompt tokens computed here "
+                    f"exceed the KV cache of {capacity} tokens: max_tokens may be at most {room} "
+                    "for this prompt",
+                    "max_tokens",
+                )
+            return params
+        if room < self.max_model_len - prompt_len:
+            return dataclasses.replace(params, max_tokens=room)
+        return params
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -262,11 +308,40 @@ class LLMEngine:
         finished_now = self._drain_inbox()
         batch = self.scheduler.schedule()
         if batch:
-            logits, rows = self.runner.run(batch)
-            self._postprocess(batch, logits, rows)
+            try:
+                logits, rows = self.runner.run(batch)
+                self._postprocess(batch, logits, rows)
+            except Exception as e:
+                # One bad request must not stop the engine: fail this batch's requests (their KV
+                # is in an unknown state), free what they held, and go on with the others.
+                logger.exception("step failed; failing the %d sequences of its batch", len(batch))
+                finished_now += self._fail_batch(batch, f"{type(e).__name__}: {e}")
         outputs = self._collect_outputs(batch, finished_now)
         self._publish_events()
         return outputs
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        if seq.is_finished:
+            return
+        seq.finish_reason, seq.stop_reason, seq.error = "error", None, message
+        self._finish(seq)
+
+    def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[Sequence]:
+        """Fail every request of `batch`, and every request waiting for a fill job of it."""
+        failed = [s for s in batch.seqs if not s.is_fill]
+        jobs = [s for s in batch.seqs if s.is_fill]
+        entries = [job.chunk_state.entry for job in jobs]
+        for seq in list(self._requests.values()):
+            state = seq.chunk_state
+            if seq.is_fill or seq in failed or state is None or not hasattr(state, "entries"):
+                continue
+            if any(any(e is x for x in state.entries) for e in entries):
+                failed.append(seq)
+        for seq in failed:
+            self._fail(seq, f"the engine failed on this request's batch: {message}")
+        for job in jobs:  # jobs still wanted by a request outside the batch are not left half done
+            self._fail(job, message)
+        return failed
 
     def _drain_inbox(self) -> list[Sequence]:
         with self._lock:
@@ -275,14 +350,21 @@ class LLMEngine:
             # Registered under the lock: has_unfinished_requests never sees a request nowhere.
             for seq in inbox:
                 self._requests[seq.request_id] = seq
+        failed = []
         for seq in inbox:
             self.counters["requests"] += 1
-            if self.chunks is not None and seq.chunk_state is not None:
-                for job in self.chunks.admit(seq):
-                    self._requests[job.request_id] = job
-                    self.scheduler.add(job)
+            try:
+                if self.chunks is not None and seq.chunk_state is not None:
+                    for job in self.chunks.admit(seq):
+                        self._requests[job.request_id] = job
+                        self.scheduler.add(job)
+            except Exception as e:
+                logger.exception("admitting %s failed", seq.request_id)
+                self._fail(seq, f"admission failed: {type(e).__name__}: {e}")
+                failed.append(seq)
+                continue
             self.scheduler.add(seq)
-        aborted = []
+        aborted = failed
         for request_id in aborts:
             seq = self._requests.get(request_id)
             if seq is None or seq.is_finished or seq.is_fill:
@@ -297,7 +379,7 @@ class LLMEngine:
             seq.num_computed += n
             if seq.prefix_cacheable and not seq.is_fill:
                 self.blocks.register_full_blocks(
-                    seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed
+                    seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed, seq.cache_salt
                 )
             if seq.is_fill and seq.num_computed == seq.num_tokens:
                 self._finish(seq)
@@ -314,6 +396,9 @@ class LLMEngine:
         )
         now = time.time()
         for seq, s in zip(seqs, sampled, strict=True):
+            if s.error is not None:
+                self._fail(seq, s.error)
+                continue
             seq.token_ids.append(s.token_id)
             if s.logprobs is not None:
                 seq.output_logprobs.append(s.logprobs)
@@ -384,6 +469,7 @@ class LLMEngine:
             new_token_ids=new_tokens,
             new_text=new_text,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+            error=seq.error,
         )
 
     def _publish_events(self) -> None:
@@ -439,6 +525,18 @@ class LLMEngine:
         if ok and self.publisher is not None:
             self.publisher.publish([AllBlocksCleared()])
         return ok
+
+    def republish_state(self) -> int | None:
+        """Publish the whole cache state (AllBlocksCleared, then every cached block and chunk), for
+        a router whose index lost it (Redis restarted, a gap replay could not fill). Returns the
+        number of events published, None without a publisher. Call between steps."""
+        if self.publisher is None:
+            return None
+        events: list[Any] = [AllBlocksCleared(), *self.blocks.state_events()]
+        if self.chunks is not None:
+            events += self.chunks.pool.state_events()
+        self.publisher.publish(events)
+        return len(events)
 
     def chunk_cache_stats(self) -> dict[str, Any] | None:
         if self.chunks is None:

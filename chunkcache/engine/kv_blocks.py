@@ -16,7 +16,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from chunkcache.hashing import DEFAULT_BLOCK_HASH_ALGORITHM, block_hash, block_hash_fn, none_hash, to_wire
+from chunkcache.hashing import (
+    DEFAULT_BLOCK_HASH_ALGORITHM,
+    block_hash,
+    block_hash_fn,
+    first_block_extra,
+    none_hash,
+    to_wire,
+)
 from chunkcache.kv_events import FULL_ATTENTION, BlockRemoved, BlockStored
 
 # This engine's one KV cache group: every layer is full attention (vLLM's group 0 of that kind).
@@ -49,6 +56,10 @@ class BlockManager:
         self._ref = dict.fromkeys(range(first_block, first_block + num_blocks), 0)
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        # Hashes of salted chains: never published, so that no event tells who cached what.
+        self._private: set[bytes] = set()
+        # Published blocks: hash -> (parent hash, its BlockStored), to re-publish the whole state.
+        self._stored: dict[bytes, tuple[bytes | None, BlockStored]] = {}
         # Free blocks, front = next to reuse.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in self._ref)
         self.events: list[BlockStored | BlockRemoved] = []
@@ -91,8 +102,11 @@ class BlockManager:
                 if block not in self._hash_of:
                     self._free.move_to_end(block, last=False)
 
-    def match_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[bytes]]:
-        """Referenced blocks and their hashes for the longest cached chain of `token_ids`'s full blocks."""
+    def match_prefix(
+        self, token_ids: Sequence[int], max_blocks: int, cache_salt: str | None = None
+    ) -> tuple[list[int], list[bytes]]:
+        """Referenced blocks and their hashes for the longest cached chain of `token_ids`'s full
+        blocks (of chains with the same `cache_salt` only)."""
         if not self.enable_prefix_caching:
             return [], []
         blocks: list[int] = []
@@ -101,7 +115,12 @@ class BlockManager:
         bs = self.block_size
         for i in range(min(max_blocks, len(token_ids) // bs)):
             self.queries += 1
-            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs], None, self.hash_algorithm)
+            h = block_hash(
+                parent,
+                token_ids[i * bs : (i + 1) * bs],
+                first_block_extra(cache_salt) if i == 0 else None,
+                self.hash_algorithm,
+            )
             block = self._block_of.get(h)
             if block is None:
                 break
@@ -116,7 +135,12 @@ class BlockManager:
         return blocks, hashes
 
     def register_full_blocks(
-        self, blocks: Sequence[int], token_ids: Sequence[int], hashes: list[bytes], num_tokens: int
+        self,
+        blocks: Sequence[int],
+        token_ids: Sequence[int],
+        hashes: list[bytes],
+        num_tokens: int,
+        cache_salt: str | None = None,
     ) -> None:
         """Hash and register the sequence's full blocks among its first `num_tokens` computed tokens.
 
@@ -128,33 +152,42 @@ class BlockManager:
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else self.root_hash
             tokens = token_ids[i * bs : (i + 1) * bs]
-            h = block_hash(parent, tokens, None, self.hash_algorithm)
+            h = block_hash(
+                parent, tokens, first_block_extra(cache_salt) if i == 0 else None, self.hash_algorithm
+            )
             hashes.append(h)
             block = blocks[i]
             if h in self._block_of or block in self._hash_of:
                 continue  # the same content is cached elsewhere already
             self._block_of[h] = block
             self._hash_of[block] = h
-            self.events.append(
-                BlockStored(
-                    block_hashes=[to_wire(h)],
-                    parent_block_hash=to_wire(parent) if hashes[:-1] else None,
-                    token_ids=list(tokens),
-                    block_size=bs,
-                    lora_id=None,
-                    medium=self.medium,
-                    group_idx=KV_CACHE_GROUP,
-                    kv_cache_spec_kind=FULL_ATTENTION,
-                )
+            if cache_salt is not None:
+                self._private.add(h)
+                continue
+            event = BlockStored(
+                block_hashes=[to_wire(h)],
+                parent_block_hash=to_wire(parent) if hashes[:-1] else None,
+                token_ids=list(tokens),
+                block_size=bs,
+                lora_id=None,
+                medium=self.medium,
+                group_idx=KV_CACHE_GROUP,
+                kv_cache_spec_kind=FULL_ATTENTION,
             )
+            self._stored[h] = (parent if hashes[:-1] else None, event)
+            self.events.append(event)
 
     def _evict(self, block: int) -> None:
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._block_of[h]
-            self.events.append(
-                BlockRemoved(block_hashes=[to_wire(h)], medium=self.medium, group_idx=KV_CACHE_GROUP)
-            )
+            if h in self._private:
+                self._private.discard(h)
+            else:
+                del self._stored[h]
+                self.events.append(
+                    BlockRemoved(block_hashes=[to_wire(h)], medium=self.medium, group_idx=KV_CACHE_GROUP)
+                )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every registered free block (the caller publishes AllBlocksCleared)."""
@@ -162,7 +195,25 @@ class BlockManager:
             return False
         self._block_of.clear()
         self._hash_of.clear()
+        self._private.clear()
+        self._stored.clear()
         return True
+
+    def state_events(self) -> list[BlockStored]:
+        """A BlockStored for every published block still cached, each parent before its
+        children: what a subscriber that lost its state needs to rebuild it."""
+        out: list[BlockStored] = []
+        done: set[bytes] = set()
+        for h in self._stored:
+            chain: list[bytes] = []
+            node: bytes | None = h
+            while node is not None and node in self._stored and node not in done:
+                chain.append(node)
+                node = self._stored[node][0]
+            for link in reversed(chain):
+                done.add(link)
+                out.append(self._stored[link][1])
+        return out
 
     def check_integrity(self) -> None:
         for block, ref in self._ref.items():
@@ -172,3 +223,5 @@ class BlockManager:
         for h, block in self._block_of.items():
             assert self._hash_of.get(block) == h, f"hash maps disagree for block {block}"
         assert len(self._hash_of) == len(self._block_of)
+        assert self._private <= self._block_of.keys(), "a private hash outlived its block"
+        assert self._stored.keys() == self._block_of.keys() - self._private, "published blocks disagree"

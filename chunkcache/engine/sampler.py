@@ -15,6 +15,8 @@ from chunkcache.sampling import SamplingParams
 class Sampled:
     token_id: int
     logprobs: dict[int, float] | None
+    # Set when this row could not be sampled (NaN logits, ...): that request fails, the batch goes on.
+    error: str | None = None
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -100,9 +102,13 @@ def sample(
         if p.greedy:
             token = int(row_logits.argmax()) if processed else greedy_ids[row]
         else:
-            filtered = _filter_top_k_top_p(row_logits / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(filtered, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=gen).item())
+            try:
+                filtered = _filter_top_k_top_p(row_logits / p.temperature, p.top_k, p.top_p)
+                probs = torch.softmax(filtered, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=gen).item())
+            except RuntimeError as e:  # torch refuses inf / NaN / negative probabilities
+                out.append(Sampled(-1, None, error=f"sampling failed: {e}"))
+                continue
         lp: dict[int, float] | None = None
         if p.logprobs is not None and logprobs_all is not None:
             row_lp = logprobs_all[row]

@@ -103,6 +103,9 @@ class Scheduler:
                 self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, seq.num_computed + n):
+                # A waiting sequence holds no blocks: the prefix blocks it just matched go back
+                # (still cached), or a running sequence could starve for them while it waits.
+                self._unadmit(seq)
                 self.waiting.appendleft(seq)
                 break
             seq.status = Status.RUNNING
@@ -124,7 +127,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         # At least one prompt token is always computed: it yields the first token's logits.
         max_blocks = (seq.num_own_prompt_tokens - 1) // self.blocks.block_size
-        blocks, hashes = self.blocks.match_prefix(seq.token_ids, max_blocks)
+        blocks, hashes = self.blocks.match_prefix(seq.token_ids, max_blocks, seq.cache_salt)
         seq.block_table = blocks
         seq.block_hashes = hashes
         seq.num_computed = len(blocks) * self.blocks.block_size
@@ -157,6 +160,14 @@ class Scheduler:
         self.add(seq, front=True)
         batch.preempted.append(seq)
         self.num_preemptions += 1
+
+    def _unadmit(self, seq: Sequence) -> None:
+        if seq.is_fill:
+            return  # a fill job's pages were assigned with the job, not taken here
+        self.release(seq)
+        seq.num_computed = 0
+        if seq.borrowed_slots is None:
+            seq.num_prefix_cached = 0
 
     def release(self, seq: Sequence) -> None:
         """Give back the blocks a sequence owns (finish, abort, preemption)."""

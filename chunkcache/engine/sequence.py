@@ -50,6 +50,8 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Why the engine failed this request (finish_reason "error"); other requests go on.
+    error: str | None = None
     text: str = ""
     num_sent_tokens: int = 0
     sent_text_len: int = 0
@@ -66,6 +68,9 @@ class Sequence:
     blend_fallback: bool = False
     # Blocks whose KV is not plain causal attention over the tokens must never be found by hash.
     prefix_cacheable: bool = True
+    # vLLM's cache_salt: enters the first prefix block's hash and every chunk key, so requests
+    # with different salts (tenants) never share KV.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not self.num_own_prompt_tokens:

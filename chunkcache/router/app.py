@@ -8,10 +8,12 @@ GET /health, GET /metrics.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -25,6 +27,7 @@ from chunkcache.router.backends import load_backends_file, parse_backend_list
 from chunkcache.router.policy import POLICIES
 from chunkcache.router.scorer import parse_tier_weights
 from chunkcache.router.service import NoBackendError, Router, RouterConfig
+from chunkcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,22 @@ def create_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="chunkcache router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(BodyLimitMiddleware, max_bytes=router.config.max_request_bytes)
+    api_key = router.config.api_key
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next: Any) -> Response:
+        # Everything but /health needs the key when one is set: /score tells which documents a
+        # pod holds, /metrics what traffic it had (left open by --metrics-without-api-key).
+        path = request.url.path
+        open_paths = {"/health"} | ({"/metrics"} if router.config.open_metrics else set())
+        if api_key is not None and path not in open_paths:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), api_key.encode()
+            ):
+                return _error(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'")
+        return await call_next(request)
 
     async def proxy(request: Request, path: str, chat: bool) -> Response:
         raw = await request.body()
@@ -57,8 +76,9 @@ def create_app(router: Router) -> FastAPI:
         except ValueError as e:
             return _error(400, f"invalid JSON body: {e}")
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        stream = bool(body.get("stream"))
         try:
-            up = await router.forward(path, body, raw, headers, chat)
+            up = await router.forward(path, body, raw, headers, chat, stream=stream)
         except NoBackendError as e:
             return _error(502, str(e), "backend_unavailable")
         except httpx.HTTPError as e:
@@ -66,16 +86,17 @@ def create_app(router: Router) -> FastAPI:
             return _error(502, f"backend request failed: {type(e).__name__}: {e}", "backend_error")
         out_headers = {"x-chunkcache-backend": up.backend.pod_id}
         media_type = up.resp.headers.get("content-type")
-        if body.get("stream"):
-            return StreamingResponse(up.relay(), up.resp.status_code, out_headers, media_type)
-        try:
-            content = await up.resp.aread()
-        except httpx.HTTPError as e:
-            router.metrics.requests_failed.inc()
-            return _error(502, f"backend response failed: {type(e).__name__}: {e}", "backend_error")
-        finally:
-            await up.release()
-        return Response(content, up.resp.status_code, out_headers, media_type)
+        if stream:
+
+            def failed_mid_stream(error: BaseException) -> None:
+                router.metrics.requests_failed.inc()
+                router.metrics.proxy_errors.labels(up.backend.pod_id).inc()
+
+            return StreamingResponse(
+                up.relay(failed_mid_stream), up.resp.status_code, out_headers, media_type
+            )
+        await up.release()
+        return Response(up.first, up.resp.status_code, out_headers, media_type)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -86,11 +107,14 @@ def create_app(router: Router) -> FastAPI:
         return await proxy(request, "/v1/chat/completions", chat=True)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         assert router.client is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         for b in router.pool.candidates():
             try:
-                resp = await router.client.get(f"{b.url}/v1/models", timeout=router.config.health_timeout_s)
+                resp = await router.client.get(
+                    f"{b.url}/v1/models", headers=headers, timeout=router.config.health_timeout_s
+                )
             except httpx.HTTPError:
                 continue
             return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
@@ -104,7 +128,9 @@ def create_app(router: Router) -> FastAPI:
             prompt, rendered = router.prompt_of(body, chat)
         except ValueError as e:
             return _error(400, str(e))
-        result = await run_in_threadpool(router.score_prompt, prompt, rendered, router.lora_of(body))
+        result = await run_in_threadpool(
+            router.score_prompt, prompt, rendered, router.lora_of(body), router.salt_of(body)
+        )
         if result.scores is None:
             return _error(503, "the index is unavailable", "index_unavailable")
         scores = {
@@ -174,6 +200,14 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--events-bind", help="bind one SUB socket that pods connect to, e.g. tcp://*:5557")
     g.add_argument("--events-topic-filter", default="", help="ZMQ topic prefix to subscribe to, e.g. kv@")
     g.add_argument("--event-workers", type=int, default=4)
+    g.add_argument(
+        "--events-curve-secret-key",
+        help="ZMQ CURVE: the router's secret certificate file (zmq.auth format, '.key_secret')",
+    )
+    g.add_argument(
+        "--events-curve-backend-keys",
+        help="ZMQ CURVE: directory of the backends' public keys, one '<backend name>.key' each",
+    )
     g = parser.add_argument_group("routing")
     g.add_argument("--policy", default="cache_aware", choices=POLICIES)
     g.add_argument(
@@ -181,6 +215,24 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--tier-weights", default="GPU=1.0,CPU=0.8", help="score weight per KV tier")
     g.add_argument("--seed", type=int, default=None, help="seed of the random policy")
+    g = parser.add_argument_group("security")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on every route but /health; forwarded to backends",
+    )
+    g.add_argument("--metrics-without-api-key", action="store_true", help="leave /metrics open for scrapers")
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies get HTTP 413 before they are read (default: %(default)s)",
+    )
+    g.add_argument(
+        "--backend-api-key",
+        default=None,
+        help="key for the router's own calls to backends (state re-publishing; default: --api-key)",
+    )
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8080)
 
@@ -212,6 +264,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval,
         request_timeout_s=args.request_timeout,
         seed=args.seed,
+        api_key=args.api_key,
+        open_metrics=args.metrics_without_api_key,
+        events_curve_secret_key=args.events_curve_secret_key,
+        events_curve_backend_keys=args.events_curve_backend_keys,
+        backend_api_key=args.backend_api_key,
+        max_request_bytes=args.max_request_bytes,
     )
 
 

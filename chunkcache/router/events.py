@@ -28,11 +28,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 
+from chunkcache.curve import CurveKeys, CurveServer, load_public_key, secure_client
 from chunkcache.kv_events import (
     FULL_ATTENTION_KINDS,
     AllBlocksCleared,
@@ -62,6 +64,22 @@ def fnv1a_64(data: bytes) -> int:
     for b in data:
         h = ((h ^ b) * _FNV64_PRIME) & 0xFFFFFFFFFFFFFFFF
     return h
+
+
+# No chunk holds more tokens than this (far beyond any context length): larger claims are forged.
+MAX_CHUNK_TOKENS = 1 << 24
+
+
+@dataclass(frozen=True)
+class IntakeCurve:
+    """CURVE for the router's event and replay sockets: its own keys, and a directory holding each
+    backend's public key as `<pod>.key` (authorized on the bound socket, expected when connecting)."""
+
+    keys: CurveKeys
+    backend_keys_dir: str
+
+    def secure_client(self, sock: zmq.Socket, pod: str) -> None:
+        secure_client(sock, self.keys, load_public_key(Path(self.backend_keys_dir) / f"{pod}.key"))
 
 
 def pod_from_topic(topic: str) -> str:
@@ -96,6 +114,8 @@ class IntakeStats:
     replay_failures: int = 0  # replays that could not fill their gap
     clears: int = 0  # pods cleared (restart, lost history, AllBlocksCleared)
     other_group_blocks: int = 0  # stored/removed blocks of KV cache groups that are not scored
+    unknown_topics: int = 0  # messages dropped: not from a configured backend (or its key)
+    rejected_claims: int = 0  # chunk entries dropped for an impossible token count
 
 
 # Stream key of vLLM's events; the chunk stream's key is its topic (which a replay request names).
@@ -150,9 +170,14 @@ class EventIntake:
         replay_timeout_s: float = 1.0,
         pod_map_capacity: int = 1 << 21,
         on_clear: Callable[[str, str], None] | None = None,
+        allowed_pods: Collection[str] | None = None,
+        curve: IntakeCurve | None = None,
     ) -> None:
         if num_workers <= 0:
             raise ValueError(f"num_workers must be > 0, got {num_workers}")
+        # Pods whose topics the bound socket accepts (None: any); the router passes its backends.
+        self.allowed_pods = None if allowed_pods is None else frozenset(allowed_pods)
+        self.curve = curve
         self.index = index
         self.keyer = keyer or BlockKeyer()
         self.topic_filter = topic_filter
@@ -163,7 +188,11 @@ class EventIntake:
         self._stats_lock = threading.Lock()
         self._replay_endpoints: dict[str, str] = {}
         self._workers = [_Worker() for _ in range(num_workers)]
-        self._ctx = zmq.Context.instance()
+        # CURVE needs a ZAP handler of its own, one per context.
+        self._ctx = zmq.Context() if curve is not None else zmq.Context.instance()
+        self._curve_server = (
+            None if curve is None else CurveServer(self._ctx, curve.keys, curve.backend_keys_dir)
+        )
         self._commands: queue.SimpleQueue[tuple[str, str, str | None]] = queue.SimpleQueue()
         self._subs: dict[str, zmq.Socket] = {}
         self._bound: zmq.Socket | None = None
@@ -171,6 +200,8 @@ class EventIntake:
         if bind_endpoint is not None:
             self._bound = self._ctx.socket(zmq.SUB)
             self._bound.setsockopt(zmq.RCVHWM, 0)
+            if self._curve_server is not None:
+                self._curve_server.secure(self._bound)
             self._bound.bind(bind_endpoint[:-2] + ":*" if bind_endpoint.endswith(":0") else bind_endpoint)
             for prefix in subscriptions(topic_filter):
                 self._bound.setsockopt_string(zmq.SUBSCRIBE, prefix)
@@ -201,6 +232,10 @@ class EventIntake:
                 w.thread.join(2.0)
         if self._receiver is None and self._bound is not None:
             self._bound.close(linger=0)
+        if self._curve_server is not None:
+            self._curve_server.close()
+            self._curve_server = None
+            self._ctx.term()
 
     def add_pod(self, pod: str, endpoint: str | None, replay_endpoint: str | None = None) -> None:
         """Subscribe to a pod's publisher (`endpoint`), or only register its replay endpoint when
@@ -258,6 +293,8 @@ class EventIntake:
             if op == "add" and endpoint is not None:
                 sock = self._ctx.socket(zmq.SUB)
                 sock.setsockopt(zmq.RCVHWM, 0)  # never drop silently here; the publisher's HWM rules
+                if self.curve is not None:
+                    self.curve.secure_client(sock, pod)
                 sock.connect(endpoint)
                 for prefix in subscriptions(self.topic_filter):
                     sock.setsockopt_string(zmq.SUBSCRIBE, prefix)
@@ -280,25 +317,35 @@ class EventIntake:
                     # Drain what is there: one poll per message would cost a syscall each.
                     for _ in range(1000):
                         try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                            if sock is self._bound and self._curve_server is not None:
+                                raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                                sender = self._curve_server.owners.get(raw[0].get("User-Id"))
+                                frames = [f.bytes for f in raw]
+                            else:
+                                frames, sender = sock.recv_multipart(zmq.NOBLOCK), None
                         except zmq.Again:
                             break
-                        self._dispatch(by_socket.get(sock), frames)
+                        self._dispatch(by_socket.get(sock), frames, sender)
         finally:
             for s in self._subs.values():
                 s.close(linger=0)
             if self._bound is not None:
                 self._bound.close(linger=0)
 
-    def _dispatch(self, pod: str | None, frames: list[bytes]) -> None:
+    def _dispatch(self, pod: str | None, frames: list[bytes], sender: str | None = None) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
             logger.warning("dropping a KV event message with %d frames", len(frames))
             self._count(failed=1)
             return
         topic_bytes, seq_bytes, payload = frames
         topic = topic_bytes.decode(errors="replace")
-        if pod is None:
+        if pod is None:  # the bound socket: the topic names the pod, and must name a backend
             pod = pod_from_topic(topic)
+            forged = self.curve is not None and sender != pod  # a key speaks for its own pod only
+            if forged or (self.allowed_pods is not None and pod not in self.allowed_pods):
+                logger.debug("dropping KV events for unknown or foreign pod %r", pod)
+                self._count(unknown_topics=1)
+                return
         stream = topic if is_chunk_topic(topic) else VLLM_STREAM
         self.submit(pod, int.from_bytes(seq_bytes, "big"), payload, stream)
 
@@ -360,6 +407,8 @@ class EventIntake:
         sock = st.replay_socket
         if sock is None:
             sock = st.replay_socket = self._ctx.socket(zmq.DEALER)
+            if self.curve is not None:
+                self.curve.secure_client(sock, pod)
             sock.connect(endpoint)
         ok = False
         try:
@@ -454,7 +503,11 @@ class EventIntake:
             elif isinstance(ev, AllBlocksCleared):
                 self._clear(pod, st, "AllBlocksCleared")
             elif isinstance(ev, ChunkStored):
-                index.add_chunks(pod, list(zip(ev.chunk_hashes, ev.num_tokens, strict=True)))
+                claims = list(zip(ev.chunk_hashes, ev.num_tokens, strict=True))
+                sane = [(h, n) for h, n in claims if isinstance(n, int) and 0 < n <= MAX_CHUNK_TOKENS]
+                if len(sane) < len(claims):
+                    self._count(rejected_claims=len(claims) - len(sane))
+                index.add_chunks(pod, sane)
             elif isinstance(ev, ChunkRemoved):
                 index.remove_chunks(pod, ev.chunk_hashes)
         self._count(

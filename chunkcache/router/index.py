@@ -100,6 +100,12 @@ class KVIndex(ABC):
     def close(self) -> None:  # noqa: B027 - backends without resources need nothing
         """Release connections."""
 
+    def lost_state(self) -> bool:
+        """True (once) when the index lost what it held behind the router's back, e.g. a Redis
+        restart: the router then asks every backend to re-publish its state. Raises
+        IndexUnavailableError while the index cannot be asked."""
+        return False  # an in-process index loses nothing on its own
+
 
 class _TierNames:
     """Canonical tier-set strings ("GPU", "CPU+GPU"), interned and with cached set operations.

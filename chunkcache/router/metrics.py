@@ -65,6 +65,12 @@ class _StateCollector(Collector):
                     ev.other_group_blocks,
                     "Blocks of KV cache groups not scored (sliding window, mamba, ...)",
                 ),
+                (
+                    "events_unknown_topic",
+                    ev.unknown_topics,
+                    "KV event messages not from a configured backend",
+                ),
+                ("events_rejected_claims", ev.rejected_claims, "Chunk claims with impossible token counts"),
             ):
                 yield CounterMetricFamily(P + name, doc, value)
             yield GaugeMetricFamily(P + "event_queue_length", "KV event batches waiting", intake.pending())

@@ -12,6 +12,7 @@ here. Every operation is one round trip (a pipeline, or a script that stops a lo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -104,6 +105,11 @@ class RedisIndex(KVIndex):
         self._stats = IndexStats()
         self._stats_lock = threading.Lock()
         self._clock = f"{prefix}clock"
+        # Present while Redis holds what routers wrote; gone after a restart or a flush.
+        self._alive = f"{prefix}alive"
+        # Redis down at start: the first lost_state() once it is up says so.
+        with contextlib.suppress(redis.RedisError):
+            self._r.set(self._alive, "1")
 
     def _bkey(self, key: int) -> str:
         return f"{self.prefix}b:{key:016x}"
@@ -264,6 +270,12 @@ class RedisIndex(KVIndex):
                     raise IndexIntegrityError(f"{key} pod {pod!r} has {n!r} tokens")
                 if not self._r.sismember(self._podset(pod, "c"), key[plen:]):
                     raise IndexIntegrityError(f"{key} pod {pod!r} is missing from the pod's chunk set")
+
+    @_unavailable
+    def lost_state(self) -> bool:
+        # NX succeeds only when the marker is gone: one router of several sees it, which is enough
+        # (the backends re-publish to every router).
+        return bool(self._r.set(self._alive, "1", nx=True))
 
     def close(self) -> None:
         self._r.close()

@@ -73,9 +73,12 @@ class Scorer:
         chunk_keys: Sequence[int] = (),
         pods: Iterable[str] | None = None,
         use_chunks: bool = True,
+        chunk_tokens: Sequence[int] | None = None,
     ) -> dict[str, PodScore]:
         """Scores of `pods` (every pod the index names when None); pods with nothing cached get a
-        zero score when listed, and are absent otherwise. Raises IndexUnavailableError."""
+        zero score when listed, and are absent otherwise. `chunk_tokens[i]`, the real token count
+        of chunk i in the prompt, caps what a pod's claim for it can earn (claims come from the
+        event socket). Raises IndexUnavailableError."""
         scores: dict[str, PodScore] = {p: PodScore() for p in pods} if pods is not None else {}
         restrict = pods is not None
         rows = self.index.lookup(block_keys)
@@ -88,11 +91,12 @@ class Scorer:
                 # C-level map over the pod's run: this loop is most of a long prompt's scoring.
                 s.prefix_tokens = sum(map(weight, map(itemgetter(p), rows[:depth]))) * bs
         if use_chunks and chunk_keys:
-            for row in self.index.lookup_chunks(chunk_keys):
+            for i, row in enumerate(self.index.lookup_chunks(chunk_keys)):
+                cap = chunk_tokens[i] if chunk_tokens is not None else None
                 for p, n in row.items():
                     if restrict and p not in scores:
                         continue
-                    scores.setdefault(p, PodScore()).chunk_tokens += n
+                    scores.setdefault(p, PodScore()).chunk_tokens += n if cap is None else min(n, cap)
         return scores
 
     @staticmethod

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from starlette.concurrency import run_in_threadpool
 
+from chunkcache.curve import CurveKeys
 from chunkcache.router.backends import Backend, BackendPool, BackendSpec
-from chunkcache.router.events import EventIntake
+from chunkcache.router.events import EventIntake, IntakeCurve
 from chunkcache.router.index import IndexUnavailableError, KVIndex, open_index
 from chunkcache.router.metrics import RouterMetrics
 from chunkcache.router.policy import Decision, Picker
@@ -49,6 +51,18 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     index_retry_s: float = 2.0  # after an index failure, skip the index this long
     seed: int | None = None
+    # Required as 'Authorization: Bearer <key>' on every route but /health (and /metrics when
+    # `open_metrics`); clients' Authorization headers are forwarded to the backends.
+    api_key: str | None = None
+    open_metrics: bool = False
+    # ZMQ CURVE on the event and replay sockets (chunkcache/curve.py): the router's secret
+    # certificate file, and a directory of the backends' public keys named `<pod>.key`.
+    events_curve_secret_key: str | None = None
+    events_curve_backend_keys: str | None = None
+    # Sent as 'Authorization: Bearer' on the router's own calls to backends (state re-publishing);
+    # None: the router's api_key.
+    backend_api_key: str | None = None
+    max_request_bytes: int = 4 * 2**20  # larger bodies: HTTP 413 before they are read
 
 
 @dataclass
@@ -93,6 +107,15 @@ class Router:
         self.picker = Picker(config.policy, config.load_weight, config.seed)
         self.intake: EventIntake | None = None
         if config.events_bind is not None or any(s.events for s in config.backends):
+            curve = None
+            if config.events_curve_secret_key is not None or config.events_curve_backend_keys is not None:
+                if config.events_curve_secret_key is None or config.events_curve_backend_keys is None:
+                    raise ValueError(
+                        "CURVE needs both the router's secret key and the backends' key directory"
+                    )
+                curve = IntakeCurve(
+                    CurveKeys.load(config.events_curve_secret_key), config.events_curve_backend_keys
+                )
             self.intake = EventIntake(
                 self.index,
                 self.processor.keyer,
@@ -100,11 +123,20 @@ class Router:
                 topic_filter=config.events_topic_filter,
                 bind_endpoint=config.events_bind,
                 replay_timeout_s=config.replay_timeout_s,
+                # Only configured backends may publish into the index.
+                allowed_pods=[spec.pod_id for spec in config.backends],
+                curve=curve,
+                on_clear=self._on_pod_cleared,
             )
         self.metrics = RouterMetrics(self.index, self.pool, lambda: self.intake)
         self._transport = transport
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._resyncing: set[str] = set()
+        self._resync_tasks: set[asyncio.Task[None]] = set()
+        self.resyncs = 0  # state re-publications asked of backends
         self._index_down_until = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -116,23 +148,76 @@ class Router:
             self.intake.start()
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(transport=self._transport, limits=limits, timeout=None)
+        self._loop = asyncio.get_running_loop()
         if self.config.health_interval_s > 0:
             self._health_task = asyncio.create_task(
                 self.pool.health_loop(
                     self.client, self.config.health_interval_s, self.config.health_timeout_s
                 )
             )
+            if self.intake is not None:
+                self._watch_task = asyncio.create_task(self._watch_index(self.config.health_interval_s))
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._watch_task, *self._resync_tasks):
+            if task is None:
+                continue
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+                await task
         if self.client is not None:
             await self.client.aclose()
         if self.intake is not None:
             await run_in_threadpool(self.intake.close)
         self.index.close()
+
+    # --- rebuilding the index ----------------------------------------------------------------
+
+    async def _watch_index(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                lost = await run_in_threadpool(self.index.lost_state)
+            except IndexUnavailableError:
+                continue  # down: asked again once it is back
+            if lost:
+                logger.warning("the index lost its state: asking every backend to re-publish")
+                for spec in self.config.backends:
+                    self.request_resync(spec.pod_id)
+
+    def _on_pod_cleared(self, pod: str, reason: str) -> None:
+        # Event worker thread. A pod whose history was lost holds KV the index no longer knows.
+        if reason.startswith("history lost") and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.request_resync, pod)
+
+    def request_resync(self, pod: str) -> None:
+        """Ask a backend to re-publish its whole cache state (once at a time per backend)."""
+        backend = self.pool.backends.get(pod)
+        if backend is None or pod in self._resyncing or self.client is None:
+            return
+        self._resyncing.add(pod)
+        task = asyncio.create_task(self._resync(backend))
+        self._resync_tasks.add(task)
+        task.add_done_callback(self._resync_tasks.discard)
+
+    async def _resync(self, backend: Backend) -> None:
+        assert self.client is not None
+        key = self.config.backend_api_key or self.config.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            resp = await self.client.post(
+                f"{backend.url}/kv_events/republish", headers=headers, timeout=self.config.health_timeout_s
+            )
+            if resp.status_code != 200:
+                logger.warning(
+                    "backend %s did not re-publish its state: HTTP %d", backend.pod_id, resp.status_code
+                )
+            else:
+                self.resyncs += 1
+        except httpx.HTTPError as e:
+            logger.warning("backend %s did not re-publish its state: %s", backend.pod_id, e)
+        finally:
+            self._resyncing.discard(backend.pod_id)
 
     # --- scoring -----------------------------------------------------------------------------
 
@@ -154,18 +239,24 @@ class Router:
         raise ValueError("'prompt' must be a string, a list of token ids, or a list of those")
 
     def score_prompt(
-        self, prompt: str | Sequence[int], rendered_chat: bool = False, lora: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        rendered_chat: bool = False,
+        lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> ScoreResult:
         """Tokenize and score a prompt against every backend (blocking: run it off the event loop)."""
         t0 = time.perf_counter()
         tokenized = self.processor.tokenize(prompt, rendered_chat)
         t1 = time.perf_counter()
-        keys = self.processor.keys(tokenized, lora)
+        keys = self.processor.keys(tokenized, lora, cache_salt)
         result = ScoreResult(None, keys.num_tokens, len(keys.block_keys), len(tokenized.chunks), t1 - t0)
         if time.monotonic() < self._index_down_until:
             return result
         try:
-            result.scores = self.scorer.score(keys.block_keys, keys.chunk_keys, list(self.pool.backends))
+            result.scores = self.scorer.score(
+                keys.block_keys, keys.chunk_keys, list(self.pool.backends), chunk_tokens=keys.chunk_tokens
+            )
         except IndexUnavailableError as e:
             logger.warning(
                 "index unavailable, routing without it for %.1fs: %s", self.config.index_retry_s, e
@@ -177,6 +268,11 @@ class Router:
         self.metrics.tokenization_latency.observe(result.tokenize_s)
         self.metrics.scoring_latency.observe(result.score_s)
         return result
+
+    @staticmethod
+    def salt_of(body: dict[str, Any]) -> str | None:
+        salt = body.get("cache_salt")
+        return salt if isinstance(salt, str) and salt else None
 
     def lora_of(self, body: dict[str, Any]) -> str | None:
         model = body.get("model")
@@ -194,7 +290,9 @@ class Router:
             return self.picker.pick(cands), None
         try:
             prompt, rendered = self.prompt_of(body, chat)
-            result = await run_in_threadpool(self.score_prompt, prompt, rendered, self.lora_of(body))
+            result = await run_in_threadpool(
+                self.score_prompt, prompt, rendered, self.lora_of(body), self.salt_of(body)
+            )
         except Exception as e:  # a prompt we cannot read still gets served, by the backend's rules
             logger.debug("prompt not scored: %s", e)
             return Decision(self.picker.least_loaded(cands), "least_loaded", "prompt_unparsed"), None
@@ -213,10 +311,18 @@ class Router:
             self.metrics.record_lookup(result.num_tokens, min(hit, result.num_tokens))
 
     async def forward(
-        self, path: str, body: dict[str, Any], raw: bytes, headers: dict[str, str], chat: bool
+        self,
+        path: str,
+        body: dict[str, Any],
+        raw: bytes,
+        headers: dict[str, str],
+        chat: bool,
+        stream: bool = False,
     ) -> Upstream:
-        """Send the request to the chosen backend (another one when it refuses the connection).
-        The response is open (streamed); the caller must `release()` it."""
+        """Send the request to the chosen backend; to another one while nothing has reached the
+        client: when the backend refuses the connection, drops it before answering, answers 503,
+        or (`stream`) breaks before the first bytes of its body. The response is open (its first
+        bytes read when streaming, its whole body otherwise); the caller must `release()` it."""
         assert self.client is not None, "Router.start() was not called"
         tried: set[str] = set()
         while True:
@@ -227,6 +333,7 @@ class Router:
                 raise
             backend = decision.backend
             backend.in_flight += 1
+            up: Upstream | None = None
             try:
                 req = self.client.build_request(
                     "POST",
@@ -235,19 +342,44 @@ class Router:
                     headers=headers,
                     timeout=self.config.request_timeout_s,
                 )
-                resp = await self.client.send(req, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                # Nothing reached the backend, so trying another one cannot run the request twice.
-                backend.in_flight -= 1
+                up = Upstream(await self.client.send(req, stream=True), backend)
+                if up.resp.status_code == 503 and self._others_left(tried, backend):
+                    # Down or overloaded (engine dead, queue full): the request did not run there.
+                    self.metrics.proxy_errors.labels(backend.pod_id).inc()
+                    tried.add(backend.pod_id)
+                    await up.release()
+                    continue
+                await up.prefetch(whole=not stream)
+            except (httpx.TransportError, httpx.StreamError) as e:
+                if up is not None:
+                    await up.release()
+                else:
+                    backend.in_flight -= 1
+                if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+                    raise  # it did run there, for as long as we allow: do not double the wait
+                # Nothing reached the client, so another backend can take the request.
                 tried.add(backend.pod_id)
-                self.pool.mark(backend, False, f"connection failed: {type(e).__name__}")
+                self.pool.mark(backend, False, f"request failed: {type(e).__name__}")
                 self.metrics.proxy_errors.labels(backend.pod_id).inc()
                 continue
             except BaseException:
-                backend.in_flight -= 1
+                if up is not None:
+                    await up.release()
+                else:
+                    backend.in_flight -= 1
                 raise
             self._record(decision, result)
-            return Upstream(resp, backend)
+            return up
+
+    def _others_left(self, tried: set[str], backend: Backend) -> bool:
+        return any(b.pod_id not in tried and b is not backend for b in self.pool.candidates())
+
+
+def sse_error_event(message: str) -> bytes:
+    """An OpenAI-shaped error as one SSE event plus [DONE]; the blank line first ends whatever
+    partial event the broken stream left behind."""
+    error = {"error": {"message": message, "type": "backend_error", "param": None, "code": "backend_failed"}}
+    return f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
 
 @dataclass
@@ -257,11 +389,34 @@ class Upstream:
     resp: httpx.Response
     backend: Backend
     released: bool = False
+    first: bytes = b""
+    _chunks: AsyncIterator[bytes] | None = None
 
-    async def relay(self) -> AsyncIterator[bytes]:
+    async def prefetch(self, whole: bool) -> None:
+        """Read the body (`whole`) or its first bytes, so that a backend failing before it sent
+        anything fails here, where the request can still go elsewhere."""
+        if whole:
+            self.first = await self.resp.aread()
+            return
+        self._chunks = self.resp.aiter_raw()
+        self.first = await anext(self._chunks, b"")
+
+    async def relay(self, on_error: Callable[[BaseException], None] | None = None) -> AsyncIterator[bytes]:
+        """The body, for a streamed response. A backend failing mid-stream ends it with an SSE
+        error event (the status line is sent already), reported to `on_error`."""
         try:
-            async for chunk in self.resp.aiter_raw():
-                yield chunk
+            if self.first:
+                yield self.first
+            if self._chunks is None:
+                self._chunks = self.resp.aiter_raw()
+            try:
+                async for chunk in self._chunks:
+                    yield chunk
+            except (httpx.TransportError, httpx.StreamError) as e:
+                logger.warning("backend %s failed mid-stream: %s", self.backend.pod_id, e)
+                if on_error is not None:
+                    on_error(e)
+                yield sse_error_event(f"the backend failed mid-stream: {type(e).__name__}: {e}")
         finally:
             await self.release()
 

@@ -72,8 +72,15 @@ class BlockKeyer:
         # One C-level conversion of all digests to ints instead of one call per block.
         return list(struct.unpack(f">{len(digests)}Q", b"".join(digests)))
 
-    def request_keys(self, token_ids: Sequence[int], lora: str | None = None) -> list[int]:
-        return self.chain(self.root(lora), token_ids)
+    def request_keys(
+        self, token_ids: Sequence[int], lora: str | None = None, cache_salt: str | None = None
+    ) -> list[int]:
+        root = self.root(lora)
+        if cache_salt is not None:
+            # A salted request's chain is its own. Engines never publish salted blocks (that
+            # would tell who cached what), so these keys match nothing: no prefix credit.
+            root = _digest64(root.to_bytes(8, "big") + b"\0salt\0" + cache_salt.encode())
+        return self.chain(root, token_ids)
 
 
 def _lora_of(event: BlockStored) -> str | None:
@@ -233,12 +240,17 @@ class PromptProcessor:
         ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=special))
         return TokenizedPrompt(ids, (), len(ids))
 
-    def keys(self, prompt: TokenizedPrompt, lora: str | None = None) -> PromptKeys:
+    def keys(
+        self, prompt: TokenizedPrompt, lora: str | None = None, cache_salt: str | None = None
+    ) -> PromptKeys:
+        """Index keys of a prompt; a `cache_salt` keys it as engines do (its own chunk keys)."""
         if not prompt.chunks:
-            block_keys = self.keyer.request_keys(prompt.prefix_token_ids, lora)
+            block_keys = self.keyer.request_keys(prompt.prefix_token_ids, lora, cache_salt)
             return PromptKeys(block_keys, [], [], prompt.num_tokens)
-        sys_ids, algorithm = prompt.prefix_token_ids, self.chunk_hash_algorithm
-        chunk_keys = [to_wire(system_hash(self.model_name, sys_ids, algorithm))]
-        chunk_keys += [to_wire(chunk_hash(self.model_name, sys_ids, c, algorithm)) for c in prompt.chunks]
+        sys_ids, algorithm, salt = prompt.prefix_token_ids, self.chunk_hash_algorithm, cache_salt
+        chunk_keys = [to_wire(system_hash(self.model_name, sys_ids, algorithm, salt))]
+        chunk_keys += [
+            to_wire(chunk_hash(self.model_name, sys_ids, c, algorithm, salt)) for c in prompt.chunks
+        ]
         chunk_tokens = [len(sys_ids), *map(len, prompt.chunks)]
         return PromptKeys([], chunk_keys, chunk_tokens, prompt.num_tokens)

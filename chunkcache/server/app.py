@@ -9,7 +9,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.choices import ChoiceGroup
-from chunkcache.server.engine_loop import EngineLoop, RequestStream
+from chunkcache.server.engine_loop import EngineLoop, RequestFailedError, RequestStream
 from chunkcache.server.errors import (
     CLIENT_CLOSED,
     ApiError,
@@ -31,6 +31,7 @@ from chunkcache.server.errors import (
     param_named_in,
     stream_error,
 )
+from chunkcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from chunkcache.server.metrics import ServerMetrics
 from chunkcache.server.protocol import (
     AssistantMessage,
@@ -154,6 +155,8 @@ def build_app(
     max_queue: int,
     served_model_name: str | Sequence[str] | None,
     drain_timeout: float | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    metrics_without_api_key: bool = False,
 ) -> FastAPI:
     """The application serving `engine`. The engine thread starts with the app's lifespan and, at
     shutdown, in-flight requests are drained (up to `drain_timeout` seconds) before the engine closes."""
@@ -178,6 +181,7 @@ def build_app(
 
     app = FastAPI(title="chunkcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_loop = engine_loop
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.add_middleware(GuardMiddleware, metrics=metrics)
     install_error_handlers(app)
 
@@ -215,19 +219,21 @@ def build_app(
         except ValueError as e:
             raise invalid(str(e), param_named_in(str(e), list(type(body).model_fields))) from None
 
-    def submit(
+    async def submit(
         prefix: str,
         prompt: str | list[int],
         params: SamplingParams,
         chunk_options: dict[str, Any] | None,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> RequestStream:
-        return engine_loop.submit(
+        return await engine_loop.submit(
             engine_loop.new_request_id(prefix),
             prompt,
             params,
             add_special_tokens=add_special_tokens,
             chunk_options=chunk_options,
+            cache_salt=cache_salt,
         )
 
     async def wait_for_disconnect(request: Request) -> None:
@@ -235,18 +241,19 @@ def build_app(
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    def submit_group(
+    async def submit_group(
         prefix: str,
         prompts: list[str | list[int]],
         params: SamplingParams,
         n: int,
         chunk_options: dict[str, Any] | None,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> ChoiceGroup:
-        def one(prompt: str | list[int], choice_params: SamplingParams) -> RequestStream:
-            return submit(prefix, prompt, choice_params, chunk_options, add_special_tokens)
+        def one(prompt: str | list[int], choice_params: SamplingParams) -> Awaitable[RequestStream]:
+            return submit(prefix, prompt, choice_params, chunk_options, add_special_tokens, cache_salt)
 
-        return ChoiceGroup(one, prompts, params, n)
+        return await ChoiceGroup.start(one, prompts, params, n)
 
     async def collect_group(group: ChoiceGroup, request: Request) -> dict[int, RequestOutput] | None:
         """The final output of every choice of a non-streamed request, or None if the client went
@@ -339,7 +346,9 @@ def build_app(
             raise invalid(str(e), "prompt") from None
         params = sampling_params(body)
         n = body.num_choices
-        group = submit_group("cmpl", prompts, params, n, body.chunk_options())
+        group = await submit_group(
+            "cmpl", prompts, params, n, body.chunk_options(), cache_salt=body.cache_salt
+        )
         k = body.logprobs
         echoes = [echo_text(p) for p in prompts] if body.echo else None
         if body.stream:
@@ -441,6 +450,8 @@ def build_app(
                     ],
                 )
                 yield _sse(chunk.model_dump_json())
+        except RequestFailedError as e:
+            yield _sse(stream_error(str(e), type="server_error", code="request_failed"))
         except Exception as e:  # the engine died, or a later choice was refused: say so in-stream
             yield _sse(stream_error(str(e)))
         else:
@@ -471,7 +482,8 @@ def build_app(
                 "Use tool_choice 'required' or a named function, which work with any model",
                 "tool_choice",
             )
-        prompt = engine.render_chat(body.template_messages(), **body.template_kwargs())
+        messages, template_kwargs = body.template_messages(), body.template_kwargs()
+        prompt = await engine_loop.run_off_loop(lambda: engine.render_chat(messages, **template_kwargs))
         tool_names = {t.function.name for t in body.tools or []}
 
         def read_tools(text: str) -> tuple[str | None, list[ToolCall], bool]:
@@ -487,7 +499,15 @@ def build_app(
             return text, [], False
 
         n = body.num_choices
-        group = submit_group("chatcmpl", [prompt], params, n, body.chunk_options(), add_special_tokens=False)
+        group = await submit_group(
+            "chatcmpl",
+            [prompt],
+            params,
+            n,
+            body.chunk_options(),
+            add_special_tokens=False,
+            cache_salt=body.cache_salt,
+        )
         k = (body.top_logprobs or 0) if body.logprobs else None
         reader = read_tools if tool_mode is not None else None
         if body.stream:
@@ -588,6 +608,8 @@ def build_app(
                     ],
                 )
                 yield _sse(chunk.model_dump_json(exclude_none=False))
+        except RequestFailedError as e:
+            yield _sse(stream_error(str(e), type="server_error", code="request_failed"))
         except Exception as e:  # the engine died, or a later choice was refused: say so in-stream
             yield _sse(stream_error(str(e)))
         else:
@@ -609,14 +631,23 @@ def build_app(
             return {"enabled": False}
         return {"enabled": True, **stats}
 
+    @api.post("/kv_events/republish")
+    async def republish_kv_events() -> Response:
+        """Re-publish every cached block and chunk on the KV event socket: a router whose index lost
+        its state (Redis restarted, history it could not replay) asks for this to rebuild it."""
+        published = await engine_loop.call(engine.republish_state)
+        if published is None:
+            return error_response(409, "this server publishes no KV events", "invalid_request_error")
+        return JSONResponse({"published_events": published})
+
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         resolve_model(body.model)
         tokenizer = engine.tokenizer
         if body.messages is not None:
-            text = engine.render_chat(
-                [m.to_template_message() for m in body.messages],
-                add_generation_prompt=body.add_generation_prompt,
+            messages = [m.to_template_message() for m in body.messages]
+            text = await engine_loop.run_off_loop(
+                lambda: engine.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
             )
         else:
             assert body.prompt is not None
@@ -625,7 +656,9 @@ def build_app(
         if add_special is None:
             # Same defaults as generation: prompts get the special prefix, rendered chats carry their own.
             add_special = body.messages is None
-        tokens = list(tokenizer.encode(text, add_special_tokens=add_special))
+        tokens = await engine_loop.run_off_loop(
+            lambda: list(tokenizer.encode(text, add_special_tokens=add_special))
+        )
         return TokenizeResponse(
             count=len(tokens),
             max_model_len=engine.max_model_len,
@@ -641,7 +674,10 @@ def build_app(
             return error_response(503, "the engine is not running", "service_unavailable")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    # Cached-token counts tell one tenant about another's traffic: behind the key unless asked.
+    metrics_guard = [] if metrics_without_api_key else [Depends(check_api_key)]
+
+    @app.get("/metrics", dependencies=metrics_guard)
     async def prometheus_metrics() -> Response:
         if engine_loop.alive:
             metrics.update_engine_stats(await engine_loop.call(engine.stats))

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from chunkcache.outputs import RequestOutput
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.engine_loop import RequestStream
 
 Prompt = str | list[int]
-Submit = Callable[[Prompt, SamplingParams], RequestStream]
+Submit = Callable[[Prompt, SamplingParams], Awaitable[RequestStream]]
 
 
 class ChoiceGroup:
-    """Choice i of prompt p has index p * n + i (OpenAI's and vLLM's numbering)."""
+    """Choice i of prompt p has index p * n + i (OpenAI's and vLLM's numbering). Made by `start`."""
 
     def __init__(self, submit: Submit, prompts: Sequence[Prompt], params: SamplingParams, n: int) -> None:
         if n < 1:
@@ -35,12 +35,20 @@ class ChoiceGroup:
         self.streams: dict[int, RequestStream] = {}
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    async def start(
+        cls, submit: Submit, prompts: Sequence[Prompt], params: SamplingParams, n: int
+    ) -> ChoiceGroup:
+        """A group with choice 0 of every prompt submitted (so bad input fails here)."""
+        group = cls(submit, prompts, params, n)
         try:
-            for p, prompt in enumerate(self.prompts):
-                self.streams[p * n] = submit(prompt, self.params_for(0))
+            for p, prompt in enumerate(group.prompts):
+                group.streams[p * n] = await submit(prompt, group.params_for(0))
         except BaseException:
-            self.release()
+            group.release()
             raise
+        return group
 
     @property
     def request_id(self) -> str:
@@ -73,17 +81,17 @@ class ChoiceGroup:
             async for output in self.streams[index]:
                 if not started:
                     started = True
-                    self._start_followers(index)
+                    await self._start_followers(index)
                 self._queue.put_nowait((index, output))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # engine death, a follower refused: the response ends with it
             self._queue.put_nowait(e)
 
-    def _start_followers(self, lead: int) -> None:
+    async def _start_followers(self, lead: int) -> None:
         prompt = self.prompts[lead // self.n]
         for i in range(1, self.n):
-            self.streams[lead + i] = self._submit(prompt, self.params_for(i))
+            self.streams[lead + i] = await self._submit(prompt, self.params_for(i))
             self._tasks.append(asyncio.ensure_future(self._pump(lead + i, lead=False)))
 
     def release(self) -> None:

@@ -11,12 +11,15 @@ import logging
 
 from chunkcache.config import EngineConfig
 from chunkcache.engine_args import MODEL_HELP, add_engine_arguments, engine_options
+from chunkcache.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 256
+# A hung request must not keep a SIGTERMed server alive for ever (a supervisor would SIGKILL it).
+DEFAULT_DRAIN_TIMEOUT = 30.0
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -30,7 +33,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind (default: %(default)s)")
     server.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/* and /tokenize"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on every route but /health (see --metrics-without-api-key)",
+    )
+    server.add_argument(
+        "--metrics-without-api-key",
+        action="store_true",
+        help="leave /metrics open for scrapers when --api-key is set",
     )
     server.add_argument(
         "--max-queue",
@@ -41,8 +51,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     server.add_argument(
         "--drain-timeout",
         type=float,
-        default=None,
-        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default: no limit)",
+        default=DEFAULT_DRAIN_TIMEOUT,
+        help="on SIGTERM, seconds to let in-flight requests finish before aborting them (default: %(default)s)",
+    )
+    server.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies get HTTP 413 before they are read (default: %(default)s)",
     )
     server.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
@@ -69,6 +85,8 @@ def run_serve(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         served_model_name=config.served_model_name,
         drain_timeout=args.drain_timeout,
+        max_request_bytes=args.max_request_bytes,
+        metrics_without_api_key=args.metrics_without_api_key,
     )
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     # uvicorn's own graceful shutdown stops accepting connections and waits for open requests to
@@ -83,7 +101,17 @@ def run_serve(args: argparse.Namespace) -> None:
             access_log=args.log_level in ("debug", "trace"),
         )
     )
+    engine_loop = app.state.engine_loop
+
+    def on_engine_death(error: BaseException) -> None:
+        logger.critical("the engine thread died (%s): shutting the server down", type(error).__name__)
+        server.should_exit = True
+
+    engine_loop.on_death = on_engine_death
     server.run()
+    if engine_loop.dead is not None:
+        # Non-zero, so that a supervisor (systemd, Kubernetes) restarts the server.
+        raise SystemExit(f"chunkcache serve: the engine died: {engine_loop.dead!r}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from chunkcache.outputs import RequestOutput
@@ -38,6 +38,10 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error or is shutting down; no request can run (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (its batch raised); the engine itself goes on (HTTP 500)."""
 
 
 class RequestStream:
@@ -74,6 +78,8 @@ class RequestStream:
                     raise item
                 if item.finished:
                     self.finished = True
+                    if item.error is not None:
+                        raise RequestFailedError(item.error)
                 yield item
         finally:
             # Reached on normal completion, on cancellation (the client hung up) and on
@@ -116,6 +122,9 @@ class EngineLoop:
         self._step_lock = threading.Lock()
         self._dead: BaseException | None = None
         self._ids = itertools.count()
+        self._prep_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunkcache-prep")
+        # Called on the engine thread if it dies: the server exits so that a supervisor restarts it.
+        self.on_death: Callable[[BaseException], None] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -143,6 +152,7 @@ class EngineLoop:
             self._wake.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self._prep_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
     @property
@@ -162,7 +172,7 @@ class EngineLoop:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{time.time_ns():x}"
 
-    def submit(
+    async def submit(
         self,
         request_id: str,
         prompt: str | list[int],
@@ -170,9 +180,11 @@ class EngineLoop:
         *,
         add_special_tokens: bool = True,
         chunk_options: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Admit a request. Call on the event loop. Raises QueueFullError / EngineDeadError, or the
-        engine's InvalidRequestError (PromptTooLongError) from its synchronous validation."""
+        engine's InvalidRequestError (PromptTooLongError) from its synchronous validation, which
+        (tokenization included) runs on a worker thread so that a long prompt stalls no other client."""
         if self._dead is not None or not self._accepting or not self.alive:
             raise EngineDeadError("the engine is not accepting requests (shutting down or failed)")
         if self._num_waiting >= self.max_queue:
@@ -180,20 +192,51 @@ class EngineLoop:
                 f"server busy: {self._num_waiting} requests are already waiting (max_queue={self.max_queue})"
             )
         stream = RequestStream(request_id, self)
-        # Registered before add_request so that no output of it can arrive unrouted.
+        # Registered before add_request so that no output of it can arrive unrouted; counted as
+        # waiting from now, so that requests being tokenized count against max_queue too.
         with self._streams_lock:
             self._streams[request_id] = stream
-        try:
-            self.engine.add_request(
-                request_id, prompt, params, add_special_tokens=add_special_tokens, chunk_options=chunk_options
-            )
-        except BaseException:
-            with self._streams_lock:
-                del self._streams[request_id]
-            raise
         self._num_waiting += 1
+        added = asyncio.get_running_loop().run_in_executor(
+            self._prep_pool,
+            lambda: self.engine.add_request(
+                request_id,
+                prompt,
+                params,
+                add_special_tokens=add_special_tokens,
+                chunk_options=chunk_options,
+                cache_salt=cache_salt,
+            ),
+        )
+        try:
+            await asyncio.shield(added)
+        except asyncio.CancelledError:
+            # The client left while its prompt was prepared: abort the request once it is queued.
+            added.add_done_callback(lambda f: self._abort_if_added(f, request_id))
+            self._undo_submit(stream)
+            raise
+        except BaseException:
+            self._undo_submit(stream)
+            raise
         self._kick()
         return stream
+
+    def _undo_submit(self, stream: RequestStream) -> None:
+        with self._streams_lock:
+            self._streams.pop(stream.request_id, None)
+        self._num_waiting -= 1
+        stream.got_first_output = stream.released = True
+
+    def _abort_if_added(self, future: asyncio.Future[None], request_id: str) -> None:
+        if not future.cancelled() and future.exception() is None and self._dead is None:
+            self.engine.abort_request(request_id)
+            self._kick()
+
+    async def run_off_loop(self, fn: Callable[[], T]) -> T:
+        """Run CPU-bound request preparation (tokenizing, chat templates) on the one worker thread.
+
+        One worker: the tokenizer is not made for concurrent use, and order is kept."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep_pool, fn)
 
     def _forget(self, stream: RequestStream, *, abort: bool) -> None:
         with self._streams_lock:
@@ -248,8 +291,15 @@ class EngineLoop:
             logger.exception("engine thread failed; the server cannot run requests any more")
             self._dead = e
             self._fail_all(e)
+            if self.on_death is not None:
+                self.on_death(e)
         finally:
             self._fail_pending_calls()
+
+    @property
+    def dead(self) -> BaseException | None:
+        """The error that stopped the engine thread, if one did."""
+        return self._dead
 
     def _run_calls(self) -> None:
         with self._wake:

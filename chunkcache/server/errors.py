@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
-from chunkcache.server.engine_loop import EngineDeadError, QueueFullError
+from chunkcache.server.engine_loop import EngineDeadError, QueueFullError, RequestFailedError
 from chunkcache.server.metrics import ServerMetrics
 from chunkcache.server.protocol import ErrorInfo, ErrorResponse
 
@@ -33,6 +33,7 @@ API_PATHS = frozenset(
         "/v1/models",
         "/v1/chunk_cache/stats",
         "/tokenize",
+        "/kv_events/republish",
         "/health",
         "/metrics",
     }
@@ -140,13 +141,9 @@ class GuardMiddleware:
             self.metrics.observe_http(endpoint, status if status is not None else CLIENT_CLOSED)
 
 
-def stream_error(message: str) -> str:
+def stream_error(message: str, type: str = "service_unavailable", code: str = "engine_dead") -> str:
     # Once a stream has started its status is 200; an error can only travel as an event.
-    return json.dumps(
-        ErrorResponse(
-            error=ErrorInfo(message=message, type="service_unavailable", code="engine_dead")
-        ).model_dump()
-    )
+    return json.dumps(ErrorResponse(error=ErrorInfo(message=message, type=type, code=code)).model_dump())
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -161,15 +158,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(PromptTooLongError)
     async def prompt_too_long(request: Request, exc: PromptTooLongError) -> JSONResponse:
-        return error_response(413, str(exc), "invalid_request_error", "prompt", "context_length_exceeded")
+        return error_response(
+            413, str(exc), "invalid_request_error", exc.param or "prompt", "context_length_exceeded"
+        )
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, str(exc), "invalid_request_error")
+        return error_response(400, str(exc), "invalid_request_error", exc.param)
 
     @app.exception_handler(QueueFullError)
     async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
         return error_response(503, str(exc), "service_unavailable", code="queue_full")
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, str(exc), "server_error", code="request_failed")
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:

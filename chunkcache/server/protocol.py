@@ -31,7 +31,8 @@ MAX_PROMPTS = 256
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity (which Python's JSON parser accepts) are refused in every float field.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
@@ -69,6 +70,8 @@ class _SamplingFields(StrictModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
+    # vLLM's: requests share cached KV only with requests of the same salt (tenant isolation).
+    cache_salt: str | None = Field(default=None, min_length=1)
     # chunkcache's extensions: this request's chunk layout and blend options (ChunkConfig).
     chunk_layout: str | None = None
     blend_check_layers: list[int] | None = None
