@@ -227,7 +227,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         )
     full = next(r for r in rows if r["mode"] == "full")
     ax.axhline(100 * full["accuracy"] * 0.95, linestyle=":", color="grey", label="95% of full's accuracy")
-    ax.set_xlabel("warm TTFT speedup over full prefill (x, wall)")
+    ax.set_xscale("log")
+    ax.set_xlabel("warm TTFT speedup over full prefill (x, wall, log scale)")
     ax.set_ylabel("correct answers (%)")
     ax.set_title(title, fontsize=9)
     ax.legend(loc="lower left", fontsize=8)
@@ -241,21 +242,39 @@ def report(results: dict[str, ModeResult], questions: list[fidelity_set.Question
     for q in questions:
         splits[q.split].append(q)
     summary_rows: list[dict[str, Any]] = []
+    choice_rows: list[dict[str, Any]] = []  # the default is chosen on these (the tune split)
+    # TTFT is a property of the prompts' shape: a split without timed questions shows the
+    # speedups measured on the timed questions of the whole set.
+    overall = {r["mode"]: r for r in summarize(results, questions)}
     for split, qs in [("all", questions), *splits.items()]:
         if not qs:
             continue
         rows = summarize(results, qs)
+        for row in rows:
+            if "speedup_wall" not in row and "speedup_wall" in overall[row["mode"]]:
+                row.update({k: overall[row["mode"]][k] for k in ("ttft_ms", "speedup_wall", "speedup_cpu")})
         print(f"\n{split}: {len(qs)} questions ({sum(q.hops == 2 for q in qs)} need two documents)")
         print_table(rows)
         if split == "heldout" or not summary_rows:
             summary_rows, summary_split = rows, split
+        if split == "tune" or not choice_rows:
+            choice_rows = rows
     if args.plot:
         plot(summary_rows, args.plot, f"bench_fidelity: {summary_split} questions, {Path(args.model).name}")
     full = next(r for r in summary_rows if r["mode"] == "full")
-    fast = [r for r in summary_rows if r["mode"] != "full" and r.get("speedup_wall", 0) >= 2.0]
-    best = max(fast, key=lambda r: r["kept_share"], default=None)
+    # The default rule (issue 15): the fastest mode keeping >= 95% of full's correct answers, else
+    # the one keeping most among those >= 2x faster; chosen on "tune", reported on "heldout".
+    fast = [r for r in choice_rows if r["mode"] != "full" and r.get("speedup_wall", 0) >= 2.0]
+    keeping = [r for r in fast if r["kept_share"] >= 0.95]
+    best = (
+        max(keeping, key=lambda r: r["speedup_wall"])
+        if keeping
+        else max(fast, key=lambda r: (r["kept_share"], r["accuracy"]), default=None)
+    )
+    shown = {r["mode"]: r for r in summary_rows}
     best_text = (
-        f"best>=2x {best['mode']} kept {100 * best['kept_share']:.0f}% at {best['speedup_wall']:.2f}x"
+        f"default {best['mode']} (chosen on tune) keeps {100 * shown[best['mode']]['kept_share']:.0f}% "
+        f"of full's answers at {best['speedup_wall']:.2f}x"
         if best
         else "no mode >= 2x"
     )

@@ -122,7 +122,7 @@ def _choices_text(response) -> dict[int, str]:
 
 
 def vllm_metric(server: ServerThread, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name:
@@ -396,7 +396,7 @@ def test_a_client_leaving_an_n_choice_stream_frees_every_choice(server: ServerTh
 
 
 def aborts(server: ServerThread) -> float:
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if (
