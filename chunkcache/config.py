@@ -76,7 +76,9 @@ class ChunkConfig:
     hash_algorithm: str = "sha256"
     # "isolated": chunks share one position range, Q sees them as computed (exact, no recompute).
     # "offset": chunks at their natural positions (cached K re-rotated), then blend.
-    layout: str = "isolated"
+    # Default by measurement (benchmarks/RESULTS.md, bench_fidelity): offset + blend@0.15 at layer 1
+    # kept 76% of full prefill's correct answers at 4.1x its TTFT; isolated kept 61% (19x).
+    layout: str = "offset"
     # More chunks than this in one prompt is rejected: each chunk is a pool entry and a job.
     max_chunks: int = 256
     # Blend (layout "offset"): at check layer j keep the share ratios[j] of all chunk tokens

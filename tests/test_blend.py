@@ -174,7 +174,7 @@ def test_blend_never_pollutes_the_pool(checkpoint) -> None:
     llm.generate(
         _prompt([0, 1]), greedy, chunk_options={"chunk_layout": "offset", "blend_recompute_ratios": [0.5]}
     )
-    out = llm.generate(_prompt([1, 0]), greedy)[0]
+    out = llm.generate(_prompt([1, 0]), greedy, chunk_options={"chunk_layout": "isolated"})[0]
     assert out.num_chunk_cached_tokens > 0
     sys_ids, chunks, q_ids = _parts(llm, [1, 0])
     mask, positions = chunk_isolated_mask(len(sys_ids), [len(c) for c in chunks], len(q_ids))

@@ -33,6 +33,8 @@ def _prompt(doc_ids: list[int], question: str = QUESTION) -> str:
 
 
 def _llm(path, **options) -> LLM:
+    # These tests check the exact layout "isolated" (the engine's default is "offset" + blend).
+    options.setdefault("chunk_layout", "isolated")
     options.setdefault("kv_cache_tokens", 2048)
     options.setdefault("chunk_cache_size_gb", 0.001)
     return LLM(str(path), device="cpu", **options)

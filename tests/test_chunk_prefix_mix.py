@@ -88,3 +88,21 @@ def test_chunked_and_plain_requests_mix(checkpoint, prefix_caching: bool, layout
     assert warm.num_prefix_cached_tokens == num_sys
     assert warm.num_chunk_cached_tokens == num_docs
     llm.check_integrity()
+
+
+def test_blend_is_admitted_whole_under_a_small_token_budget(checkpoint) -> None:
+    """A blend prefill cannot be split: admitted with the budget's share of its blocks only, it
+    failed (shape mismatch) and silently fell back to a plain prefill."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = LLM(
+        str(path), device="cpu", kv_cache_tokens=2048, chunk_cache_size_gb=0.001, max_num_batched_tokens=32
+    )
+    llm.generate(PROMPT, FIRST, chunk_options=ISOLATED)  # warm the pool
+    out = llm.generate(PROMPT, FIRST, chunk_options=REUSE)[0]
+    assert len(out.prompt_token_ids) > 32
+    assert not out.blend_fallback
+    assert llm.chunk_cache_stats()["blend_fallbacks"] == 0
+    ref = _reference(path, llm, "offset")
+    for token, lp in out.outputs[0].logprobs[0].items():
+        assert abs(ref[token].item() - lp) < 1e-4
+    llm.check_integrity()

@@ -112,7 +112,8 @@ def _parts(llm: LLM, order: list[int]) -> tuple[list[int], list[list[int]], list
 def test_isolated_layout_matches_the_4d_chunk_mask(llm: LLM, path: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     for order in ([0, 1, 2], [2, 0, 1]):  # cold, then every chunk from the pool in a new order
-        out = llm.generate(SYSTEM + SEP + SEP.join(DOCS[i] for i in order) + SEP + QUESTION, params)[0]
+        prompt = SYSTEM + SEP + SEP.join(DOCS[i] for i in order) + SEP + QUESTION
+        out = llm.generate(prompt, params, chunk_options={"chunk_layout": "isolated"})[0]
         sys_ids, chunks, q_ids = _parts(llm, order)
         ids = sys_ids + [t for c in chunks for t in c] + q_ids
         assert out.prompt_token_ids == ids

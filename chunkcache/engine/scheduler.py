@@ -101,7 +101,7 @@ class Scheduler:
                 and seq.params.prompt_logprobs is None
             ):
                 self._match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._num_new_tokens(seq, budget)
             if not self._grow(seq, seq.num_computed + n):
                 # A waiting sequence holds no blocks: the prefix blocks it just matched go back
                 # (still cached), or a running sequence could starve for them while it waits.
