@@ -29,6 +29,10 @@ REUSE = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_r
 ISOLATED = {"chunk_layout": "isolated"}
 
 
+def _llm(path, **options) -> LLM:
+    return LLM(str(path), device="cpu", kv_cache_tokens=2048, chunk_cache_size_gb=0.001, **options)
+
+
 def _reference(path, llm: LLM, layout: str) -> torch.Tensor:
     tok = llm.tokenizer
     sys_ids = tok.encode(SYSTEM, add_special_tokens=True)
@@ -46,25 +50,13 @@ def _reference(path, llm: LLM, layout: str) -> torch.Tensor:
 @pytest.mark.parametrize("order", ["plain-first", "chunked-first"])
 def test_chunked_and_plain_requests_mix(checkpoint, prefix_caching: bool, layout: str, order: str) -> None:
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    llm = LLM(
-        str(path),
-        device="cpu",
-        kv_cache_tokens=2048,
-        chunk_cache_size_gb=0.001,
-        enable_prefix_caching=prefix_caching,
-    )
+    llm = _llm(path, enable_prefix_caching=prefix_caching)
     options = REUSE if layout == "offset" else ISOLATED
     ref = _reference(path, llm, layout)
     # The plain request is the chunked prompt's own token ids: every block of it is then in the
     # prefix cache, the worst case for a chunked request that wrongly matches the prefix.
     joined = llm.generate(PROMPT, FIRST, chunk_options=options)[0].prompt_token_ids
-    llm = LLM(
-        str(path),
-        device="cpu",
-        kv_cache_tokens=2048,
-        chunk_cache_size_gb=0.001,
-        enable_prefix_caching=prefix_caching,
-    )
+    llm = _llm(path, enable_prefix_caching=prefix_caching)
     plain_first = order == "plain-first"
     if plain_first:
         llm.generate([joined], FIRST)
@@ -94,9 +86,7 @@ def test_blend_is_admitted_whole_under_a_small_token_budget(checkpoint) -> None:
     """A blend prefill cannot be split: admitted with the budget's share of its blocks only, it
     failed (shape mismatch) and silently fell back to a plain prefill."""
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    llm = LLM(
-        str(path), device="cpu", kv_cache_tokens=2048, chunk_cache_size_gb=0.001, max_num_batched_tokens=32
-    )
+    llm = _llm(path, max_num_batched_tokens=32)
     llm.generate(PROMPT, FIRST, chunk_options=ISOLATED)  # warm the pool
     out = llm.generate(PROMPT, FIRST, chunk_options=REUSE)[0]
     assert len(out.prompt_token_ids) > 32

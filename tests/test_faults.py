@@ -19,11 +19,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.testclient import TestClient
 from server_util import ServerProcess, ServerThread
+from test_router_app import ServerThread as BackendThread
 
 from chunkcache.config import ChunkConfig, EngineConfig, SchedulerConfig
 from chunkcache.engine.engine import LLMEngine
@@ -527,7 +527,7 @@ def router_metric(text: str, name: str) -> float:
 
 def test_router_retries_backends_that_fail_before_sending(model_dir: Path) -> None:
     closing, headers_only = RawBackend("close"), RawBackend("headers")
-    ok = _FakeServer(ok_backend()).start()
+    ok = BackendThread(ok_backend()).start()
     try:
         specs = (
             BackendSpec(closing.url, "closes"),
@@ -578,7 +578,7 @@ def test_router_reports_a_backend_killed_mid_stream(model_dir: Path) -> None:
 
 
 def test_router_api_key_guards_routes_and_is_forwarded(model_dir: Path) -> None:
-    ok = _FakeServer(ok_backend(api_key="k")).start()
+    ok = BackendThread(ok_backend(api_key="k")).start()
     try:
         specs = (BackendSpec(ok.url, "ok"),)
         auth = {"Authorization": "Bearer k"}
@@ -602,33 +602,6 @@ def test_router_api_key_guards_routes_and_is_forwarded(model_dir: Path) -> None:
                 assert client.get("/health").status_code == 200
     finally:
         ok.stop()
-
-
-class _FakeServer:
-    """A FastAPI app under uvicorn on a loopback port, in a thread (without an engine)."""
-
-    def __init__(self, app: FastAPI) -> None:
-        import socket
-
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def start(self) -> _FakeServer:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "fake backend did not start"
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
 
 
 # ---- defect 5: event-socket poisoning ------------------------------------------------------
