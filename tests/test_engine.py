@@ -309,12 +309,15 @@ def test_packed_linear_matches_f_linear(rows: int, gated: bool, bias: bool, with
 def test_cpu_fp32_model_is_prepacked_and_matches_dense(checkpoint, monkeypatch, tied: bool) -> None:
     """On CPU float32 every projection (lm_head included) is packed at load, and the logits of a
     prefill (many rows) and a decode step (one row) equal those of the dense F.linear model."""
+    from chunkcache.model import llama as llama_module
     from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
     from chunkcache.model.linear import Linear
     from chunkcache.model.llama import LlamaForCausalLM
     from chunkcache.model.loader import load_model
 
     path = checkpoint(arch="qwen2", tie_word_embeddings=tied)
+    # Whether packing pays is measured at load; here it is forced, to check the packed path.
+    monkeypatch.setattr(llama_module, "packing_pays", lambda weight: True)
     packed = load_model(str(path), "cpu", "float32")
     linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.is_packed and m.weight is None for m in linears)

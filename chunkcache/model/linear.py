@@ -48,6 +48,34 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return _ops._reorder_linear_weight(weight.contiguous(), None)
 
 
+@torch.inference_mode()
+def packing_pays(weight: torch.Tensor, rows: tuple[int, ...] = (1, 64), repeats: int = 15) -> bool:
+    """Whether the oneDNN path beats `F.linear` for this weight on this machine: the sum over
+    `rows` of each path's fastest of `repeats` interleaved runs. It depends on the shape: packing
+    won 1.3-2.4x at decode sizes on Qwen2.5-0.5B's (896 wide), yet lost ~20% of decode speed on
+    SmolLM2-135M's (576 wide) on the same CPU, so it is measured at load, not assumed."""
+    import time
+
+    if not onednn_usable(weight):
+        return False
+    w = weight.detach().contiguous()
+    packed = _pack(w)
+    best = {"dense": 0.0, "packed": 0.0}
+    for n in rows:
+        x = torch.randn(max(n, _MIN_ROWS), w.shape[1])
+        runs: dict[str, list[float]] = {"dense": [], "packed": []}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            F.linear(x[:n], w)
+            runs["dense"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            _ops._linear_pointwise(x, packed, None, "none", [], "")
+            runs["packed"].append(time.perf_counter() - start)
+        for name, times in runs.items():
+            best[name] += min(times)
+    return best["packed"] < best["dense"]
+
+
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     padded = x.new_zeros(_MIN_ROWS, x.shape[1])
     padded[: x.shape[0]] = x

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from chunkcache.model.attention import AttentionMetadata, attend
-from chunkcache.model.linear import Linear
+from chunkcache.model.linear import Linear, packing_pays
 from chunkcache.model.rope import RotaryEmbedding
 from chunkcache.model.spec import ModelSpec
 
@@ -135,7 +135,13 @@ class LlamaForCausalLM(nn.Module):
         lookups, so that tensor is then held twice (+vocab x hidden x 4 bytes: 544 MB for
         Qwen2.5-0.5B). The packed lm_head is ~2x faster at 16 rows, which the batched decode of
         bench_engine needs; every other weight is held once.
+
+        Packing is skipped altogether where it measured no faster than `F.linear` on this model's
+        widest projection (layer 0's gate/up) on this machine (`linear.packing_pays`).
         """
+        mlp = self.layers[0].mlp.gate_up_proj if self.layers else None
+        if mlp is None or mlp.weight is None or not packing_pays(mlp.weight):
+            return 0
         return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
