@@ -189,7 +189,10 @@ def test_gguf_equals_the_same_weights_from_safetensors(
         a = LLM(str(tmp_path), tokenizer=str(src), kv_cache_tokens=512).generate(PROMPT, params)[0]
         b = LLM(str(reference), kv_cache_tokens=512).generate(PROMPT, params)[0]
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        # Equal weights; dense GEMMs may round differently by the buffers' memory alignment.
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert step_a.keys() == step_b.keys()
+            assert all(abs(step_a[t] - step_b[t]) < 1e-5 for t in step_a)
 
 
 def test_truncated_and_foreign_files_fail_at_load(checkpoint: Factory, tmp_path: Path) -> None:

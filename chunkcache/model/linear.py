@@ -48,16 +48,29 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return _ops._reorder_linear_weight(weight.contiguous(), None)
 
 
-@torch.inference_mode()
-def packing_pays(weight: torch.Tensor, rows: tuple[int, ...] = (1, 64), repeats: int = 15) -> bool:
-    """Whether the oneDNN path beats `F.linear` for this weight on this machine: the sum over
-    `rows` of each path's fastest of `repeats` interleaved runs. It depends on the shape: packing
-    won 1.3-2.4x at decode sizes on Qwen2.5-0.5B's (896 wide), yet lost ~20% of decode speed on
-    SmolLM2-135M's (576 wide) on the same CPU, so it is measured at load, not assumed."""
-    import time
+# Per weight shape, once per process: every model of a shape then takes the same path (and
+# gives the same numbers), however noisy the machine was at a later load.
+_PACKING_PAYS: dict[tuple[int, ...], bool] = {}
 
+
+def packing_pays(weight: torch.Tensor) -> bool:
+    """Whether the oneDNN path beats `F.linear` for this weight's shape on this machine. It
+    depends on the shape: packing won 1.3-2.4x at decode sizes on Qwen2.5-0.5B's (896 wide), yet
+    lost ~20% of decode speed on SmolLM2-135M's (576 wide) on the same CPU, so it is measured at
+    the first load, not assumed."""
     if not onednn_usable(weight):
         return False
+    shape = tuple(weight.shape)
+    if shape not in _PACKING_PAYS:
+        _PACKING_PAYS[shape] = _measure_packing(weight)
+    return _PACKING_PAYS[shape]
+
+
+@torch.inference_mode()
+def _measure_packing(weight: torch.Tensor, rows: tuple[int, ...] = (1, 64), repeats: int = 15) -> bool:
+    """The sum over `rows` of each path's fastest of `repeats` interleaved runs."""
+    import time
+
     w = weight.detach().contiguous()
     packed = _pack(w)
     best = {"dense": 0.0, "packed": 0.0}

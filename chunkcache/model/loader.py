@@ -236,7 +236,8 @@ def load_model(
     with torch.device("meta"):
         net = LlamaForCausalLM(spec)
     # One tensor at a time: a dequantized GGUF tensor is float32 until it is cast here.
-    tensors = {n: t.to(device=dev, dtype=torch_dtype) for n, t in read()}
+    # Contiguous: a permuted or strided view would send F.linear down another kernel.
+    tensors = {n: t.to(device=dev, dtype=torch_dtype).contiguous() for n, t in read()}
     _fill_state(net, tensors)
     # The rotary tables are buffers made on the meta device: rebuild them for real.
     rotary = RotaryEmbedding(spec.head_dim, spec.rope, spec.max_position_embeddings).to(dev)
