@@ -26,8 +26,9 @@ from chunkcache.kv_events import (
     replay_request,
 )
 from chunkcache.router.events import EventIntake, fnv1a_64, pod_from_topic, subscriptions
-from chunkcache.router.index import KVIndex, MemoryIndex, open_index
+from chunkcache.router.index import KVIndex, MemoryIndex
 from chunkcache.router.scorer import Scorer
+from chunkcache.router.service import open_index
 from chunkcache.router.tokens import BlockKeyer
 
 

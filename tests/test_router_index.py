@@ -9,8 +9,9 @@ from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
 
 from chunkcache.hashing import chunk_hash, system_hash, to_wire
 from chunkcache.kv_events import BlockStored
-from chunkcache.router.index import IndexIntegrityError, KVIndex, MemoryIndex, open_index
+from chunkcache.router.index import IndexIntegrityError, KVIndex, MemoryIndex
 from chunkcache.router.scorer import Scorer, ScorerConfig, parse_tier_weights
+from chunkcache.router.service import open_index
 from chunkcache.router.tokens import BlockKeyer, EngineKeyMap, PromptProcessor
 
 

@@ -1,7 +1,7 @@
 """Where each KV block and chunk lives: the router's index (DESIGN.md §4).
 
 Backends: `MemoryIndex` (default, one router) and `RedisIndex` (`redis_index.py`, several routers
-share it); `open_index("memory" | "redis://host:port/db")` picks one.
+share it); `service.open_index("memory" | "redis://host:port/db")` picks one.
 """
 
 from __future__ import annotations
@@ -317,14 +317,3 @@ class MemoryIndex(KVIndex):
                 for pod, n in inner.items():
                     if not isinstance(n, int) or n <= 0:
                         raise IndexIntegrityError(f"chunk key {k:#x} pod {pod!r} has {n!r} tokens")
-
-
-def open_index(spec: str, capacity: int = 10_000_000, pods_per_key: int = 10) -> KVIndex:
-    """`"memory"` or a `redis://host:port/db` URL (also `rediss://`, `unix://`)."""
-    if spec == "memory":
-        return MemoryIndex(capacity=capacity, pods_per_key=pods_per_key)
-    if spec.startswith(("redis://", "rediss://", "unix://")):
-        from chunkcache.router.redis_index import RedisIndex
-
-        return RedisIndex(spec, pods_per_key=pods_per_key)
-    raise ValueError(f"index must be 'memory' or a redis:// URL, got {spec!r}")

@@ -17,13 +17,23 @@ from starlette.concurrency import run_in_threadpool
 from chunkcache.curve import CurveKeys
 from chunkcache.router.backends import Backend, BackendPool, BackendSpec
 from chunkcache.router.events import EventIntake, IntakeCurve
-from chunkcache.router.index import IndexUnavailableError, KVIndex, open_index
+from chunkcache.router.index import IndexUnavailableError, KVIndex, MemoryIndex
 from chunkcache.router.metrics import RouterMetrics
 from chunkcache.router.policy import Decision, Picker
+from chunkcache.router.redis_index import RedisIndex
 from chunkcache.router.scorer import DEFAULT_TIER_WEIGHTS, PodScore, Scorer, ScorerConfig
 from chunkcache.router.tokens import BlockKeyer, PromptProcessor
 
 logger = logging.getLogger(__name__)
+
+
+def open_index(spec: str, capacity: int = 10_000_000, pods_per_key: int = 10) -> KVIndex:
+    """`"memory"` or a `redis://host:port/db` URL (also `rediss://`, `unix://`)."""
+    if spec == "memory":
+        return MemoryIndex(capacity=capacity, pods_per_key=pods_per_key)
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        return RedisIndex(spec, pods_per_key=pods_per_key)
+    raise ValueError(f"index must be 'memory' or a redis:// URL, got {spec!r}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ served by the chunk cache, the second place this engine reuses KV from.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -24,8 +24,13 @@ from prometheus_client.registry import Collector
 
 from chunkcache.outputs import RequestOutput
 
-if TYPE_CHECKING:
-    from chunkcache.server.engine_loop import RequestStream
+
+class TokenTimes(Protocol):
+    """What the metrics read of a request's stream (engine_loop.RequestStream)."""
+
+    arrival_time: float
+    last_token_time: float | None
+
 
 PREFIX = "chunkcache"
 VLLM_PREFIX = "vllm:"
@@ -189,7 +194,7 @@ class ServerMetrics:
         self._engine_stats = _EngineStatsCollector((model_name, "0"))
         self.registry.register(self._engine_stats)
 
-    def observe_output(self, output: RequestOutput, stream: RequestStream | None, now: float) -> None:
+    def observe_output(self, output: RequestOutput, stream: TokenTimes | None, now: float) -> None:
         """Called by the engine thread for every output of a step, before the stream's
         `last_token_time` is advanced to `now`."""
         num_new = len(output.new_token_ids)
