@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import fidelity_set
-from common import setup_torch
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
@@ -83,8 +82,7 @@ def render(llm: LLM, docs: list[str], question: str) -> str:
 
 
 def _run(llm: LLM, prompt: str | list[int], params: SamplingParams, options: dict[str, Any] | None):
-    if options is None:
-        return llm.generate([prompt], params, add_special_tokens=False)[0]
+    # options None: the engine's own (a token-id prompt takes the plain path anyway).
     return llm.generate([prompt], params, add_special_tokens=False, chunk_options=options)[0]
 
 
@@ -324,7 +322,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
-    setup_torch(args.threads)
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; known: {list(MODES)}")

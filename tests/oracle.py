@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ __all__ = [
     "causal_mask",
     "chunk_isolated_mask",
     "hf_first_token_logprobs",
+    "hf_generate",
     "hf_greedy",
     "hf_greedy_with_mask",
     "hf_logits_with_mask",
@@ -72,10 +74,17 @@ def hf_first_token_logprobs(
 
 
 @torch.inference_mode()
-def hf_greedy(
-    path: str | Path, token_ids: Sequence[int], max_new_tokens: int, attn_implementation: str = "eager"
+def hf_generate(
+    path: str | Path,
+    token_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    attn_implementation: str = "eager",
+    **generate_kwargs: Any,
 ) -> list[int]:
-    """Greedy continuation by `model.generate`, EOS disabled: always `max_new_tokens` tokens."""
+    """Greedy new tokens by `model.generate` (extra arguments: its logits processors' options).
+    `eos_token_id` None disables EOS: an explicit None overrides generation_config.json's eos list,
+    so generation never stops early (a GenerationConfig with eos None merged in does *not*)."""
     model = hf_model(path, attn_implementation)
     ids = _ids(token_ids)
     out = model.generate(
@@ -83,12 +92,18 @@ def hf_greedy(
         attention_mask=torch.ones_like(ids),
         do_sample=False,
         max_new_tokens=max_new_tokens,
-        # An explicit None overrides generation_config.json's eos list, so generation never
-        # stops early (a GenerationConfig with eos None merged in does *not* do that).
-        eos_token_id=None,
+        eos_token_id=eos_token_id,
         pad_token_id=model.config.pad_token_id,
+        **generate_kwargs,
     )
-    new = out[0, ids.shape[1] :].tolist()
+    return out[0, ids.shape[1] :].tolist()
+
+
+def hf_greedy(
+    path: str | Path, token_ids: Sequence[int], max_new_tokens: int, attn_implementation: str = "eager"
+) -> list[int]:
+    """Greedy continuation by `model.generate`, EOS disabled: always `max_new_tokens` tokens."""
+    new = hf_generate(path, token_ids, max_new_tokens, attn_implementation=attn_implementation)
     assert len(new) == max_new_tokens, f"generate stopped early: {len(new)} < {max_new_tokens}"
     return new
 

@@ -7,27 +7,11 @@ import json
 
 import pytest
 import torch
-from oracle import hf_model
+from oracle import hf_generate, hf_model
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.engine.sampler import History, process_logits
 from chunkcache.errors import InvalidRequestError
-
-
-def _hf_generate(path, prompt: list[int], n: int, eos: int | None = None, **kw) -> list[int]:
-    model = hf_model(path, "eager")
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=n,
-        eos_token_id=eos,
-        pad_token_id=model.config.pad_token_id,
-        **kw,
-    )
-    return out[0, len(prompt) :].tolist()
-
 
 PROMPT = [5, 17, 17, 40, 9, 63, 17, 2, 88, 31]
 
@@ -44,7 +28,7 @@ def test_repetition_penalty_matches_transformers(llm) -> None:
     for penalty in (1.3, 0.7):
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=penalty)
         got = engine.generate([PROMPT], params)[0].outputs[0].token_ids
-        assert got == _hf_generate(path, PROMPT, 12, repetition_penalty=penalty)
+        assert got == hf_generate(path, PROMPT, 12, repetition_penalty=penalty)
     plain = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert plain.outputs[0].token_ids != got  # the option changes something on this model
     engine.check_integrity()
@@ -55,7 +39,7 @@ def test_logit_bias_matches_transformers_sequence_bias(llm) -> None:
     bias = {7: 4.0, 11: -100.0, 3: 2.5}
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias=bias)
     got = engine.generate([PROMPT], params)[0].outputs[0].token_ids
-    assert got == _hf_generate(path, PROMPT, 10, sequence_bias={(t,): b for t, b in bias.items()})
+    assert got == hf_generate(path, PROMPT, 10, sequence_bias={(t,): b for t, b in bias.items()})
     assert 11 not in got
 
 
@@ -65,7 +49,7 @@ def test_min_tokens_holds_back_eos_like_transformers(llm) -> None:
     eos = plain.outputs[0].token_ids[1]  # pretend the second greedy token ends the sequence
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=5, stop_token_ids=[eos])
     got = engine.generate([PROMPT], params)[0].outputs[0]
-    want = _hf_generate(path, PROMPT, 8, eos=eos, min_new_tokens=5)
+    want = hf_generate(path, PROMPT, 8, eos_token_id=eos, min_new_tokens=5)
     assert got.token_ids == want[: len(got.token_ids)]
     assert len(got.token_ids) >= 5 and eos not in got.token_ids[:5]
     early = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[eos]))[0]
