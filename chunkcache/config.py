@@ -95,6 +95,11 @@ class ChunkConfig:
     blend_boundary_tokens: int = 0
     # Requests with fewer chunk tokens than this get a plain prefill instead of a blend.
     blend_min_tokens: int = 0
+    # APE (Yang et al. 2025), both layouts: the tokens after the chunks attend to the chunks with
+    # temperature T and the chunks' total attention multiplied by s (model.attention
+    # .ContextCalibration). 1.0 and 1.0 are exact attention and cost nothing.
+    calibration_temperature: float = 1.0
+    calibration_scale: float = 1.0
 
     def validate(self, num_layers: int | None = None) -> None:
         if not self.separator:
@@ -147,6 +152,10 @@ class ChunkConfig:
             raise ValueError(f"blend_boundary_tokens must be >= 0, got {self.blend_boundary_tokens}")
         if self.blend_min_tokens < 0:
             raise ValueError(f"blend_min_tokens must be >= 0, got {self.blend_min_tokens}")
+        for name in ("calibration_temperature", "calibration_scale"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
     def with_request_options(self, options: dict[str, Any], num_layers: int) -> ChunkConfig:
         """This config with a request's own chunk options (flat names), validated for the model."""
@@ -247,6 +256,9 @@ _SECTIONS: dict[str, type] = {
     "kv_events": KVEventsConfig,
 }
 _TOP_LEVEL = ("device", "dtype", "seed", "served_model_name", "tokenizer", "threads")
+# ChunkConfig fields a request may set too, named as they are (blend and calibration options).
+_REQUEST_PREFIXES = ("blend_", "calibration_")
+
 # Flat option name -> (section, field). Chunk and event options carry a prefix so that the flat
 # names read well on a command line (`--chunk-cache-size-gb`, `--kv-events-endpoint`).
 _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
@@ -259,7 +271,11 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "chunk_cache_hash_algorithm": ("chunk", "hash_algorithm"),
     "chunk_layout": ("chunk", "layout"),
     "max_chunks": ("chunk", "max_chunks"),
-    **{f.name: ("chunk", f.name) for f in dataclasses.fields(ChunkConfig) if f.name.startswith("blend_")},
+    **{
+        f.name: ("chunk", f.name)
+        for f in dataclasses.fields(ChunkConfig)
+        if f.name.startswith(_REQUEST_PREFIXES)
+    },
     "kv_events_endpoint": ("kv_events", "endpoint"),
     "kv_events_topic": ("kv_events", "topic"),
     "kv_events_replay_endpoint": ("kv_events", "replay_endpoint"),
@@ -273,7 +289,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
 # Chunk options a single request may set (the server's extension fields), flat name -> field.
 REQUEST_CHUNK_OPTIONS: dict[str, str] = {
     "chunk_layout": "layout",
-    **{f.name: f.name for f in dataclasses.fields(ChunkConfig) if f.name.startswith("blend_")},
+    **{f.name: f.name for f in dataclasses.fields(ChunkConfig) if f.name.startswith(_REQUEST_PREFIXES)},
 }
 
 

@@ -14,6 +14,7 @@ boolean mask to an additive float mask, which both implementations honour identi
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = [
     "hf_logits_with_mask",
     "hf_logprobs_with_mask",
     "hf_model",
+    "register_ape_attention",
 ]
 
 
@@ -135,6 +137,43 @@ def chunk_isolated_mask(
     mask[start:, start:] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
     positions[start:] = torch.arange(q_pos, q_pos + q_len)
     return mask, positions
+
+
+def register_ape_attention(start: int, end: int, temperature: float, scale: float) -> str:
+    """Register with transformers an attention function that applies APE's calibration (Yang et
+    al. 2025) and return its name, for `attn_implementation`.
+
+    Written as APE's authors compute it: the rows at or after `end` attend to three key groups
+    (before `start`, the chunks [start, end), from `end` on) by three softmaxes, the chunks' at
+    temperature T, combined by the groups' log-sum-exps, the chunks' being T * lse(z / T) + log s.
+    Rows before `end` attend as eager attention does. The additive mask applies to every group.
+    """
+    from transformers import AttentionInterface
+
+    name = f"ape-{start}-{end}-{temperature}-{scale}"
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        groups = module.num_key_value_groups
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        scores = query @ key.transpose(2, 3) * scaling
+        if attention_mask is not None:
+            scores = scores + attention_mask[..., : key.shape[-2]]
+        out = torch.softmax(scores, dim=-1) @ value
+        rows = scores[:, :, end:]
+        parts = [rows[..., :start], rows[..., start:end] / temperature, rows[..., end:]]
+        values = [value[:, :, :start], value[:, :, start:end], value[:, :, end:]]
+        lse = torch.stack([torch.logsumexp(p, dim=-1) for p in parts], dim=-1)
+        lse[..., 1] = lse[..., 1] * temperature + math.log(scale)
+        weights = torch.softmax(lse, dim=-1)
+        mixed = sum(
+            weights[..., i : i + 1] * (torch.softmax(p, dim=-1) @ v)
+            for i, (p, v) in enumerate(zip(parts, values, strict=True))
+        )
+        out[:, :, end:] = mixed
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, attention)
+    return name
 
 
 def causal_mask(length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkcache.config import ChunkConfig
+from chunkcache.model.attention import ContextCalibration, calibrated_attention
 from chunkcache.model.llama import LlamaForCausalLM
 
 
@@ -38,6 +39,8 @@ class BlendInput:
     num_sys: int
     chunk_spans: list[tuple[int, int]]  # (start, length) of each chunk in the token list
     own_slots: torch.Tensor  # [T] where the blended KV of each token is written
+    # Q's attention to the chunks (APE); the chunk tokens that run keep exact attention.
+    calibration: ContextCalibration | None = None
 
 
 @dataclass
@@ -188,7 +191,12 @@ def blend_prefill(
             scale=attn.scale,
             enable_gqa=True,
         )
-        h = h + attn.o_proj(o[0].transpose(0, 1).reshape(active.numel(), -1))
+        o = o[0].transpose(0, 1)
+        if inp.calibration is not None:
+            # Q's rows are the last ones still running: every chunk and S row comes first.
+            nq = total - cached_len
+            o[-nq:] = calibrated_attention(q[-nq:], k_all, v_all, active[-nq:], inp.calibration, attn.scale)
+        h = h + attn.o_proj(o.reshape(active.numel(), -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     recomputed_chunks = int(is_chunk[active].sum())
     reused = torch.ones(cached_len, dtype=torch.bool, device=device)

@@ -29,6 +29,7 @@ from chunkcache.engine.runner import block_slots
 from chunkcache.engine.sequence import Sequence
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import chunk_hash, system_hash
+from chunkcache.model.attention import calibration_for
 from chunkcache.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,13 @@ class ChunkManager:
                     state.cached_delta = self._offset_deltas(state.prompt)
                 else:
                     seq.borrowed_slots = slots
+                    cfg = seq.chunk_config
+                    seq.calibration = calibration_for(
+                        len(state.prompt.sys_token_ids),
+                        slots.numel(),
+                        cfg.calibration_temperature,
+                        cfg.calibration_scale,
+                    )
                 state.assembled = True
         return True
 

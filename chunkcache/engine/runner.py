@@ -14,7 +14,13 @@ from chunkcache.chunk.blend import BlendInput, blend_prefill
 from chunkcache.engine.prompt_logprobs import record_prompt_logprobs
 from chunkcache.engine.scheduler import ScheduledBatch
 from chunkcache.engine.sequence import Sequence
-from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
+from chunkcache.model.attention import (
+    AttentionMetadata,
+    ContextCalibration,
+    DecodeBatch,
+    PrefillSegment,
+    calibration_for,
+)
 from chunkcache.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -62,6 +68,7 @@ class ModelRunner:
         prefills: list[PrefillSegment] = []
         decode_index: list[int] = []
         decode_slots: list[torch.Tensor] = []
+        calibrated: list[tuple[int, int, ContextCalibration]] = []
         sample_index: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             c = seq.num_computed
@@ -72,10 +79,12 @@ class ModelRunner:
             slot_mapping.append(own[c:])
             past = own[:c] if seq.borrowed_slots is None else torch.cat((seq.borrowed_slots, own[:c]))
             if n == 1 and past.numel() > 0:
+                if seq.calibration is not None:
+                    calibrated.append((len(decode_index), past.numel() + 1, seq.calibration))
                 decode_index.append(start)
                 decode_slots.append(torch.cat((past, own[c:])))
             else:
-                prefills.append(PrefillSegment.make(start, start + n, past))
+                prefills.append(PrefillSegment.make(start, start + n, past, seq.calibration))
             done = c + n == seq.num_tokens
             sample_index.append(start + n - 1 if done and not seq.is_fill else -1)
         decode = None
@@ -86,7 +95,7 @@ class ModelRunner:
             for row, s in enumerate(decode_slots):
                 slots[row, : s.numel()] = s
                 mask[row, 0, 0, : s.numel()] = True
-            decode = DecodeBatch(torch.tensor(decode_index, device=dev), slots, mask)
+            decode = DecodeBatch(torch.tensor(decode_index, device=dev), slots, mask, calibrated)
         meta = AttentionMetadata(torch.cat(slot_mapping), prefills, decode)
         return torch.tensor(ids, device=dev), torch.cat(positions), meta, sample_index
 
@@ -128,6 +137,8 @@ class ModelRunner:
         for chunk in prompt.chunks:
             spans.append((start, len(chunk)))
             start += len(chunk)
+        cfg = seq.blend
+        calibration = calibration_for(s, start, cfg.calibration_temperature, cfg.calibration_scale)
         try:
             result = blend_prefill(
                 self.model,
@@ -139,6 +150,7 @@ class ModelRunner:
                     num_sys=s,
                     chunk_spans=spans,
                     own_slots=block_slots(seq.block_table, self.block_size, seq.num_tokens, self.device),
+                    calibration=calibration,
                 ),
                 seq.blend,
             )
@@ -152,6 +164,7 @@ class ModelRunner:
             seq.blend_fallback = True
             seq.num_prefix_cached = seq.num_chunk_cached = 0  # every token is computed now
             return None
+        seq.calibration = calibration  # decode attends to the blended chunks the same way
         seq.blend_reused_tokens = result.reused_tokens
         seq.blend_recomputed_tokens = result.recomputed_tokens
         # Cached = read from an entry that existed before the request and not recomputed.

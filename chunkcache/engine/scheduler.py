@@ -156,6 +156,7 @@ class Scheduler:
             # Recomputed from scratch (a plain request, or an "offset" one whose blend is lost).
             seq.num_prefix_cached = 0
             seq.num_chunk_cached = 0
+            seq.calibration = None  # the recomputed KV is exact
         seq.blend = None
         self.add(seq, front=True)
         batch.preempted.append(seq)

@@ -66,6 +66,9 @@ class Sequence:
     blend_reused_tokens: int = 0
     blend_recomputed_tokens: int = 0
     blend_fallback: bool = False
+    # The chunks' entries in the KV list were computed apart: later tokens attend to them through
+    # this calibration (model.attention.ContextCalibration); None = exact attention.
+    calibration: Any = None
     # Blocks whose KV is not plain causal attention over the tokens must never be found by hash.
     prefix_cacheable: bool = True
     # vLLM's cache_salt: enters the first prefix block's hash and every chunk key, so requests

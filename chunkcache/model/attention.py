@@ -9,10 +9,62 @@ chunk computed after its system part, and a question attending to assembled chun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ContextCalibration:
+    """APE's calibration (Yang et al. 2025) of attention over independently encoded chunks.
+
+    KV-list entries [start, end) are chunks computed without seeing each other. A token after
+    them attends to them with temperature T (logits / T inside the group, which sharpens the
+    attention that several "first after the prefix" chunks spread thin) and with the group's
+    total weight multiplied by s; the entries before and after the group are attended as usual.
+    T = s = 1 is exact attention. Tokens before `end` are never calibrated.
+    """
+
+    start: int
+    end: int
+    temperature: float
+    scale: float
+
+
+def calibration_for(start: int, end: int, temperature: float, scale: float) -> ContextCalibration | None:
+    """The calibration of chunks at KV-list entries [start, end); None where it is the identity."""
+    if temperature == 1.0 and scale == 1.0:
+        return None
+    return ContextCalibration(start, end, temperature, scale)
+
+
+def calibrated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_index: torch.Tensor,
+    cal: ContextCalibration,
+    scale: float,
+) -> torch.Tensor:
+    """q [n, Hq, D] of the KV-list entries `query_index` [n] (each >= cal.end), causal over the
+    KV list k/v [L, Hk, D]; returns [n, Hq, D]. Explicit softmax: SDPA cannot give a group a
+    temperature that depends on the query through the group's log-sum-exp."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    kk = k.float().repeat_interleave(heads // kv_heads, dim=1)
+    vv = v.float().repeat_interleave(heads // kv_heads, dim=1)
+    logits = torch.einsum("nhd,lhd->hnl", q.float(), kk).mul_(scale)
+    visible = torch.arange(k.shape[0], device=k.device)[None, :] <= query_index[:, None]
+    logits.masked_fill_(~visible, float("-inf"))
+    # Within the group softmax(z / T); the group's total mass is that of exp(T * lse(z / T)) * s.
+    # One softmax over all keys gives both when the group's logits are shifted by
+    # (T - 1) * lse(z / T) + log s.
+    group = logits[..., cal.start : cal.end] / cal.temperature
+    lse = torch.logsumexp(group, dim=-1, keepdim=True)
+    logits[..., cal.start : cal.end] = group + (cal.temperature - 1) * lse + math.log(cal.scale)
+    probs = logits.softmax(dim=-1)
+    return torch.einsum("hnl,lhd->nhd", probs, vv).to(q.dtype)
 
 
 @dataclass
@@ -25,9 +77,16 @@ class PrefillSegment:
     past_slots: torch.Tensor | None
     # [n, past + n] query i (list index past + i) sees entries 0..past + i; None = plain causal.
     mask: torch.Tensor | None = None
+    calibration: ContextCalibration | None = None
 
     @classmethod
-    def make(cls, start: int, end: int, past_slots: torch.Tensor | None) -> PrefillSegment:
+    def make(
+        cls,
+        start: int,
+        end: int,
+        past_slots: torch.Tensor | None,
+        calibration: ContextCalibration | None = None,
+    ) -> PrefillSegment:
         if past_slots is None or past_slots.numel() == 0:
             return cls(start, end, None, None)
         n, past = end - start, past_slots.numel()
@@ -35,7 +94,7 @@ class PrefillSegment:
         mask = (
             torch.arange(past + n, device=device)[None, :] <= (torch.arange(n, device=device) + past)[:, None]
         )
-        return cls(start, end, past_slots, mask)
+        return cls(start, end, past_slots, mask, calibration)
 
 
 @dataclass
@@ -45,6 +104,8 @@ class DecodeBatch:
     token_index: torch.Tensor  # [B] index of each sequence's token in the flattened batch
     slots: torch.Tensor  # [B, L] the whole KV list including the new token, padded with slot 0
     mask: torch.Tensor  # [B, 1, 1, L] True where a slot is real
+    # (row, KV-list length, calibration) of the sequences whose chunks are calibrated.
+    calibrated: list[tuple[int, int, ContextCalibration]] = field(default_factory=list)
 
 
 @dataclass
@@ -80,6 +141,11 @@ def attend(
             # index_select, not k_cache[slots]: the advanced-indexing gather is ~5x slower on CPU.
             ks = torch.cat((k_cache.index_select(0, seg.past_slots), ks))
             vs = torch.cat((v_cache.index_select(0, seg.past_slots), vs))
+        if seg.calibration is not None and seg.past_slots is not None:
+            past = seg.past_slots.numel()
+            index = torch.arange(past, past + seg.end - seg.start, device=q.device)
+            out[seg.start : seg.end] = calibrated_attention(qs, ks, vs, index, seg.calibration, scale)
+            continue
         o = F.scaled_dot_product_attention(
             qs.transpose(0, 1).unsqueeze(0),
             ks.transpose(0, 1).unsqueeze(0),
@@ -104,4 +170,15 @@ def attend(
         vd = v_cache.index_select(0, flat).view(*d.slots.shape, *v_cache.shape[1:]).permute(0, 2, 1, 3)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
         out[d.token_index] = o.reshape(b, q.shape[1], -1)
+        for row, length, cal in d.calibrated:
+            i = int(d.token_index[row])
+            index = torch.tensor([length - 1], device=q.device)
+            out[i : i + 1] = calibrated_attention(
+                q[i : i + 1],
+                kd[row, :, :length].transpose(0, 1),
+                vd[row, :, :length].transpose(0, 1),
+                index,
+                cal,
+                scale,
+            )
     return out

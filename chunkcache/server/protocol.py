@@ -81,6 +81,8 @@ class _SamplingFields(StrictModel):
     blend_threshold: float | None = None
     blend_boundary_tokens: int | None = None
     blend_min_tokens: int | None = None
+    calibration_temperature: float | None = None
+    calibration_scale: float | None = None
 
     @model_validator(mode="after")
     def _check_openai_rules(self) -> _SamplingFields:
