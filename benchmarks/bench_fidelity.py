@@ -61,6 +61,11 @@ MODES: dict[str, dict[str, Any] | None] = {
     "qchunk@0.3/L4": _query(4, 0.3, "chunk"),
     "qchunk@0.5/L4": _query(4, 0.5, "chunk"),
     "kchunk@0.3": _offset([1], [0.3], blend_unit="chunk"),
+    # Gradual filtering (CacheBlend): a deeper second check ranks what the first kept.
+    "blend@0.5,0.15/L1,4": _offset([1, 4], [0.5, 0.15]),
+    "blend@0.6,0.3/L1,4": _offset([1, 4], [0.6, 0.3]),
+    # EPIC: the first 8 tokens of every document always run, on top of the 15% by K deviation.
+    "blend@0.15+b8": _offset([1], [0.15], blend_boundary_tokens=8),
 }
 
 

@@ -68,7 +68,7 @@ class ModelRunner:
         prefills: list[PrefillSegment] = []
         decode_index: list[int] = []
         decode_slots: list[torch.Tensor] = []
-        calibrated: list[tuple[int, int, ContextCalibration]] = []
+        calibrated: list[tuple[int, int, int, ContextCalibration]] = []
         sample_index: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             c = seq.num_computed
@@ -80,7 +80,7 @@ class ModelRunner:
             past = own[:c] if seq.borrowed_slots is None else torch.cat((seq.borrowed_slots, own[:c]))
             if n == 1 and past.numel() > 0:
                 if seq.calibration is not None:
-                    calibrated.append((len(decode_index), past.numel() + 1, seq.calibration))
+                    calibrated.append((len(decode_index), start, past.numel() + 1, seq.calibration))
                 decode_index.append(start)
                 decode_slots.append(torch.cat((past, own[c:])))
             else:

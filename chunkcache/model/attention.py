@@ -104,8 +104,9 @@ class DecodeBatch:
     token_index: torch.Tensor  # [B] index of each sequence's token in the flattened batch
     slots: torch.Tensor  # [B, L] the whole KV list including the new token, padded with slot 0
     mask: torch.Tensor  # [B, 1, 1, L] True where a slot is real
-    # (row, KV-list length, calibration) of the sequences whose chunks are calibrated.
-    calibrated: list[tuple[int, int, ContextCalibration]] = field(default_factory=list)
+    # (row, token index, KV-list length, calibration) of the sequences whose chunks are
+    # calibrated; plain ints, so that no device tensor is read back per layer.
+    calibrated: list[tuple[int, int, int, ContextCalibration]] = field(default_factory=list)
 
 
 @dataclass
@@ -170,8 +171,7 @@ def attend(
         vd = v_cache.index_select(0, flat).view(*d.slots.shape, *v_cache.shape[1:]).permute(0, 2, 1, 3)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
         out[d.token_index] = o.reshape(b, q.shape[1], -1)
-        for row, length, cal in d.calibrated:
-            i = int(d.token_index[row])
+        for row, i, length, cal in d.calibrated:
             index = torch.tensor([length - 1], device=q.device)
             out[i : i + 1] = calibrated_attention(
                 q[i : i + 1],
