@@ -103,3 +103,13 @@ class LLM:
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
+
+    def close(self) -> None:
+        """Finish writing computed chunks to the lower tiers (disk, remote) and release them."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

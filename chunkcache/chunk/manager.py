@@ -10,6 +10,11 @@ job per missing entry, however many requests wait for it.
 
 An entry that cannot be cached (larger than the pool, a key collision, the pool pinned full) is
 still computed: into paged KV blocks held by the one request that needs it.
+
+With lower tiers (`tiers`, chunkcache/chunk/tiers/): a pool miss asks them before computing, and
+a hit is copied into new pool pages (promoted) instead of becoming a fill job. A newly computed
+entry is written down to them at once (write-through, in the background), and a pool eviction
+writes down what they do not hold yet (demotion), so no computed entry is lost to an eviction.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import torch
 
 from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.chunk.pool import ChunkPool, Entry
+from chunkcache.chunk.tiers.provider import StoredKV
+from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import block_slots
@@ -64,12 +71,19 @@ class ChunkManager:
         blocks: BlockManager,
         pool: ChunkPool,
         device: torch.device,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        tiers: TierStack | None = None,
     ) -> None:
         self.config = config
         self.model_name = model_name
         self.blocks = blocks
         self.pool = pool
         self.device = device
+        self.kv_caches = kv_caches or []
+        self.tiers = tiers
+        if tiers is not None:
+            assert self.kv_caches, "lower tiers need the KV tensors to copy entries in and out"
+            pool.on_evict = self._demote
         self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
         self._ids = itertools.count()
 
@@ -107,7 +121,7 @@ class ChunkManager:
         jobs: list[Sequence] = []
         sys_ids = prompt.sys_token_ids
         salt = seq.cache_salt
-        sys_entry = self._acquire(
+        sys_entry, _ = self._acquire(
             system_hash(self.model_name, sys_ids, self.config.hash_algorithm, salt),
             "system",
             (sys_ids,),
@@ -122,18 +136,19 @@ class ChunkManager:
             seq.num_prefix_cached = len(sys_ids)
         for chunk in prompt.chunks:
             key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
-            hit = self.pool.get(key, (sys_ids, chunk))
-            entry = self._acquire(key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids))
-            if hit is not None:
+            entry, hit = self._acquire(
+                key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids)
+            )
+            if hit:
                 self.pool.stats.hits += 1
                 self.pool.stats.hit_tokens += len(chunk)
-                if hit.ready:
+                if entry.ready:
                     seq.num_chunk_cached += len(chunk)
             else:
                 self.pool.stats.misses += 1
                 self.pool.stats.miss_tokens += len(chunk)
             state.entries.append(entry)
-            state.was_cached.append(hit is not None and hit.ready)
+            state.was_cached.append(hit and entry.ready)
         if seq.chunk_config.layout == "offset":
             seq.blend = seq.chunk_config  # own tokens: the whole prompt, at natural positions
         else:
@@ -149,9 +164,13 @@ class ChunkManager:
         jobs: list[Sequence],
         sys_entry: Entry | None,
         position_base: int,
-    ) -> Entry:
-        """A pinned entry for `key`: found in the pool, or new with a fill job appended to `jobs`."""
+    ) -> tuple[Entry, bool]:
+        """A pinned entry for `key`, and whether it was found (in the pool, ready or being computed,
+        or in a lower tier); a new entry comes with a fill job appended to `jobs`."""
         entry = self.pool.get(key, token_ids)
+        if entry is None and self.tiers is not None:
+            entry = self._promote(key, kind, token_ids, num_tokens)
+        found = entry is not None
         if entry is None:
             entry = self.pool.create(key, kind, token_ids, num_tokens)
             if entry is None:
@@ -172,7 +191,51 @@ class ChunkManager:
             self._jobs[id(entry)] = job
             jobs.append(job)
         entry.pins += 1
+        return entry, found
+
+    # ---- lower tiers (engine thread) ---------------------------------------------------------
+
+    def _promote(
+        self, key: bytes, kind: str, token_ids: tuple[tuple[int, ...], ...], num_tokens: int
+    ) -> Entry | None:
+        """A ready pool entry loaded from a lower tier, or None (no tier holds it, or no room)."""
+        assert self.tiers is not None
+        found = self.tiers.load(key, token_ids)
+        if found is None:
+            return None
+        kv, medium = found
+        k_cache = self.kv_caches[0][0]
+        expected = (len(self.kv_caches), num_tokens, *k_cache.shape[1:])
+        if tuple(kv.k.shape) != expected or tuple(kv.v.shape) != expected or kv.k.dtype != k_cache.dtype:
+            logger.warning(
+                "%s tier entry has shape %s %s, this engine needs %s %s: computing it instead",
+                medium, tuple(kv.k.shape), kv.k.dtype, expected, k_cache.dtype,
+            )  # fmt: skip
+            return None
+        entry = self.pool.create(key, kind, token_ids, num_tokens)
+        if entry is None:
+            return None
+        slots = self._slots(entry)
+        for layer, (k_layer, v_layer) in enumerate(self.kv_caches):
+            k_layer.index_copy_(0, slots, kv.k[layer].to(self.device))
+            v_layer.index_copy_(0, slots, kv.v[layer].to(self.device))
+        entry.pins += 1  # mark_ready may evict to make room: never the entry just loaded
+        self.pool.mark_ready(entry)
+        entry.pins -= 1
         return entry
+
+    def _read_kv(self, entry: Entry) -> StoredKV:
+        """A CPU copy of a pool entry's KV, for the lower tiers."""
+        assert self.tiers is not None
+        slots = self._slots(entry)
+        k = torch.stack([k_layer[slots] for k_layer, _ in self.kv_caches]).cpu()
+        v = torch.stack([v_layer[slots] for _, v_layer in self.kv_caches]).cpu()
+        return StoredKV(self.tiers.model, entry.key, entry.kind, entry.token_ids, k, v)
+
+    def _demote(self, entry: Entry) -> None:
+        assert self.tiers is not None
+        if not self.tiers.holds(entry.key):
+            self.tiers.store(self._read_kv(entry))
 
     def is_ready(self, seq: Sequence) -> bool:
         """Whether the scheduler may run `seq`: a job needs its S computed (and private pages), a
@@ -227,6 +290,8 @@ class ChunkManager:
                 if state.entry.private:
                     state.entry.ready = True
                 else:
+                    if self.tiers is not None:  # read before mark_ready can evict anything
+                        self.tiers.store(self._read_kv(state.entry))
                     self.pool.mark_ready(state.entry)
             if state.sys_entry is not None:
                 self._unpin(state.sys_entry, cancel)
@@ -253,8 +318,23 @@ class ChunkManager:
                 self.pool.drop(entry)
 
     def drain_events(self) -> list[Any]:
+        events: list[Any]
         events, self.pool.events = self.pool.events, []
+        if self.tiers is not None:
+            events += self.tiers.drain_events()
         return events
+
+    def state_events(self) -> list[Any]:
+        """Every entry this engine can serve without computing: the pool's and the tiers'."""
+        events: list[Any] = list(self.pool.state_events())
+        if self.tiers is not None:
+            events += self.tiers.state_events()
+        return events
+
+    def close(self) -> None:
+        """Finish the lower tiers' pending writes and close them."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def stats(self) -> dict[str, Any]:
         s = self.pool.stats
@@ -274,9 +354,12 @@ class ChunkManager:
             "evictions": s.evictions,
             "uncacheable": s.uncacheable,
             "jobs_running": len(self._jobs),
+            "tiers": self.tiers.stats() if self.tiers is not None else {},
         }
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         for job in self._jobs.values():
             assert not job.is_finished, f"finished fill job {job.request_id} still tracked"

@@ -8,6 +8,8 @@ Contract:
 - An entry is *ready* once its KV is computed. Only ready entries with no pins are evicted, least
   recently used first; eviction starts when usage passes `lru_threshold` of the budget, and to
   make room for a new entry. An entry larger than the whole budget is never admitted.
+- `on_evict`, when set, sees each evicted entry while its pages still hold its KV (the manager
+  demotes it to the lower tiers there).
 - Storing and evicting entries are reported as ChunkStored / ChunkRemoved events, system parts
   too (their keys live in another hash domain), so a router can credit a replica for both.
 """
@@ -15,6 +17,7 @@ Contract:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chunkcache.hashing import to_wire
@@ -63,6 +66,7 @@ class ChunkPool:
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # front = least recently used
         self.stats = PoolStats()
         self.events: list[ChunkStored | ChunkRemoved] = []
+        self.on_evict: Callable[[Entry], None] | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -129,6 +133,8 @@ class ChunkPool:
                 return
             entry = self._entries[key]
             if entry.ready and entry.pins == 0:
+                if self.on_evict is not None:
+                    self.on_evict(entry)
                 del self._entries[key]
                 self._free.extend(entry.pages)
                 entry.pages = []

@@ -19,6 +19,11 @@ import torch
 from chunkcache.chunk.manager import ChunkManager
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
 from chunkcache.chunk.pool import ChunkPool
+from chunkcache.chunk.tiers.disk import DiskTier
+from chunkcache.chunk.tiers.identity import model_identity
+from chunkcache.chunk.tiers.provider import TierProvider
+from chunkcache.chunk.tiers.remote import RedisTier
+from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig, EngineConfig
 from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.detokenizer import Detokenizer
@@ -85,7 +90,15 @@ class LLMEngine:
         self.chunks: ChunkManager | None = None
         if config.chunk.enable:
             pool = ChunkPool(num_blocks, pool_pages, bs, token_bytes * bs, config.chunk.lru_threshold, medium)
-            self.chunks = ChunkManager(config.chunk, self.model_name, self.blocks, pool, self.device)
+            self.chunks = ChunkManager(
+                config.chunk,
+                self.model_name,
+                self.blocks,
+                pool,
+                self.device,
+                self.runner.kv_caches,
+                self._lower_tiers(config.chunk, loaded),
+            )
         self.scheduler = Scheduler(
             config.scheduler,
             self.blocks,
@@ -113,6 +126,18 @@ class LLMEngine:
                 ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps, curve=curve
             )
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+
+    def _lower_tiers(self, chunk: ChunkConfig, loaded: Any) -> TierStack | None:
+        """The chunk pool's lower tiers, nearest first; None without any. On a CPU the device pool
+        already is host memory, so there is no separate host-memory tier."""
+        tiers: list[TierProvider] = []
+        if chunk.disk_dir:
+            tiers.append(DiskTier(chunk.disk_dir, int(chunk.disk_gb * 2**30)))
+        if chunk.remote:
+            tiers.append(RedisTier(chunk.remote))
+        if not tiers:
+            return None
+        return TierStack(tiers, model_identity(loaded.model, self.tokenizer, self.model_name))
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> LLMEngine:
@@ -534,7 +559,7 @@ class LLMEngine:
             return None
         events: list[Any] = [AllBlocksCleared(), *self.blocks.state_events()]
         if self.chunks is not None:
-            events += self.chunks.pool.state_events()
+            events += self.chunks.state_events()
         self.publisher.publish(events)
         return len(events)
 
@@ -569,7 +594,17 @@ class LLMEngine:
         for seq in self.scheduler.running:
             assert seq.status == Status.RUNNING, f"{seq.request_id} in running with status {seq.status}"
 
+    def flush_chunk_tiers(self) -> None:
+        """Wait until every entry computed so far is written to the lower tiers."""
+        if self.chunks is not None and self.chunks.tiers is not None:
+            self.chunks.tiers.flush()
+
     def close(self) -> None:
+        """Finish the lower tiers' writes and close them; close the event publisher."""
+        if self.chunks is not None:
+            self.chunks.close()
+            # The tiers' last events (their writes just finished) still go out.
+            self._publish_events()
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None

@@ -1,0 +1,234 @@
+"""Lower chunk tiers (chunkcache/chunk/tiers/): the entry format, the disk tier, the Redis tier,
+and an engine that finds its documents there after a restart or on another replica."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.chunk.tiers.disk import DiskTier
+from chunkcache.chunk.tiers.provider import CorruptEntry, StoredKV, decode, encode, tier_key
+from chunkcache.chunk.tiers.remote import RedisTier
+from chunkcache.hashing import chunk_hash
+
+SEP = " # # "
+SYSTEM = "You answer questions about the documents."
+DOCS = [
+    "Alice lives in Paris and drinks tea every morning.",
+    "Bob was born in 1990 in Rome, the capital of Italy, and he works as a baker.",
+    "Carol keeps three cats and a dog named Rex in her small flat by the sea.",
+    "The river runs north for 300 miles before it reaches the cold grey ocean in the far north.",
+    "Zorvak is a city of 4120 people.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+
+def _prompt(doc_ids: list[int], question: str = "Where does Alice live?") -> str:
+    return SYSTEM + SEP + SEP.join(DOCS[i] for i in doc_ids) + SEP + question
+
+
+def _llm(path: Path, **options) -> LLM:
+    options.setdefault("chunk_layout", "isolated")
+    options.setdefault("kv_cache_tokens", 1024)
+    options.setdefault("chunk_cache_size_gb", 0.001)
+    return LLM(str(path), device="cpu", **options)
+
+
+def _chunk_tokens(llm: LLM, doc_ids: list[int]) -> int:
+    return sum(len(llm.tokenizer.encode(DOCS[i], add_special_tokens=False)) for i in doc_ids)
+
+
+def _same(a, b) -> None:
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bit-for-bit: the KV is the same
+
+
+def _kv(tokens: int = 5, model: str = "m" * 64) -> StoredKV:
+    g = torch.Generator().manual_seed(tokens)
+    k, v = torch.randn(2, tokens, 2, 4, generator=g), torch.randn(2, tokens, 2, 4, generator=g)
+    return StoredKV(model, bytes(range(32)), "chunk", ((1, 2), tuple(range(tokens))), k, v)
+
+
+# ---- the entry format ----------------------------------------------------------------------------
+
+
+def test_entry_roundtrip_and_corruption_detected() -> None:
+    kv = _kv()
+    blob = encode(kv)
+    back = decode(blob)
+    assert back.token_ids == kv.token_ids and back.key == kv.key and back.model == kv.model
+    assert torch.equal(back.k, kv.k) and torch.equal(back.v, kv.v)
+    flipped = bytearray(blob)
+    flipped[-3] ^= 0x40  # a bit in the last tensor's data
+    with pytest.raises(CorruptEntry, match="checksum"):
+        decode(bytes(flipped))
+    with pytest.raises(CorruptEntry):
+        decode(blob[: len(blob) - 10])
+    with pytest.raises(CorruptEntry):
+        decode(b"")
+
+
+# ---- the disk tier -------------------------------------------------------------------------------
+
+
+def test_disk_tier_lru_budget_restart_and_too_large(tmp_path: Path) -> None:
+    blob = encode(_kv())
+    tier = DiskTier(str(tmp_path), budget_bytes=3 * len(blob) + 10)
+    for name in ("a", "b", "c"):
+        assert tier.store(name, blob)
+    assert tier.load("a") == blob  # "a" is now the most recently used
+    assert tier.store("d", blob)  # over budget: "b", the least recently used, goes
+    assert sorted(tier.names()) == ["a", "c", "d"] and not (tmp_path / "b.safetensors").exists()
+    tier.check_integrity()
+    assert not tier.store("huge", b"x" * (4 * len(blob)))
+    assert tier.stats()["too_large"] == 1
+    (tmp_path / "e.123.tmp").write_bytes(b"half a write")
+    again = DiskTier(str(tmp_path), budget_bytes=2 * len(blob) + 10)  # restart with a smaller budget
+    assert len(again.names()) == 2 and "c" not in again.names()  # LRU order survived the restart
+    assert not (tmp_path / "e.123.tmp").exists()
+    again.check_integrity()
+
+
+def test_disk_full_stops_writing_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = DiskTier(str(tmp_path), budget_bytes=1 << 20)
+
+    def no_space(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("chunkcache.chunk.tiers.disk.os.replace", no_space)
+    with caplog.at_level(logging.ERROR):
+        assert not tier.store("a", b"data")
+    assert "stops writing" in caplog.text
+    monkeypatch.undo()
+    assert not tier.store("b", b"data")  # stopped, even now that there would be room
+    assert tier.stats()["writes_stopped"] == 1 and tier.stats()["entries"] == 0
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+
+
+# ---- the engine over a disk directory -------------------------------------------------------------
+
+
+def test_restart_loads_documents_from_disk(checkpoint, tmp_path: Path) -> None:
+    path = checkpoint(arch="qwen3")
+    disk = str(tmp_path / "kv")
+    with _llm(path, chunk_cache_disk_dir=disk) as first:
+        cold = first.generate(_prompt([0, 1, 2]), GREEDY)[0]
+        assert cold.num_chunk_cached_tokens == 0
+        first.engine.flush_chunk_tiers()
+        stats = first.chunk_cache_stats()["tiers"]["disk"]
+        assert stats["entries"] == 4 and stats["stores"] == 4  # S and three chunks
+    with _llm(path, chunk_cache_disk_dir=disk) as second:
+        warm = second.generate(_prompt([2, 0, 1]), GREEDY)[0]
+        assert warm.num_chunk_cached_tokens == _chunk_tokens(second, [0, 1, 2])
+        assert warm.num_prefix_cached_tokens == len(second.tokenizer.encode(SYSTEM))
+        again = second.generate(_prompt([0, 1, 2]), GREEDY)[0]
+        _same(cold, again)
+        tiers = second.chunk_cache_stats()["tiers"]["disk"]
+        assert tiers["hits"] == 4 and tiers["misses"] == 0 and tiers["corrupt"] == 0
+        assert sum(tiers["load_seconds_buckets"]) == 4
+        second.check_integrity()
+
+
+def test_corrupt_and_truncated_files_are_recomputed(checkpoint, tmp_path: Path) -> None:
+    path = checkpoint(arch="qwen3")
+    disk = tmp_path / "kv"
+    with _llm(path, chunk_cache_disk_dir=str(disk)) as first:
+        cold = first.generate(_prompt([0, 1]), GREEDY)[0]
+    files = sorted(disk.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    assert len(files) == 3
+    flipped = bytearray(files[-1].read_bytes())
+    flipped[-5] ^= 0x01
+    files[-1].write_bytes(bytes(flipped))
+    files[-2].write_bytes(files[-2].read_bytes()[:100])
+    with _llm(path, chunk_cache_disk_dir=str(disk)) as second:
+        warm = second.generate(_prompt([0, 1]), GREEDY)[0]
+        _same(cold, warm)
+        second.engine.flush_chunk_tiers()
+        disk_stats = second.chunk_cache_stats()["tiers"]["disk"]
+        assert disk_stats["corrupt"] == 2 and disk_stats["hits"] == 1
+        assert disk_stats["stores"] == 2  # recomputed and written again
+        second.check_integrity()
+    for f in files:
+        decode(f.read_bytes())  # every file sound again
+
+
+def test_another_model_never_loads_these_entries(checkpoint, tmp_path: Path) -> None:
+    disk = str(tmp_path / "kv")
+    # Same architecture, tokenizer and served name; other weights.
+    with _llm(checkpoint(arch="qwen3"), chunk_cache_disk_dir=disk, served_model_name="m") as first:
+        first.generate(_prompt([0]), GREEDY)
+    with _llm(checkpoint(arch="qwen3", seed=1), chunk_cache_disk_dir=disk, served_model_name="m") as other:
+        out = other.generate(_prompt([0]), GREEDY)[0]
+        assert out.num_chunk_cached_tokens == 0 and out.num_prefix_cached_tokens == 0
+        assert other.chunk_cache_stats()["tiers"]["disk"]["hits"] == 0
+
+
+def test_pool_eviction_demotes_what_the_tiers_lack(checkpoint, tmp_path: Path) -> None:
+    path = checkpoint(arch="qwen3")
+    disk = tmp_path / "kv"
+    # A pool of 8 pages (of 16 tokens): every new document evicts older ones.
+    page = 16 * 2 * 2 * 2 * 16 * 4
+    with _llm(path, chunk_cache_disk_dir=str(disk), chunk_cache_size_gb=8 * page / 2**30) as llm:
+        tiers = llm.engine.chunks.tiers
+        limit = tiers.max_pending_bytes
+        tiers.max_pending_bytes = 0  # every write-through is dropped ...
+        llm.generate(_prompt([0]), GREEDY)
+        assert tiers.dropped_writes == 2 and not list(disk.glob("*.safetensors"))
+        tiers.max_pending_bytes = limit  # ... so evicting those entries must write them down
+        for i in (1, 2, 3, 4):
+            llm.generate(_prompt([i]), GREEDY)
+        assert llm.chunk_cache_stats()["evictions"] > 0
+        llm.engine.flush_chunk_tiers()
+        # Documents 1-4 were written through; document 0 only by its eviction (S stays in the pool).
+        assert llm.chunk_cache_stats()["tiers"]["disk"]["entries"] == 5
+        tok = llm.tokenizer
+        doc0 = tok.encode(DOCS[0], add_special_tokens=False)
+        key = chunk_hash(llm.engine.model_name, tok.encode(SYSTEM), doc0)
+        assert (disk / f"{tier_key(tiers.model, key, len(doc0))}.safetensors").is_file()
+        llm.check_integrity()
+
+
+# ---- the Redis tier ----------------------------------------------------------------------------
+
+
+def test_redis_tier_splits_large_values(redis_server: RedisServer) -> None:  # noqa: F811
+    tier = RedisTier(redis_server.url, prefix="t:", part_bytes=1000)
+    blob = encode(_kv(tokens=40))
+    assert len(blob) > 2000 and tier.store("e", blob)
+    assert tier.load("e") == blob and tier.contains("e")
+    client = tier._client
+    parts = -(-len(blob) // 1000)
+    assert client.exists(*[f"t:e:{i}" for i in range(parts)]) == parts
+    client.delete("t:e:1")  # as Redis's own LRU could
+    assert tier.load("e") is None and tier.stats()["partial"] == 1
+    assert not tier.contains("e")  # the rest is gone too
+    tier.close()
+
+
+def test_two_replicas_share_redis_and_survive_it_dying(checkpoint, redis_server: RedisServer) -> None:  # noqa: F811
+    path = checkpoint(arch="qwen3")
+    with (
+        _llm(path, chunk_cache_remote=redis_server.url) as first,
+        _llm(path, chunk_cache_remote=redis_server.url) as second,
+    ):
+        cold = first.generate(_prompt([3, 4]), GREEDY)[0]
+        first.engine.flush_chunk_tiers()
+        warm = second.generate(_prompt([3, 4]), GREEDY)[0]
+        assert warm.num_chunk_cached_tokens == _chunk_tokens(second, [3, 4])
+        _same(cold, warm)
+        assert second.chunk_cache_stats()["tiers"]["remote"]["hits"] == 3
+        redis_server.stop()
+        down = second.generate(_prompt([0, 1]), GREEDY)[0]  # computed; no error reaches us
+        assert down.outputs[0].finish_reason == "length" and down.error is None
+        second.engine.flush_chunk_tiers()
+        remote = second.chunk_cache_stats()["tiers"]["remote"]
+        assert remote["unavailable"] > 0 and remote["up"] == 0
+        second.check_integrity()
