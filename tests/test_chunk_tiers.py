@@ -15,6 +15,7 @@ from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.tiers.disk import DiskTier
 from chunkcache.chunk.tiers.provider import CorruptEntry, StoredKV, decode, encode, tier_key
 from chunkcache.chunk.tiers.remote import RedisTier
+from chunkcache.config import EngineConfig
 from chunkcache.hashing import chunk_hash
 
 SEP = " # # "
@@ -53,6 +54,15 @@ def _kv(tokens: int = 5, model: str = "m" * 64) -> StoredKV:
     g = torch.Generator().manual_seed(tokens)
     k, v = torch.randn(2, tokens, 2, 4, generator=g), torch.randn(2, tokens, 2, 4, generator=g)
     return StoredKV(model, bytes(range(32)), "chunk", ((1, 2), tuple(range(tokens))), k, v)
+
+
+def test_tier_options_are_validated() -> None:
+    with pytest.raises(ValueError, match=r"chunk_cache_remote must be a redis://host:port/db URL"):
+        EngineConfig.from_options("m", use_env=False, chunk_cache_remote="http://127.0.0.1:1/0")
+    with pytest.raises(ValueError, match="chunk_cache_disk_gb must be > 0"):
+        EngineConfig.from_options("m", use_env=False, chunk_cache_disk_gb=0.0)
+    config = EngineConfig.from_options("m", use_env=False, chunk_cache_disk_dir="/d", chunk_cache_disk_gb=2)
+    assert config.chunk.disk_dir == "/d" and config.chunk.disk_gb == 2
 
 
 # ---- the entry format ----------------------------------------------------------------------------

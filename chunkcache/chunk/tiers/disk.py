@@ -18,7 +18,6 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +49,6 @@ class DiskTier(TierProvider):
         self.too_large = 0
         self.write_errors = 0
         self.evictions = 0
-        # Called with each name the budget pushes out (the stack turns them into events).
-        self.on_evict: Callable[[str], None] | None = None
         self._rebuild_index()
 
     def _path(self, key: str) -> Path:

@@ -9,6 +9,8 @@ Contract of a `TierProvider` (a byte store of encoded entries, keyed by a hex st
 - `evict(key)` removes the entry (no error when absent).
 - `stats()` is a flat dict of numbers: at least `entries` and `bytes` where the tier can know them.
 - `check_integrity()` asserts the tier's own bookkeeping (index vs. what it holds).
+- `names()` lists the entries a tier holds when it can know them cheaply (a local index), else
+  None; a tier that evicts on its own calls `on_evict(name)` for each entry it pushes out.
 `store` is called from the stack's writer thread, everything else from the engine thread:
 providers guard their own state.
 
@@ -24,6 +26,7 @@ import hashlib
 import json
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +126,8 @@ class TierProvider(ABC):
 
     #: The tier's name in events, stats and metrics: vLLM's `medium` ("CPU", "DISK", "REMOTE").
     medium: str
+    #: Set by the stack: told the name of each entry the tier evicts by itself.
+    on_evict: Callable[[str], None] | None = None
 
     @abstractmethod
     def store(self, key: str, blob: bytes) -> bool: ...
@@ -141,6 +146,10 @@ class TierProvider(ABC):
 
     @abstractmethod
     def check_integrity(self) -> None: ...
+
+    def names(self) -> list[str] | None:
+        """The names of the entries held, where a local index knows them; None elsewhere."""
+        return None
 
     def close(self) -> None:
         """Release connections or files; the default holds none."""

@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,8 +83,7 @@ class TierStack:
         self._queue: queue.Queue[tuple[StoredKV, list[TierProvider]] | None] = queue.Queue()
         self._closed = False
         for tier in tiers:
-            if hasattr(tier, "on_evict"):
-                tier.on_evict = self._make_on_evict(tier.medium)
+            tier.on_evict = self._make_on_evict(tier.medium)
         self._writer = threading.Thread(target=self._write_loop, name="chunk-tier-writer", daemon=True)
         self._writer.start()
 
@@ -135,10 +135,10 @@ class TierStack:
         subscriber that lost its state."""
         events = []
         for tier in self.tiers:
-            names = getattr(tier, "names", None)
+            names = tier.names()
             if names is None:
                 continue
-            parsed = [p for p in map(parse_tier_key, names()) if p is not None and p[0] == self.model[:16]]
+            parsed = [p for p in map(parse_tier_key, names) if p is not None and p[0] == self.model[:16]]
             if parsed:
                 events.append(
                     ChunkStored([to_wire(k) for _, _, k in parsed], [n for _, n, _ in parsed], tier.medium)
@@ -227,7 +227,7 @@ class TierStack:
             else:
                 counters.store_failures += 1
 
-    def _make_on_evict(self, medium: str):  # type: ignore[no-untyped-def]
+    def _make_on_evict(self, medium: str) -> Callable[[str], None]:
         def on_evict(name: str) -> None:
             parsed = parse_tier_key(name)
             if parsed is None or parsed[0] != self.model[:16]:
