@@ -4,6 +4,7 @@ and an engine that finds its documents there after a restart or on another repli
 from __future__ import annotations
 
 import errno
+import json
 import logging
 from pathlib import Path
 
@@ -15,7 +16,9 @@ from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.tiers.disk import DiskTier
 from chunkcache.chunk.tiers.provider import CorruptEntry, StoredKV, decode, encode, tier_key
 from chunkcache.chunk.tiers.remote import RedisTier
+from chunkcache.cli import main as cli_main
 from chunkcache.config import EngineConfig
+from chunkcache.errors import InvalidRequestError
 from chunkcache.hashing import chunk_hash
 
 SEP = " # # "
@@ -242,3 +245,51 @@ def test_two_replicas_share_redis_and_survive_it_dying(checkpoint, redis_server:
         remote = second.chunk_cache_stats()["tiers"]["remote"]
         assert remote["unavailable"] > 0 and remote["up"] == 0
         second.check_integrity()
+
+
+# ---- prewarming ----------------------------------------------------------------------------------
+
+
+def test_prewarm_fills_the_pool_without_generating(checkpoint) -> None:
+    path = checkpoint(arch="qwen3")
+    with _llm(path) as cold_llm:
+        cold = cold_llm.generate(_prompt([1, 2]), GREEDY)[0]
+    with _llm(path) as llm:
+        items = [{"system": SYSTEM, "documents": [DOCS[1], DOCS[2]]}, {"prompt": _prompt([2, 3])}]
+        first, second = llm.prewarm(items, window=1)  # one at a time: the second finds doc 2 done
+        assert first.outputs[0].token_ids == [] and first.error is None
+        assert first.num_cached_tokens == 0 and second.num_chunk_cached_tokens == _chunk_tokens(llm, [2])
+        assert second.num_computed_tokens == _chunk_tokens(llm, [3])  # the question is not computed
+        warm = llm.generate(_prompt([1, 2]), GREEDY)[0]
+        assert warm.num_chunk_cached_tokens == _chunk_tokens(llm, [1, 2])
+        _same(cold, warm)
+        with pytest.raises(InvalidRequestError, match=r"item 0: .*not both"):
+            llm.prewarm([{"prompt": _prompt([0]), "system": SYSTEM}])
+        with pytest.raises(InvalidRequestError, match="not a chunked prompt"):
+            llm.prewarm([{"system": SYSTEM, "documents": [DOCS[0]]}, {"prompt": "no separators"}])
+        with pytest.raises(InvalidRequestError, match="unknown fields"):
+            llm.prewarm([{"documents": [DOCS[0]], "question": "?"}])
+        stats = llm.engine.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0
+        llm.check_integrity()
+
+
+def test_cli_prewarm_fills_the_disk_tier(checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = checkpoint(arch="qwen3")
+    items = tmp_path / "docs.jsonl"
+    items.write_text(
+        json.dumps({"system": SYSTEM, "documents": DOCS[:3]})
+        + "\n\n"
+        + json.dumps({"prompt": _prompt([3, 4])})
+    )
+    disk = str(tmp_path / "kv")
+    options = ["--device", "cpu", "--chunk-layout", "isolated", "--kv-cache-tokens", "1024"]
+    argv = ["prewarm", "--model", str(path), "--documents", str(items), *options]
+    assert cli_main([*argv, "--chunk-cache-disk-dir", disk]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["items"] == 2 and summary["failed"] == 0 and summary["tiers"]["disk"]["entries"] == 6
+    with _llm(path, chunk_cache_disk_dir=disk) as llm:
+        out = llm.generate(_prompt([4, 0, 2]), GREEDY)[0]
+        assert out.num_chunk_cached_tokens == _chunk_tokens(llm, [4, 0, 2])
+    with pytest.raises(SystemExit, match="prewarm needs a tier"):
+        cli_main(argv)

@@ -10,7 +10,11 @@ from pathlib import Path
 import httpx
 import openai
 from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
-from server_util import ServerProcess
+from server_util import ServerProcess, ServerThread
+
+from chunkcache.config import EngineConfig
+from chunkcache.engine.engine import LLMEngine
+from chunkcache.server.app import build_app
 
 PROMPT = (
     "You answer questions about the documents. # # Alice lives in Paris and drinks tea. # # "
@@ -71,3 +75,35 @@ def test_restart_and_second_replica_load_the_first_ones_documents(
 def server_tokens(server: ServerProcess, text: str) -> list[int]:
     body = {"prompt": text, "add_special_tokens": False}
     return httpx.post(f"{server.url}/tokenize", json=body, timeout=10).json()["tokens"]
+
+
+def test_prewarm_endpoint(checkpoint: Callable[..., Path]) -> None:
+    options = {"device": "cpu", "kv_cache_tokens": 1024, "max_model_len": 256, "chunk_layout": "isolated"}
+    engine = LLMEngine(EngineConfig.from_options(str(checkpoint("qwen3")), use_env=False, **options))
+    server = ServerThread(build_app(engine, api_key=None, max_queue=8, served_model_name="m")).start()
+    try:
+        system, *documents, _ = PROMPT.split(" # # ")
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/chunk_cache/prewarm", json={"system": system, "documents": documents})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["cached_tokens"] == 0 and body["computed_tokens"] == body["prompt_tokens"] > 0
+            again = http.post("/v1/chunk_cache/prewarm", json={"prompt": PROMPT, "model": "m"}).json()
+            assert again["cached_tokens"] == again["prompt_tokens"] and again["computed_tokens"] == 0
+            for bad, message in (
+                ({"prompt": PROMPT, "system": system}, "not both"),
+                ({"prompt": "no separator here"}, "not a chunked prompt"),
+                ({"system": system, "documents": []}, "non-empty list of documents"),
+                ({"prompt": PROMPT, "question": "?"}, "question"),
+                ({"prompt": PROMPT, "model": "other"}, "other"),
+            ):
+                r = http.post("/v1/chunk_cache/prewarm", json=bad)
+                assert 400 <= r.status_code < 500 and message in r.text, (bad, r.status_code, r.text)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert out.usage.prompt_tokens_details.cached_tokens == body["prompt_tokens"]
+        stats = server.wait_idle()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        server.on_engine(engine.check_integrity)
+    finally:
+        server.stop()

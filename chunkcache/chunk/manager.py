@@ -89,12 +89,12 @@ class ChunkManager:
 
     # ---- validation (any thread) -------------------------------------------------------------
 
-    def validate(self, prompt: ChunkedPrompt, max_model_len: int) -> None:
+    def validate(self, prompt: ChunkedPrompt, max_model_len: int, need_question: bool = True) -> None:
         if len(prompt.chunks) > self.config.max_chunks:
             raise InvalidRequestError(
                 f"prompt has {len(prompt.chunks)} chunks, more than max_chunks {self.config.max_chunks}"
             )
-        if not prompt.question_token_ids:
+        if need_question and not prompt.question_token_ids:
             raise InvalidRequestError("chunked prompt has an empty question after the last separator")
         s = len(prompt.sys_token_ids)
         for i, chunk in enumerate(prompt.chunks):
@@ -287,11 +287,13 @@ class ChunkManager:
         if isinstance(state, FillJob):
             self._jobs.pop(id(state.entry), None)
             if seq.finish_reason is None and seq.num_computed == seq.num_tokens:
+                # A private entry (no room in the pool) is written down too: its pages are
+                # paged KV blocks of the same size, read the same way.
+                if self.tiers is not None:  # read before mark_ready can evict anything
+                    self.tiers.store(self._read_kv(state.entry))
                 if state.entry.private:
                     state.entry.ready = True
                 else:
-                    if self.tiers is not None:  # read before mark_ready can evict anything
-                        self.tiers.store(self._read_kv(state.entry))
                     self.pool.mark_ready(state.entry)
             if state.sys_entry is not None:
                 self._unpin(state.sys_entry, cancel)

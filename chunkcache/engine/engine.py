@@ -43,12 +43,18 @@ from chunkcache.threads import set_threads
 logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_GB = 0.5
+_PREWARM_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 # apply_chat_template's own arguments: a request's template variables must not reach them.
 _RENDER_ARGUMENTS = frozenset(
     {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
      "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
      "chat_template", "tools", "documents"}
 )  # fmt: skip
+
+
+def _check_salt(cache_salt: str | None) -> None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
 
 
 class LLMEngine:
@@ -111,6 +117,7 @@ class LLMEngine:
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []
         self._requests: dict[str, Sequence] = {}
+        self._prewarms: list[Sequence] = []
         self._ids_in_use: set[str] = set()
         self.publisher: KVEventPublisher | None = None
         ev = config.kv_events
@@ -167,8 +174,7 @@ class LLMEngine:
         (flat names: chunk_layout, blend_recompute_ratios, ...). Requests share cached KV only
         with requests of the same `cache_salt` (vLLM's field; None shares with None).
         """
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
+        _check_salt(cache_salt)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         try:
@@ -186,11 +192,73 @@ class LLMEngine:
         except InvalidRequestError as e:
             e.param = e.param or "prompt"  # the prompt's checks (chunk parsing included) name no field
             raise
+        self._post(seq)
+
+    def _post(self, seq: Sequence) -> None:
         with self._lock:
-            if request_id in self._ids_in_use:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self._ids_in_use.add(request_id)
+            if seq.request_id in self._ids_in_use:
+                raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+            self._ids_in_use.add(seq.request_id)
             self._inbox.append(seq)
+
+    def add_prewarm(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        system: str | None = None,
+        documents: list[str] | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> None:
+        """Compute and cache a system part and its documents without generating: either a chunked
+        `prompt` (its question is ignored) or `system` and `documents`. The request finishes, with
+        no tokens, once every entry is in the pool (and handed to the lower tiers); its output
+        counts the tokens that were already cached. Raises InvalidRequestError naming what is wrong."""
+        _check_salt(cache_salt)
+        if self.chunks is None:
+            raise InvalidRequestError("the chunk cache is disabled: there is nothing to prewarm")
+        chunked = self._prewarm_prompt(prompt, system, documents, add_special_tokens)
+        self.chunks.validate(chunked, self.max_model_len, need_question=False)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=chunked.all_token_ids(),
+            token_ids=[],
+            params=_PREWARM_PARAMS,
+            prompt=prompt,
+            is_prewarm=True,
+            cache_salt=cache_salt,
+            chunk_state=chunked,
+            chunk_config=self.config.chunk,
+            prefix_cacheable=False,
+        )
+        self._post(seq)
+
+    def _prewarm_prompt(
+        self, prompt: str | None, system: str | None, documents: list[str] | None, add_special_tokens: bool
+    ) -> ChunkedPrompt:
+        if prompt is not None:
+            if system is not None or documents is not None:
+                raise InvalidRequestError("give either a chunked prompt or system and documents, not both")
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string", "prompt")
+            sep = self.config.chunk.separator
+            chunked = parse_chunked_prompt(prompt, sep, self.tokenizer, add_special_tokens)
+            if chunked is None:
+                raise InvalidRequestError(
+                    f"prompt is not a chunked prompt: it needs the separator {sep!r} at least twice", "prompt"
+                )
+            return ChunkedPrompt(chunked.sys_token_ids, chunked.chunks, ())
+        if not isinstance(system, str):
+            raise InvalidRequestError("system must be a string (it may be empty)", "system")
+        if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
+            raise InvalidRequestError("documents must be a list of strings", "documents")
+        sys_ids = tuple(self.tokenizer.encode(system, add_special_tokens=add_special_tokens))
+        chunks = tuple(
+            c for c in (tuple(self.tokenizer.encode(d, add_special_tokens=False)) for d in documents) if c
+        )
+        if not chunks:
+            raise InvalidRequestError("documents holds no document with any token", "documents")
+        return ChunkedPrompt(sys_ids, chunks, ())
 
     def _chunk_config(self, options: dict[str, Any] | None) -> ChunkConfig:
         if not options:
@@ -331,6 +399,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         finished_now = self._drain_inbox()
+        finished_now += self._finish_prewarms()
         batch = self.scheduler.schedule()
         if batch:
             try:
@@ -341,6 +410,7 @@ class LLMEngine:
                 # is in an unknown state), free what they held, and go on with the others.
                 logger.exception("step failed; failing the %d sequences of its batch", len(batch))
                 finished_now += self._fail_batch(batch, f"{type(e).__name__}: {e}")
+        finished_now += self._finish_prewarms()
         outputs = self._collect_outputs(batch, finished_now)
         self._publish_events()
         return outputs
@@ -388,7 +458,10 @@ class LLMEngine:
                 self._fail(seq, f"admission failed: {type(e).__name__}: {e}")
                 failed.append(seq)
                 continue
-            self.scheduler.add(seq)
+            if seq.is_prewarm:
+                self._prewarms.append(seq)
+            else:
+                self.scheduler.add(seq)
         aborted = failed
         for request_id in aborts:
             seq = self._requests.get(request_id)
@@ -398,6 +471,18 @@ class LLMEngine:
             self._finish(seq)
             aborted.append(seq)
         return aborted
+
+    def _finish_prewarms(self) -> list[Sequence]:
+        """Finish the prewarm requests whose entries are all computed (failed or aborted ones
+        were finished where that happened)."""
+        done = []
+        for seq in self._prewarms:
+            if not seq.is_finished and all(e.ready for e in seq.chunk_state.entries):
+                seq.finish_reason = "stop"
+                self._finish(seq)
+                done.append(seq)
+        self._prewarms = [s for s in self._prewarms if not s.is_finished]
+        return done
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int]) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
