@@ -400,7 +400,7 @@ def test_command_line(tokenizer_dir: str) -> None:
     config = config_from_args(args)
     assert [s.pod_id for s in config.backends] == ["http://h:1", "http://h:2", "z"]
     assert config.backends[0].events == "tcp://h:5557" and config.policy == "prefix_only"
-    assert config.tier_weights == {"GPU": 1.0, "CPU": 0.5, "DISK": 0.1}
+    assert config.tier_weights == {"GPU": 1.0, "CPU": 0.5, "DISK": 0.1, "REMOTE": 0.3}  # unnamed: default
     out = subprocess.run(
         [sys.executable, "-m", "chunkcache.router", "--help"], capture_output=True, text=True, timeout=60
     )

@@ -213,7 +213,12 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--load-weight", type=float, default=0.5, help="how much in-flight load offsets a cache hit"
     )
-    g.add_argument("--tier-weights", default="GPU=1.0,CPU=0.8", help="score weight per KV tier")
+    g.add_argument(
+        "--tier-weights",
+        default="gpu=1.0,cpu=0.8,disk=0.3,remote=0.3",
+        help="score weight per KV tier (the `medium` of KV events), each in [0, 1]; a tier not named keeps "
+        "its default; a chunk in the shared remote tier counts for every backend (default: %(default)s)",
+    )
     g.add_argument("--seed", type=int, default=None, help="seed of the random policy")
     g = parser.add_argument_group("security")
     g.add_argument(

@@ -137,6 +137,7 @@ class Router:
                 allowed_pods=[spec.pod_id for spec in config.backends],
                 curve=curve,
                 on_clear=self._on_pod_cleared,
+                tier_weights=config.tier_weights,
             )
         self.metrics = RouterMetrics(self.index, self.pool, lambda: self.intake)
         self._transport = transport

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkcache.chunk.tiers.provider import TierProvider
+from chunkcache.kv_events import MEDIUM_DISK
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
@@ -36,7 +37,7 @@ def _touch(path: Path) -> None:
 
 
 class DiskTier(TierProvider):
-    medium = "DISK"
+    medium = MEDIUM_DISK
 
     def __init__(self, directory: str, budget_bytes: int) -> None:
         self.dir = Path(directory)

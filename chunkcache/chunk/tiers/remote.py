@@ -20,13 +20,14 @@ from typing import Any
 import redis
 
 from chunkcache.chunk.tiers.provider import TierProvider
+from chunkcache.kv_events import MEDIUM_REMOTE
 
 logger = logging.getLogger(__name__)
 DEFAULT_PART_BYTES = 4 * 2**20
 
 
 class RedisTier(TierProvider):
-    medium = "REMOTE"
+    medium = MEDIUM_REMOTE
 
     def __init__(
         self,
