@@ -67,6 +67,13 @@ def test_restart_and_second_replica_load_the_first_ones_documents(
             assert warm.choices[0].logprobs.token_logprobs == cold.choices[0].logprobs.token_logprobs
             stats = _tier_stats(server)[medium]
             assert stats["hits"] == 4 and stats["misses"] == 0 and stats["corrupt"] == 0
+            metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+            assert f'chunkcache_chunk_tier_hits_total{{tier="{medium}"}} 4.0' in metrics
+            assert f'chunkcache_chunk_tier_load_seconds_count{{tier="{medium}"}} 4.0' in metrics
+            assert (
+                f'chunkcache_chunk_tier_bytes_loaded_total{{tier="{medium}"}} {stats["bytes_loaded"]:.1f}'
+                in metrics
+            )
     finally:
         restarted.stop()
         replica.stop()
@@ -77,8 +84,9 @@ def server_tokens(server: ServerProcess, text: str) -> list[int]:
     return httpx.post(f"{server.url}/tokenize", json=body, timeout=10).json()["tokens"]
 
 
-def test_prewarm_endpoint(checkpoint: Callable[..., Path]) -> None:
+def test_prewarm_endpoint_and_tier_metrics(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     options = {"device": "cpu", "kv_cache_tokens": 1024, "max_model_len": 256, "chunk_layout": "isolated"}
+    options["chunk_cache_disk_dir"] = str(tmp_path)
     engine = LLMEngine(EngineConfig.from_options(str(checkpoint("qwen3")), use_env=False, **options))
     server = ServerThread(build_app(engine, api_key=None, max_queue=8, served_model_name="m")).start()
     try:
@@ -105,5 +113,11 @@ def test_prewarm_endpoint(checkpoint: Callable[..., Path]) -> None:
         stats = server.wait_idle()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
         server.on_engine(engine.check_integrity)
+        server.on_engine(engine.flush_chunk_tiers)
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'chunkcache_chunk_tier_stores_total{tier="disk"} 4.0' in metrics  # S and 3 documents
+        assert 'chunkcache_chunk_tier_entries{tier="disk"} 4.0' in metrics
+        assert 'chunkcache_chunk_tier_load_seconds_count{tier="disk"} 0.0' in metrics  # all in the pool
+        assert 'chunkcache_chunk_tier_writes_stopped{tier="disk"} 0.0' in metrics
     finally:
         server.stop()

@@ -49,9 +49,7 @@ class RedisTier(TierProvider):
         self._lock = threading.Lock()
         self._down_until = 0.0
         self.unavailable = 0  # calls skipped or failed because Redis was down
-        self.stored = 0
-        self.bytes_stored = 0
-        self.partial = 0
+        self.partial = 0  # entries found with a part missing (deleted)
 
     def _call(self, what: str, fn: Any, default: Any) -> Any:
         with self._lock:
@@ -90,11 +88,7 @@ class RedisTier(TierProvider):
             self._client.set(name, f"{len(parts)} {len(blob)}")
             return True
 
-        ok = bool(self._call("store", write, False))
-        if ok:
-            self.stored += 1
-            self.bytes_stored += len(blob)
-        return ok
+        return bool(self._call("store", write, False))
 
     def load(self, key: str) -> bytes | None:
         name = self._name(key)
@@ -131,17 +125,17 @@ class RedisTier(TierProvider):
         self._call("evict", delete, None)
 
     def stats(self) -> dict[str, Any]:
-        # entries/bytes would need a scan of a shared keyspace: report what this engine wrote.
+        # No entries/bytes: they would need a scan of a keyspace other engines share (the stack
+        # counts what this engine wrote and read).
         return {
-            "stored": self.stored,
-            "bytes_stored": self.bytes_stored,
             "unavailable": self.unavailable,
             "partial": self.partial,
             "up": int(self._down_until == 0.0),
         }
 
     def check_integrity(self) -> None:
-        assert self.stored >= 0 and self.bytes_stored >= 0 and self.unavailable >= 0
+        # Nothing is kept here but counters; Redis keeps the entries (and checks them itself).
+        assert self.unavailable >= 0 and self.partial >= 0
 
     def close(self) -> None:
         self._client.close()
