@@ -200,21 +200,27 @@ class ChunkManager:
     ) -> Entry | None:
         """A ready pool entry loaded from a lower tier, or None (no tier holds it, or no room)."""
         assert self.tiers is not None
-        found = self.tiers.load(key, token_ids)
-        if found is None:
-            return None
-        kv, medium = found
-        k_cache = self.kv_caches[0][0]
-        expected = (len(self.kv_caches), num_tokens, *k_cache.shape[1:])
-        if tuple(kv.k.shape) != expected or tuple(kv.v.shape) != expected or kv.k.dtype != k_cache.dtype:
-            logger.warning(
-                "%s tier entry has shape %s %s, this engine needs %s %s: computing it instead",
-                medium, tuple(kv.k.shape), kv.k.dtype, expected, k_cache.dtype,
-            )  # fmt: skip
-            return None
+        # Room first: an entry that cannot enter the pool is computed privately, not loaded.
         entry = self.pool.create(key, kind, token_ids, num_tokens)
         if entry is None:
             return None
+        found = self.tiers.load(key, token_ids)
+        k_cache = self.kv_caches[0][0]
+        expected = (len(self.kv_caches), num_tokens, *k_cache.shape[1:])
+        if found is not None and (
+            tuple(found[0].k.shape) != expected
+            or tuple(found[0].v.shape) != expected
+            or found[0].k.dtype != k_cache.dtype
+        ):
+            logger.warning(
+                "%s tier entry has shape %s %s, this engine needs %s %s: computing it instead",
+                found[1], tuple(found[0].k.shape), found[0].k.dtype, expected, k_cache.dtype,
+            )  # fmt: skip
+            found = None
+        if found is None:
+            self.pool.drop(entry)
+            return None
+        kv = found[0]
         slots = self._slots(entry)
         for layer, (k_layer, v_layer) in enumerate(self.kv_caches):
             k_layer.index_copy_(0, slots, kv.k[layer].to(self.device))

@@ -19,11 +19,13 @@ Contract:
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +88,9 @@ class TierStack:
             tier.on_evict = self._make_on_evict(tier.medium)
         self._writer = threading.Thread(target=self._write_loop, name="chunk-tier-writer", daemon=True)
         self._writer.start()
+        # A program that never closes its engine still gets its computed entries written: the
+        # writer is a daemon thread (it must not keep a process alive), so finish it at exit.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -237,3 +242,9 @@ class TierStack:
                 self._events.append(ChunkRemoved([to_wire(parsed[2])], medium))
 
         return on_evict
+
+
+def _close_at_exit(ref: weakref.ref[TierStack]) -> None:
+    stack = ref()
+    if stack is not None:
+        stack.close()
