@@ -6,6 +6,9 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -293,3 +296,21 @@ def test_cli_prewarm_fills_the_disk_tier(checkpoint, tmp_path: Path, capsys: pyt
         assert out.num_chunk_cached_tokens == _chunk_tokens(llm, [4, 0, 2])
     with pytest.raises(SystemExit, match="prewarm needs a tier"):
         cli_main(argv)
+
+
+def test_a_process_that_never_closes_its_engine_still_writes_its_entries(checkpoint, tmp_path: Path) -> None:
+    disk = tmp_path / "kv"
+    script = (
+        "import sys, time; from chunkcache import LLM, SamplingParams\n"
+        "from chunkcache.chunk.tiers.disk import DiskTier\n"
+        "store = DiskTier.store\n"  # a slow disk: the writes are still pending at exit
+        "DiskTier.store = lambda self, key, blob: time.sleep(0.3) or store(self, key, blob)\n"
+        "llm = LLM(sys.argv[1], device='cpu', chunk_layout='isolated', kv_cache_tokens=1024,\n"
+        "          chunk_cache_size_gb=0.001, chunk_cache_disk_dir=sys.argv[2])\n"
+        "llm.generate(sys.argv[3], SamplingParams(max_tokens=1))\n"  # and exit, no close()
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-c", script, str(checkpoint(arch="qwen3")), str(disk), _prompt([0, 1])]
+    subprocess.run(cmd, env=env, check=True, timeout=120, capture_output=True)
+    assert len(list(disk.glob("*.safetensors"))) == 3
