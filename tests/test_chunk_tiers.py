@@ -150,6 +150,9 @@ def test_restart_loads_documents_from_disk(checkpoint, tmp_path: Path) -> None:
         tiers = second.chunk_cache_stats()["tiers"]["disk"]
         assert tiers["hits"] == 4 and tiers["misses"] == 0 and tiers["corrupt"] == 0
         assert sum(tiers["load_seconds_buckets"]) == 4
+        assert second.engine.reset_chunk_cache() == 4 and second.chunk_cache_stats()["entries"] == 0
+        _same(cold, second.generate(_prompt([0, 1, 2]), GREEDY)[0])  # from the disk again
+        assert second.chunk_cache_stats()["tiers"]["disk"]["hits"] == 8
         second.check_integrity()
 
 

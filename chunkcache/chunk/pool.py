@@ -127,6 +127,12 @@ class ChunkPool:
         self._free.extend(entry.pages)
         entry.pages = []
 
+    def evict_all(self) -> int:
+        """Evict every ready entry no request holds (each demoted through `on_evict`); returns how many."""
+        before = self.stats.evictions
+        self._evict_until(lambda: False)
+        return self.stats.evictions - before
+
     def _evict_until(self, enough) -> None:  # type: ignore[no-untyped-def]
         for key in list(self._entries):
             if enough():

@@ -636,6 +636,11 @@ class LLMEngine:
             self.publisher.publish([AllBlocksCleared()])
         return ok
 
+    def reset_chunk_cache(self) -> int:
+        """Evict every chunk pool entry no request holds (written down to the lower tiers first,
+        where there are any); returns how many. Call between steps."""
+        return 0 if self.chunks is None else self.chunks.pool.evict_all()
+
     def republish_state(self) -> int | None:
         """Publish the whole cache state (AllBlocksCleared, then every cached block and chunk), for
         a router whose index lost it (Redis restarted, a gap replay could not fill). Returns the
