@@ -67,15 +67,19 @@ class LLM:
                 )
                 order[request_id] = i
         except Exception:
-            for request_id in order:
-                self.engine.abort_request(request_id)
-            self._run_until_done({}, None)
+            self._abandon(order)
             raise
         results: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
         self._run_until_done(order, results, bar)
         bar.close()
         return [results[i] for i in range(len(prompts))]
+
+    def _abandon(self, order: dict[str, int]) -> None:
+        """Abort the requests of a call that failed half-way through adding them, and let them end."""
+        for request_id in order:
+            self.engine.abort_request(request_id)
+        self._run_until_done({}, None)
 
     def _run_until_done(
         self, order: dict[str, int], results: dict[int, RequestOutput] | None, bar: tqdm | None = None
@@ -111,9 +115,7 @@ class LLM:
                         raise InvalidRequestError(f"item {i}: {e}") from None
                     order[request_id] = i
             except Exception:
-                for request_id in order:
-                    self.engine.abort_request(request_id)
-                self._run_until_done({}, None)
+                self._abandon(order)
                 raise
             self._run_until_done(order, results, bar)
         bar.close()

@@ -317,3 +317,10 @@ def test_a_process_that_never_closes_its_engine_still_writes_its_entries(checkpo
     cmd = [sys.executable, "-c", script, str(checkpoint(arch="qwen3")), str(disk), _prompt([0, 1])]
     subprocess.run(cmd, env=env, check=True, timeout=120, capture_output=True)
     assert len(list(disk.glob("*.safetensors"))) == 3
+
+
+def test_unwritable_disk_dir_is_a_clear_error(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(ValueError, match="is not a writable directory"):
+        DiskTier(str(not_a_dir / "kv"), budget_bytes=1 << 20)

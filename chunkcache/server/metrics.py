@@ -139,18 +139,14 @@ _TIER_GAUGES = {
 
 
 def _tier_metrics(tiers: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
-    for key, doc in _TIER_COUNTERS.items():
-        family = CounterMetricFamily(f"{PREFIX}_chunk_tier_{key}", doc, labels=["tier"])
-        for tier, st in tiers.items():
-            if st.get(key) is not None:
-                family.add_metric([tier], float(st[key]))
-        yield family
-    for key, doc in _TIER_GAUGES.items():
-        family = GaugeMetricFamily(f"{PREFIX}_chunk_tier_{key}", doc, labels=["tier"])
-        for tier, st in tiers.items():
-            if st.get(key) is not None:
-                family.add_metric([tier], float(st[key]))
-        yield family
+    kinds = [(CounterMetricFamily, _TIER_COUNTERS), (GaugeMetricFamily, _TIER_GAUGES)]
+    for make, docs in kinds:
+        for key, doc in docs.items():
+            family = make(f"{PREFIX}_chunk_tier_{key}", doc, labels=["tier"])
+            for tier, st in tiers.items():
+                if st.get(key) is not None:
+                    family.add_metric([tier], float(st[key]))
+            yield family
     seconds = HistogramMetricFamily(
         f"{PREFIX}_chunk_tier_load_seconds",
         "Time to load and verify one entry from this tier.",

@@ -41,7 +41,13 @@ class DiskTier(TierProvider):
 
     def __init__(self, directory: str, budget_bytes: int) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".probe.{os.getpid()}.tmp"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(f"chunk_cache_disk_dir {directory!r} is not a writable directory: {e}") from None
         self.budget_bytes = budget_bytes
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # front = least recently used
