@@ -19,6 +19,7 @@ from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.tiers.disk import DiskTier
 from chunkcache.chunk.tiers.provider import CorruptEntry, StoredKV, decode, encode, tier_key
 from chunkcache.chunk.tiers.remote import RedisTier
+from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.cli import main as cli_main
 from chunkcache.config import EngineConfig
 from chunkcache.errors import InvalidRequestError
@@ -324,3 +325,16 @@ def test_unwritable_disk_dir_is_a_clear_error(tmp_path: Path) -> None:
     not_a_dir.write_text("x")
     with pytest.raises(ValueError, match="is not a writable directory"):
         DiskTier(str(not_a_dir / "kv"), budget_bytes=1 << 20)
+
+
+def test_a_failed_write_leaves_the_entry_to_be_demoted_again(tmp_path: Path) -> None:
+    kv = _kv()
+    stack = TierStack([DiskTier(str(tmp_path), budget_bytes=10)], kv.model)  # too small for any entry
+    try:
+        stack.store(kv)
+        assert stack.holds(kv.key)  # queued
+        stack.flush()
+        assert not stack.holds(kv.key) and stack.counters["DISK"].store_failures == 1
+        assert stack.load(kv.key, kv.token_ids) is None
+    finally:
+        stack.close()

@@ -9,8 +9,8 @@ Contract:
   and writes it to every tier that lacks it (write-through: a restart or another replica finds it
   without waiting for an eviction). Writes beyond `max_pending_bytes` in flight are dropped and
   counted: the engine never waits for a disk or the network.
-- `holds(key)`: whether this stack has stored or loaded the entry (so a pool eviction need not
-  write it down again).
+- `holds(key)`: whether the entry was handed to every tier (stored or queued) or loaded from one, so
+  a pool eviction need not write it down again; a failed or dropped write clears it.
 - `flush()` waits until every queued write is done; `close()` flushes, stops the writer and
   closes the tiers. Engines call it on shutdown.
 - Tier changes become ChunkStored / ChunkRemoved events with the tier's `medium`, collected here
@@ -218,6 +218,7 @@ class TierStack:
     def _write(self, kv: StoredKV, tiers: list[TierProvider]) -> None:
         name = tier_key(self.model, kv.key, kv.num_tokens)
         blob: bytes | None = None
+        complete = True
         for tier in tiers:
             counters = self.counters[tier.medium]
             if tier.contains(name):
@@ -231,6 +232,10 @@ class TierStack:
                     self._events.append(event)
             else:
                 counters.store_failures += 1
+                complete = False
+        if not complete:  # a later pool eviction tries again
+            with self._lock:
+                self._held.discard(kv.key)
 
     def _make_on_evict(self, medium: str) -> Callable[[str], None]:
         def on_evict(name: str) -> None:
