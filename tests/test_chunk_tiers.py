@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,49 @@ def test_a_failed_write_leaves_the_entry_to_be_demoted_again(tmp_path: Path) -> 
         assert stack.load(kv.key, kv.token_ids) is None
     finally:
         stack.close()
+
+
+def test_a_slow_tier_load_stalls_no_other_request(
+    checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = checkpoint(arch="qwen3")
+    disk = str(tmp_path / "kv")
+    with _llm(path, chunk_cache_disk_dir=disk) as first:
+        cold = first.generate(_prompt([0, 1]), GREEDY)[0]
+        first.generate(_prompt([2]), GREEDY)
+    release = threading.Event()
+    load = DiskTier.load
+
+    def held_back(self: DiskTier, key: str) -> bytes | None:
+        assert release.wait(30), "the test never released the load"
+        return load(self, key)
+
+    monkeypatch.setattr(DiskTier, "load", held_back)
+    with _llm(path, chunk_cache_disk_dir=disk) as llm:
+        engine = llm.engine
+        done: dict[str, object] = {}
+
+        def step_until(cond) -> None:
+            while not cond():
+                done.update({o.request_id: o for o in engine.step() if o.finished})
+
+        engine.add_request("chunked", _prompt([0, 1]), GREEDY)
+        engine.add_request("plain", "Hello there", SamplingParams(max_tokens=3, ignore_eos=True))
+        step_until(lambda: "plain" in done)
+        assert "chunked" not in done  # its documents are still being read; the other went on
+        engine.add_request("given-up", _prompt([2]), GREEDY)
+        engine.step()
+        engine.abort_request("given-up")  # while its document loads
+        release.set()
+        step_until(lambda: not engine.has_unfinished_requests())
+        warm = done["chunked"]
+        assert warm.num_chunk_cached_tokens == _chunk_tokens(llm, [0, 1])
+        assert warm.num_prefix_cached_tokens == len(llm.tokenizer.encode(SYSTEM))
+        _same(cold, warm)
+        assert done["given-up"].outputs[0].finish_reason == "abort"
+        assert engine.chunks.loads_pending == 0
+        # The abandoned load still landed: document 2 is in the pool now, ready for the next one.
+        again = llm.generate(_prompt([2]), GREEDY)[0]
+        assert again.num_chunk_cached_tokens == _chunk_tokens(llm, [2])
+        assert llm.chunk_cache_stats()["tiers"]["disk"]["hits"] == 4
+        llm.check_integrity()

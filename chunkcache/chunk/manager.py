@@ -11,10 +11,13 @@ job per missing entry, however many requests wait for it.
 An entry that cannot be cached (larger than the pool, a key collision, the pool pinned full) is
 still computed: into paged KV blocks held by the one request that needs it.
 
-With lower tiers (`tiers`, chunkcache/chunk/tiers/): a pool miss asks them before computing, and
-a hit is copied into new pool pages (promoted) instead of becoming a fill job. A newly computed
-entry is written down to them at once (write-through, in the background), and a pool eviction
-writes down what they do not hold yet (demotion), so no computed entry is lost to an eviction.
+With lower tiers (`tiers`, chunkcache/chunk/tiers/): a pool miss gets its pool pages and asks
+them before computing, on a loader thread (the entry is *loading*; other requests' steps go on);
+`poll()` collects finished loads between steps: a hit is copied into the entry's pages (promoted),
+a miss becomes a fill job then. A newly computed entry is written down to the tiers at once
+(write-through, in the background), and a pool eviction writes down what they do not hold yet
+(demotion), so no computed entry is lost to an eviction. Whether an entry was cached for a
+request (its reported cached tokens) is settled once all its entries are ready.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.chunk.pool import ChunkPool, Entry
+from chunkcache.chunk.tiers.loader import TierLoader
 from chunkcache.chunk.tiers.provider import StoredKV
 from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
@@ -52,15 +56,31 @@ class RequestChunks:
     # Layout "offset": where the cached KV of S and the chunks is, and how far to re-rotate it.
     cached_slots: torch.Tensor | None = None
     cached_delta: torch.Tensor | None = None
-    # Per entry: whether it was already computed when the request arrived (a cache hit), so
-    # that tokens computed for this very request are never reported as cached.
-    was_cached: list[bool] = field(default_factory=list)
+    # Per entry: whether it was already computed when the request arrived, or loaded from a
+    # lower tier (a cache hit), so that tokens computed for this very request are never reported
+    # as cached. None while its load is pending; settled in `settle_cached`.
+    was_cached: list[bool | None] = field(default_factory=list)
 
 
 @dataclass
 class FillJob:
     entry: Entry
     sys_entry: Entry | None  # the S entry a chunk job borrows (pinned by the job)
+
+
+@dataclass
+class LoadContext:
+    """What a pending tier load needs to become a fill job on a miss."""
+
+    sys_entry: Entry | None  # pinned by the load until it ends
+    position_base: int
+
+
+def _cached_at_admission(entry: Entry, found: bool) -> bool | None:
+    """Cached for a request arriving now: ready (a hit); unknown while loading; else computed."""
+    if entry.loading:
+        return None
+    return found and entry.ready
 
 
 class ChunkManager:
@@ -81,9 +101,11 @@ class ChunkManager:
         self.device = device
         self.kv_caches = kv_caches or []
         self.tiers = tiers
+        self.loader: TierLoader | None = None
         if tiers is not None:
             assert self.kv_caches, "lower tiers need the KV tensors to copy entries in and out"
             pool.on_evict = self._demote
+            self.loader = TierLoader(tiers)
         self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
         self._ids = itertools.count()
 
@@ -131,24 +153,17 @@ class ChunkManager:
             0,
         )
         state.entries.append(sys_entry)
-        state.was_cached.append(sys_entry.ready)
-        if sys_entry.ready:
-            seq.num_prefix_cached = len(sys_ids)
+        state.was_cached.append(_cached_at_admission(sys_entry, True))
         for chunk in prompt.chunks:
             key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
             entry, hit = self._acquire(
                 key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids)
             )
-            if hit:
-                self.pool.stats.hits += 1
-                self.pool.stats.hit_tokens += len(chunk)
-                if entry.ready:
-                    seq.num_chunk_cached += len(chunk)
-            else:
-                self.pool.stats.misses += 1
-                self.pool.stats.miss_tokens += len(chunk)
+            if hit is not None:  # a load's hit or miss is counted when it ends
+                self._count(hit, len(chunk))
             state.entries.append(entry)
-            state.was_cached.append(hit and entry.ready)
+            state.was_cached.append(_cached_at_admission(entry, bool(hit)))
+        self.settle_cached(seq)
         if seq.chunk_config.layout == "offset":
             seq.blend = seq.chunk_config  # own tokens: the whole prompt, at natural positions
         else:
@@ -164,71 +179,125 @@ class ChunkManager:
         jobs: list[Sequence],
         sys_entry: Entry | None,
         position_base: int,
-    ) -> tuple[Entry, bool]:
-        """A pinned entry for `key`, and whether it was found (in the pool, ready or being computed,
-        or in a lower tier); a new entry comes with a fill job appended to `jobs`."""
+    ) -> tuple[Entry, bool | None]:
+        """A pinned entry for `key`, and whether it was found in the pool (ready, being computed
+        or being loaded); None when it is being loaded for this request (found or not is known
+        when the load ends). A new entry comes with a fill job appended to `jobs`."""
         entry = self.pool.get(key, token_ids)
-        if entry is None and self.tiers is not None:
-            entry = self._promote(key, kind, token_ids, num_tokens)
-        found = entry is not None
+        found: bool | None = entry is not None
+        if entry is None and self.loader is not None:
+            # Pages first: an entry that cannot enter the pool is computed privately, not loaded.
+            entry = self.pool.create(key, kind, token_ids, num_tokens)
+            if entry is not None:
+                entry.loading = True
+                if sys_entry is not None:
+                    sys_entry.pins += 1
+                self.loader.start(entry, token_ids, LoadContext(sys_entry, position_base))
+                found = None
         if entry is None:
             entry = self.pool.create(key, kind, token_ids, num_tokens)
             if entry is None:
                 self.pool.stats.uncacheable += 1
                 entry = Entry(key, kind, token_ids, num_tokens, private=True)
-            job = Sequence(
-                request_id=f"fill-{next(self._ids)}",
-                prompt_token_ids=list(token_ids[-1]),
-                token_ids=list(token_ids[-1]),
-                params=_FILL_PARAMS,
-                position_base=position_base,
-                is_fill=True,
-                block_table=entry.pages,
-                chunk_state=FillJob(entry, sys_entry),
-            )
-            if sys_entry is not None:
-                sys_entry.pins += 1
-            self._jobs[id(entry)] = job
-            jobs.append(job)
+            jobs.append(self._fill_job(entry, sys_entry, position_base))
         entry.pins += 1
         return entry, found
 
+    def _fill_job(self, entry: Entry, sys_entry: Entry | None, position_base: int) -> Sequence:
+        token_ids = list(entry.token_ids[-1])
+        job = Sequence(
+            request_id=f"fill-{next(self._ids)}",
+            prompt_token_ids=token_ids,
+            token_ids=list(token_ids),
+            params=_FILL_PARAMS,
+            position_base=position_base,
+            is_fill=True,
+            block_table=entry.pages,
+            chunk_state=FillJob(entry, sys_entry),
+        )
+        if sys_entry is not None:
+            sys_entry.pins += 1
+        self._jobs[id(entry)] = job
+        return job
+
+    def _count(self, hit: bool, num_tokens: int) -> None:
+        if hit:
+            self.pool.stats.hits += 1
+            self.pool.stats.hit_tokens += num_tokens
+        else:
+            self.pool.stats.misses += 1
+            self.pool.stats.miss_tokens += num_tokens
+
+    def settle_cached(self, seq: Sequence) -> bool:
+        """Once no entry of `seq` is loading: settle which were cached and its cached-token counts
+        (S's as prefix-cached, the chunks' as chunk-cached); False while a load is pending."""
+        state: RequestChunks = seq.chunk_state
+        if any(e.loading for e in state.entries):
+            return False
+        state.was_cached = [
+            e.from_tier if c is None else c for c, e in zip(state.was_cached, state.entries, strict=True)
+        ]
+        seq.num_prefix_cached = state.entries[0].num_tokens if state.was_cached[0] else 0
+        seq.num_chunk_cached = sum(
+            e.num_tokens for e, c in zip(state.entries[1:], state.was_cached[1:], strict=True) if c
+        )
+        return True
+
     # ---- lower tiers (engine thread) ---------------------------------------------------------
 
-    def _promote(
-        self, key: bytes, kind: str, token_ids: tuple[tuple[int, ...], ...], num_tokens: int
-    ) -> Entry | None:
-        """A ready pool entry loaded from a lower tier, or None (no tier holds it, or no room)."""
-        assert self.tiers is not None
-        # Room first: an entry that cannot enter the pool is computed privately, not loaded.
-        entry = self.pool.create(key, kind, token_ids, num_tokens)
-        if entry is None:
+    def poll(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Settle the tier loads that ended: a hit fills its entry's pages and makes it ready, a
+        miss gets a fill job. Returns (new fill jobs, fill jobs nobody waits for any more)."""
+        jobs: list[Sequence] = []
+        cancel: list[Sequence] = []
+        if self.loader is None:
+            return jobs, cancel
+        for load, found in self.loader.finished():
+            entry, context = load.entry, load.context
+            entry.loading = False
+            kv = self._usable(found, entry)
+            if kv is not None:
+                self._copy_in(entry, kv)
+                entry.from_tier = True
+                self.pool.mark_ready(entry)
+            elif entry.pins > 0:
+                jobs.append(self._fill_job(entry, context.sys_entry, context.position_base))
+            else:  # nobody waits for it any more
+                self.pool.drop(entry)
+            if entry.kind == "chunk":
+                self._count(kv is not None, entry.num_tokens)
+            if context.sys_entry is not None:
+                self._unpin(context.sys_entry, cancel)
+        return jobs, cancel
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Sleep until a tier load ends (at most `timeout` s): for an engine with nothing else to run."""
+        if self.loader is not None:
+            self.loader.wait(timeout)
+
+    @property
+    def loads_pending(self) -> int:
+        return 0 if self.loader is None else len(self.loader)
+
+    def _usable(self, found: tuple[StoredKV, str] | None, entry: Entry) -> StoredKV | None:
+        if found is None:
             return None
-        found = self.tiers.load(key, token_ids)
+        kv, medium = found
         k_cache = self.kv_caches[0][0]
-        expected = (len(self.kv_caches), num_tokens, *k_cache.shape[1:])
-        if found is not None and (
-            tuple(found[0].k.shape) != expected
-            or tuple(found[0].v.shape) != expected
-            or found[0].k.dtype != k_cache.dtype
-        ):
+        expected = (len(self.kv_caches), entry.num_tokens, *k_cache.shape[1:])
+        if tuple(kv.k.shape) != expected or tuple(kv.v.shape) != expected or kv.k.dtype != k_cache.dtype:
             logger.warning(
                 "%s tier entry has shape %s %s, this engine needs %s %s: computing it instead",
-                found[1], tuple(found[0].k.shape), found[0].k.dtype, expected, k_cache.dtype,
+                medium, tuple(kv.k.shape), kv.k.dtype, expected, k_cache.dtype,
             )  # fmt: skip
-            found = None
-        if found is None:
-            self.pool.drop(entry)
             return None
-        kv = found[0]
+        return kv
+
+    def _copy_in(self, entry: Entry, kv: StoredKV) -> None:
         slots = self._slots(entry)
         for layer, (k_layer, v_layer) in enumerate(self.kv_caches):
             k_layer.index_copy_(0, slots, kv.k[layer].to(self.device))
             v_layer.index_copy_(0, slots, kv.v[layer].to(self.device))
-        entry.pins += 1  # mark_ready may evict to make room: never the entry just loaded
-        self.pool.mark_ready(entry)
-        entry.pins -= 1
-        return entry
 
     def _read_kv(self, entry: Entry) -> StoredKV:
         """A CPU copy of a pool entry's KV, for the lower tiers."""
@@ -263,6 +332,7 @@ class ChunkManager:
             if not all(e.ready for e in state.entries):
                 return False
             if not state.assembled:
+                self.settle_cached(seq)
                 slots = torch.cat([self._slots(e) for e in state.entries])
                 if seq.chunk_config.layout == "offset":
                     state.cached_slots = slots
@@ -316,6 +386,8 @@ class ChunkManager:
         if entry.private and entry.pages:
             self.blocks.free(entry.pages)
             entry.pages = []
+        if entry.loading:
+            return  # its load settles it (poll): dropped on a miss, kept on a hit
         if not entry.ready:
             # Nobody waits for it any more: cancel its job, if it still runs, and forget it.
             job = self._jobs.pop(id(entry), None)
@@ -340,7 +412,9 @@ class ChunkManager:
         return events
 
     def close(self) -> None:
-        """Finish the lower tiers' pending writes and close them."""
+        """Stop loading; finish the lower tiers' pending writes and close them."""
+        if self.loader is not None:
+            self.loader.close()
         if self.tiers is not None:
             self.tiers.close()
 
@@ -369,5 +443,9 @@ class ChunkManager:
         self.pool.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
+        for entry in self.pool.entries():
+            assert entry.loading == (self.loader is not None and entry in self.loader), (
+                "a loading entry without its load, or a load of an entry not marked loading"
+            )
         for job in self._jobs.values():
             assert not job.is_finished, f"finished fill job {job.request_id} still tracked"

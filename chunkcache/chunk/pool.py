@@ -34,6 +34,8 @@ class Entry:
     pins: int = 0
     ready: bool = False
     private: bool = False  # computed for one request in paged KV blocks, never shared
+    loading: bool = False  # being read from a lower tier (chunkcache/chunk/tiers/loader.py)
+    from_tier: bool = False  # its KV was loaded from a lower tier, not computed here
 
 
 @dataclass
@@ -89,6 +91,9 @@ class ChunkPool:
             return None
         self._entries.move_to_end(key)
         return entry
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
 
     def has_key(self, key: bytes) -> bool:
         return key in self._entries

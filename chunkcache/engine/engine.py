@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_GB = 0.5
 _PREWARM_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+# A step with nothing runnable while chunk entries load from the tiers waits this long at most.
+_LOAD_WAIT_S = 0.01
 # apply_chat_template's own arguments: a request's template variables must not reach them.
 _RENDER_ARGUMENTS = frozenset(
     {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
@@ -393,14 +395,19 @@ class LLMEngine:
         with self._lock:
             pending = bool(self._inbox or self._aborts)
         # list() copies in one step under the GIL: safe against the step thread adding requests.
-        return pending or any(not s.is_fill for s in list(self._requests.values()))
+        # A tier load nobody waits for any more still ends in a step (its entry is settled).
+        loading = self.chunks is not None and self.chunks.loads_pending > 0
+        return pending or loading or any(not s.is_fill for s in list(self._requests.values()))
 
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         finished_now = self._drain_inbox()
+        self._poll_chunk_loads()
         finished_now += self._finish_prewarms()
         batch = self.scheduler.schedule()
+        if not batch and self.chunks is not None and self.chunks.loads_pending:
+            self.chunks.wait_for_loads(_LOAD_WAIT_S)  # nothing to run until a load ends: sleep, not spin
         if batch:
             try:
                 logits, rows = self.runner.run(batch)
@@ -472,12 +479,24 @@ class LLMEngine:
             aborted.append(seq)
         return aborted
 
+    def _poll_chunk_loads(self) -> None:
+        """Chunk entries whose tier load ended: misses become fill jobs, scheduled here."""
+        if self.chunks is None:
+            return
+        jobs, cancel = self.chunks.poll()
+        for job in jobs:
+            self._requests[job.request_id] = job
+            self.scheduler.add(job)
+        for job in cancel:
+            self._finish(job)
+
     def _finish_prewarms(self) -> list[Sequence]:
         """Finish the prewarm requests whose entries are all computed (failed or aborted ones
         were finished where that happened)."""
         done = []
         for seq in self._prewarms:
             if not seq.is_finished and all(e.ready for e in seq.chunk_state.entries):
+                self.chunks.settle_cached(seq)  # type: ignore[union-attr]
                 seq.finish_reason = "stop"
                 self._finish(seq)
                 done.append(seq)
