@@ -123,8 +123,9 @@ class DiskTier(TierProvider):
                 logger.warning("disk tier %s: writing %s failed: %s", self.dir, key, e)
             return False
         with self._lock:
+            # A load may have indexed the file meanwhile (another engine wrote it): count it once.
+            self.used_bytes += len(blob) - self._index.get(key, 0)
             self._index[key] = len(blob)
-            self.used_bytes += len(blob)
         return True
 
     def load(self, key: str) -> bytes | None:
