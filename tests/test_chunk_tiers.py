@@ -385,3 +385,20 @@ def test_a_slow_tier_load_stalls_no_other_request(
         assert again.num_chunk_cached_tokens == _chunk_tokens(llm, [2])
         assert llm.chunk_cache_stats()["tiers"]["disk"]["hits"] == 4
         llm.check_integrity()
+
+
+def test_an_entry_of_another_kv_layout_is_a_miss(tmp_path: Path) -> None:
+    kv = _kv()  # [2 layers, 5 tokens, 2 heads, 4 dims], float32
+    for layout, hit in (
+        ((2, 2, 4, torch.float32), True),
+        ((3, 2, 4, torch.float32), False),
+        ((2, 2, 4, torch.float16), False),
+    ):
+        stack = TierStack([DiskTier(str(tmp_path), budget_bytes=1 << 20)], kv.model, layout)
+        try:
+            stack.store(kv)
+            stack.flush()
+            assert (stack.load(kv.key, kv.token_ids) is not None) == hit
+            assert stack.load(kv.key, ((1, 2), (9,) * 5)) is None  # other tokens, same key: never
+        finally:
+            stack.close()

@@ -36,7 +36,7 @@ from chunkcache.chunk.tiers.provider import StoredKV
 from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
 from chunkcache.engine.kv_blocks import BlockManager
-from chunkcache.engine.runner import block_slots
+from chunkcache.engine.runner import block_slots, gather_kv, scatter_kv
 from chunkcache.engine.sequence import Sequence
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import chunk_hash, system_hash
@@ -255,7 +255,7 @@ class ChunkManager:
         for load, found in self.loader.finished():
             entry, context = load.entry, load.context
             entry.loading = False
-            kv = self._usable(found, entry)
+            kv = None if found is None else found[0]
             if kv is not None:
                 self._copy_in(entry, kv)
                 entry.from_tier = True
@@ -279,32 +279,13 @@ class ChunkManager:
     def loads_pending(self) -> int:
         return 0 if self.loader is None else len(self.loader)
 
-    def _usable(self, found: tuple[StoredKV, str] | None, entry: Entry) -> StoredKV | None:
-        if found is None:
-            return None
-        kv, medium = found
-        k_cache = self.kv_caches[0][0]
-        expected = (len(self.kv_caches), entry.num_tokens, *k_cache.shape[1:])
-        if tuple(kv.k.shape) != expected or tuple(kv.v.shape) != expected or kv.k.dtype != k_cache.dtype:
-            logger.warning(
-                "%s tier entry has shape %s %s, this engine needs %s %s: computing it instead",
-                medium, tuple(kv.k.shape), kv.k.dtype, expected, k_cache.dtype,
-            )  # fmt: skip
-            return None
-        return kv
-
     def _copy_in(self, entry: Entry, kv: StoredKV) -> None:
-        slots = self._slots(entry)
-        for layer, (k_layer, v_layer) in enumerate(self.kv_caches):
-            k_layer.index_copy_(0, slots, kv.k[layer].to(self.device))
-            v_layer.index_copy_(0, slots, kv.v[layer].to(self.device))
+        scatter_kv(self.kv_caches, self._slots(entry), kv.k, kv.v)
 
     def _read_kv(self, entry: Entry) -> StoredKV:
         """A CPU copy of a pool entry's KV, for the lower tiers."""
         assert self.tiers is not None
-        slots = self._slots(entry)
-        k = torch.stack([k_layer[slots] for k_layer, _ in self.kv_caches]).cpu()
-        v = torch.stack([v_layer[slots] for _, v_layer in self.kv_caches]).cpu()
+        k, v = gather_kv(self.kv_caches, self._slots(entry))
         return StoredKV(self.tiers.model, entry.key, entry.kind, entry.token_ids, k, v)
 
     def _demote(self, entry: Entry) -> None:

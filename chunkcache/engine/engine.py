@@ -146,7 +146,9 @@ class LLMEngine:
             tiers.append(RedisTier(chunk.remote))
         if not tiers:
             return None
-        return TierStack(tiers, model_identity(loaded.model, self.tokenizer, self.model_name))
+        spec = self.spec
+        layout = (spec.num_layers, spec.num_kv_heads, spec.head_dim, loaded.dtype)
+        return TierStack(tiers, model_identity(loaded.model, self.tokenizer, self.model_name), layout)
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> LLMEngine:

@@ -1,8 +1,9 @@
 """The lower tiers under the device pool, nearest first (disk, then remote), and their writer.
 
 Contract:
-- `load(key, token_ids)` (engine thread, synchronous) asks each tier in turn; the first entry that
-  decodes, passes its checksum, belongs to this model and holds exactly `token_ids` is returned.
+- `load(key, token_ids)` (the loader thread, synchronous) asks each tier in turn; the first entry
+  that decodes, passes its checksum, belongs to this model, holds exactly `token_ids` and has
+  this engine's KV layout (`kv_layout`) is returned.
   A corrupt entry is evicted from its tier and counted; the lookup goes on to the next tier. A hit
   in a farther tier is written (asynchronously) into the nearer ones that missed (promotion).
 - `store(kv)` (engine thread) hands a computed entry to the writer thread, which encodes it once
@@ -29,6 +30,8 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from chunkcache.chunk.tiers.provider import (
     CorruptEntry,
@@ -71,10 +74,13 @@ class TierStack:
         self,
         tiers: list[TierProvider],
         model: str,
+        kv_layout: tuple[int, int, int, torch.dtype] | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
     ) -> None:
         self.tiers = tiers
         self.model = model
+        # (layers, kv_heads, head_dim, dtype) an entry must have to be loaded; None: any.
+        self.kv_layout = kv_layout
         self.max_pending_bytes = max_pending_bytes
         self.counters = {t.medium: TierCounters() for t in tiers}
         self.dropped_writes = 0
@@ -92,7 +98,7 @@ class TierStack:
         # writer is a daemon thread (it must not keep a process alive), so finish it at exit.
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    # ---- engine thread -----------------------------------------------------------------------
+    # ---- loader thread (load) and engine thread ----------------------------------------------
 
     def load(self, key: bytes, token_ids: tuple[tuple[int, ...], ...]) -> tuple[StoredKV, str] | None:
         """The entry and the medium it came from, or None when no tier holds it."""
@@ -109,7 +115,7 @@ class TierStack:
                     counters.corrupt += 1
                     logger.warning("%s tier: entry %s is corrupt (%s); deleted", tier.medium, name, e)
                     tier.evict(name)
-            if kv is None or kv.model != self.model or kv.key != key or kv.token_ids != token_ids:
+            if kv is None or not self._belongs(kv, key, token_ids):
                 counters.misses += 1
                 continue
             counters.hits += 1
@@ -121,6 +127,16 @@ class TierStack:
                 self._enqueue(kv, self.tiers[:i])
             return kv, tier.medium
         return None
+
+    def _belongs(self, kv: StoredKV, key: bytes, token_ids: tuple[tuple[int, ...], ...]) -> bool:
+        """This model's entry for exactly these tokens, in this engine's KV layout."""
+        if kv.model != self.model or kv.key != key or kv.token_ids != token_ids:
+            return False
+        if self.kv_layout is None:
+            return True
+        layers, heads, dim, dtype = self.kv_layout
+        shape = (layers, len(token_ids[-1]), heads, dim)
+        return tuple(kv.k.shape) == shape == tuple(kv.v.shape) and kv.k.dtype == dtype == kv.v.dtype
 
     def store(self, kv: StoredKV) -> None:
         """Write a computed entry down to every tier, in the background."""
