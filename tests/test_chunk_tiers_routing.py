@@ -17,7 +17,7 @@ from chunkcache.hashing import to_wire
 from chunkcache.kv_events import AllBlocksCleared, BlockRemoved, ChunkRemoved, ChunkStored, KVEventPublisher
 from chunkcache.router.events import EventIntake
 from chunkcache.router.index import MemoryIndex
-from chunkcache.router.scorer import Scorer, parse_tier_weights
+from chunkcache.router.scorer import Scorer, ScorerConfig, parse_tier_weights
 
 
 def _wait(cond, timeout: float = 5.0) -> None:
@@ -71,6 +71,10 @@ def test_chunk_scores_follow_tiers_and_the_shared_remote(intake: EventIntake) ->
         expect([1, 2], {"a": 10, "b": 50, "c": 10})
         a.publish([ChunkRemoved([1], "DISK")])  # nothing left of chunk 1 anywhere
         expect([1], {"a": 0, "b": 0, "c": 0})
+        # Only the backends said to share the remote tier are credited for it.
+        sharing = Scorer(intake.index, ScorerConfig(remote_pods=frozenset({"a", "c"})))
+        scores = sharing.score([], [2], pods=["a", "b", "c", "d"])
+        assert {p: s.chunk_tokens for p, s in scores.items()} == {"a": 10, "b": 50, "c": 10, "d": 0}
         assert intake.stats().failed == 0
         intake.index.check_integrity()
     finally:

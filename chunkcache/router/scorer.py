@@ -5,8 +5,8 @@ Prefix: a pod's run of the prompt's blocks from the first one until the first bl
 the pod holds it in (GPU 1.0, CPU 0.8: offloaded KV must be copied back). Chunk score (this
 project): the tokens of the prompt's chunks that the pod holds, in any order, each weighted at
 intake by the best tier the pod holds it in (its pool "GPU", its disk "DISK"); a chunk in a
-remote store shared by the replicas ("REMOTE", index entry `SHARED_REMOTE`) counts for every pod,
-unless the pod's own copy weighs more. Both are in tokens, so `total` is an estimate of the prompt
+remote store shared by the replicas ("REMOTE", index entry `SHARED_REMOTE`) counts for every pod
+that shares it (`remote_pods`; all by default), unless the pod's own copy weighs more. Both are in tokens, so `total` is an estimate of the prompt
 tokens a pod will not recompute.
 """
 
@@ -29,6 +29,9 @@ class ScorerConfig:
     # Weight of a tier not in `tier_weights` (a disk or remote tier from a newer engine).
     unknown_tier_weight: float = 0.5
     block_size: int = 16
+    # The backends that share the remote tier (can load what any of them stored there);
+    # None = every backend scored.
+    remote_pods: frozenset[str] | None = None
 
 
 @dataclass
@@ -108,8 +111,12 @@ class Scorer:
             for i, row in enumerate(self.index.lookup_chunks(chunk_keys)):
                 cap = chunk_tokens[i] if chunk_tokens is not None else None
                 shared = row.pop(SHARED_REMOTE, 0)
-                if shared and restrict:  # listed pods share the remote tier: each may load it
-                    row = {p: max(row.get(p, 0), shared) for p in scores}
+                if shared and restrict:  # the pods sharing the remote tier may each load it
+                    sharers = self.config.remote_pods
+                    row = {
+                        p: max(row.get(p, 0), shared if sharers is None or p in sharers else 0)
+                        for p in scores
+                    }
                 for p, n in row.items():
                     if restrict and p not in scores:
                         continue
