@@ -1,4 +1,4 @@
-"""`chunkcache serve | route | generate`: one entry point, one sub-command per job."""
+"""`chunkcache serve | route | generate | eval | prewarm`: one entry point, one sub-command per job."""
 
 from __future__ import annotations
 
@@ -52,6 +52,55 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="greedy continuation length for exact match")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     add_engine_arguments(p)
+
+
+def _add_prewarm(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prewarm", help="compute documents' KV offline into the disk or remote chunk tier")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument(
+        "--documents",
+        required=True,
+        help='JSONL, one item a line: {"system": "...", "documents": ["...", ...]} or '
+        '{"prompt": "S # # C1 # # ... # # Q"} (the question is ignored)',
+    )
+    p.add_argument("--window", type=int, default=8, help="items in flight at once (default: %(default)s)")
+    add_engine_arguments(p)
+
+
+def run_prewarm(args: argparse.Namespace) -> int:
+    from chunkcache import LLM
+    from chunkcache.model.loader import default_model
+
+    items = []
+    with open(args.documents) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{args.documents}:{number}: not JSON: {e}") from None
+            if not isinstance(item, dict):
+                raise SystemExit(f"{args.documents}:{number}: expected a JSON object")
+            items.append(item)
+    llm = LLM(args.model or default_model(), **engine_options(args))
+    chunk = llm.engine.config.chunk
+    if not (chunk.disk_dir or chunk.remote):
+        raise SystemExit(
+            "prewarm needs a tier to fill: --chunk-cache-disk-dir and/or --chunk-cache-remote "
+            "(or CHUNKCACHE_CHUNK_CACHE_DISK_DIR / CHUNKCACHE_CHUNK_CACHE_REMOTE)"
+        )
+    try:
+        outputs = llm.prewarm(items, use_tqdm=True, window=args.window)
+        tiers = llm.chunk_cache_stats()["tiers"]  # type: ignore[index]
+    finally:
+        llm.close()
+    failed = [o for o in outputs if o.error is not None]
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    summary = {"items": len(outputs), "failed": len(failed), "tokens": tokens, "already_cached": cached}
+    print(json.dumps({**summary, "tiers": tiers}))
+    return 1 if failed else 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -129,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_eval(sub)
+    _add_prewarm(sub)
 
     from chunkcache.server.cli import add_serve_arguments, run_serve
 
@@ -141,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_generate(args)
     if args.command == "eval":
         return run_eval(args)
+    if args.command == "prewarm":
+        return run_prewarm(args)
     if args.command == "serve":
         run_serve(args)
         return 0

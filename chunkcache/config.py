@@ -79,6 +79,11 @@ class ChunkConfig:
     # Default by measurement (benchmarks/RESULTS.md, bench_fidelity): offset + blend@0.15 at layer 1
     # kept 76% of full prefill's correct answers at 4.1x its TTFT; isolated kept 61% (19x).
     layout: str = "offset"
+    # Lower tiers under the pool (chunkcache/chunk/tiers/): a local directory of safetensors files
+    # within `disk_gb`, and a Redis shared by replicas (`redis://host:port/db`). None = no tier.
+    disk_dir: str | None = None
+    disk_gb: float = 10.0
+    remote: str | None = None
     # More chunks than this in one prompt is rejected: each chunk is a pool entry and a job.
     max_chunks: int = 256
     # Blend (layout "offset"): at check layer j keep the share ratios[j] of all chunk tokens
@@ -116,6 +121,10 @@ class ChunkConfig:
             raise ValueError(f"chunk_layout {self.layout!r} is not one of {CHUNK_LAYOUTS}")
         if self.max_chunks <= 0:
             raise ValueError(f"max_chunks must be > 0, got {self.max_chunks}")
+        if not math.isfinite(self.disk_gb) or self.disk_gb <= 0:
+            raise ValueError(f"chunk_cache_disk_gb must be > 0, got {self.disk_gb}")
+        if self.remote is not None and not self.remote.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"chunk_cache_remote must be a redis://host:port/db URL, got {self.remote!r}")
         self._validate_blend(num_layers)
 
     def _validate_blend(self, num_layers: int | None) -> None:
@@ -271,6 +280,9 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "chunk_cache_hash_algorithm": ("chunk", "hash_algorithm"),
     "chunk_layout": ("chunk", "layout"),
     "max_chunks": ("chunk", "max_chunks"),
+    "chunk_cache_disk_dir": ("chunk", "disk_dir"),
+    "chunk_cache_disk_gb": ("chunk", "disk_gb"),
+    "chunk_cache_remote": ("chunk", "remote"),
     **{
         f.name: ("chunk", f.name)
         for f in dataclasses.fields(ChunkConfig)

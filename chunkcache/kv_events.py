@@ -46,6 +46,10 @@ from chunkcache.curve import CurveKeys, CurveServer, secure_client
 logger = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"
+# The chunk pool's lower tiers (chunkcache/chunk/tiers/), in the same field: vLLM names its own
+# offloaded KV "CPU"; a local disk and a remote store shared by several engines follow suit.
+MEDIUM_DISK = "DISK"
+MEDIUM_REMOTE = "REMOTE"
 # vLLM's KVCacheSpecKind values whose blocks hold every token's KV (a prefix hit is a real hit).
 FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 FULL_ATTENTION = "full_attention"

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
+from chunkcache.errors import InvalidRequestError
 from chunkcache.model.loader import default_model
 from chunkcache.outputs import RequestOutput
 from chunkcache.sampling import SamplingParams
@@ -66,15 +67,19 @@ class LLM:
                 )
                 order[request_id] = i
         except Exception:
-            for request_id in order:
-                self.engine.abort_request(request_id)
-            self._run_until_done({}, None)
+            self._abandon(order)
             raise
         results: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(prompts), desc="generating", disable=not use_tqdm)
         self._run_until_done(order, results, bar)
         bar.close()
         return [results[i] for i in range(len(prompts))]
+
+    def _abandon(self, order: dict[str, int]) -> None:
+        """Abort the requests of a call that failed half-way through adding them, and let them end."""
+        for request_id in order:
+            self.engine.abort_request(request_id)
+        self._run_until_done({}, None)
 
     def _run_until_done(
         self, order: dict[str, int], results: dict[int, RequestOutput] | None, bar: tqdm | None = None
@@ -85,6 +90,37 @@ class LLM:
                     results[order[out.request_id]] = out
                     if bar is not None:
                         bar.update(1)
+
+    def prewarm(
+        self, items: Sequence[dict[str, Any]], use_tqdm: bool = False, window: int = 8
+    ) -> list[RequestOutput]:
+        """Compute and cache each item's system part and documents without generating; an item is
+        `{"prompt": chunked prompt}` or `{"system": str, "documents": [str, ...]}`. At most `window`
+        items are in flight at once, so their entries fit the pool; every entry is written to the
+        lower tiers before this returns. Outputs in input order (failed ones carry `error`)."""
+        results: dict[int, RequestOutput] = {}
+        bar = tqdm(total=len(items), desc="prewarming", unit="item", disable=not use_tqdm)
+        for start in range(0, len(items), window):
+            order: dict[str, int] = {}
+            try:
+                for i in range(start, min(start + window, len(items))):
+                    item = items[i]
+                    unknown = sorted(set(item) - {"prompt", "system", "documents", "cache_salt"})
+                    if unknown:
+                        raise InvalidRequestError(f"unknown fields {unknown}")
+                    request_id = f"prewarm-{next(self._ids)}"
+                    try:
+                        self.engine.add_prewarm(request_id, **item)
+                    except InvalidRequestError as e:
+                        raise InvalidRequestError(f"item {i}: {e}") from None
+                    order[request_id] = i
+            except Exception:
+                self._abandon(order)
+                raise
+            self._run_until_done(order, results, bar)
+        bar.close()
+        self.engine.flush_chunk_tiers()
+        return [results[i] for i in range(len(items))]
 
     def chat(
         self,
@@ -103,3 +139,13 @@ class LLM:
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
+
+    def close(self) -> None:
+        """Finish writing computed chunks to the lower tiers (disk, remote) and release them."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

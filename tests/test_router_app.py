@@ -400,7 +400,12 @@ def test_command_line(tokenizer_dir: str) -> None:
     config = config_from_args(args)
     assert [s.pod_id for s in config.backends] == ["http://h:1", "http://h:2", "z"]
     assert config.backends[0].events == "tcp://h:5557" and config.policy == "prefix_only"
-    assert config.tier_weights == {"GPU": 1.0, "CPU": 0.5, "DISK": 0.1}
+    assert config.tier_weights == {"GPU": 1.0, "CPU": 0.5, "DISK": 0.1, "REMOTE": 0.3}  # unnamed: default
+    assert config.remote_pods is None  # every backend shares the remote tier
+    args = parser.parse_args([*argv, "--remote-tier-backends", "z,http://h:2"])
+    assert config_from_args(args).remote_pods == ("z", "http://h:2")
+    with pytest.raises(SystemExit, match="unknown backends"):
+        config_from_args(parser.parse_args([*argv, "--remote-tier-backends", "nope"]))
     out = subprocess.run(
         [sys.executable, "-m", "chunkcache.router", "--help"], capture_output=True, text=True, timeout=60
     )

@@ -10,6 +10,14 @@ job per missing entry, however many requests wait for it.
 
 An entry that cannot be cached (larger than the pool, a key collision, the pool pinned full) is
 still computed: into paged KV blocks held by the one request that needs it.
+
+With lower tiers (`tiers`, chunkcache/chunk/tiers/): a pool miss gets its pool pages and asks
+them before computing, on a loader thread (the entry is *loading*; other requests' steps go on);
+`poll()` collects finished loads between steps: a hit is copied into the entry's pages (promoted),
+a miss becomes a fill job then. A newly computed entry is written down to the tiers at once
+(write-through, in the background), and a pool eviction writes down what they do not hold yet
+(demotion), so no computed entry is lost to an eviction. Whether an entry was cached for a
+request (its reported cached tokens) is settled once all its entries are ready.
 """
 
 from __future__ import annotations
@@ -23,9 +31,12 @@ import torch
 
 from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.chunk.pool import ChunkPool, Entry
+from chunkcache.chunk.tiers.loader import TierLoader
+from chunkcache.chunk.tiers.provider import StoredKV
+from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
 from chunkcache.engine.kv_blocks import BlockManager
-from chunkcache.engine.runner import block_slots
+from chunkcache.engine.runner import block_slots, gather_kv, scatter_kv
 from chunkcache.engine.sequence import Sequence
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import chunk_hash, system_hash
@@ -46,15 +57,31 @@ class RequestChunks:
     # Layout "offset": where the cached KV of S and the chunks is, and how far to re-rotate it.
     cached_slots: torch.Tensor | None = None
     cached_delta: torch.Tensor | None = None
-    # Per entry: whether it was already computed when the request arrived (a cache hit), so
-    # that tokens computed for this very request are never reported as cached.
-    was_cached: list[bool] = field(default_factory=list)
+    # Per entry: whether it was already computed when the request arrived, or loaded from a
+    # lower tier (a cache hit), so that tokens computed for this very request are never reported
+    # as cached. None while its load is pending; settled in `settle_cached`.
+    was_cached: list[bool | None] = field(default_factory=list)
 
 
 @dataclass
 class FillJob:
     entry: Entry
     sys_entry: Entry | None  # the S entry a chunk job borrows (pinned by the job)
+
+
+@dataclass
+class LoadContext:
+    """What a pending tier load needs to become a fill job on a miss."""
+
+    sys_entry: Entry | None  # pinned by the load until it ends
+    position_base: int
+
+
+def _cached_at_admission(entry: Entry, found: bool) -> bool | None:
+    """Cached for a request arriving now: ready (a hit); unknown while loading; else computed."""
+    if entry.loading:
+        return None
+    return found and entry.ready
 
 
 class ChunkManager:
@@ -65,23 +92,32 @@ class ChunkManager:
         blocks: BlockManager,
         pool: ChunkPool,
         device: torch.device,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        tiers: TierStack | None = None,
     ) -> None:
         self.config = config
         self.model_name = model_name
         self.blocks = blocks
         self.pool = pool
         self.device = device
+        self.kv_caches = kv_caches or []
+        self.tiers = tiers
+        self.loader: TierLoader | None = None
+        if tiers is not None:
+            assert self.kv_caches, "lower tiers need the KV tensors to copy entries in and out"
+            pool.on_evict = self._demote
+            self.loader = TierLoader(tiers)
         self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
         self._ids = itertools.count()
 
     # ---- validation (any thread) -------------------------------------------------------------
 
-    def validate(self, prompt: ChunkedPrompt, max_model_len: int) -> None:
+    def validate(self, prompt: ChunkedPrompt, max_model_len: int, need_question: bool = True) -> None:
         if len(prompt.chunks) > self.config.max_chunks:
             raise InvalidRequestError(
                 f"prompt has {len(prompt.chunks)} chunks, more than max_chunks {self.config.max_chunks}"
             )
-        if not prompt.question_token_ids:
+        if need_question and not prompt.question_token_ids:
             raise InvalidRequestError("chunked prompt has an empty question after the last separator")
         s = len(prompt.sys_token_ids)
         for i, chunk in enumerate(prompt.chunks):
@@ -108,7 +144,7 @@ class ChunkManager:
         jobs: list[Sequence] = []
         sys_ids = prompt.sys_token_ids
         salt = seq.cache_salt
-        sys_entry = self._acquire(
+        sys_entry, _ = self._acquire(
             system_hash(self.model_name, sys_ids, self.config.hash_algorithm, salt),
             "system",
             (sys_ids,),
@@ -118,23 +154,17 @@ class ChunkManager:
             0,
         )
         state.entries.append(sys_entry)
-        state.was_cached.append(sys_entry.ready)
-        if sys_entry.ready:
-            seq.num_prefix_cached = len(sys_ids)
+        state.was_cached.append(_cached_at_admission(sys_entry, True))
         for chunk in prompt.chunks:
             key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
-            hit = self.pool.get(key, (sys_ids, chunk))
-            entry = self._acquire(key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids))
-            if hit is not None:
-                self.pool.stats.hits += 1
-                self.pool.stats.hit_tokens += len(chunk)
-                if hit.ready:
-                    seq.num_chunk_cached += len(chunk)
-            else:
-                self.pool.stats.misses += 1
-                self.pool.stats.miss_tokens += len(chunk)
+            entry, hit = self._acquire(
+                key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids)
+            )
+            if hit is not None:  # a load's hit or miss is counted when it ends
+                self._count(hit, len(chunk))
             state.entries.append(entry)
-            state.was_cached.append(hit is not None and hit.ready)
+            state.was_cached.append(_cached_at_admission(entry, bool(hit)))
+        self.settle_cached(seq)
         if seq.chunk_config.layout == "offset":
             seq.blend = seq.chunk_config  # own tokens: the whole prompt, at natural positions
         else:
@@ -150,30 +180,119 @@ class ChunkManager:
         jobs: list[Sequence],
         sys_entry: Entry | None,
         position_base: int,
-    ) -> Entry:
-        """A pinned entry for `key`: found in the pool, or new with a fill job appended to `jobs`."""
+    ) -> tuple[Entry, bool | None]:
+        """A pinned entry for `key`, and whether it was found in the pool (ready, being computed
+        or being loaded); None when it is being loaded for this request (found or not is known
+        when the load ends). A new entry comes with a fill job appended to `jobs`."""
         entry = self.pool.get(key, token_ids)
+        found: bool | None = entry is not None
+        if entry is None and self.loader is not None:
+            # Pages first: an entry that cannot enter the pool is computed privately, not loaded.
+            entry = self.pool.create(key, kind, token_ids, num_tokens)
+            if entry is not None:
+                entry.loading = True
+                if sys_entry is not None:
+                    sys_entry.pins += 1
+                self.loader.start(entry, token_ids, LoadContext(sys_entry, position_base))
+                found = None
         if entry is None:
             entry = self.pool.create(key, kind, token_ids, num_tokens)
             if entry is None:
                 self.pool.stats.uncacheable += 1
                 entry = Entry(key, kind, token_ids, num_tokens, private=True)
-            job = Sequence(
-                request_id=f"fill-{next(self._ids)}",
-                prompt_token_ids=list(token_ids[-1]),
-                token_ids=list(token_ids[-1]),
-                params=_FILL_PARAMS,
-                position_base=position_base,
-                is_fill=True,
-                block_table=entry.pages,
-                chunk_state=FillJob(entry, sys_entry),
-            )
-            if sys_entry is not None:
-                sys_entry.pins += 1
-            self._jobs[id(entry)] = job
-            jobs.append(job)
+            jobs.append(self._fill_job(entry, sys_entry, position_base))
         entry.pins += 1
-        return entry
+        return entry, found
+
+    def _fill_job(self, entry: Entry, sys_entry: Entry | None, position_base: int) -> Sequence:
+        token_ids = list(entry.token_ids[-1])
+        job = Sequence(
+            request_id=f"fill-{next(self._ids)}",
+            prompt_token_ids=token_ids,
+            token_ids=list(token_ids),
+            params=_FILL_PARAMS,
+            position_base=position_base,
+            is_fill=True,
+            block_table=entry.pages,
+            chunk_state=FillJob(entry, sys_entry),
+        )
+        if sys_entry is not None:
+            sys_entry.pins += 1
+        self._jobs[id(entry)] = job
+        return job
+
+    def _count(self, hit: bool, num_tokens: int) -> None:
+        if hit:
+            self.pool.stats.hits += 1
+            self.pool.stats.hit_tokens += num_tokens
+        else:
+            self.pool.stats.misses += 1
+            self.pool.stats.miss_tokens += num_tokens
+
+    def settle_cached(self, seq: Sequence) -> bool:
+        """Once no entry of `seq` is loading: settle which were cached and its cached-token counts
+        (S's as prefix-cached, the chunks' as chunk-cached); False while a load is pending."""
+        state: RequestChunks = seq.chunk_state
+        if any(e.loading for e in state.entries):
+            return False
+        state.was_cached = [
+            e.from_tier if c is None else c for c, e in zip(state.was_cached, state.entries, strict=True)
+        ]
+        seq.num_prefix_cached = state.entries[0].num_tokens if state.was_cached[0] else 0
+        seq.num_chunk_cached = sum(
+            e.num_tokens for e, c in zip(state.entries[1:], state.was_cached[1:], strict=True) if c
+        )
+        return True
+
+    # ---- lower tiers (engine thread) ---------------------------------------------------------
+
+    def poll(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Settle the tier loads that ended: a hit fills its entry's pages and makes it ready, a
+        miss gets a fill job. Returns (new fill jobs, fill jobs nobody waits for any more)."""
+        jobs: list[Sequence] = []
+        cancel: list[Sequence] = []
+        if self.loader is None:
+            return jobs, cancel
+        for load, found in self.loader.finished():
+            entry, context = load.entry, load.context
+            entry.loading = False
+            kv = None if found is None else found[0]
+            if kv is not None:
+                self._copy_in(entry, kv)
+                entry.from_tier = True
+                self.pool.mark_ready(entry)
+            elif entry.pins > 0:
+                jobs.append(self._fill_job(entry, context.sys_entry, context.position_base))
+            else:  # nobody waits for it any more
+                self.pool.drop(entry)
+            if entry.kind == "chunk":
+                self._count(kv is not None, entry.num_tokens)
+            if context.sys_entry is not None:
+                self._unpin(context.sys_entry, cancel)
+        return jobs, cancel
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Sleep until a tier load ends (at most `timeout` s): for an engine with nothing else to run."""
+        if self.loader is not None:
+            self.loader.wait(timeout)
+
+    @property
+    def loads_pending(self) -> int:
+        return 0 if self.loader is None else len(self.loader)
+
+    def _copy_in(self, entry: Entry, kv: StoredKV) -> None:
+        scatter_kv(self.kv_caches, self._slots(entry), kv.k, kv.v)
+
+    def _read_kv(self, entry: Entry) -> StoredKV:
+        """A CPU copy of a pool entry's KV, for the lower tiers."""
+        assert self.tiers is not None
+        k, v = gather_kv(self.kv_caches, self._slots(entry))
+        return StoredKV(self.tiers.model, entry.key, entry.kind, entry.token_ids, k, v)
+
+    def _demote(self, entry: Entry) -> None:
+        assert self.tiers is not None
+        if not self.tiers.holds(entry.key):
+            self.tiers.store(self._read_kv(entry))
 
     def is_ready(self, seq: Sequence) -> bool:
         """Whether the scheduler may run `seq`: a job needs its S computed (and private pages), a
@@ -195,6 +314,7 @@ class ChunkManager:
             if not all(e.ready for e in state.entries):
                 return False
             if not state.assembled:
+                self.settle_cached(seq)
                 slots = torch.cat([self._slots(e) for e in state.entries])
                 if seq.chunk_config.layout == "offset":
                     state.cached_slots = slots
@@ -232,6 +352,10 @@ class ChunkManager:
         if isinstance(state, FillJob):
             self._jobs.pop(id(state.entry), None)
             if seq.finish_reason is None and seq.num_computed == seq.num_tokens:
+                # A private entry (no room in the pool) is written down too: its pages are
+                # paged KV blocks of the same size, read the same way.
+                if self.tiers is not None:  # read before mark_ready can evict anything
+                    self.tiers.store(self._read_kv(state.entry))
                 if state.entry.private:
                     state.entry.ready = True
                 else:
@@ -251,6 +375,8 @@ class ChunkManager:
         if entry.private and entry.pages:
             self.blocks.free(entry.pages)
             entry.pages = []
+        if entry.loading:
+            return  # its load settles it (poll): dropped on a miss, kept on a hit
         if not entry.ready:
             # Nobody waits for it any more: cancel its job, if it still runs, and forget it.
             job = self._jobs.pop(id(entry), None)
@@ -261,8 +387,25 @@ class ChunkManager:
                 self.pool.drop(entry)
 
     def drain_events(self) -> list[Any]:
+        events: list[Any]
         events, self.pool.events = self.pool.events, []
+        if self.tiers is not None:
+            events += self.tiers.drain_events()
         return events
+
+    def state_events(self) -> list[Any]:
+        """Every entry this engine can serve without computing: the pool's and the tiers'."""
+        events: list[Any] = list(self.pool.state_events())
+        if self.tiers is not None:
+            events += self.tiers.state_events()
+        return events
+
+    def close(self) -> None:
+        """Stop loading; finish the lower tiers' pending writes and close them."""
+        if self.loader is not None:
+            self.loader.close()
+        if self.tiers is not None:
+            self.tiers.close()
 
     def stats(self) -> dict[str, Any]:
         s = self.pool.stats
@@ -282,9 +425,16 @@ class ChunkManager:
             "evictions": s.evictions,
             "uncacheable": s.uncacheable,
             "jobs_running": len(self._jobs),
+            "tiers": self.tiers.stats() if self.tiers is not None else {},
         }
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
+        for entry in self.pool.entries():
+            assert entry.loading == (self.loader is not None and entry in self.loader), (
+                "a loading entry without its load, or a load of an entry not marked loading"
+            )
         for job in self._jobs.values():
             assert not job.is_finished, f"finished fill job {job.request_id} still tracked"

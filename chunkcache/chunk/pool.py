@@ -8,6 +8,8 @@ Contract:
 - An entry is *ready* once its KV is computed. Only ready entries with no pins are evicted, least
   recently used first; eviction starts when usage passes `lru_threshold` of the budget, and to
   make room for a new entry. An entry larger than the whole budget is never admitted.
+- `on_evict`, when set, sees each evicted entry while its pages still hold its KV (the manager
+  demotes it to the lower tiers there).
 - Storing and evicting entries are reported as ChunkStored / ChunkRemoved events, system parts
   too (their keys live in another hash domain), so a router can credit a replica for both.
 """
@@ -15,6 +17,7 @@ Contract:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chunkcache.hashing import to_wire
@@ -31,6 +34,8 @@ class Entry:
     pins: int = 0
     ready: bool = False
     private: bool = False  # computed for one request in paged KV blocks, never shared
+    loading: bool = False  # being read from a lower tier (chunkcache/chunk/tiers/loader.py)
+    from_tier: bool = False  # its KV was loaded from a lower tier, not computed here
 
 
 @dataclass
@@ -63,6 +68,7 @@ class ChunkPool:
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # front = least recently used
         self.stats = PoolStats()
         self.events: list[ChunkStored | ChunkRemoved] = []
+        self.on_evict: Callable[[Entry], None] | None = None
 
     @property
     def budget_bytes(self) -> int:
@@ -85,6 +91,9 @@ class ChunkPool:
             return None
         self._entries.move_to_end(key)
         return entry
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
 
     def has_key(self, key: bytes) -> bool:
         return key in self._entries
@@ -123,12 +132,20 @@ class ChunkPool:
         self._free.extend(entry.pages)
         entry.pages = []
 
+    def evict_all(self) -> int:
+        """Evict every ready entry no request holds (each demoted through `on_evict`); returns how many."""
+        before = self.stats.evictions
+        self._evict_until(lambda: False)
+        return self.stats.evictions - before
+
     def _evict_until(self, enough) -> None:  # type: ignore[no-untyped-def]
         for key in list(self._entries):
             if enough():
                 return
             entry = self._entries[key]
             if entry.ready and entry.pins == 0:
+                if self.on_evict is not None:
+                    self.on_evict(entry)
                 del self._entries[key]
                 self._free.extend(entry.pages)
                 entry.pages = []

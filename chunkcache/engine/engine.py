@@ -19,6 +19,11 @@ import torch
 from chunkcache.chunk.manager import ChunkManager
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
 from chunkcache.chunk.pool import ChunkPool
+from chunkcache.chunk.tiers.disk import DiskTier
+from chunkcache.chunk.tiers.identity import model_identity
+from chunkcache.chunk.tiers.provider import TierProvider
+from chunkcache.chunk.tiers.remote import RedisTier
+from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig, EngineConfig
 from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.detokenizer import Detokenizer
@@ -38,12 +43,20 @@ from chunkcache.threads import set_threads
 logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_GB = 0.5
+_PREWARM_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+# A step with nothing runnable while chunk entries load from the tiers waits this long at most.
+_LOAD_WAIT_S = 0.01
 # apply_chat_template's own arguments: a request's template variables must not reach them.
 _RENDER_ARGUMENTS = frozenset(
     {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
      "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
      "chat_template", "tools", "documents"}
 )  # fmt: skip
+
+
+def _check_salt(cache_salt: str | None) -> None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
 
 
 class LLMEngine:
@@ -85,7 +98,15 @@ class LLMEngine:
         self.chunks: ChunkManager | None = None
         if config.chunk.enable:
             pool = ChunkPool(num_blocks, pool_pages, bs, token_bytes * bs, config.chunk.lru_threshold, medium)
-            self.chunks = ChunkManager(config.chunk, self.model_name, self.blocks, pool, self.device)
+            self.chunks = ChunkManager(
+                config.chunk,
+                self.model_name,
+                self.blocks,
+                pool,
+                self.device,
+                self.runner.kv_caches,
+                self._lower_tiers(config.chunk, loaded),
+            )
         self.scheduler = Scheduler(
             config.scheduler,
             self.blocks,
@@ -98,6 +119,7 @@ class LLMEngine:
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []
         self._requests: dict[str, Sequence] = {}
+        self._prewarms: list[Sequence] = []
         self._ids_in_use: set[str] = set()
         self.publisher: KVEventPublisher | None = None
         ev = config.kv_events
@@ -113,6 +135,20 @@ class LLMEngine:
                 ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps, curve=curve
             )
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+
+    def _lower_tiers(self, chunk: ChunkConfig, loaded: Any) -> TierStack | None:
+        """The chunk pool's lower tiers, nearest first; None without any. On a CPU the device pool
+        already is host memory, so there is no separate host-memory tier."""
+        tiers: list[TierProvider] = []
+        if chunk.disk_dir:
+            tiers.append(DiskTier(chunk.disk_dir, int(chunk.disk_gb * 2**30)))
+        if chunk.remote:
+            tiers.append(RedisTier(chunk.remote))
+        if not tiers:
+            return None
+        spec = self.spec
+        layout = (spec.num_layers, spec.num_kv_heads, spec.head_dim, loaded.dtype)
+        return TierStack(tiers, model_identity(loaded.model, self.tokenizer, self.model_name), layout)
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> LLMEngine:
@@ -142,8 +178,7 @@ class LLMEngine:
         (flat names: chunk_layout, blend_recompute_ratios, ...). Requests share cached KV only
         with requests of the same `cache_salt` (vLLM's field; None shares with None).
         """
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
+        _check_salt(cache_salt)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         try:
@@ -161,11 +196,73 @@ class LLMEngine:
         except InvalidRequestError as e:
             e.param = e.param or "prompt"  # the prompt's checks (chunk parsing included) name no field
             raise
+        self._post(seq)
+
+    def _post(self, seq: Sequence) -> None:
         with self._lock:
-            if request_id in self._ids_in_use:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            self._ids_in_use.add(request_id)
+            if seq.request_id in self._ids_in_use:
+                raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+            self._ids_in_use.add(seq.request_id)
             self._inbox.append(seq)
+
+    def add_prewarm(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        system: str | None = None,
+        documents: list[str] | None = None,
+        cache_salt: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> None:
+        """Compute and cache a system part and its documents without generating: either a chunked
+        `prompt` (its question is ignored) or `system` and `documents`. The request finishes, with
+        no tokens, once every entry is in the pool (and handed to the lower tiers); its output
+        counts the tokens that were already cached. Raises InvalidRequestError naming what is wrong."""
+        _check_salt(cache_salt)
+        if self.chunks is None:
+            raise InvalidRequestError("the chunk cache is disabled: there is nothing to prewarm")
+        chunked = self._prewarm_prompt(prompt, system, documents, add_special_tokens)
+        self.chunks.validate(chunked, self.max_model_len, need_question=False)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=chunked.all_token_ids(),
+            token_ids=[],
+            params=_PREWARM_PARAMS,
+            prompt=prompt,
+            is_prewarm=True,
+            cache_salt=cache_salt,
+            chunk_state=chunked,
+            chunk_config=self.config.chunk,
+            prefix_cacheable=False,
+        )
+        self._post(seq)
+
+    def _prewarm_prompt(
+        self, prompt: str | None, system: str | None, documents: list[str] | None, add_special_tokens: bool
+    ) -> ChunkedPrompt:
+        if prompt is not None:
+            if system is not None or documents is not None:
+                raise InvalidRequestError("give either a chunked prompt or system and documents, not both")
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string", "prompt")
+            sep = self.config.chunk.separator
+            chunked = parse_chunked_prompt(prompt, sep, self.tokenizer, add_special_tokens)
+            if chunked is None:
+                raise InvalidRequestError(
+                    f"prompt is not a chunked prompt: it needs the separator {sep!r} at least twice", "prompt"
+                )
+            return ChunkedPrompt(chunked.sys_token_ids, chunked.chunks, ())
+        if not isinstance(system, str):
+            raise InvalidRequestError("system must be a string (it may be empty)", "system")
+        if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
+            raise InvalidRequestError("documents must be a list of strings", "documents")
+        sys_ids = tuple(self.tokenizer.encode(system, add_special_tokens=add_special_tokens))
+        chunks = tuple(
+            c for c in (tuple(self.tokenizer.encode(d, add_special_tokens=False)) for d in documents) if c
+        )
+        if not chunks:
+            raise InvalidRequestError("documents holds no document with any token", "documents")
+        return ChunkedPrompt(sys_ids, chunks, ())
 
     def _chunk_config(self, options: dict[str, Any] | None) -> ChunkConfig:
         if not options:
@@ -300,13 +397,19 @@ class LLMEngine:
         with self._lock:
             pending = bool(self._inbox or self._aborts)
         # list() copies in one step under the GIL: safe against the step thread adding requests.
-        return pending or any(not s.is_fill for s in list(self._requests.values()))
+        # A tier load nobody waits for any more still ends in a step (its entry is settled).
+        loading = self.chunks is not None and self.chunks.loads_pending > 0
+        return pending or loading or any(not s.is_fill for s in list(self._requests.values()))
 
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         finished_now = self._drain_inbox()
+        self._poll_chunk_loads()
+        finished_now += self._finish_prewarms()
         batch = self.scheduler.schedule()
+        if not batch and self.chunks is not None and self.chunks.loads_pending:
+            self.chunks.wait_for_loads(_LOAD_WAIT_S)  # nothing to run until a load ends: sleep, not spin
         if batch:
             try:
                 logits, rows = self.runner.run(batch)
@@ -316,6 +419,7 @@ class LLMEngine:
                 # is in an unknown state), free what they held, and go on with the others.
                 logger.exception("step failed; failing the %d sequences of its batch", len(batch))
                 finished_now += self._fail_batch(batch, f"{type(e).__name__}: {e}")
+        finished_now += self._finish_prewarms()
         outputs = self._collect_outputs(batch, finished_now)
         self._publish_events()
         return outputs
@@ -363,7 +467,10 @@ class LLMEngine:
                 self._fail(seq, f"admission failed: {type(e).__name__}: {e}")
                 failed.append(seq)
                 continue
-            self.scheduler.add(seq)
+            if seq.is_prewarm:
+                self._prewarms.append(seq)
+            else:
+                self.scheduler.add(seq)
         aborted = failed
         for request_id in aborts:
             seq = self._requests.get(request_id)
@@ -373,6 +480,30 @@ class LLMEngine:
             self._finish(seq)
             aborted.append(seq)
         return aborted
+
+    def _poll_chunk_loads(self) -> None:
+        """Chunk entries whose tier load ended: misses become fill jobs, scheduled here."""
+        if self.chunks is None:
+            return
+        jobs, cancel = self.chunks.poll()
+        for job in jobs:
+            self._requests[job.request_id] = job
+            self.scheduler.add(job)
+        for job in cancel:
+            self._finish(job)
+
+    def _finish_prewarms(self) -> list[Sequence]:
+        """Finish the prewarm requests whose entries are all computed (failed or aborted ones
+        were finished where that happened)."""
+        done = []
+        for seq in self._prewarms:
+            if not seq.is_finished and all(e.ready for e in seq.chunk_state.entries):
+                self.chunks.settle_cached(seq)  # type: ignore[union-attr]
+                seq.finish_reason = "stop"
+                self._finish(seq)
+                done.append(seq)
+        self._prewarms = [s for s in self._prewarms if not s.is_finished]
+        return done
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int]) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -526,6 +657,11 @@ class LLMEngine:
             self.publisher.publish([AllBlocksCleared()])
         return ok
 
+    def reset_chunk_cache(self) -> int:
+        """Evict every chunk pool entry no request holds (written down to the lower tiers first,
+        where there are any); returns how many. Call between steps."""
+        return 0 if self.chunks is None else self.chunks.pool.evict_all()
+
     def republish_state(self) -> int | None:
         """Publish the whole cache state (AllBlocksCleared, then every cached block and chunk), for
         a router whose index lost it (Redis restarted, a gap replay could not fill). Returns the
@@ -534,7 +670,7 @@ class LLMEngine:
             return None
         events: list[Any] = [AllBlocksCleared(), *self.blocks.state_events()]
         if self.chunks is not None:
-            events += self.chunks.pool.state_events()
+            events += self.chunks.state_events()
         self.publisher.publish(events)
         return len(events)
 
@@ -569,7 +705,17 @@ class LLMEngine:
         for seq in self.scheduler.running:
             assert seq.status == Status.RUNNING, f"{seq.request_id} in running with status {seq.status}"
 
+    def flush_chunk_tiers(self) -> None:
+        """Wait until every entry computed so far is written to the lower tiers."""
+        if self.chunks is not None and self.chunks.tiers is not None:
+            self.chunks.tiers.flush()
+
     def close(self) -> None:
+        """Finish the lower tiers' writes and close them; close the event publisher."""
+        if self.chunks is not None:
+            self.chunks.close()
+            # The tiers' last events (their writes just finished) still go out.
+            self._publish_events()
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None

@@ -35,6 +35,24 @@ def block_slots(
     return (blocks[:, None] * block_size + offsets).flatten()[:num_tokens]
 
 
+def gather_kv(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CPU copy of the K and V at `slots`, each [layers, len(slots), kv_heads, head_dim]."""
+    k = torch.stack([k_layer[slots] for k_layer, _ in kv_caches]).cpu()
+    v = torch.stack([v_layer[slots] for _, v_layer in kv_caches]).cpu()
+    return k, v
+
+
+def scatter_kv(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Write K and V ([layers, len(slots), kv_heads, head_dim]) into `slots` of every layer."""
+    for layer, (k_layer, v_layer) in enumerate(kv_caches):
+        k_layer.index_copy_(0, slots, k[layer].to(k_layer.device))
+        v_layer.index_copy_(0, slots, v[layer].to(v_layer.device))
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_slots: int, block_size: int) -> None:
         self.model = loaded.model

@@ -35,6 +35,9 @@ class Sequence:
     borrowed_slots: torch.Tensor | None = None
     # Fill jobs compute a chunk-cache entry into pre-assigned pages and sample nothing.
     is_fill: bool = False
+    # Prewarm requests (LLMEngine.add_prewarm) hold a chunked prompt's entries until they are all
+    # computed, then finish: they never reach the scheduler and generate nothing.
+    is_prewarm: bool = False
     status: Status = Status.WAITING
     num_own_prompt_tokens: int = 0
     num_computed: int = 0  # own tokens whose KV is in the cache

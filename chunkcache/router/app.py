@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from chunkcache import envs
 from chunkcache.config import HASH_ALGORITHMS
-from chunkcache.router.backends import load_backends_file, parse_backend_list
+from chunkcache.router.backends import BackendSpec, load_backends_file, parse_backend_list
 from chunkcache.router.policy import POLICIES
 from chunkcache.router.scorer import parse_tier_weights
 from chunkcache.router.service import NoBackendError, Router, RouterConfig
@@ -213,7 +213,19 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--load-weight", type=float, default=0.5, help="how much in-flight load offsets a cache hit"
     )
-    g.add_argument("--tier-weights", default="GPU=1.0,CPU=0.8", help="score weight per KV tier")
+    g.add_argument(
+        "--tier-weights",
+        default="gpu=1.0,cpu=0.8,disk=0.3,remote=0.3",
+        help="score weight per KV tier (the `medium` of KV events), each in [0, 1]; a tier not named keeps "
+        "its default; a chunk in the shared remote tier counts for every backend that shares it "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--remote-tier-backends",
+        default=None,
+        help="comma-separated backend names that share one remote chunk tier (their engines' "
+        "--chunk-cache-remote); default: all backends",
+    )
     g.add_argument("--seed", type=int, default=None, help="seed of the random policy")
     g = parser.add_argument_group("security")
     g.add_argument(
@@ -237,6 +249,17 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8080)
 
 
+def _remote_pods(spec: str | None, backends: list[BackendSpec]) -> tuple[str, ...] | None:
+    if spec is None:
+        return None
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    known = {b.pod_id for b in backends}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise SystemExit(f"--remote-tier-backends names unknown backends {unknown}; known: {sorted(known)}")
+    return names
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     specs = parse_backend_list(args.backends or [])
     if args.backends_file:
@@ -258,6 +281,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         chunk_hash_algorithm=args.chunk_hash_algorithm,
         enable_chunks=not args.no_chunks,
         lora_names=tuple(n for n in args.lora_names.split(",") if n),
+        remote_pods=_remote_pods(args.remote_tier_backends, specs),
         events_bind=args.events_bind,
         events_topic_filter=args.events_topic_filter,
         event_workers=args.event_workers,

@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +37,7 @@ import zmq
 from chunkcache.curve import CurveKeys, CurveServer, load_public_key, secure_client
 from chunkcache.kv_events import (
     FULL_ATTENTION_KINDS,
+    MEDIUM_REMOTE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -51,6 +52,7 @@ from chunkcache.kv_events import (
     replay_request,
 )
 from chunkcache.router.index import IndexUnavailableError, KVIndex
+from chunkcache.router.scorer import DEFAULT_TIER_WEIGHTS, SHARED_REMOTE, tier_weight
 from chunkcache.router.tokens import BlockKeyer, EngineKeyMap
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,9 @@ class _PodState:
     replay_socket: zmq.Socket | None = None
     # KV cache group -> its kv_cache_spec_kind (None when the engine did not say), as learned.
     groups: dict[int, str | None] = field(default_factory=dict)
+    # Chunk key -> {tier: num_tokens} of the pod's own tiers (pool, disk): the index holds the
+    # tokens weighted by the best of them, so an eviction from one tier keeps the others' credit.
+    chunk_tiers: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def scored(self, group_idx: int | None) -> bool:
         """Whether blocks of this KV cache group are indexed: the lowest full-attention group
@@ -172,6 +177,8 @@ class EventIntake:
         on_clear: Callable[[str, str], None] | None = None,
         allowed_pods: Collection[str] | None = None,
         curve: IntakeCurve | None = None,
+        tier_weights: Mapping[str, float] | None = None,
+        unknown_tier_weight: float = 0.5,
     ) -> None:
         if num_workers <= 0:
             raise ValueError(f"num_workers must be > 0, got {num_workers}")
@@ -184,6 +191,8 @@ class EventIntake:
         self.replay_timeout_s = replay_timeout_s
         self.pod_map_capacity = pod_map_capacity
         self.on_clear = on_clear
+        self.tier_weights = {k.upper(): v for k, v in (tier_weights or DEFAULT_TIER_WEIGHTS).items()}
+        self.unknown_tier_weight = unknown_tier_weight
         self._stats = IntakeStats()
         self._stats_lock = threading.Lock()
         self._replay_endpoints: dict[str, str] = {}
@@ -447,6 +456,7 @@ class EventIntake:
     def _clear(self, pod: str, st: _PodState, reason: str) -> None:
         self.index.clear_pod(pod)
         st.keymap.clear()
+        st.chunk_tiers.clear()
         st.dirty = False
         self._count(clears=1)
         logger.info("cleared pod %s from the index: %s", pod, reason)
@@ -480,6 +490,36 @@ class EventIntake:
             raise
         self._count(batches=1, events=len(decoded.batch.events), unknown_types=len(decoded.unknown_types))
 
+    def _weighted(self, tiers: Iterable[str], num_tokens: int) -> int:
+        return round(num_tokens * tier_weight(self.tier_weights, tiers, self.unknown_tier_weight))
+
+    def _chunks_stored(self, pod: str, st: _PodState, chunks: list[tuple[int, int]], tier: str) -> None:
+        if tier == MEDIUM_REMOTE:  # shared: every replica can load it, whoever wrote it
+            self.index.add_chunks(SHARED_REMOTE, [(h, self._weighted((tier,), n)) for h, n in chunks])
+            return
+        entries = []
+        for h, n in chunks:
+            tiers = st.chunk_tiers.setdefault(h, {})
+            tiers[tier] = n
+            entries.append((h, self._weighted(tiers, n)))
+        self.index.add_chunks(pod, entries)
+
+    def _chunks_removed(self, pod: str, st: _PodState, hashes: Sequence[int], tier: str) -> None:
+        if tier == MEDIUM_REMOTE:
+            self.index.remove_chunks(SHARED_REMOTE, hashes)
+            return
+        gone, kept = [], []
+        for h in hashes:
+            tiers = st.chunk_tiers.get(h)
+            if tiers is None or tiers.pop(tier, None) is None or not tiers:
+                st.chunk_tiers.pop(h, None)
+                gone.append(h)
+            else:
+                kept.append((h, self._weighted(tiers, max(tiers.values()))))
+        self.index.remove_chunks(pod, gone)
+        if kept:
+            self.index.add_chunks(pod, kept)
+
     def apply_batch(self, pod: str, st: _PodState, batch: KVEventBatch) -> None:
         index, keymap = self.index, st.keymap
         stored = removed = other = 0
@@ -507,9 +547,9 @@ class EventIntake:
                 sane = [(h, n) for h, n in claims if isinstance(n, int) and 0 < n <= MAX_CHUNK_TOKENS]
                 if len(sane) < len(claims):
                     self._count(rejected_claims=len(claims) - len(sane))
-                index.add_chunks(pod, sane)
+                self._chunks_stored(pod, st, sane, tier_of(ev.medium))
             elif isinstance(ev, ChunkRemoved):
-                index.remove_chunks(pod, ev.chunk_hashes)
+                self._chunks_removed(pod, st, ev.chunk_hashes, tier_of(ev.medium))
         self._count(
             other_group_blocks=other,
             blocks_stored=stored,

@@ -3,8 +3,11 @@
 Prefix: a pod's run of the prompt's blocks from the first one until the first block it lacks
 (KV after a missing block cannot be reused as a prefix), each block weighted by the best tier
 the pod holds it in (GPU 1.0, CPU 0.8: offloaded KV must be copied back). Chunk score (this
-project): the tokens of the prompt's chunks that the pod's chunk pool holds, in any order.
-Both are in tokens, so `total` is an estimate of the prompt tokens a pod will not recompute.
+project): the tokens of the prompt's chunks that the pod holds, in any order, each weighted at
+intake by the best tier the pod holds it in (its pool "GPU", its disk "DISK"); a chunk in a
+remote store shared by the replicas ("REMOTE", index entry `SHARED_REMOTE`) counts for every pod
+that shares it (`remote_pods`; all by default), unless the pod's own copy weighs more. Both are in tokens, so `total` is an estimate of the prompt
+tokens a pod will not recompute.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from operator import itemgetter
 
 from chunkcache.router.index import KVIndex, Tiers
 
-DEFAULT_TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8}
+DEFAULT_TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.3, "REMOTE": 0.3}
+# The index's name for chunks in a remote tier that every replica shares: never a backend id.
+SHARED_REMOTE = "*remote*"
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,9 @@ class ScorerConfig:
     # Weight of a tier not in `tier_weights` (a disk or remote tier from a newer engine).
     unknown_tier_weight: float = 0.5
     block_size: int = 16
+    # The backends that share the remote tier (can load what any of them stored there);
+    # None = every backend scored.
+    remote_pods: frozenset[str] | None = None
 
 
 @dataclass
@@ -36,14 +44,23 @@ class PodScore:
         return self.prefix_tokens + (self.chunk_tokens if use_chunks else 0)
 
 
+def tier_weight(weights: Mapping[str, float], tiers: Iterable[str], unknown: float) -> float:
+    """The weight of the best of `tiers` (upper-case names)."""
+    return max((weights.get(t, unknown) for t in tiers), default=0.0)
+
+
 def parse_tier_weights(spec: str) -> dict[str, float]:
-    """`"GPU=1.0,CPU=0.8"` -> {"GPU": 1.0, "CPU": 0.8}."""
-    out: dict[str, float] = {}
+    """`"gpu=1.0,cpu=0.8,disk=0.3"` -> {"GPU": 1.0, "CPU": 0.8, "DISK": 0.3}; a tier not named
+    keeps its default weight."""
+    out: dict[str, float] = dict(DEFAULT_TIER_WEIGHTS)
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"tier weight {item!r} is not NAME=WEIGHT")
-        out[name.strip().upper()] = float(value)
+        weight = float(value)
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError(f"tier weight {item!r} must be in [0, 1]")
+        out[name.strip().upper()] = weight
     return out
 
 
@@ -93,6 +110,13 @@ class Scorer:
         if use_chunks and chunk_keys:
             for i, row in enumerate(self.index.lookup_chunks(chunk_keys)):
                 cap = chunk_tokens[i] if chunk_tokens is not None else None
+                shared = row.pop(SHARED_REMOTE, 0)
+                if shared and restrict:  # the pods sharing the remote tier may each load it
+                    sharers = self.config.remote_pods
+                    row = {
+                        p: max(row.get(p, 0), shared if sharers is None or p in sharers else 0)
+                        for p in scores
+                    }
                 for p, n in row.items():
                     if restrict and p not in scores:
                         continue

@@ -47,6 +47,8 @@ class RouterConfig:
     policy: str = "cache_aware"
     load_weight: float = 0.5
     tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+    # Backends (pod ids) that share one remote chunk tier; None = all of them.
+    remote_pods: tuple[str, ...] | None = None
     block_size: int = 16
     chunk_separator: str = " # # "
     chunk_hash_algorithm: str = "sha256"
@@ -112,7 +114,11 @@ class Router:
             )
         self.processor = processor
         self.index = index or open_index(config.index, config.index_capacity, config.pods_per_key)
-        self.scorer = Scorer(self.index, ScorerConfig(config.tier_weights, block_size=config.block_size))
+        remote_pods = None if config.remote_pods is None else frozenset(config.remote_pods)
+        self.scorer = Scorer(
+            self.index,
+            ScorerConfig(config.tier_weights, block_size=config.block_size, remote_pods=remote_pods),
+        )
         self.pool = BackendPool(config.backends)
         self.picker = Picker(config.policy, config.load_weight, config.seed)
         self.intake: EventIntake | None = None
@@ -137,6 +143,7 @@ class Router:
                 allowed_pods=[spec.pod_id for spec in config.backends],
                 curve=curve,
                 on_clear=self._on_pod_cleared,
+                tier_weights=config.tier_weights,
             )
         self.metrics = RouterMetrics(self.index, self.pool, lambda: self.intake)
         self._transport = transport

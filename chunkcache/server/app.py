@@ -52,6 +52,8 @@ from chunkcache.server.protocol import (
     ModelCard,
     ModelList,
     NamedToolChoice,
+    PrewarmRequest,
+    PrewarmResponse,
     PromptTokensDetails,
     ResponseToolCall,
     TokenizeRequest,
@@ -630,6 +632,42 @@ def build_app(
         if stats is None:
             return {"enabled": False}
         return {"enabled": True, **stats}
+
+    @api.post("/v1/chunk_cache/prewarm")
+    async def prewarm(body: PrewarmRequest, request: Request) -> Response:
+        """Compute and cache a system part and its documents without generating (DESIGN.md §2)."""
+        resolve_model(body.model)
+        request_id = engine_loop.new_request_id("prewarm")
+        stream = await engine_loop.submit_prewarm(
+            request_id,
+            prompt=body.prompt,
+            system=body.system,
+            documents=body.documents,
+            cache_salt=body.cache_salt,
+        )
+
+        async def last_output() -> RequestOutput:
+            outputs = [out async for out in stream]
+            return outputs[-1]
+
+        consumer = asyncio.ensure_future(last_output())
+        watcher = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not consumer.done():
+                return Response(status_code=CLIENT_CLOSED)
+            out = consumer.result()
+        finally:
+            for task in (consumer, watcher):
+                task.cancel()
+            stream.release()
+        response = PrewarmResponse(
+            id=request_id,
+            prompt_tokens=len(out.prompt_token_ids),
+            cached_tokens=out.num_cached_tokens,
+            computed_tokens=out.num_computed_tokens,
+        )
+        return JSONResponse(response.model_dump())
 
     @api.post("/kv_events/republish")
     async def republish_kv_events() -> Response:

@@ -185,6 +185,23 @@ class EngineLoop:
         """Admit a request. Call on the event loop. Raises QueueFullError / EngineDeadError, or the
         engine's InvalidRequestError (PromptTooLongError) from its synchronous validation, which
         (tokenization included) runs on a worker thread so that a long prompt stalls no other client."""
+        return await self._admit(
+            request_id,
+            lambda: self.engine.add_request(
+                request_id,
+                prompt,
+                params,
+                add_special_tokens=add_special_tokens,
+                chunk_options=chunk_options,
+                cache_salt=cache_salt,
+            ),
+        )
+
+    async def submit_prewarm(self, request_id: str, **fields: Any) -> RequestStream:
+        """Admit a prewarm request (`LLMEngine.add_prewarm`'s fields), as `submit` admits others."""
+        return await self._admit(request_id, lambda: self.engine.add_prewarm(request_id, **fields))
+
+    async def _admit(self, request_id: str, add: Callable[[], None]) -> RequestStream:
         if self._dead is not None or not self._accepting or not self.alive:
             raise EngineDeadError("the engine is not accepting requests (shutting down or failed)")
         if self._num_waiting >= self.max_queue:
@@ -197,17 +214,7 @@ class EngineLoop:
         with self._streams_lock:
             self._streams[request_id] = stream
         self._num_waiting += 1
-        added = asyncio.get_running_loop().run_in_executor(
-            self._prep_pool,
-            lambda: self.engine.add_request(
-                request_id,
-                prompt,
-                params,
-                add_special_tokens=add_special_tokens,
-                chunk_options=chunk_options,
-                cache_salt=cache_salt,
-            ),
-        )
+        added = asyncio.get_running_loop().run_in_executor(self._prep_pool, add)
         try:
             await asyncio.shield(added)
         except asyncio.CancelledError:

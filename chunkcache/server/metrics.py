@@ -19,9 +19,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from chunkcache.chunk.tiers.stack import LOAD_BUCKETS
 from chunkcache.outputs import RequestOutput
 
 
@@ -112,6 +113,53 @@ class _EngineStatsCollector(Collector):
             if chunk.get(key) is not None:
                 name = exported.get(key, key)
                 yield GaugeMetricFamily(f"{PREFIX}_chunk_cache_{name}", doc, value=float(chunk[key]))
+        if chunk.get("tiers"):
+            yield from _tier_metrics(chunk["tiers"])
+
+
+# Per lower tier (chunkcache/chunk/tiers/), labelled tier="disk" | "remote".
+_TIER_COUNTERS = {
+    "hits": "Lookups this tier answered.",
+    "misses": "Lookups this tier could not answer.",
+    "corrupt": "Entries found corrupt (checksum, truncation) and deleted.",
+    "stores": "Entries written to this tier.",
+    "store_failures": "Writes this tier refused or failed (budget, disk full, backend down).",
+    "bytes_loaded": "Bytes read from this tier.",
+    "bytes_stored": "Bytes written to this tier.",
+    "evictions": "Entries this tier evicted to stay within its budget.",
+    "unavailable": "Calls skipped or failed because the remote store was down.",
+}
+_TIER_GAUGES = {
+    "entries": "Entries held by this tier.",
+    "bytes": "Bytes held by this tier.",
+    "budget_bytes": "Byte budget of this tier.",
+    "writes_stopped": "1 when this tier stopped writing (disk full).",
+    "up": "1 when the remote store answers, 0 while it is down.",
+}
+
+
+def _tier_metrics(tiers: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
+    kinds = [(CounterMetricFamily, _TIER_COUNTERS), (GaugeMetricFamily, _TIER_GAUGES)]
+    for make, docs in kinds:
+        for key, doc in docs.items():
+            family = make(f"{PREFIX}_chunk_tier_{key}", doc, labels=["tier"])
+            for tier, st in tiers.items():
+                if st.get(key) is not None:
+                    family.add_metric([tier], float(st[key]))
+            yield family
+    seconds = HistogramMetricFamily(
+        f"{PREFIX}_chunk_tier_load_seconds",
+        "Time to load and verify one entry from this tier.",
+        labels=["tier"],
+    )
+    for tier, st in tiers.items():
+        counts, total = st["load_seconds_buckets"], 0
+        buckets = []
+        for bound, n in zip([*LOAD_BUCKETS, float("inf")], counts, strict=True):
+            total += n
+            buckets.append((str(bound) if bound != float("inf") else "+Inf", float(total)))
+        seconds.add_metric([tier], buckets, float(st["load_seconds_sum"]))
+    yield seconds
 
 
 class _VllmMetrics:

@@ -362,6 +362,32 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.to_template_message() for m in self.messages]
 
 
+class PrewarmRequest(StrictModel):
+    """POST /v1/chunk_cache/prewarm: a chunked prompt (its question is ignored), or a system part
+    and its documents; computed and cached without generating."""
+
+    model: str | None = None
+    prompt: str | None = None
+    system: str | None = None
+    documents: list[str] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PrewarmRequest:
+        if self.prompt is not None and (self.system is not None or self.documents is not None):
+            raise ValueError("give either prompt or system and documents, not both")
+        if self.prompt is None and (self.system is None or not self.documents):
+            raise ValueError("give a chunked prompt, or system and a non-empty list of documents")
+        return self
+
+
+class PrewarmResponse(BaseModel):
+    id: str
+    prompt_tokens: int
+    cached_tokens: int  # already cached before this request (in the pool or a lower tier)
+    computed_tokens: int
+
+
 class TokenizeRequest(StrictModel):
     """vLLM's /tokenize: either a prompt or chat messages."""
 

@@ -1,0 +1,31 @@
+"""The model identity bound into every lower-tier entry: KV is only ever loaded by the same model.
+
+Pool keys already hold the served model name and the token ids, but two checkpoints can share a
+name (a fine-tune served as "default") and two tokenizers can map text to the same ids. The
+identity hashes what decides the KV: every weight's name, shape and dtype plus a sample of its
+values (the first and last 64 elements: enough to tell checkpoints apart without reading
+gigabytes), and the tokenizer's whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+_SAMPLE = 64
+
+
+def model_identity(model: torch.nn.Module, tokenizer: Any, model_name: str) -> str:
+    h = hashlib.sha256()
+    h.update(f"chunkcache-model-v1\0{model_name}\0".encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = torch.cat((flat[:_SAMPLE], flat[-_SAMPLE:])).to("cpu", copy=True).contiguous()
+        h.update(f"{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
+        h.update(sample.view(torch.uint8).numpy())
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    h.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode())
+    return h.hexdigest()

@@ -1,0 +1,123 @@
+"""Server processes sharing chunk KV through the lower tiers: a restart over the same disk
+directory, and a second replica over the same real `redis-server`."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import openai
+from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
+from server_util import ServerProcess, ServerThread
+
+from chunkcache.config import EngineConfig
+from chunkcache.engine.engine import LLMEngine
+from chunkcache.server.app import build_app
+
+PROMPT = (
+    "You answer questions about the documents. # # Alice lives in Paris and drinks tea. # # "
+    "Bob was born in 1990 in Rome, the capital of Italy. # # Carol keeps three cats. # # Who drinks tea?"
+)
+ARGS = ["--device", "cpu", "--kv-cache-tokens", "1024", "--max-model-len", "256"]
+ARGS += ["--chunk-cache-size-gb", "0.01", "--chunk-layout", "isolated", "--log-level", "warning"]
+
+
+def _complete(server: ServerProcess) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return client.completions.create(
+        model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2
+    )
+
+
+def _tier_stats(server: ServerProcess) -> dict:
+    return httpx.get(f"{server.url}/v1/chunk_cache/stats", timeout=10).json()["tiers"]
+
+
+def test_restart_and_second_replica_load_the_first_ones_documents(
+    checkpoint: Callable[..., Path],
+    tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    model = ["--model", str(checkpoint("qwen3"))]
+    disk = ["--chunk-cache-disk-dir", str(tmp_path / "kv")]
+    remote = ["--chunk-cache-remote", redis_server.url]
+    first = ServerProcess([*model, *ARGS, *disk, *remote]).wait_healthy()
+    try:
+        cold = _complete(first)
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+        # SIGTERM: a graceful shutdown finishes the tiers' writes before the process exits.
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.proc.wait(60) in (0, -signal.SIGTERM), first.output()
+    finally:
+        first.stop()
+    # Both at once: a restart over the same directory, and a replica that only shares Redis.
+    restarted = ServerProcess([*model, *ARGS, *disk])
+    replica = ServerProcess([*model, *ARGS, *remote])
+    try:
+        for server, medium in ((restarted.wait_healthy(), "disk"), (replica.wait_healthy(), "remote")):
+            warm = _complete(server)
+            # Every token but the question's came from the tier.
+            assert warm.usage.prompt_tokens_details.cached_tokens > 0
+            assert warm.usage.prompt_tokens - warm.usage.prompt_tokens_details.cached_tokens == len(
+                server_tokens(server, "Who drinks tea?")
+            )
+            assert warm.choices[0].text == cold.choices[0].text
+            assert warm.choices[0].logprobs.token_logprobs == cold.choices[0].logprobs.token_logprobs
+            stats = _tier_stats(server)[medium]
+            assert stats["hits"] == 4 and stats["misses"] == 0 and stats["corrupt"] == 0
+            metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+            assert f'chunkcache_chunk_tier_hits_total{{tier="{medium}"}} 4.0' in metrics
+            assert f'chunkcache_chunk_tier_load_seconds_count{{tier="{medium}"}} 4.0' in metrics
+            assert (
+                f'chunkcache_chunk_tier_bytes_loaded_total{{tier="{medium}"}} {stats["bytes_loaded"]:.1f}'
+                in metrics
+            )
+    finally:
+        restarted.stop()
+        replica.stop()
+
+
+def server_tokens(server: ServerProcess, text: str) -> list[int]:
+    body = {"prompt": text, "add_special_tokens": False}
+    return httpx.post(f"{server.url}/tokenize", json=body, timeout=10).json()["tokens"]
+
+
+def test_prewarm_endpoint_and_tier_metrics(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    options = {"device": "cpu", "kv_cache_tokens": 1024, "max_model_len": 256, "chunk_layout": "isolated"}
+    options["chunk_cache_disk_dir"] = str(tmp_path)
+    engine = LLMEngine(EngineConfig.from_options(str(checkpoint("qwen3")), use_env=False, **options))
+    server = ServerThread(build_app(engine, api_key=None, max_queue=8, served_model_name="m")).start()
+    try:
+        system, *documents, _ = PROMPT.split(" # # ")
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/chunk_cache/prewarm", json={"system": system, "documents": documents})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["cached_tokens"] == 0 and body["computed_tokens"] == body["prompt_tokens"] > 0
+            again = http.post("/v1/chunk_cache/prewarm", json={"prompt": PROMPT, "model": "m"}).json()
+            assert again["cached_tokens"] == again["prompt_tokens"] and again["computed_tokens"] == 0
+            for bad, message in (
+                ({"prompt": PROMPT, "system": system}, "not both"),
+                ({"prompt": "no separator here"}, "not a chunked prompt"),
+                ({"system": system, "documents": []}, "non-empty list of documents"),
+                ({"prompt": PROMPT, "question": "?"}, "question"),
+                ({"prompt": PROMPT, "model": "other"}, "other"),
+            ):
+                r = http.post("/v1/chunk_cache/prewarm", json=bad)
+                assert 400 <= r.status_code < 500 and message in r.text, (bad, r.status_code, r.text)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert out.usage.prompt_tokens_details.cached_tokens == body["prompt_tokens"]
+        stats = server.wait_idle()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        server.on_engine(engine.check_integrity)
+        server.on_engine(engine.flush_chunk_tiers)
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'chunkcache_chunk_tier_stores_total{tier="disk"} 4.0' in metrics  # S and 3 documents
+        assert 'chunkcache_chunk_tier_entries{tier="disk"} 4.0' in metrics
+        assert 'chunkcache_chunk_tier_load_seconds_count{tier="disk"} 0.0' in metrics  # all in the pool
+        assert 'chunkcache_chunk_tier_writes_stopped{tier="disk"} 0.0' in metrics
+    finally:
+        server.stop()
