@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chunkcache import envs
+from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT, check_documents_format
 from chunkcache.hashing import block_hash_fn
 
 CHUNK_LAYOUTS = ("isolated", "offset")
@@ -95,6 +96,10 @@ class ChunkConfig:
     blend_boundary_tokens: int = 0
     # Requests with fewer chunk tokens than this get a plain prefill instead of a blend.
     blend_min_tokens: int = 0
+    # How a chat request's `documents` are written into the conversation when its chat template
+    # does not render documents itself (chunk/documents.py): `{title}` is the title and a newline
+    # (or nothing), `{text}` the text. Each formatted document is one chunk.
+    documents_format: str = DEFAULT_DOCUMENTS_FORMAT
 
     def validate(self, num_layers: int | None = None) -> None:
         if not self.separator:
@@ -111,6 +116,7 @@ class ChunkConfig:
             raise ValueError(f"chunk_layout {self.layout!r} is not one of {CHUNK_LAYOUTS}")
         if self.max_chunks <= 0:
             raise ValueError(f"max_chunks must be > 0, got {self.max_chunks}")
+        check_documents_format(self.documents_format)
         self._validate_blend(num_layers)
 
     def _validate_blend(self, num_layers: int | None) -> None:
@@ -259,6 +265,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "chunk_cache_hash_algorithm": ("chunk", "hash_algorithm"),
     "chunk_layout": ("chunk", "layout"),
     "max_chunks": ("chunk", "max_chunks"),
+    "documents_format": ("chunk", "documents_format"),
     **{f.name: ("chunk", f.name) for f in dataclasses.fields(ChunkConfig) if f.name.startswith("blend_")},
     "kv_events_endpoint": ("kv_events", "endpoint"),
     "kv_events_topic": ("kv_events", "topic"),
