@@ -100,6 +100,12 @@ class ChunkConfig:
     # does not render documents itself (chunk/documents.py): `{title}` is the title and a newline
     # (or nothing), `{text}` the text. Each formatted document is one chunk.
     documents_format: str = DEFAULT_DOCUMENTS_FORMAT
+    # Separator-free matching (chunk/matcher.py, layout "offset" only): a plain prompt is searched
+    # for spans that are cached chunks, found by content-defined anchors and verified token by
+    # token; matched runs of at least `separator_free_min_tokens` are reused, the rest is computed
+    # and cached, so that later prompts find it.
+    separator_free: bool = False
+    separator_free_min_tokens: int = 32
 
     def validate(self, num_layers: int | None = None) -> None:
         if not self.separator:
@@ -117,6 +123,8 @@ class ChunkConfig:
         if self.max_chunks <= 0:
             raise ValueError(f"max_chunks must be > 0, got {self.max_chunks}")
         check_documents_format(self.documents_format)
+        if self.separator_free_min_tokens < 1:
+            raise ValueError(f"separator_free_min_tokens must be >= 1, got {self.separator_free_min_tokens}")
         self._validate_blend(num_layers)
 
     def _validate_blend(self, num_layers: int | None) -> None:
@@ -266,6 +274,8 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "chunk_layout": ("chunk", "layout"),
     "max_chunks": ("chunk", "max_chunks"),
     "documents_format": ("chunk", "documents_format"),
+    "separator_free": ("chunk", "separator_free"),
+    "separator_free_min_tokens": ("chunk", "separator_free_min_tokens"),
     **{f.name: ("chunk", f.name) for f in dataclasses.fields(ChunkConfig) if f.name.startswith("blend_")},
     "kv_events_endpoint": ("kv_events", "endpoint"),
     "kv_events_topic": ("kv_events", "topic"),
@@ -280,6 +290,8 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
 # Chunk options a single request may set (the server's extension fields), flat name -> field.
 REQUEST_CHUNK_OPTIONS: dict[str, str] = {
     "chunk_layout": "layout",
+    "separator_free": "separator_free",
+    "separator_free_min_tokens": "separator_free_min_tokens",
     **{f.name: f.name for f in dataclasses.fields(ChunkConfig) if f.name.startswith("blend_")},
 }
 

@@ -210,3 +210,34 @@ def test_server_refuses_bad_documents_with_400(client, documents: Any, needle: s
     assert needle in e.value.message
     assert e.value.body["param"].startswith("documents")
     srv.wait_idle()
+
+
+def test_server_separator_free_request_option(client) -> None:
+    """A plain chat (documents written into the message by the client, no separators) with the
+    per-request `separator_free`: the second, reordered one reuses the first one's span."""
+    cl, srv = client
+    # Not the documents of the tests above: those are chunk entries already, found by content.
+    texts = [(d if isinstance(d, str) else d["text"]).upper() for d in DOCS]
+
+    def ask(order: list[int]) -> Any:
+        content = "Context:\n\n" + "\n\n".join(texts[i] * 3 for i in order) + "\n\nWhere does Alice live?"
+        return cl.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=2,
+            temperature=0,
+            extra_body={"separator_free": True},
+        )
+
+    assert ask([0, 1, 2]).usage.prompt_tokens_details.cached_tokens == 0
+    assert ask([2, 0]).usage.prompt_tokens_details.cached_tokens > 0
+    stats = srv.on_engine(srv.engine_loop.engine.chunk_cache_stats)
+    assert stats["separator_free_cut"] == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        cl.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"separator_free_min_tokens": 0},
+        )
+    assert "separator_free_min_tokens" in e.value.message
+    srv.wait_idle()

@@ -1,4 +1,4 @@
-"""The chunk cache manager: match -> compute what is missing -> assemble (layout "isolated").
+"""The chunk cache manager: match -> compute what is missing -> assemble.
 
 A chunked request becomes a question sequence whose KV list is borrowed, in place, from pool
 entries: [S | C1 | ... | Cn], followed by its own Q and output tokens at positions from
@@ -10,6 +10,11 @@ job per missing entry, however many requests wait for it.
 
 An entry that cannot be cached (larger than the pool, a key collision, the pool pinned full) is
 still computed: into paged KV blocks held by the one request that needs it.
+
+A plain prompt with separator-free matching on (chunk/matcher.py) is cut here, at admission, into
+the same parts: runs found in existing entries are borrowed as slices of them (their KV was
+computed wherever the entry was, so layout "offset" re-rotates it from there), and the gaps
+between them become new chunk entries with fill jobs, as missing chunks do.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import torch
 
+from chunkcache.chunk.matcher import PlainPrompt, Run, SpanIndex, plan
 from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.chunk.pool import ChunkPool, Entry
 from chunkcache.config import ChunkConfig
@@ -41,6 +47,9 @@ class RequestChunks:
 
     prompt: ChunkedPrompt
     entries: list[Entry] = field(default_factory=list)
+    # Per entry: (start, length) of the part of its own tokens this request uses (a separator-free
+    # match borrows a slice of an entry; everything else uses all of it).
+    slices: list[tuple[int, int]] = field(default_factory=list)
     assembled: bool = False
     # Layout "offset": where the cached KV of S and the chunks is, and how far to re-rotate it.
     cached_slots: torch.Tensor | None = None
@@ -72,6 +81,8 @@ class ChunkManager:
         self.device = device
         self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
         self._ids = itertools.count()
+        self.index = SpanIndex(pool.holds)
+        self.separator_free = {"requests": 0, "cut": 0, "matched_tokens": 0, "learned_tokens": 0}
 
     # ---- validation (any thread) -------------------------------------------------------------
 
@@ -100,7 +111,17 @@ class ChunkManager:
     # ---- engine thread -----------------------------------------------------------------------
 
     def admit(self, seq: Sequence) -> list[Sequence]:
-        """Match every part of the request; return the fill jobs to schedule for the missing ones."""
+        """Match every part of the request; return the fill jobs to schedule for the missing ones.
+        A plain prompt that separator-free matching cannot cut leaves as a plain request."""
+        runs: list[Run | None] | None = None
+        if isinstance(seq.chunk_state, PlainPrompt):
+            self.separator_free["requests"] += 1
+            cut = self._cut(seq.chunk_state.token_ids, seq.chunk_config)
+            if cut is None:
+                seq.chunk_state = seq.chunk_config = None
+                seq.prefix_cacheable = True
+                return []
+            seq.chunk_state, runs = cut
         prompt: ChunkedPrompt = seq.chunk_state
         state = RequestChunks(prompt)
         seq.chunk_state = state
@@ -117,13 +138,27 @@ class ChunkManager:
             0,
         )
         state.entries.append(sys_entry)
+        state.slices.append((0, len(sys_ids)))
         state.was_cached.append(sys_entry.ready)
         if sys_entry.ready:
             seq.num_prefix_cached = len(sys_ids)
-        for chunk in prompt.chunks:
-            key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
-            hit = self.pool.get(key, (sys_ids, chunk))
-            entry = self._acquire(key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids))
+        for i, chunk in enumerate(prompt.chunks):
+            run = runs[i] if runs is not None else None
+            if run is not None:  # a separator-free match: a slice of an entry found by content
+                entry, hit = run.entry, run.entry
+                entry.pins += 1
+                state.slices.append((run.entry_start, run.length))
+                self.separator_free["matched_tokens"] += run.length
+            else:
+                key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
+                hit = self.pool.get(key, (sys_ids, chunk))
+                # Salted entries stay out of the index: it is shared by content, across tenants.
+                entry = self._acquire(
+                    key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids), salt is None
+                )
+                state.slices.append((0, len(chunk)))
+                if runs is not None and hit is None:
+                    self.separator_free["learned_tokens"] += len(chunk)
             if hit is not None:
                 self.pool.stats.hits += 1
                 self.pool.stats.hit_tokens += len(chunk)
@@ -140,6 +175,29 @@ class ChunkManager:
             seq.position_base = prompt.question_position()
         return jobs
 
+    def _cut(
+        self, token_ids: tuple[int, ...], config: ChunkConfig
+    ) -> tuple[ChunkedPrompt, list[Run | None]] | None:
+        """A plain prompt as S, chunks (matched runs or gaps) and Q; None when there is nothing to
+        reuse or learn, or when computing its gaps in paged blocks (should the pool refuse them)
+        could not fit beside the prompt itself."""
+        cut = plan(token_ids, self.index, config.separator_free_min_tokens, config.max_chunks)
+        if cut is None:
+            return None
+        gaps = [b - a for a, b, run in cut.parts if run is None]
+        blocks = self.blocks
+        worst = blocks.blocks_for(len(token_ids) + 1) + blocks.blocks_for(cut.sys_end)
+        worst += sum(blocks.blocks_for(g) for g in gaps)
+        if worst > blocks.num_blocks or cut.q_start - cut.sys_end < config.blend_min_tokens:
+            return None
+        self.separator_free["cut"] += 1
+        prompt = ChunkedPrompt(
+            tuple(token_ids[: cut.sys_end]),
+            tuple(tuple(token_ids[a:b]) for a, b, _ in cut.parts),
+            tuple(token_ids[cut.q_start :]),
+        )
+        return prompt, [run for _, _, run in cut.parts]
+
     def _acquire(
         self,
         key: bytes,
@@ -149,14 +207,18 @@ class ChunkManager:
         jobs: list[Sequence],
         sys_entry: Entry | None,
         position_base: int,
+        indexed: bool = False,
     ) -> Entry:
-        """A pinned entry for `key`: found in the pool, or new with a fill job appended to `jobs`."""
+        """A pinned entry for `key`: found in the pool, or new with a fill job appended to `jobs`.
+        A new `indexed` chunk entry registers its anchors for separator-free matching."""
         entry = self.pool.get(key, token_ids)
         if entry is None:
             entry = self.pool.create(key, kind, token_ids, num_tokens)
             if entry is None:
                 self.pool.stats.uncacheable += 1
                 entry = Entry(key, kind, token_ids, num_tokens, private=True)
+            elif kind == "chunk" and indexed:
+                self.index.add(entry)
             job = Sequence(
                 request_id=f"fill-{next(self._ids)}",
                 prompt_token_ids=list(token_ids[-1]),
@@ -194,23 +256,27 @@ class ChunkManager:
             if not all(e.ready for e in state.entries):
                 return False
             if not state.assembled:
-                slots = torch.cat([self._slots(e) for e in state.entries])
+                slots = torch.cat(
+                    [self._slots(e)[a : a + n] for e, (a, n) in zip(state.entries, state.slices, strict=True)]
+                )
                 if seq.chunk_config.layout == "offset":
                     state.cached_slots = slots
-                    state.cached_delta = self._offset_deltas(state.prompt)
+                    state.cached_delta = self._offset_deltas(state)
                 else:
                     seq.borrowed_slots = slots
                 state.assembled = True
         return True
 
-    def _offset_deltas(self, prompt: ChunkedPrompt) -> torch.Tensor:
-        """Per cached token: its natural position minus the position its KV was computed at."""
-        s = len(prompt.sys_token_ids)
+    def _offset_deltas(self, state: RequestChunks) -> torch.Tensor:
+        """Per cached token: its natural position minus the position its KV was computed at (a
+        chunk entry's tokens were computed after its own S, from position len(S))."""
+        s = len(state.prompt.sys_token_ids)
         deltas = [torch.zeros(s, dtype=torch.long)]
         offset = s
-        for chunk in prompt.chunks:
-            deltas.append(torch.full((len(chunk),), offset - s, dtype=torch.long))
-            offset += len(chunk)
+        for entry, (start, n) in zip(state.entries[1:], state.slices[1:], strict=True):
+            computed_at = len(entry.token_ids[0]) + start
+            deltas.append(torch.full((n,), offset - computed_at, dtype=torch.long))
+            offset += n
         return torch.cat(deltas).to(self.device)
 
     def _slots(self, entry: Entry) -> torch.Tensor:
@@ -274,9 +340,11 @@ class ChunkManager:
             "evictions": s.evictions,
             "uncacheable": s.uncacheable,
             "jobs_running": len(self._jobs),
+            **{f"separator_free_{k}": v for k, v in self.separator_free.items()},
         }
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        self.index.check_integrity()
         for job in self._jobs.values():
             assert not job.is_finished, f"finished fill job {job.request_id} still tracked"

@@ -86,6 +86,10 @@ class ChunkPool:
         self._entries.move_to_end(key)
         return entry
 
+    def holds(self, entry: Entry) -> bool:
+        """Whether `entry` is still this pool's (not evicted or dropped); no LRU touch."""
+        return self._entries.get(entry.key) is entry
+
     def has_key(self, key: bytes) -> bool:
         return key in self._entries
 

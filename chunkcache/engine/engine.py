@@ -18,6 +18,7 @@ import torch
 
 from chunkcache.chunk.documents import PromptParts, parse_documents, render_with_documents
 from chunkcache.chunk.manager import ChunkManager
+from chunkcache.chunk.matcher import PlainPrompt
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt, tokenize_parts
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.config import ChunkConfig, EngineConfig
@@ -242,6 +243,17 @@ class LLMEngine:
             < chunk_config.blend_min_tokens
         ):
             chunked = None  # too little to reuse: a plain prefill is as fast
+        # Separator-free matching: a plain prompt is cut at admission, where the pool is known.
+        plain = None
+        if (
+            chunked is None
+            and self.chunks is not None
+            and chunk_config.separator_free
+            and offset
+            and params.prompt_logprobs is None
+            and cache_salt is None
+        ):
+            plain = PlainPrompt(tuple(token_ids))
         if chunked is not None and params.prompt_logprobs is not None:
             raise InvalidRequestError(
                 "prompt logprobs are not available for chunked prompts (their chunks' KV is reused, "
@@ -285,8 +297,8 @@ class LLMEngine:
         )
         if params.json_schema is not None:
             seq.grammar = self.structured.matcher(params.json_schema)
-        if chunked is not None:
-            seq.chunk_state = chunked
+        if chunked is not None or plain is not None:
+            seq.chunk_state = chunked if chunked is not None else plain
             seq.chunk_config = chunk_config
             seq.prefix_cacheable = False
         return seq

@@ -81,6 +81,8 @@ class _SamplingFields(StrictModel):
     blend_threshold: float | None = None
     blend_boundary_tokens: int | None = None
     blend_min_tokens: int | None = None
+    separator_free: bool | None = None
+    separator_free_min_tokens: int | None = None
 
     @model_validator(mode="after")
     def _check_openai_rules(self) -> _SamplingFields:
