@@ -121,6 +121,14 @@ class ChunkManager:
                 seq.chunk_state = seq.chunk_config = None
                 seq.prefix_cacheable = True
                 return []
+            if not any(cut[1]):
+                # First sight: nothing to borrow. A plain prefill computes exactly the KV its
+                # parts would get (S, then the span after S), so it runs as one, prefix cache
+                # included, and its parts are stored from its KV afterwards (`learn`).
+                seq.chunk_state = seq.chunk_config = None
+                seq.prefix_cacheable = True
+                seq.learn = cut[0]
+                return []
             seq.chunk_state, runs = cut
         prompt: ChunkedPrompt = seq.chunk_state
         state = RequestChunks(prompt)
@@ -235,6 +243,38 @@ class ChunkManager:
             jobs.append(job)
         entry.pins += 1
         return entry
+
+    def learn(self, seq: Sequence, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store the parts of a first-sight plain prompt (`seq.learn`) from its computed KV: S as a
+        system entry and each gap as a chunk entry computed after S, as fill jobs would compute
+        them. Parts already in the pool, or that the pool cannot take now, are skipped."""
+        prompt: ChunkedPrompt = seq.learn
+        seq.learn = None
+        sys_ids = prompt.sys_token_ids
+        algorithm = self.config.hash_algorithm
+        own = block_slots(seq.block_table, self.blocks.block_size, seq.num_own_prompt_tokens, self.device)
+        parts = [(system_hash(self.model_name, sys_ids, algorithm), "system", (sys_ids,), 0)]
+        at = len(sys_ids)
+        for chunk in prompt.chunks:
+            parts.append(
+                (chunk_hash(self.model_name, sys_ids, chunk, algorithm), "chunk", (sys_ids, chunk), at)
+            )
+            at += len(chunk)
+        for key, kind, token_ids, start in parts:
+            n = len(token_ids[-1])
+            if self.pool.has_key(key):
+                continue
+            entry = self.pool.create(key, kind, token_ids, n)
+            if entry is None:
+                continue
+            dst, src = self._slots(entry), own[start : start + n]
+            for k_cache, v_cache in kv_caches:
+                k_cache[dst] = k_cache[src]
+                v_cache[dst] = v_cache[src]
+            self.pool.mark_ready(entry)
+            if kind == "chunk":
+                self.index.add(entry)
+                self.separator_free["learned_tokens"] += n
 
     def is_ready(self, seq: Sequence) -> bool:
         """Whether the scheduler may run `seq`: a job needs its S computed (and private pages), a

@@ -407,6 +407,9 @@ class LLMEngine:
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int]) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed += n
+            if seq.learn is not None and seq.num_computed >= seq.num_own_prompt_tokens:
+                assert self.chunks is not None
+                self.chunks.learn(seq, self.runner.kv_caches)
             if seq.prefix_cacheable and not seq.is_fill:
                 self.blocks.register_full_blocks(
                     seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed, seq.cache_salt

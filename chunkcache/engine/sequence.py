@@ -66,6 +66,9 @@ class Sequence:
     blend_reused_tokens: int = 0
     blend_recomputed_tokens: int = 0
     blend_fallback: bool = False
+    # Separator-free matching, first sight (nothing to reuse): the prompt is prefilled as usual and
+    # these parts (a ChunkedPrompt) are stored in the chunk pool from its KV once it is computed.
+    learn: Any = None
     # Blocks whose KV is not plain causal attention over the tokens must never be found by hash.
     prefix_cacheable: bool = True
     # vLLM's cache_salt: enters the first prefix block's hash and every chunk key, so requests
