@@ -84,11 +84,12 @@ def test_first_sight_is_exact_and_second_sight_reuses_slices(checkpoint) -> None
     tok = llm.tokenizer
     docs = _docs(tok, 3)
     first = llm.generate(_stuff(docs, [0, 1, 2], "Who is first?"), FIRST, chunk_options=REUSE)[0]
-    # First sight: one span after S, computed in place: exactly a plain prefill.
+    # First sight: nothing to borrow, so a plain prefill, whose S and span are then stored.
     _close(first, hf_first_token_logprobs(path, first.prompt_token_ids))
     stats = llm.chunk_cache_stats()
-    assert stats["separator_free_cut"] == 1 and stats["separator_free_learned_tokens"] > 0
-    assert first.num_chunk_cached_tokens == 0
+    assert stats["separator_free_cut"] == 1 and stats["entries"] == 2
+    assert 0 < stats["separator_free_learned_tokens"] < len(first.prompt_token_ids)
+    assert first.num_chunk_cached_tokens == 0 and first.num_blend_recomputed_tokens == 0
 
     # Second sight, reordered and recombined: the documents are found inside the learned span.
     text = _stuff(docs, [2, 0], "What is second?")
