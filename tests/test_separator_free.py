@@ -161,3 +161,15 @@ def test_request_option_turns_it_on_and_eviction_keeps_the_index_sound(checkpoin
     stats = llm.chunk_cache_stats()
     assert stats["separator_free_requests"] == 5 and stats["evictions"] > 0
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_prompt_whose_gaps_could_not_fit_the_kv_cache_stays_plain(checkpoint) -> None:
+    # 16 blocks: the prompt fits, but not beside its gaps computed in paged blocks (were the pool
+    # to refuse them), so it is not cut: a plain prefill, never a request that could wait forever.
+    llm = _llm(checkpoint(), kv_cache_tokens=256, max_model_len=256)
+    docs = _docs(llm.tokenizer, 2, tokens=80)
+    out = llm.generate(_stuff(docs, [0, 1], "Q?"), FIRST)[0]
+    assert out.outputs[0].finish_reason == "length"
+    stats = llm.chunk_cache_stats()
+    assert stats["separator_free_requests"] == 1 and stats["separator_free_cut"] == 0
+    llm.check_integrity()
