@@ -173,3 +173,18 @@ def test_prompt_whose_gaps_could_not_fit_the_kv_cache_stays_plain(checkpoint) ->
     stats = llm.chunk_cache_stats()
     assert stats["separator_free_requests"] == 1 and stats["separator_free_cut"] == 0
     llm.check_integrity()
+
+
+def test_prompt_that_is_mostly_new_runs_as_a_first_sight(checkpoint) -> None:
+    llm = _llm(checkpoint())
+    docs = _docs(llm.tokenizer, 5, tokens=60)
+    llm.generate(_stuff(docs, [0], "Q?"), FIRST)
+    # One known document among four new ones: under a quarter of the span could be borrowed, so
+    # the prompt is a plain prefill (nothing reused, nothing blended) whose span is stored.
+    out = llm.generate(_stuff(docs, [1, 2, 0, 3, 4], "Q?"), FIRST)[0]
+    assert out.num_chunk_cached_tokens == 0 and out.num_blend_recomputed_tokens == 0
+    assert llm.chunk_cache_stats()["separator_free_matched_tokens"] == 0
+    # ...and found by the next prompt holding its documents.
+    again = llm.generate(_stuff(docs, [4, 2], "Q?"), FIRST)[0]
+    assert again.num_chunk_cached_tokens > 0
+    llm.check_integrity()

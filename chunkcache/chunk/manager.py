@@ -39,6 +39,11 @@ from chunkcache.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+# Separator-free: a prompt whose matches cover less of its span than this runs as a first sight.
+# Its gaps would be fill-job prefills and the blend recomputes every token before its check layer
+# and a share after it, so a mostly new prompt cut into chunks is slower than a plain prefill.
+_MIN_REUSED_SHARE = 0.25
+_NO_INDEX = SpanIndex(lambda entry: False)
 
 
 @dataclass
@@ -192,6 +197,13 @@ class ChunkManager:
         cut = plan(token_ids, self.index, config.separator_free_min_tokens, config.max_chunks)
         if cut is None:
             return None
+        reused = sum(b - a for a, b, run in cut.parts if run is not None)
+        if 0 < reused < _MIN_REUSED_SHARE * (cut.q_start - cut.sys_end):
+            # Too little to borrow to pay for computing the rest as chunks and blending: a first
+            # sight (a plain prefill, stored afterwards) instead.
+            cut = plan(token_ids, _NO_INDEX, config.separator_free_min_tokens, config.max_chunks)
+            if cut is None:
+                return None
         gaps = [b - a for a, b, run in cut.parts if run is None]
         blocks = self.blocks
         worst = blocks.blocks_for(len(token_ids) + 1) + blocks.blocks_for(cut.sys_end)
