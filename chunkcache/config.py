@@ -104,7 +104,7 @@ class ChunkConfig:
     # for spans that are cached chunks, found by content-defined anchors and verified token by
     # token; matched runs of at least `separator_free_min_tokens` are reused, the rest is computed
     # and cached, so that later prompts find it. Off by default, by measurement (RESULTS.md,
-    # bench_separator_free): it reuses ~100% of reordered documents' tokens at 3.4x plain TTFT, but
+    # bench_separator_free): it reuses ~100% of reordered documents' tokens at 4.0x plain TTFT, but
     # those answers kept 16 of full prefill's 25 correct (48 questions), against 19 for the
     # separator format under the same blend, and a plain prompt is exact today.
     separator_free: bool = False
