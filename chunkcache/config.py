@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chunkcache import envs
+from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT, check_documents_format
 from chunkcache.hashing import block_hash_fn
 
 CHUNK_LAYOUTS = ("isolated", "offset")
@@ -105,6 +106,19 @@ class ChunkConfig:
     # .ContextCalibration). 1.0 and 1.0 are exact attention and cost nothing.
     calibration_temperature: float = 1.0
     calibration_scale: float = 1.0
+    # How a chat request's `documents` are written into the conversation when its chat template
+    # does not render documents itself (chunk/documents.py): `{title}` is the title and a newline
+    # (or nothing), `{text}` the text. Each formatted document is one chunk.
+    documents_format: str = DEFAULT_DOCUMENTS_FORMAT
+    # Separator-free matching (chunk/matcher.py, layout "offset" only): a plain prompt is searched
+    # for spans that are cached chunks, found by content-defined anchors and verified token by
+    # token; matched runs of at least `separator_free_min_tokens` are reused, the rest is computed
+    # and cached, so that later prompts find it. Off by default, by measurement (RESULTS.md,
+    # bench_separator_free): it reuses ~100% of reordered documents' tokens at 4.0x plain TTFT, but
+    # those answers kept 16 of full prefill's 25 correct (48 questions), against 19 for the
+    # separator format under the same blend, and a plain prompt is exact today.
+    separator_free: bool = False
+    separator_free_min_tokens: int = 32
 
     def validate(self, num_layers: int | None = None) -> None:
         if not self.separator:
@@ -125,6 +139,9 @@ class ChunkConfig:
             raise ValueError(f"chunk_cache_disk_gb must be > 0, got {self.disk_gb}")
         if self.remote is not None and not self.remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"chunk_cache_remote must be a redis://host:port/db URL, got {self.remote!r}")
+        check_documents_format(self.documents_format)
+        if self.separator_free_min_tokens < 1:
+            raise ValueError(f"separator_free_min_tokens must be >= 1, got {self.separator_free_min_tokens}")
         self._validate_blend(num_layers)
 
     def _validate_blend(self, num_layers: int | None) -> None:
@@ -266,7 +283,7 @@ _SECTIONS: dict[str, type] = {
 }
 _TOP_LEVEL = ("device", "dtype", "seed", "served_model_name", "tokenizer", "threads")
 # ChunkConfig fields a request may set too, named as they are (blend and calibration options).
-_REQUEST_PREFIXES = ("blend_", "calibration_")
+_REQUEST_PREFIXES = ("blend_", "calibration_", "separator_free")
 
 # Flat option name -> (section, field). Chunk and event options carry a prefix so that the flat
 # names read well on a command line (`--chunk-cache-size-gb`, `--kv-events-endpoint`).
@@ -288,6 +305,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
         for f in dataclasses.fields(ChunkConfig)
         if f.name.startswith(_REQUEST_PREFIXES)
     },
+    "documents_format": ("chunk", "documents_format"),
     "kv_events_endpoint": ("kv_events", "endpoint"),
     "kv_events_topic": ("kv_events", "topic"),
     "kv_events_replay_endpoint": ("kv_events", "replay_endpoint"),

@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from chunkcache.chunk.documents import PromptParts
 from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.errors import InvalidRequestError
@@ -15,7 +16,7 @@ from chunkcache.model.loader import default_model
 from chunkcache.outputs import RequestOutput
 from chunkcache.sampling import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | PromptParts
 
 
 class LLM:
@@ -127,12 +128,24 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = False,
+        documents: list[Any] | None = None,
+        chunk_options: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template, then generate."""
+        """Render each conversation with the tokenizer's chat template, then generate. `documents`
+        (strings or {title, text} dicts, given to every conversation) become one chunk each."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.render_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
+        prompts = [
+            self.engine.render_chat(list(c), documents=documents)  # type: ignore[arg-type]
+            for c in conversations
+        ]
         # The template writes the special prefix (BOS) itself.
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, add_special_tokens=False)
+        return self.generate(
+            prompts,  # type: ignore[arg-type]
+            sampling_params,
+            use_tqdm=use_tqdm,
+            add_special_tokens=False,
+            chunk_options=chunk_options,
+        )
 
     def chunk_cache_stats(self) -> dict[str, Any] | None:
         return self.engine.chunk_cache_stats()

@@ -294,18 +294,33 @@ def hf_offset_reuse_logprobs(
     Each chunk's KV is what transformers computes for S + Ci (the chunk at [s, s + len)); its K is
     re-rotated to the chunk's natural offset; Q runs over the assembled cache at natural positions.
     """
+    s = len(sys_ids)
+    pieces = [(list(sys_ids), 0, s)] + [(list(sys_ids) + list(c), s, len(c)) for c in chunks]
+    return hf_slices_reuse_logprobs(path, pieces, q_ids)
+
+
+@torch.inference_mode()
+def hf_slices_reuse_logprobs(
+    path: str | Path, pieces: Sequence[tuple[Sequence[int], int, int]], q_ids: Sequence[int]
+) -> torch.Tensor:
+    """First-token log-probs of Q over a cache assembled from slices of other runs' KV.
+
+    Piece (context, start, length): transformers' KV of the causal run of `context`, tokens
+    [start, start + length), K re-rotated from `start` to where the piece sits in the assembled
+    cache (pieces follow one another from position 0); Q runs after them at natural positions.
+    """
     from transformers import DynamicCache
 
     model = hf_model(path)
-    s = len(sys_ids)
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
-        [(k[:, :s], v[:, :s]) for k, v in hf_layer_kv(path, sys_ids)]
-    ]
-    offset = s
-    for chunk in chunks:
-        layers = hf_layer_kv(path, list(sys_ids) + list(chunk))
-        parts.append([(hf_rerotate(path, k[:, s:], offset - s), v[:, s:]) for k, v in layers])
-        offset += len(chunk)
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    offset = 0
+    for context, start, length in pieces:
+        layers = hf_layer_kv(path, context)
+        end = start + length
+        parts.append(
+            [(hf_rerotate(path, k[:, start:end], offset - start), v[:, start:end]) for k, v in layers]
+        )
+        offset += length
     cache = DynamicCache(config=model.config)
     for layer in range(len(parts[0])):
         k = torch.cat([p[layer][0] for p in parts], dim=1)[None]

@@ -234,3 +234,51 @@ def test_reordered_rag_request_lands_on_the_replica_holding_its_chunks(
     assert after[other]["hits"] == before[other]["hits"]
     # The engine reports the reused chunk tokens and the system part as cached.
     assert usage["prompt_tokens_details"]["cached_tokens"] >= chunk_tokens
+
+
+def test_chat_documents_are_scored_as_chunks_and_routed_to_their_holder(
+    cluster: tuple[ServerThread, Router, dict[str, ServerThread]],
+) -> None:
+    """`documents` on chat completions, through the router with the official client: the router
+    cuts the chat into the same chunks as the engines, so a reordered request scores them."""
+    import openai
+
+    router_server, router, replicas = cluster
+    base = router_server.url
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    d1, d2, d3 = documents(router.processor.tokenizer, 8)[5:]
+    d2_titled = {"title": "Second", "text": d2}
+
+    def chat(docs: list[Any], question: str) -> tuple[str | None, Any]:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"documents": docs},
+        )
+        return raw.headers.get("x-chunkcache-backend"), raw.parse()
+
+    holder, _ = chat([d1, d2_titled, d3], "Who wrote the first document?")
+    assert holder in replicas
+    other = next(n for n in replicas if n != holder)
+    again_docs = [d3, d1, d2_titled]
+    body = {"messages": [{"role": "user", "content": "What is in the third?"}], "documents": again_docs}
+    parts = router.processor.render_chat(body["messages"], again_docs)
+    parsed = router.processor.tokenize(parts, rendered_chat=True)
+    assert len(parsed.chunks) == 3
+    doc_tokens = sum(len(c) for c in parsed.chunks) + len(parsed.prefix_token_ids)
+
+    def settled() -> dict[str, Any] | None:
+        r = httpx.post(f"{base}/score", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        s = r.json()
+        return s if s["scores"][holder]["chunk_tokens"] == doc_tokens else None
+
+    s = wait_for(settled, 20, "the holder's chunk events to reach the router's index")
+    assert s["num_chunks"] == 3
+    assert s["scores"][holder]["score"] > s["scores"][other]["score"]
+    backend, answer = chat(again_docs, "What is in the third?")
+    assert backend == holder
+    assert answer.usage.prompt_tokens == parsed.num_tokens
+    assert answer.usage.prompt_tokens_details.cached_tokens == doc_tokens

@@ -1,4 +1,4 @@
-"""The chunk cache manager: match -> compute what is missing -> assemble (layout "isolated").
+"""The chunk cache manager: match -> compute what is missing -> assemble.
 
 A chunked request becomes a question sequence whose KV list is borrowed, in place, from pool
 entries: [S | C1 | ... | Cn], followed by its own Q and output tokens at positions from
@@ -18,6 +18,11 @@ a miss becomes a fill job then. A newly computed entry is written down to the ti
 (write-through, in the background), and a pool eviction writes down what they do not hold yet
 (demotion), so no computed entry is lost to an eviction. Whether an entry was cached for a
 request (its reported cached tokens) is settled once all its entries are ready.
+
+A plain prompt with separator-free matching on (chunk/matcher.py) is cut here, at admission, into
+the same parts: runs found in existing entries are borrowed as slices of them (their KV was
+computed wherever the entry was, so layout "offset" re-rotates it from there), and the gaps
+between them become new chunk entries with fill jobs, as missing chunks do.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 
 import torch
 
+from chunkcache.chunk.matcher import PlainPrompt, Run, SpanIndex, plan
 from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.chunk.pool import ChunkPool, Entry
 from chunkcache.chunk.tiers.loader import TierLoader
@@ -45,6 +51,12 @@ from chunkcache.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+# Separator-free: a prompt whose matches cover less of its span than this runs as a first sight.
+# Its gaps would be fill-job prefills and the blend recomputes every token before its check layer
+# and a share after it: a prompt with no match at all, cut so, took 1.6-1.8x a plain prefill
+# (bench_separator_free); a mostly new one is not worth it either.
+_MIN_REUSED_SHARE = 0.25
+_NO_INDEX = SpanIndex(lambda entry: False)
 
 
 @dataclass
@@ -53,6 +65,9 @@ class RequestChunks:
 
     prompt: ChunkedPrompt
     entries: list[Entry] = field(default_factory=list)
+    # Per entry: (start, length) of the part of its own tokens this request uses (a separator-free
+    # match borrows a slice of an entry; everything else uses all of it).
+    slices: list[tuple[int, int]] = field(default_factory=list)
     assembled: bool = False
     # Layout "offset": where the cached KV of S and the chunks is, and how far to re-rotate it.
     cached_slots: torch.Tensor | None = None
@@ -109,6 +124,8 @@ class ChunkManager:
             self.loader = TierLoader(tiers)
         self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
         self._ids = itertools.count()
+        self.index = SpanIndex(pool.holds)
+        self.separator_free = {"requests": 0, "cut": 0, "matched_tokens": 0, "learned_tokens": 0}
 
     # ---- validation (any thread) -------------------------------------------------------------
 
@@ -137,7 +154,25 @@ class ChunkManager:
     # ---- engine thread -----------------------------------------------------------------------
 
     def admit(self, seq: Sequence) -> list[Sequence]:
-        """Match every part of the request; return the fill jobs to schedule for the missing ones."""
+        """Match every part of the request; return the fill jobs to schedule for the missing ones.
+        A plain prompt that separator-free matching cannot cut leaves as a plain request."""
+        runs: list[Run | None] | None = None
+        if isinstance(seq.chunk_state, PlainPrompt):
+            self.separator_free["requests"] += 1
+            cut = self._cut(seq.chunk_state.token_ids, seq.chunk_config)
+            if cut is None:
+                seq.chunk_state = seq.chunk_config = None
+                seq.prefix_cacheable = True
+                return []
+            if not any(cut[1]):
+                # First sight: nothing to borrow. A plain prefill computes exactly the KV its
+                # parts would get (S, then the span after S), so it runs as one, prefix cache
+                # included, and its parts are stored from its KV afterwards (`learn`).
+                seq.chunk_state = seq.chunk_config = None
+                seq.prefix_cacheable = True
+                seq.learn = cut[0]
+                return []
+            seq.chunk_state, runs = cut
         prompt: ChunkedPrompt = seq.chunk_state
         state = RequestChunks(prompt)
         seq.chunk_state = state
@@ -154,12 +189,25 @@ class ChunkManager:
             0,
         )
         state.entries.append(sys_entry)
+        state.slices.append((0, len(sys_ids)))
         state.was_cached.append(_cached_at_admission(sys_entry, True))
-        for chunk in prompt.chunks:
-            key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
-            entry, hit = self._acquire(
-                key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids)
-            )
+        for i, chunk in enumerate(prompt.chunks):
+            run = runs[i] if runs is not None else None
+            hit: bool | None
+            if run is not None:  # a separator-free match: a slice of an entry found by content
+                entry, hit = run.entry, True
+                entry.pins += 1
+                state.slices.append((run.entry_start, run.length))
+                self.separator_free["matched_tokens"] += run.length
+            else:
+                key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
+                # Salted entries stay out of the index: it is shared by content, across tenants.
+                entry, hit = self._acquire(
+                    key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids), salt is None
+                )
+                state.slices.append((0, len(chunk)))
+                if runs is not None and hit is False:
+                    self.separator_free["learned_tokens"] += len(chunk)
             if hit is not None:  # a load's hit or miss is counted when it ends
                 self._count(hit, len(chunk))
             state.entries.append(entry)
@@ -171,6 +219,36 @@ class ChunkManager:
             seq.position_base = prompt.question_position()
         return jobs
 
+    def _cut(
+        self, token_ids: tuple[int, ...], config: ChunkConfig
+    ) -> tuple[ChunkedPrompt, list[Run | None]] | None:
+        """A plain prompt as S, chunks (matched runs or gaps) and Q; None when there is nothing to
+        reuse or learn, or when computing its gaps in paged blocks (should the pool refuse them)
+        could not fit beside the prompt itself."""
+        cut = plan(token_ids, self.index, config.separator_free_min_tokens, config.max_chunks)
+        if cut is None:
+            return None
+        reused = sum(b - a for a, b, run in cut.parts if run is not None)
+        if 0 < reused < _MIN_REUSED_SHARE * (cut.q_start - cut.sys_end):
+            # Too little to borrow to pay for computing the rest as chunks and blending: a first
+            # sight (a plain prefill, stored afterwards) instead.
+            cut = plan(token_ids, _NO_INDEX, config.separator_free_min_tokens, config.max_chunks)
+            if cut is None:
+                return None
+        gaps = [b - a for a, b, run in cut.parts if run is None]
+        blocks = self.blocks
+        worst = blocks.blocks_for(len(token_ids) + 1) + blocks.blocks_for(cut.sys_end)
+        worst += sum(blocks.blocks_for(g) for g in gaps)
+        if worst > blocks.num_blocks or cut.q_start - cut.sys_end < config.blend_min_tokens:
+            return None
+        self.separator_free["cut"] += 1
+        prompt = ChunkedPrompt(
+            tuple(token_ids[: cut.sys_end]),
+            tuple(tuple(token_ids[a:b]) for a, b, _ in cut.parts),
+            tuple(token_ids[cut.q_start :]),
+        )
+        return prompt, [run for _, _, run in cut.parts]
+
     def _acquire(
         self,
         key: bytes,
@@ -180,10 +258,12 @@ class ChunkManager:
         jobs: list[Sequence],
         sys_entry: Entry | None,
         position_base: int,
+        indexed: bool = False,
     ) -> tuple[Entry, bool | None]:
         """A pinned entry for `key`, and whether it was found in the pool (ready, being computed
         or being loaded); None when it is being loaded for this request (found or not is known
-        when the load ends). A new entry comes with a fill job appended to `jobs`."""
+        when the load ends). A new entry comes with a fill job appended to `jobs`. A new
+        `indexed` chunk entry of the pool registers its anchors for separator-free matching."""
         entry = self.pool.get(key, token_ids)
         found: bool | None = entry is not None
         if entry is None and self.loader is not None:
@@ -201,6 +281,8 @@ class ChunkManager:
                 self.pool.stats.uncacheable += 1
                 entry = Entry(key, kind, token_ids, num_tokens, private=True)
             jobs.append(self._fill_job(entry, sys_entry, position_base))
+        if not found and indexed and kind == "chunk" and not entry.private:
+            self.index.add(entry)
         entry.pins += 1
         return entry, found
 
@@ -238,9 +320,10 @@ class ChunkManager:
         state.was_cached = [
             e.from_tier if c is None else c for c, e in zip(state.was_cached, state.entries, strict=True)
         ]
-        seq.num_prefix_cached = state.entries[0].num_tokens if state.was_cached[0] else 0
+        # Counted by the slice each entry lends (a separator-free match borrows part of one).
+        seq.num_prefix_cached = state.slices[0][1] if state.was_cached[0] else 0
         seq.num_chunk_cached = sum(
-            e.num_tokens for e, c in zip(state.entries[1:], state.was_cached[1:], strict=True) if c
+            n for (_, n), c in zip(state.slices[1:], state.was_cached[1:], strict=True) if c
         )
         return True
 
@@ -294,6 +377,40 @@ class ChunkManager:
         if not self.tiers.holds(entry.key):
             self.tiers.store(self._read_kv(entry))
 
+    def learn(self, seq: Sequence, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Store the parts of a first-sight plain prompt (`seq.learn`) from its computed KV: S as a
+        system entry and each gap as a chunk entry computed after S, as fill jobs would compute
+        them. Parts already in the pool, or that the pool cannot take now, are skipped."""
+        prompt: ChunkedPrompt = seq.learn
+        seq.learn = None
+        sys_ids = prompt.sys_token_ids
+        algorithm = self.config.hash_algorithm
+        own = block_slots(seq.block_table, self.blocks.block_size, seq.num_own_prompt_tokens, self.device)
+        parts = [(system_hash(self.model_name, sys_ids, algorithm), "system", (sys_ids,), 0)]
+        at = len(sys_ids)
+        for chunk in prompt.chunks:
+            parts.append(
+                (chunk_hash(self.model_name, sys_ids, chunk, algorithm), "chunk", (sys_ids, chunk), at)
+            )
+            at += len(chunk)
+        for key, kind, token_ids, start in parts:
+            n = len(token_ids[-1])
+            if self.pool.has_key(key):
+                continue
+            entry = self.pool.create(key, kind, token_ids, n)
+            if entry is None:
+                continue
+            dst, src = self._slots(entry), own[start : start + n]
+            for k_cache, v_cache in kv_caches:
+                k_cache[dst] = k_cache[src]
+                v_cache[dst] = v_cache[src]
+            if self.tiers is not None:  # written down as a fill job's entry is
+                self.tiers.store(self._read_kv(entry))
+            self.pool.mark_ready(entry)
+            if kind == "chunk":
+                self.index.add(entry)
+                self.separator_free["learned_tokens"] += n
+
     def is_ready(self, seq: Sequence) -> bool:
         """Whether the scheduler may run `seq`: a job needs its S computed (and private pages), a
         question needs every entry computed; its borrowed KV list is assembled here."""
@@ -315,10 +432,12 @@ class ChunkManager:
                 return False
             if not state.assembled:
                 self.settle_cached(seq)
-                slots = torch.cat([self._slots(e) for e in state.entries])
+                slots = torch.cat(
+                    [self._slots(e)[a : a + n] for e, (a, n) in zip(state.entries, state.slices, strict=True)]
+                )
                 if seq.chunk_config.layout == "offset":
                     state.cached_slots = slots
-                    state.cached_delta = self._offset_deltas(state.prompt)
+                    state.cached_delta = self._offset_deltas(state)
                 else:
                     seq.borrowed_slots = slots
                     cfg = seq.chunk_config
@@ -331,14 +450,16 @@ class ChunkManager:
                 state.assembled = True
         return True
 
-    def _offset_deltas(self, prompt: ChunkedPrompt) -> torch.Tensor:
-        """Per cached token: its natural position minus the position its KV was computed at."""
-        s = len(prompt.sys_token_ids)
+    def _offset_deltas(self, state: RequestChunks) -> torch.Tensor:
+        """Per cached token: its natural position minus the position its KV was computed at (a
+        chunk entry's tokens were computed after its own S, from position len(S))."""
+        s = len(state.prompt.sys_token_ids)
         deltas = [torch.zeros(s, dtype=torch.long)]
         offset = s
-        for chunk in prompt.chunks:
-            deltas.append(torch.full((len(chunk),), offset - s, dtype=torch.long))
-            offset += len(chunk)
+        for entry, (start, n) in zip(state.entries[1:], state.slices[1:], strict=True):
+            computed_at = len(entry.token_ids[0]) + start
+            deltas.append(torch.full((n,), offset - computed_at, dtype=torch.long))
+            offset += n
         return torch.cat(deltas).to(self.device)
 
     def _slots(self, entry: Entry) -> torch.Tensor:
@@ -426,6 +547,7 @@ class ChunkManager:
             "uncacheable": s.uncacheable,
             "jobs_running": len(self._jobs),
             "tiers": self.tiers.stats() if self.tiers is not None else {},
+            **{f"separator_free_{k}": v for k, v in self.separator_free.items()},
         }
 
     def check_integrity(self) -> None:
@@ -436,5 +558,6 @@ class ChunkManager:
             assert entry.loading == (self.loader is not None and entry in self.loader), (
                 "a loading entry without its load, or a load of an entry not marked loading"
             )
+        self.index.check_integrity()
         for job in self._jobs.values():
             assert not job.is_finished, f"finished fill job {job.request_id} still tracked"

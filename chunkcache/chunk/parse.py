@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,13 @@ def parse_chunked_prompt(
     sys_text, chunk_texts, question = split
     if not chunk_texts:
         raise InvalidRequestError("chunked prompt has separators but no non-empty chunk")
+    return tokenize_parts(sys_text, chunk_texts, question, tokenizer, add_special_tokens)
+
+
+def tokenize_parts(
+    sys_text: str, chunk_texts: Sequence[str], question: str, tokenizer: Any, add_special_tokens: bool
+) -> ChunkedPrompt:
+    """The parts of a prompt tokenized each on its own; chunks with no token are dropped."""
     sys_ids = tuple(tokenizer.encode(sys_text, add_special_tokens=add_special_tokens))
     chunks = tuple(tuple(tokenizer.encode(c, add_special_tokens=False)) for c in chunk_texts)
     chunks = tuple(c for c in chunks if c)

@@ -95,6 +95,10 @@ class ChunkPool:
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
+    def holds(self, entry: Entry) -> bool:
+        """Whether `entry` is still this pool's (not evicted or dropped); no LRU touch."""
+        return self._entries.get(entry.key) is entry
+
     def has_key(self, key: bytes) -> bool:
         return key in self._entries
 

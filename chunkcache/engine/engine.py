@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
+from chunkcache.chunk.documents import PromptParts, parse_documents, render_with_documents
 from chunkcache.chunk.manager import ChunkManager
-from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
+from chunkcache.chunk.matcher import PlainPrompt
+from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt, tokenize_parts
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.chunk.tiers.disk import DiskTier
 from chunkcache.chunk.tiers.identity import model_identity
@@ -57,6 +59,13 @@ _RENDER_ARGUMENTS = frozenset(
 def _check_salt(cache_salt: str | None) -> None:
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
+
+
+def _prompt_text(prompt: str | list[int] | PromptParts) -> str | None:
+    """The prompt as text, as reported back (None for token ids)."""
+    if isinstance(prompt, PromptParts):
+        return prompt.text()
+    return prompt if isinstance(prompt, str) else None
 
 
 class LLMEngine:
@@ -166,13 +175,16 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | PromptParts,
         params: SamplingParams,
         add_special_tokens: bool = True,
         chunk_options: dict[str, Any] | None = None,
         cache_salt: str | None = None,
     ) -> None:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
+
+        A `PromptParts` prompt (a chat rendered with its documents) is already cut into S, chunks
+        and Q: each part is tokenized alone, as a chunked prompt's parts are.
 
         `chunk_options` overrides the engine's chunk layout and blend options for this request
         (flat names: chunk_layout, blend_recompute_ratios, ...). Requests share cached KV only
@@ -277,8 +289,15 @@ class LLMEngine:
             raise InvalidRequestError(str(e), param=str(e).split(" ", 1)[0]) from None
 
     def _tokenize(
-        self, prompt: str | list[int], add_special_tokens: bool, chunk_config: ChunkConfig
+        self, prompt: str | list[int] | PromptParts, add_special_tokens: bool, chunk_config: ChunkConfig
     ) -> tuple[list[int], ChunkedPrompt | None]:
+        if isinstance(prompt, PromptParts):
+            if self.chunks is None:
+                return self._tokenize(prompt.text(), add_special_tokens, chunk_config)
+            chunked = tokenize_parts(
+                prompt.system, prompt.chunks, prompt.question, self.tokenizer, add_special_tokens
+            )
+            return chunked.all_token_ids(), chunked
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", "prompt")
@@ -304,7 +323,7 @@ class LLMEngine:
     def _make_sequence(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | PromptParts,
         params: SamplingParams,
         add_special_tokens: bool,
         chunk_config: ChunkConfig,
@@ -321,6 +340,17 @@ class LLMEngine:
             < chunk_config.blend_min_tokens
         ):
             chunked = None  # too little to reuse: a plain prefill is as fast
+        # Separator-free matching: a plain prompt is cut at admission, where the pool is known.
+        plain = None
+        if (
+            chunked is None
+            and self.chunks is not None
+            and chunk_config.separator_free
+            and offset
+            and params.prompt_logprobs is None
+            and cache_salt is None
+        ):
+            plain = PlainPrompt(tuple(token_ids))
         if chunked is not None and params.prompt_logprobs is not None:
             raise InvalidRequestError(
                 "prompt logprobs are not available for chunked prompts (their chunks' KV is reused, "
@@ -356,7 +386,7 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             token_ids=list(own),
             params=params,
-            prompt=prompt if isinstance(prompt, str) else None,
+            prompt=_prompt_text(prompt),
             cache_salt=cache_salt,
         )
         seq.generator = (
@@ -364,8 +394,8 @@ class LLMEngine:
         )
         if params.json_schema is not None:
             seq.grammar = self.structured.matcher(params.json_schema)
-        if chunked is not None:
-            seq.chunk_state = chunked
+        if chunked is not None or plain is not None:
+            seq.chunk_state = chunked if chunked is not None else plain
             seq.chunk_config = chunk_config
             seq.prefix_cacheable = False
         return seq
@@ -508,6 +538,9 @@ class LLMEngine:
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int]) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed += n
+            if seq.learn is not None and seq.num_computed >= seq.num_own_prompt_tokens:
+                assert self.chunks is not None
+                self.chunks.learn(seq, self.runner.kv_caches)
             if seq.prefix_cacheable and not seq.is_fill:
                 self.blocks.register_full_blocks(
                     seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed, seq.cache_salt
@@ -620,10 +653,13 @@ class LLMEngine:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> str:
+        documents: Any = None,
+    ) -> str | PromptParts:
         """The chat rendered by the model's template. `chat_template_kwargs` are the template's own
         variables (e.g. `enable_thinking`); they cannot override the rendering arguments. `tools`
-        (OpenAI's function definitions) go to templates that define tool use."""
+        (OpenAI's function definitions) go to templates that define tool use. `documents` (a list
+        of strings or {title, text} dicts) make the result PromptParts, one chunk per document
+        (chunk/documents.py); more than max_chunks of them is refused."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
         for i, m in enumerate(messages):
@@ -639,17 +675,28 @@ class LLMEngine:
         reserved = sorted(set(extra) & _RENDER_ARGUMENTS)
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tools=tools,
-                **extra,
-            )
-        except Exception as e:  # template errors are the client's messages being wrong
-            raise InvalidRequestError(f"chat template failed on these messages: {e}") from None
+
+        def render(msgs: list[dict[str, Any]], docs: list[dict[str, str]] | None) -> str:
+            if docs is not None:
+                extra["documents"] = docs
+            else:
+                extra.pop("documents", None)
+            try:
+                return self.tokenizer.apply_chat_template(
+                    msgs,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tools=tools,
+                    **extra,
+                )
+            except Exception as e:  # template errors are the client's messages being wrong
+                raise InvalidRequestError(f"chat template failed on these messages: {e}") from None
+
+        if documents is None:
+            return render(messages, None)
+        docs = parse_documents(documents, self.config.chunk.max_chunks)
+        return render_with_documents(render, messages, docs, self.config.chunk.documents_format)
 
     def reset_prefix_cache(self) -> bool:
         ok = self.blocks.reset_prefix_cache()

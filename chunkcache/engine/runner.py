@@ -186,7 +186,7 @@ class ModelRunner:
         seq.blend_reused_tokens = result.reused_tokens
         seq.blend_recomputed_tokens = result.recomputed_tokens
         # Cached = read from an entry that existed before the request and not recomputed.
-        kept = result.reused.split([e.num_tokens for e in state.entries])
+        kept = result.reused.split([n for _, n in state.slices])
         counts = [int(k.sum()) if hit else 0 for k, hit in zip(kept, state.was_cached, strict=True)]
         seq.num_prefix_cached, seq.num_chunk_cached = counts[0], sum(counts[1:])
         self.blend_reused_tokens += result.reused_tokens

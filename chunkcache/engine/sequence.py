@@ -72,6 +72,9 @@ class Sequence:
     # The chunks' entries in the KV list were computed apart: later tokens attend to them through
     # this calibration (model.attention.ContextCalibration); None = exact attention.
     calibration: Any = None
+    # Separator-free matching, first sight (nothing to reuse): the prompt is prefilled as usual and
+    # these parts (a ChunkedPrompt) are stored in the chunk pool from its KV once it is computed.
+    learn: Any = None
     # Blocks whose KV is not plain causal attention over the tokens must never be found by hash.
     prefix_cacheable: bool = True
     # vLLM's cache_salt: enters the first prefix block's hash and every chunk key, so requests

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from chunkcache import envs
+from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT
 from chunkcache.config import HASH_ALGORITHMS
 from chunkcache.router.backends import BackendSpec, load_backends_file, parse_backend_list
 from chunkcache.router.policy import POLICIES
@@ -191,6 +192,12 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-separator", default=" # # ")
     g.add_argument("--chunk-hash-algorithm", default="sha256", choices=HASH_ALGORITHMS)
     g.add_argument("--no-chunks", action="store_true", help="score chunked prompts as plain prompts")
+    g.add_argument(
+        "--documents-format",
+        default=DEFAULT_DOCUMENTS_FORMAT,
+        help="the engines' --documents-format: how chat `documents` are written when the chat "
+        "template does not render them (default: %(default)r)",
+    )
     g.add_argument("--block-size", type=int, default=16, help="the router's block size in tokens")
     g.add_argument("--lora-names", default="", help="comma-separated request models that are LoRA adapters")
     g = parser.add_argument_group("index and events")
@@ -280,6 +287,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         chunk_separator=args.chunk_separator,
         chunk_hash_algorithm=args.chunk_hash_algorithm,
         enable_chunks=not args.no_chunks,
+        documents_format=args.documents_format,
         lora_names=tuple(n for n in args.lora_names.split(",") if n),
         remote_pods=_remote_pods(args.remote_tier_backends, specs),
         events_bind=args.events_bind,

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 from starlette.concurrency import run_in_threadpool
 
+from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT, PromptParts
 from chunkcache.curve import CurveKeys
 from chunkcache.router.backends import Backend, BackendPool, BackendSpec
 from chunkcache.router.events import EventIntake, IntakeCurve
@@ -53,6 +54,8 @@ class RouterConfig:
     chunk_separator: str = " # # "
     chunk_hash_algorithm: str = "sha256"
     enable_chunks: bool = True
+    # The engines' documents_format (chat `documents` are cut into chunks as the engines cut them).
+    documents_format: str = DEFAULT_DOCUMENTS_FORMAT
     lora_names: tuple[str, ...] = ()  # request `model` values that name LoRA adapters
     events_bind: str | None = None  # one SUB socket that pods connect to
     events_topic_filter: str = ""
@@ -111,6 +114,7 @@ class Router:
                 separator=config.chunk_separator,
                 chunk_hash_algorithm=config.chunk_hash_algorithm,
                 enable_chunks=config.enable_chunks,
+                documents_format=config.documents_format,
             )
         self.processor = processor
         self.index = index or open_index(config.index, config.index_capacity, config.pods_per_key)
@@ -238,13 +242,15 @@ class Router:
 
     # --- scoring -----------------------------------------------------------------------------
 
-    def prompt_of(self, body: dict[str, Any], chat: bool) -> tuple[str | list[int], bool]:
-        """(prompt, rendered_chat) of a completions or chat body; ValueError when there is none."""
+    def prompt_of(self, body: dict[str, Any], chat: bool) -> tuple[str | list[int] | PromptParts, bool]:
+        """(prompt, rendered_chat) of a completions or chat body; ValueError when there is none.
+        A chat's `documents` are cut into chunks as the engines cut them, so they score as chunks."""
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise ValueError("'messages' must be a non-empty list")
-            return self.processor.render_chat(messages, **(body.get("chat_template_kwargs") or {})), True
+            kwargs = body.get("chat_template_kwargs") or {}
+            return self.processor.render_chat(messages, body.get("documents"), **kwargs), True
         prompt = body.get("prompt")
         # A batch of prompts is scored by its first one: they all go to one backend.
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -257,7 +263,7 @@ class Router:
 
     def score_prompt(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | PromptParts,
         rendered_chat: bool = False,
         lora: str | None = None,
         cache_salt: str | None = None,

@@ -19,7 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.chunk.documents import (
+    DEFAULT_DOCUMENTS_FORMAT,
+    PromptParts,
+    parse_documents,
+    render_with_documents,
+)
+from chunkcache.chunk.parse import parse_chunked_prompt, tokenize_parts
 from chunkcache.hashing import chunk_hash, system_hash, to_wire
 from chunkcache.kv_events import BlockStored
 
@@ -207,7 +213,9 @@ class PromptProcessor:
         separator: str = " # # ",
         chunk_hash_algorithm: str = "sha256",
         enable_chunks: bool = True,
+        documents_format: str = DEFAULT_DOCUMENTS_FORMAT,
     ) -> None:
+        self.documents_format = documents_format
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.keyer = keyer or BlockKeyer()
@@ -221,12 +229,34 @@ class PromptProcessor:
 
         return cls(AutoTokenizer.from_pretrained(path), model_name, **kwargs)
 
-    def render_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **template_kwargs
-        )
+    def render_chat(
+        self, messages: list[dict[str, Any]], documents: Any = None, **template_kwargs: Any
+    ) -> str | PromptParts:
+        """The chat as an engine renders it; with `documents`, cut into parts as an engine cuts it
+        (ValueError for documents an engine would refuse, but for their number: the router does
+        not know the engines' max_chunks)."""
 
-    def tokenize(self, prompt: str | Sequence[int], rendered_chat: bool = False) -> TokenizedPrompt:
+        def render(msgs: list[dict[str, Any]], docs: list[dict[str, str]] | None) -> str:
+            extra = template_kwargs if docs is None else {**template_kwargs, "documents": docs}
+            return self.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=True, **extra
+            )
+
+        if documents is None:
+            return render(messages, None)
+        docs = parse_documents(documents, max_documents=len(documents) if isinstance(documents, list) else 0)
+        return render_with_documents(render, messages, docs, self.documents_format)
+
+    def tokenize(
+        self, prompt: str | Sequence[int] | PromptParts, rendered_chat: bool = False
+    ) -> TokenizedPrompt:
+        if isinstance(prompt, PromptParts):
+            if not self.enable_chunks:
+                return self.tokenize(prompt.text(), rendered_chat)
+            chunked = tokenize_parts(
+                prompt.system, prompt.chunks, prompt.question, self.tokenizer, not rendered_chat
+            )
+            return TokenizedPrompt(chunked.sys_token_ids, chunked.chunks, chunked.num_tokens)
         if not isinstance(prompt, str):
             ids = tuple(int(t) for t in prompt)
             return TokenizedPrompt(ids, (), len(ids))

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from chunkcache.chunk.documents import PromptParts
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.choices import ChoiceGroup
@@ -223,7 +224,7 @@ def build_app(
 
     async def submit(
         prefix: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | PromptParts,
         params: SamplingParams,
         chunk_options: dict[str, Any] | None,
         add_special_tokens: bool = True,
@@ -245,14 +246,16 @@ def build_app(
 
     async def submit_group(
         prefix: str,
-        prompts: list[str | list[int]],
+        prompts: list[str | list[int] | PromptParts],
         params: SamplingParams,
         n: int,
         chunk_options: dict[str, Any] | None,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
     ) -> ChoiceGroup:
-        def one(prompt: str | list[int], choice_params: SamplingParams) -> Awaitable[RequestStream]:
+        def one(
+            prompt: str | list[int] | PromptParts, choice_params: SamplingParams
+        ) -> Awaitable[RequestStream]:
             return submit(prefix, prompt, choice_params, chunk_options, add_special_tokens, cache_salt)
 
         return await ChoiceGroup.start(one, prompts, params, n)

@@ -14,11 +14,12 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
+from chunkcache.chunk.documents import PromptParts
 from chunkcache.outputs import RequestOutput
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.engine_loop import RequestStream
 
-Prompt = str | list[int]
+Prompt = str | list[int] | PromptParts
 Submit = Callable[[Prompt, SamplingParams], Awaitable[RequestStream]]
 
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from chunkcache.chunk.documents import PromptParts
 from chunkcache.outputs import RequestOutput
 from chunkcache.sampling import SamplingParams
 
@@ -175,7 +176,7 @@ class EngineLoop:
     async def submit(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | PromptParts,
         params: SamplingParams,
         *,
         add_special_tokens: bool = True,

@@ -83,6 +83,8 @@ class _SamplingFields(StrictModel):
     blend_min_tokens: int | None = None
     calibration_temperature: float | None = None
     calibration_scale: float | None = None
+    separator_free: bool | None = None
+    separator_free_min_tokens: int | None = None
 
     @model_validator(mode="after")
     def _check_openai_rules(self) -> _SamplingFields:
@@ -279,6 +281,13 @@ class ResponseFormat(StrictModel):
         return None
 
 
+class DocumentObject(StrictModel):
+    """A document of `documents` (transformers' and vLLM's chat-template convention)."""
+
+    text: str
+    title: str | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # Chat's default is "until the context is full" (None), not the 16 of completions.
@@ -291,7 +300,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    # vLLM's chat extensions.
+    # vLLM's chat extensions. `documents`: each becomes one chunk of the prompt (chunk/documents.py).
+    documents: list[str | DocumentObject] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -342,7 +352,11 @@ class ChatCompletionRequest(_SamplingFields):
             "continue_final_message": bool(self.continue_final_message),
             "chat_template_kwargs": self.chat_template_kwargs or {},
             "tools": self.tool_dicts(),
+            "documents": None if self.documents is None else self.documents_json(),
         }
+
+    def documents_json(self) -> list[str | dict[str, str]]:
+        return [d if isinstance(d, str) else d.model_dump(exclude_none=True) for d in self.documents or []]
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

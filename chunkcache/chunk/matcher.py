@@ -1,0 +1,212 @@
+"""Separator-free matching: cached chunk KV found inside a plain prompt, wherever it sits.
+
+Anchors are content-defined, as in content-defined chunking: a polynomial rolling hash over every
+window of `WINDOW` tokens, and a window is an anchor when its mixed hash is 0 modulo `INTERVAL`
+(one window in `INTERVAL` on average). Whether a window is an anchor depends on its tokens only,
+so the same text yields the same anchors wherever it sits and whatever surrounds it.
+
+Every chunk entry of the pool (a separator prompt's chunk, a chat document, a span learned from a
+plain prompt) registers its anchors in a `SpanIndex`: anchor hash -> (entry, offset). A plain
+prompt's anchors are looked up there; each candidate is verified token by token and extended to
+the left and right as long as the prompt and the entry agree, so a match is exact token ids, and
+tokenization that differs at a document's edges (a space or a newline merged into the first
+token) simply ends the match there: the interior is reused, the edges are computed. Runs shorter
+than `min_tokens` are not worth a chunk and are computed too.
+
+`plan` turns the matches into the parts of the one chunked-prompt machinery (`ChunkedPrompt`):
+S = the tokens before the first anchor, then alternately matched runs (borrowed as slices of their
+entries) and gaps (new chunks, computed and cached: that is how the cache learns the documents of
+plain prompts), and Q = the tokens after the last anchor (always computed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from chunkcache.chunk.pool import Entry
+
+WINDOW = 8
+INTERVAL = 16
+_MOD = (1 << 61) - 1
+_BASE = 1_000_003
+_TOP = pow(_BASE, WINDOW - 1, _MOD)
+_MIX = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+# Candidates kept per anchor hash (the most recent): repeated boilerplate must not make a lookup
+# verify every entry that ever held it.
+_MAX_CANDIDATES = 4
+
+
+def window_hashes(token_ids: Sequence[int]) -> list[int]:
+    """Rolling hash of every window of WINDOW tokens: entry i covers token_ids[i : i + WINDOW]."""
+    n = len(token_ids)
+    if n < WINDOW:
+        return []
+    h = 0
+    for t in token_ids[:WINDOW]:
+        h = (h * _BASE + t + 1) % _MOD
+    out = [h]
+    for i in range(WINDOW, n):
+        h = ((h - (token_ids[i - WINDOW] + 1) * _TOP) * _BASE + token_ids[i] + 1) % _MOD
+        out.append(h)
+    return out
+
+
+def anchors(token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(position, hash) of every anchor window, in order."""
+    return [
+        (i, h) for i, h in enumerate(window_hashes(token_ids)) if ((h * _MIX & _MASK64) >> 40) % INTERVAL == 0
+    ]
+
+
+@dataclass(frozen=True)
+class PlainPrompt:
+    """A plain prompt waiting for admission, where it is searched for cached chunks."""
+
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Run:
+    """Prompt tokens [start, start + length) equal entry chunk tokens [entry_start, ...)."""
+
+    start: int
+    length: int
+    entry: Entry
+    entry_start: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plain prompt as parts: S, then chunks (each a matched run or a gap), then Q."""
+
+    sys_end: int
+    # (start, end, run or None for a gap) of every chunk, in order, covering [sys_end, q_start).
+    parts: tuple[tuple[int, int, Run | None], ...]
+    q_start: int
+
+
+class SpanIndex:
+    """Anchor hash -> the chunk entries holding that window, and where.
+
+    Contract: an entry is found only while `alive(entry)` (the pool still holds it) and only where
+    its tokens equal the prompt's (verified token by token); dead references are dropped lazily,
+    when met, and in bulk when the index has grown to twice its size after the last sweep.
+    """
+
+    def __init__(self, alive: Callable[[Entry], bool]) -> None:
+        self._alive = alive
+        self._refs: dict[int, list[tuple[Entry, int]]] = {}
+        self._size = 0
+        self._swept_size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def add(self, entry: Entry) -> None:
+        """Register the anchors of a chunk entry's own tokens."""
+        for pos, h in anchors(entry.token_ids[-1]):
+            refs = self._refs.setdefault(h, [])
+            refs.append((entry, pos))
+            self._size += 1
+            if len(refs) > _MAX_CANDIDATES:
+                del refs[0]
+                self._size -= 1
+        if self._size > 2 * self._swept_size + 4096:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        for h in list(self._refs):
+            live = [(e, p) for e, p in self._refs[h] if self._alive(e)]
+            if live:
+                self._refs[h] = live
+            else:
+                del self._refs[h]
+        self._size = sum(map(len, self._refs.values()))
+        self._swept_size = self._size
+
+    def match(self, token_ids: Sequence[int], found: list[tuple[int, int]], min_tokens: int) -> list[Run]:
+        """Non-overlapping runs of `token_ids` found in entries, left to right, each the longest
+        verified extension of an anchor's candidates; `found` are the prompt's anchors."""
+        runs: list[Run] = []
+        covered = 0
+        n = len(token_ids)
+        for pos, h in found:
+            if pos < covered:
+                continue
+            refs = self._refs.get(h)
+            if not refs:
+                continue
+            best: Run | None = None
+            for entry, off in list(refs):
+                if not self._alive(entry):
+                    refs.remove((entry, off))
+                    self._size -= 1
+                    if not refs:
+                        del self._refs[h]
+                    continue
+                tokens = entry.token_ids[-1]
+                if tuple(token_ids[pos : pos + WINDOW]) != tuple(tokens[off : off + WINDOW]):
+                    continue  # a hash collision
+                left = 0
+                while (
+                    pos - left > covered
+                    and off - left > 0
+                    and token_ids[pos - left - 1] == tokens[off - left - 1]
+                ):
+                    left += 1
+                right = WINDOW
+                while (
+                    pos + right < n
+                    and off + right < len(tokens)
+                    and token_ids[pos + right] == tokens[off + right]
+                ):
+                    right += 1
+                if best is None or left + right > best.length:
+                    best = Run(pos - left, left + right, entry, off - left)
+            if best is not None and best.length >= min_tokens:
+                runs.append(best)
+                covered = best.end
+        return runs
+
+    def check_integrity(self) -> None:
+        assert self._size == sum(map(len, self._refs.values())), "span index size drifted"
+        for h, refs in self._refs.items():
+            assert 0 < len(refs) <= _MAX_CANDIDATES
+            for entry, pos in refs:
+                if self._alive(entry):
+                    assert window_hashes(entry.token_ids[-1][pos : pos + WINDOW]) == [h]
+
+
+def plan(token_ids: Sequence[int], index: SpanIndex, min_tokens: int, max_chunks: int) -> Plan | None:
+    """How to cut a plain prompt into S, chunks and Q; None when it has no room for a chunk."""
+    n = len(token_ids)
+    found = anchors(token_ids)
+    if not found:
+        return None
+    runs = index.match(token_ids, found, min_tokens)
+    # Each run can add a gap before it: keep the chunk count within max_chunks.
+    runs = runs[: max(0, (max_chunks - 1) // 2)]
+    sys_end = max(1, min([found[0][0], *(r.start for r in runs[:1])]))
+    q_start = min(n - 1, max([found[-1][0] + WINDOW, *(r.end for r in runs[-1:])]))
+    if q_start <= sys_end:
+        return None
+    parts: list[tuple[int, int, Run | None]] = []
+    at = sys_end
+    for run in runs:
+        start, end = max(run.start, sys_end), min(run.end, q_start)
+        if end - start < min_tokens:
+            continue
+        trimmed = Run(start, end - start, run.entry, run.entry_start + start - run.start)
+        if start > at:
+            parts.append((at, start, None))
+        parts.append((start, end, trimmed))
+        at = end
+    if at < q_start:
+        parts.append((at, q_start, None))
+    return Plan(sys_end, tuple(parts), q_start)
