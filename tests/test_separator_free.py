@@ -188,3 +188,15 @@ def test_prompt_that_is_mostly_new_runs_as_a_first_sight(checkpoint) -> None:
     again = llm.generate(_stuff(docs, [4, 2], "Q?"), FIRST)[0]
     assert again.num_chunk_cached_tokens > 0
     llm.check_integrity()
+
+
+def test_first_sight_entries_are_written_down_to_the_tiers(checkpoint, tmp_path) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    with _llm(path, chunk_cache_disk_dir=str(tmp_path / "kv")) as llm:
+        docs = _docs(llm.tokenizer, 3)
+        llm.generate(_stuff(docs, [0, 1, 2], "Who is first?"), FIRST, chunk_options=REUSE)
+        llm.engine.flush_chunk_tiers()
+        stats = llm.chunk_cache_stats()
+        assert stats["separator_free_cut"] == 1 and stats["entries"] == 2  # S and the span
+        assert stats["tiers"]["disk"]["stores"] == 2 and stats["tiers"]["disk"]["entries"] == 2
+        llm.check_integrity()
