@@ -322,3 +322,56 @@ def test_query_attention_selector(checkpoint, unit: str) -> None:
         )
     assert not out.blend_fallback
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_rows_equals_masked_attention(dtype: torch.dtype) -> None:
+    """Blend's per-layer attention without a mask equals SDPA with the causal mask over its rows."""
+    import torch.nn.functional as F
+
+    from chunkcache.model.attention import attend_rows
+
+    gen = torch.Generator().manual_seed(0)
+    total, heads, kv_heads, dim = 700, 6, 2, 16
+    k = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
+    scattered = torch.randperm(total, generator=gen)[:150].sort().values
+    patterns = {
+        "all": torch.arange(total),
+        "tail": torch.arange(37, total),  # ratio 1: every token after S
+        "scattered": scattered,
+        "scattered+runs": torch.cat(
+            [scattered[scattered < 300], torch.arange(300, 520), torch.tensor([600, 699])]
+        ),
+        "one": torch.tensor([5]),
+        "last-block": torch.tensor([650, 660, 699]),
+    }
+    for name, rows in patterns.items():
+        q = torch.randn(rows.numel(), heads, dim, generator=gen).to(dtype)
+        mask = torch.arange(total)[None, :] <= rows[:, None]
+        want = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].float(),
+            k.transpose(0, 1)[None].float(),
+            v.transpose(0, 1)[None].float(),
+            attn_mask=mask,
+            scale=0.3,
+            enable_gqa=True,
+        )[0].transpose(0, 1)
+        for block in (16, 128):
+            got = attend_rows(q, k, v, rows, 0.3, block=block)
+            assert got.dtype == dtype
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=f"{name}, block {block}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_sdpa_with_lse_equals_the_cpu_kernel(causal: bool) -> None:
+    from chunkcache.model.attention import _reference_sdpa_with_lse, _sdpa_with_lse
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 40, 8, generator=gen)
+    k, v = torch.randn(2, 3, 2, 40, 8, generator=gen)
+    got, got_lse = _reference_sdpa_with_lse(q, k, v, causal, 0.4)
+    want, want_lse = _sdpa_with_lse(q, k, v, causal, 0.4)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_lse, want_lse)

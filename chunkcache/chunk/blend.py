@@ -24,9 +24,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from chunkcache.config import ChunkConfig
+from chunkcache.model.attention import attend_rows
 from chunkcache.model.llama import LlamaForCausalLM
 
 
@@ -179,16 +179,8 @@ def blend_prefill(
         k_all[active], v_all[active] = k, v
         k_cache[inp.own_slots] = k_all
         v_cache[inp.own_slots] = v_all
-        mask = positions[None, :] <= active[:, None]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k_all.transpose(0, 1).unsqueeze(0),
-            v_all.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            scale=attn.scale,
-            enable_gqa=True,
-        )
-        h = h + attn.o_proj(o[0].transpose(0, 1).reshape(active.numel(), -1))
+        o = attend_rows(q, k_all, v_all, active, attn.scale)
+        h = h + attn.o_proj(o.reshape(active.numel(), -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     recomputed_chunks = int(is_chunk[active].sum())
     reused = torch.ones(cached_len, dtype=torch.bool, device=device)

@@ -105,3 +105,96 @@ def attend(
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
         out[d.token_index] = o.reshape(b, q.shape[1], -1)
     return out
+
+
+def _sdpa_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, L, D], k/v [B, Hk, S, D] (GQA allowed) -> output [B, Hq, L, D] and the
+    log-sum-exp of each row's scaled logits [B, Hq, L] in float32; `causal` is top-left aligned.
+
+    The log-sum-exp lets two attentions of the same rows over disjoint key sets be merged exactly.
+    Public SDPA does not return it; on CPU its own flash kernel does. Elsewhere the reference math.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse.float()
+    return _reference_sdpa_with_lse(q, k, v, causal, scale)
+
+
+def _reference_sdpa_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_sdpa_with_lse` in plain torch ops, for devices without a kernel that returns the lse."""
+    group = q.shape[1] // k.shape[1]
+    logits = (q.float() @ k.repeat_interleave(group, dim=1).float().transpose(-1, -2)) * scale
+    if causal:
+        above = torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        logits = logits.masked_fill(above, float("-inf"))
+    lse = logits.logsumexp(dim=-1)
+    probs = (logits - lse[..., None]).exp()
+    return (probs @ v.repeat_interleave(group, dim=1).float()).to(q.dtype), lse
+
+
+def attend_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float, block: int = 128
+) -> torch.Tensor:
+    """Causal attention of some rows of a KV list: query i is list entry rows[i] and sees entries
+    0..rows[i]. q [R, Hq, D], k/v [T, Hk, D], rows ascending; returns [R, Hq, D].
+
+    No mask over [rows x keys]: the CPU kernel would compute every masked key block, and when the
+    rows are a scattered share of the list most of them are masked. The rows are cut into
+    segments, each either a contiguous run or rows spread over at most `block` entries. A segment
+    starting at entry c sees entries 0..c-1 whole (attention without a mask) and entries c..r by a
+    square causal attention of its span (the span's other rows get zero queries, padded to `block`
+    and batched across segments); the two parts are merged exactly by their log-sum-exp.
+    """
+    device, n = q.device, rows.numel()
+    r = rows.tolist()
+    # (first entry, one past the last entry, first row, one past the last row) per segment.
+    segments: list[tuple[int, int, int, int]] = []
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and r[j] == r[j - 1] + 1:
+            j += 1
+        if segments and r[j - 1] + 1 - segments[-1][0] <= block:
+            segments[-1] = (segments[-1][0], r[j - 1] + 1, segments[-1][2], j)
+        else:
+            segments.append((r[i], r[j - 1] + 1, i, j))
+        i = j
+    qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, R, D]
+    kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    out_past = torch.zeros_like(q, dtype=torch.float32)
+    lse_past = torch.full(q.shape[:2], float("-inf"), device=device)
+    out_own = torch.empty_like(out_past)
+    lse_own = torch.empty_like(lse_past)
+    padded = []
+    for start, end, first, last in segments:
+        if start > 0:
+            o, lse = _sdpa_with_lse(qt[:, :, first:last], kt[:, :, :start], vt[:, :, :start], False, scale)
+            out_past[first:last], lse_past[first:last] = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+        if end - start == last - first > block:  # a long contiguous run: its own square causal attention
+            o, lse = _sdpa_with_lse(
+                qt[:, :, first:last], kt[:, :, start:end], vt[:, :, start:end], True, scale
+            )
+            out_own[first:last], lse_own[first:last] = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+        else:
+            padded.append((start, first, last))
+    if padded:
+        total = k.shape[0]
+        starts = torch.tensor([p[0] for p in padded], device=device)
+        # Entries past the end of the list are clamped to its last one: only padding rows see them.
+        keys = (starts[:, None] + torch.arange(block, device=device)).clamp_(max=total - 1)
+        segment = torch.cat([torch.full((p[2] - p[1],), m, device=device) for m, p in enumerate(padded)])
+        index = torch.cat([torch.arange(p[1], p[2], device=device) for p in padded])
+        offset = rows[index] - starts[segment]
+        qb = q.new_zeros((len(padded), q.shape[1], block, q.shape[2]))
+        qb[segment, :, offset] = q[index]
+        o, lse = _sdpa_with_lse(qb, k[keys].transpose(1, 2), v[keys].transpose(1, 2), True, scale)
+        out_own[index], lse_own[index] = o[segment, :, offset].float(), lse[segment, :, offset]
+    # softmax over both key sets = each part weighted by its share of the total exp-sum.
+    w_past = torch.sigmoid(lse_past - lse_own)[..., None]
+    return (out_own + w_past * (out_past - out_own)).to(q.dtype)
