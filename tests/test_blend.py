@@ -357,11 +357,11 @@ def test_attend_rows_equals_masked_attention(dtype: torch.dtype) -> None:
             scale=0.3,
             enable_gqa=True,
         )[0].transpose(0, 1)
-        for block in (16, 128):
-            got = attend_rows(q, k, v, rows, 0.3, block=block)
+        for block, tile in ((16, 16), (64, 8), (512, 64)):
+            got = attend_rows(q, k, v, rows, 0.3, block=block, tile=tile)
             assert got.dtype == dtype
             tol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=f"{name}, block {block}")
+            torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=f"{name}, block {block}, tile {tile}")
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -138,63 +138,86 @@ def _reference_sdpa_with_lse(
     return (probs @ v.repeat_interleave(group, dim=1).float()).to(q.dtype), lse
 
 
+def _segments(rows: list[int], first: int, last: int, span: int) -> list[tuple[int, int, int, int]]:
+    """rows[first:last] cut greedily into (first entry, one past the last entry, first row, one
+    past the last row): runs of consecutive entries joined while the entries they cover stay
+    within `span`; a longer run is a segment of its own."""
+    segments: list[tuple[int, int, int, int]] = []
+    i = first
+    while i < last:
+        j = i + 1
+        while j < last and rows[j] == rows[j - 1] + 1:
+            j += 1
+        if segments and rows[j - 1] + 1 - segments[-1][0] <= span:
+            segments[-1] = (segments[-1][0], rows[j - 1] + 1, segments[-1][2], j)
+        else:
+            segments.append((rows[i], rows[j - 1] + 1, i, j))
+        i = j
+    return segments
+
+
 def attend_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, scale: float, block: int = 128
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: torch.Tensor,
+    scale: float,
+    block: int = 512,
+    tile: int = 64,
 ) -> torch.Tensor:
     """Causal attention of some rows of a KV list: query i is list entry rows[i] and sees entries
     0..rows[i]. q [R, Hq, D], k/v [T, Hk, D], rows ascending; returns [R, Hq, D].
 
     No mask over [rows x keys]: the CPU kernel would compute every masked key block, and when the
-    rows are a scattered share of the list most of them are masked. The rows are cut into
-    segments, each either a contiguous run or rows spread over at most `block` entries. A segment
-    starting at entry c sees entries 0..c-1 whole (attention without a mask) and entries c..r by a
-    square causal attention of its span (the span's other rows get zero queries, padded to `block`
-    and batched across segments); the two parts are merged exactly by their log-sum-exp.
+    rows are a scattered share of the list most of them are masked. Instead each row's keys
+    0..r are split into parts that need no mask, each attended on its own and merged exactly by
+    their log-sum-exp. The rows are cut into segments (a contiguous run, or rows spread over at
+    most `block` entries) starting at entry c: a segment's rows see entries 0..c-1 whole. A
+    contiguous run then sees its own span by a square causal attention. A spread segment is cut
+    again the same way into tiles of at most `tile` entries starting at f: the tile's rows see
+    entries c..f-1 whole, and the tile's span by a square causal attention in which the span's
+    other entries get zero queries (tiles padded to `tile` and batched). Few large calls for most of the keys, and
+    little work wasted on the zero queries.
     """
     device, n = q.device, rows.numel()
     r = rows.tolist()
-    # (first entry, one past the last entry, first row, one past the last row) per segment.
-    segments: list[tuple[int, int, int, int]] = []
-    i = 0
-    while i < n:
-        j = i + 1
-        while j < n and r[j] == r[j - 1] + 1:
-            j += 1
-        if segments and r[j - 1] + 1 - segments[-1][0] <= block:
-            segments[-1] = (segments[-1][0], r[j - 1] + 1, segments[-1][2], j)
-        else:
-            segments.append((r[i], r[j - 1] + 1, i, j))
-        i = j
+    whole: list[tuple[int, int, int, int, int]] = []  # (part, first row, last row, first key, last key)
+    own: list[tuple[int, int, int, int]] = []  # contiguous runs: (first key, last key, first row, last row)
+    padded: list[tuple[int, int, int]] = []  # tiles: (first entry, first row, last row)
+    for start, end, first, last in _segments(r, 0, n, block):
+        if start > 0:
+            whole.append((0, first, last, 0, start))
+        if end - start == last - first:
+            own.append((start, end, first, last))
+            continue
+        for t_start, t_end, t_first, t_last in _segments(r, first, last, tile):
+            if t_start > start:
+                whole.append((1, t_first, t_last, start, t_start))
+            if t_end - t_start > tile:  # a run longer than a tile
+                own.append((t_start, t_end, t_first, t_last))
+            else:
+                padded.append((t_start, t_first, t_last))
+    outs = torch.zeros((3, *q.shape), dtype=torch.float32, device=device)
+    lses = torch.full((3, *q.shape[:2]), float("-inf"), device=device)
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, R, D]
     kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    out_past = torch.zeros_like(q, dtype=torch.float32)
-    lse_past = torch.full(q.shape[:2], float("-inf"), device=device)
-    out_own = torch.empty_like(out_past)
-    lse_own = torch.empty_like(lse_past)
-    padded = []
-    for start, end, first, last in segments:
-        if start > 0:
-            o, lse = _sdpa_with_lse(qt[:, :, first:last], kt[:, :, :start], vt[:, :, :start], False, scale)
-            out_past[first:last], lse_past[first:last] = o[0].transpose(0, 1), lse[0].transpose(0, 1)
-        if end - start == last - first > block:  # a long contiguous run: its own square causal attention
-            o, lse = _sdpa_with_lse(
-                qt[:, :, first:last], kt[:, :, start:end], vt[:, :, start:end], True, scale
-            )
-            out_own[first:last], lse_own[first:last] = o[0].transpose(0, 1), lse[0].transpose(0, 1)
-        else:
-            padded.append((start, first, last))
+    for part, first, last, k0, k1 in whole:
+        o, lse = _sdpa_with_lse(qt[:, :, first:last], kt[:, :, k0:k1], vt[:, :, k0:k1], False, scale)
+        outs[part, first:last], lses[part, first:last] = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+    for k0, k1, first, last in own:
+        o, lse = _sdpa_with_lse(qt[:, :, first:last], kt[:, :, k0:k1], vt[:, :, k0:k1], True, scale)
+        outs[2, first:last], lses[2, first:last] = o[0].transpose(0, 1), lse[0].transpose(0, 1)
     if padded:
-        total = k.shape[0]
         starts = torch.tensor([p[0] for p in padded], device=device)
-        # Entries past the end of the list are clamped to its last one: only padding rows see them.
-        keys = (starts[:, None] + torch.arange(block, device=device)).clamp_(max=total - 1)
-        segment = torch.cat([torch.full((p[2] - p[1],), m, device=device) for m, p in enumerate(padded)])
+        # Entries past the end of the list are clamped to its last one: only zero queries see them.
+        keys = (starts[:, None] + torch.arange(tile, device=device)).clamp_(max=k.shape[0] - 1)
+        tile_of = torch.cat([torch.full((p[2] - p[1],), m, device=device) for m, p in enumerate(padded)])
         index = torch.cat([torch.arange(p[1], p[2], device=device) for p in padded])
-        offset = rows[index] - starts[segment]
-        qb = q.new_zeros((len(padded), q.shape[1], block, q.shape[2]))
-        qb[segment, :, offset] = q[index]
+        offset = rows[index] - starts[tile_of]
+        qb = q.new_zeros((len(padded), q.shape[1], tile, q.shape[2]))
+        qb[tile_of, :, offset] = q[index]
         o, lse = _sdpa_with_lse(qb, k[keys].transpose(1, 2), v[keys].transpose(1, 2), True, scale)
-        out_own[index], lse_own[index] = o[segment, :, offset].float(), lse[segment, :, offset]
-    # softmax over both key sets = each part weighted by its share of the total exp-sum.
-    w_past = torch.sigmoid(lse_past - lse_own)[..., None]
-    return (out_own + w_past * (out_past - out_own)).to(q.dtype)
+        outs[2, index], lses[2, index] = o[tile_of, :, offset].float(), lse[tile_of, :, offset]
+    # Softmax over the union of the parts: each part weighted by its share of the total exp-sum.
+    weights = torch.softmax(lses, dim=0)[..., None]
+    return (outs * weights).sum(dim=0).to(q.dtype)
