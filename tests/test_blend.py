@@ -361,7 +361,9 @@ def test_attend_rows_equals_masked_attention(dtype: torch.dtype) -> None:
             got = attend_rows(q, k, v, rows, 0.3, block=block, tile=tile)
             assert got.dtype == dtype
             tol = 1e-5 if dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=f"{name}, block {block}, tile {tile}")
+            torch.testing.assert_close(
+                got.float(), want, atol=tol, rtol=tol, msg=f"{name}, block {block}, tile {tile}"
+            )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -375,3 +377,27 @@ def test_reference_sdpa_with_lse_equals_the_cpu_kernel(causal: bool) -> None:
     want, want_lse = _sdpa_with_lse(q, k, v, causal, 0.4)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_lse, want_lse)
+
+
+def test_offset_request_registers_its_exact_prefix(checkpoint) -> None:
+    """S and the first chunk of a layout-"offset" request hold a plain prefill's KV: they enter the
+    prefix cache (and its events), and a plain request over the same tokens reuses them exactly."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    docs = [2, 3, 0]
+    out = llm.generate(_prompt(docs), greedy, chunk_options={"chunk_layout": "offset"})[0]
+    sys_ids, chunks, _ = _parts(llm, docs)
+    exact = (len(sys_ids) + len(chunks[0])) // 16 * 16
+    assert exact >= 32  # S and the first chunk span two full blocks
+    plain = llm.generate([out.prompt_token_ids], greedy)[0]
+    assert plain.num_cached_tokens == exact
+    _assert_logprobs_close(plain, hf_first_token_logprobs(path, out.prompt_token_ids))
+    assert plain.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 6)
+    # The isolated layout's own blocks hold Q only: nothing of another prompt is registered.
+    isolated = llm.generate(_prompt([4, 1]), FIRST, chunk_options={"chunk_layout": "isolated"})[0]
+    again = llm.generate([isolated.prompt_token_ids], FIRST)[0]
+    assert again.num_cached_tokens <= len(sys_ids)
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.check_integrity()

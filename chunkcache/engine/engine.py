@@ -377,9 +377,12 @@ class LLMEngine:
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int]) -> None:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed += n
-            if seq.prefix_cacheable and not seq.is_fill:
+            registrable = (
+                seq.num_computed if seq.prefix_cacheable else min(seq.exact_prefix, seq.num_computed)
+            )
+            if registrable and not seq.is_fill:
                 self.blocks.register_full_blocks(
-                    seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed, seq.cache_salt
+                    seq.block_table, seq.token_ids, seq.block_hashes, registrable, seq.cache_salt
                 )
             if seq.is_fill and seq.num_computed == seq.num_tokens:
                 self._finish(seq)

@@ -152,6 +152,9 @@ class ModelRunner:
             seq.blend_fallback = True
             seq.num_prefix_cached = seq.num_chunk_cached = 0  # every token is computed now
             return None
+        # S was computed at [0, s) and the first chunk right after it: their KV, cached or
+        # recomputed, is a plain prefill's, which the prefix cache may offer to any request.
+        seq.exact_prefix = s + (len(prompt.chunks[0]) if prompt.chunks else 0)
         seq.blend_reused_tokens = result.reused_tokens
         seq.blend_recomputed_tokens = result.recomputed_tokens
         # Cached = read from an entry that existed before the request and not recomputed.
