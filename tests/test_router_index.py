@@ -136,9 +136,13 @@ def test_scorer_chunks_count_in_any_order() -> None:
     idx.add_chunks("a", [(50, 100), (51, 30)])
     idx.add_chunks("b", [(52, 70)])
     s = Scorer(idx).score([1], [52, 51, 50])
-    assert s["a"].chunk_tokens == 130 and s["a"].total() == 16 + 130
+    # A chunked prompt is served from the chunk pool alone: its prefix blocks count only for a
+    # prefix router (use_chunks=False).
+    assert s["a"].chunk_tokens == 130 and s["a"].total() == 130
     assert s["a"].total(use_chunks=False) == 16
-    assert s["b"].chunk_tokens == 70 and s["b"].prefix_blocks == 0
+    assert s["b"].chunk_tokens == 70 and s["b"].prefix_blocks == 0 and s["b"].total() == 70
+    plain = Scorer(idx).score([1])
+    assert plain["a"].total() == plain["a"].total(use_chunks=False) == 16
     assert set(Scorer(idx).score([1], [52], pods=["a"])) == {"a"}
 
 
@@ -201,7 +205,19 @@ def test_prompt_processor_chunk_keys_match_the_engines() -> None:
         to_wire(chunk_hash("tiny-model", t.prefix_token_ids, tuple(tok.encode("c1 c2 c3", False)))),
     ]
     assert keys.chunk_keys[:2] == expected and keys.chunk_tokens == [4, 3, 2]
-    assert keys.block_keys == []  # an engine never serves a chunked prompt from its prefix cache
+    assert keys.block_keys == []  # fewer than 16 tokens: no full block
+    # A chunked prompt's block keys run over its whole token list, as a prefix router sees it (an
+    # engine registers S and the first chunk of an "offset" request): the same keys as for the
+    # plain token list, whose first 16 tokens here are S and the first chunk.
+    long_sys = " ".join(f"s{i}" for i in range(12))
+    long = p.tokenize(f"{long_sys} # # c1 c2 c3 c4 c5 # # d1 d2 # # question?")
+    assert len(long.token_ids) == 13 + 5 + 2 + 1
+    assert (
+        p.keys(long).block_keys
+        == p.keyer.request_keys(long.token_ids)
+        == p.keys(p.tokenize(list(long.token_ids))).block_keys
+    )
+    assert len(p.keys(long).block_keys) == 1
     plain = p.tokenize("just a prompt")
     assert plain.chunks == () and plain.prefix_token_ids[0] == 1
     assert p.tokenize("<s> rendered chat", rendered_chat=True).prefix_token_ids[0] != 1

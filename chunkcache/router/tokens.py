@@ -181,11 +181,13 @@ class TokenizedPrompt:
     """A prompt as the router scores it. For a chunked prompt the prefix is the system part S and
     `chunks` are the chunk token ids: an engine keeps the KV of both in its chunk pool (S as an
     entry of its own, published like a chunk), found in any order; otherwise the prefix is the
-    whole prompt, scored against the engines' prefix caches."""
+    whole prompt, scored against the engines' prefix caches. `token_ids` is the whole prompt as
+    an engine tokenizes it (for a chunked one: S, the chunks and Q, each tokenized on its own)."""
 
     prefix_token_ids: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...] = ()
     num_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -229,23 +231,29 @@ class PromptProcessor:
     def tokenize(self, prompt: str | Sequence[int], rendered_chat: bool = False) -> TokenizedPrompt:
         if not isinstance(prompt, str):
             ids = tuple(int(t) for t in prompt)
-            return TokenizedPrompt(ids, (), len(ids))
+            return TokenizedPrompt(ids, (), len(ids), ids)
         # A rendered chat is tokenized without special tokens, as the engine does (its template
         # writes the BOS): adding another would shift every block and miss the engine's cache.
         special = not rendered_chat
         if self.enable_chunks:
             chunked = parse_chunked_prompt(prompt, self.separator, self.tokenizer, add_special_tokens=special)
             if chunked is not None:
-                return TokenizedPrompt(chunked.sys_token_ids, chunked.chunks, chunked.num_tokens)
+                return TokenizedPrompt(
+                    chunked.sys_token_ids, chunked.chunks, chunked.num_tokens, tuple(chunked.all_token_ids())
+                )
         ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=special))
-        return TokenizedPrompt(ids, (), len(ids))
+        return TokenizedPrompt(ids, (), len(ids), ids)
 
     def keys(
         self, prompt: TokenizedPrompt, lora: str | None = None, cache_salt: str | None = None
     ) -> PromptKeys:
-        """Index keys of a prompt; a `cache_salt` keys it as engines do (its own chunk keys)."""
+        """Index keys of a prompt; a `cache_salt` keys it as engines do (its own chunk keys).
+
+        A chunked prompt gets block keys too, over its whole token list: what a prefix router
+        sees. An engine registers S and the first chunk of a layout-"offset" request in its
+        prefix cache (their KV is a plain prefill's), and a plain request may have cached more."""
+        block_keys = self.keyer.request_keys(prompt.token_ids or prompt.prefix_token_ids, lora, cache_salt)
         if not prompt.chunks:
-            block_keys = self.keyer.request_keys(prompt.prefix_token_ids, lora, cache_salt)
             return PromptKeys(block_keys, [], [], prompt.num_tokens)
         sys_ids, algorithm, salt = prompt.prefix_token_ids, self.chunk_hash_algorithm, cache_salt
         chunk_keys = [to_wire(system_hash(self.model_name, sys_ids, algorithm, salt))]
@@ -253,4 +261,4 @@ class PromptProcessor:
             to_wire(chunk_hash(self.model_name, sys_ids, c, algorithm, salt)) for c in prompt.chunks
         ]
         chunk_tokens = [len(sys_ids), *map(len, prompt.chunks)]
-        return PromptKeys([], chunk_keys, chunk_tokens, prompt.num_tokens)
+        return PromptKeys(block_keys, chunk_keys, chunk_tokens, prompt.num_tokens)
