@@ -226,3 +226,37 @@ def test_prompt_processor_chunk_keys_match_the_engines() -> None:
     assert chat.prefix_token_ids == tuple(WordTokenizer().encode("sys a b", False))
     assert p.tokenize([5, 6, 7]).prefix_token_ids == (5, 6, 7)
     assert PromptProcessor(WordTokenizer(), "m", enable_chunks=False).tokenize(prompt).chunks == ()
+
+
+def test_cached_encoder_remembers_long_parts_within_its_capacity() -> None:
+    from chunkcache.router.tokens import CachedEncoder
+
+    calls: list[str] = []
+
+    class Counting(WordTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            calls.append(text)
+            return super().encode(text, add_special_tokens)
+
+    tok = Counting()
+    enc = CachedEncoder(tok, capacity_tokens=250, min_chars=20)
+    docs = [" ".join(f"w{d}x{i}" for i in range(100)) for d in range(3)]  # 100 tokens each
+    for doc in docs[:2]:
+        assert list(enc.encode(doc, add_special_tokens=False)) == WordTokenizer().encode(doc, False)
+    assert list(enc.encode(docs[0], add_special_tokens=True)) == WordTokenizer().encode(docs[0])  # own entry
+    assert len(calls) == 3 and enc.num_tokens == 100 + 100 + 101 - 100  # the first entry went out
+    enc.encode(docs[1], add_special_tokens=False)
+    assert len(calls) == 3 and enc.hits == 1
+    enc.encode(docs[2], add_special_tokens=False)  # evicts the least recently used: docs[0] special
+    assert len(calls) == 4 and enc.num_tokens <= 250
+    enc.encode("short", add_special_tokens=False)
+    enc.encode("short", add_special_tokens=False)
+    assert len(calls) == 6  # short texts are not remembered
+    # The processor's chunked prompts go through it: a recurring document is tokenized once.
+    p = PromptProcessor(tok, "m")
+    p.parts.min_chars = 20
+    calls.clear()
+    first = p.tokenize(f"sys # # {docs[0]} # # {docs[1]} # # q?")
+    again = p.tokenize(f"sys # # {docs[1]} # # {docs[0]} # # other q?")
+    assert first.chunks == tuple(reversed(again.chunks))
+    assert calls.count(docs[0]) == 1 and calls.count(docs[1]) == 1
