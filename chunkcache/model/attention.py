@@ -176,8 +176,8 @@ def attend_rows(
     contiguous run then sees its own span by a square causal attention. A spread segment is cut
     again the same way into tiles of at most `tile` entries starting at f: the tile's rows see
     entries c..f-1 whole, and the tile's span by a square causal attention in which the span's
-    other entries get zero queries (tiles padded to `tile` and batched). Few large calls for most of the keys, and
-    little work wasted on the zero queries.
+    other entries get zero queries (tiles padded to `tile` and batched). Few large calls for most
+    of the keys, and little work wasted on the zero queries.
     """
     device, n = q.device, rows.numel()
     r = rows.tolist()
@@ -197,8 +197,12 @@ def attend_rows(
                 own.append((t_start, t_end, t_first, t_last))
             else:
                 padded.append((t_start, t_first, t_last))
-    outs = torch.zeros((3, *q.shape), dtype=torch.float32, device=device)
-    lses = torch.full((3, *q.shape[:2]), float("-inf"), device=device)
+    # One plane per part: the entries before the segment (0), before the tile (1), its own span
+    # (last); without tiles (all rows contiguous, as at ratio 1) there is no middle plane.
+    planes = 3 if any(job[0] == 1 for job in whole) else 2
+    own_plane = planes - 1
+    outs = torch.zeros((planes, *q.shape), dtype=torch.float32, device=device)
+    lses = torch.full((planes, *q.shape[:2]), float("-inf"), device=device)
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, R, D]
     kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     for part, first, last, k0, k1 in whole:
@@ -206,7 +210,10 @@ def attend_rows(
         outs[part, first:last], lses[part, first:last] = o[0].transpose(0, 1), lse[0].transpose(0, 1)
     for k0, k1, first, last in own:
         o, lse = _sdpa_with_lse(qt[:, :, first:last], kt[:, :, k0:k1], vt[:, :, k0:k1], True, scale)
-        outs[2, first:last], lses[2, first:last] = o[0].transpose(0, 1), lse[0].transpose(0, 1)
+        outs[own_plane, first:last], lses[own_plane, first:last] = (
+            o[0].transpose(0, 1),
+            lse[0].transpose(0, 1),
+        )
     if padded:
         starts = torch.tensor([p[0] for p in padded], device=device)
         # Entries past the end of the list are clamped to its last one: only zero queries see them.
@@ -217,7 +224,10 @@ def attend_rows(
         qb = q.new_zeros((len(padded), q.shape[1], tile, q.shape[2]))
         qb[tile_of, :, offset] = q[index]
         o, lse = _sdpa_with_lse(qb, k[keys].transpose(1, 2), v[keys].transpose(1, 2), True, scale)
-        outs[2, index], lses[2, index] = o[tile_of, :, offset].float(), lse[tile_of, :, offset]
+        outs[own_plane, index], lses[own_plane, index] = (
+            o[tile_of, :, offset].float(),
+            lse[tile_of, :, offset],
+        )
     # Softmax over the union of the parts: each part weighted by its share of the total exp-sum.
     weights = torch.softmax(lses, dim=0)[..., None]
-    return (outs * weights).sum(dim=0).to(q.dtype)
+    return outs.mul_(weights).sum(dim=0).to(q.dtype)
