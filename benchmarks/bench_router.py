@@ -81,6 +81,16 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
+def latencies(**series: list[float]) -> dict[str, float]:
+    """p50 and p99 in ms of each series of seconds: `wall` as p50/p99, the others as NAME_p50/p99."""
+    out: dict[str, float] = {}
+    for name, values in series.items():
+        prefix = "" if name == "wall" else f"{name}_"
+        out[f"{prefix}p50"] = pct(values, 50) * 1000.0
+        out[f"{prefix}p99"] = pct(values, 99) * 1000.0
+    return out
+
+
 class Workload:
     """Token ids and engine hashes of every prompt; engine hashes are random (the router never
     recomputes them) but content-consistent: a group's prefix has one set of hashes."""
@@ -296,17 +306,8 @@ def _time_scoring(
         score_s.append(t3 - t2)
         tokens.append(tokenized.num_tokens)
         chunk_hits += max(s.chunk_tokens for s in scores.values()) > sys_len
-    ms = 1000.0
     return {
-        "p50": pct(wall, 50) * ms,
-        "p99": pct(wall, 99) * ms,
-        "cpu_p50": pct(cpu, 50) * ms,
-        "cpu_p99": pct(cpu, 99) * ms,
-        "tokenize_p50": pct(tok_s, 50) * ms,
-        "tokenize_p99": pct(tok_s, 99) * ms,
-        "keys_p50": pct(keys_s, 50) * ms,
-        "score_p50": pct(score_s, 50) * ms,
-        "score_p99": pct(score_s, 99) * ms,
+        **latencies(wall=wall, cpu=cpu, tokenize=tok_s, keys=keys_s, score=score_s),
         "tokens": float(np.mean(tokens)),
         "chunk_hit_queries": chunk_hits / len(prompts),
     }
@@ -355,15 +356,8 @@ def bench_scoring(
         lookup_s.append(t2 - t1)
         hits += any(s.prefix_blocks for s in scores.values())
     gc.callbacks.remove(count_gc)
-    ms = 1000.0
     return {
-        "p50": pct(wall, 50) * ms,
-        "p99": pct(wall, 99) * ms,
-        "cpu_p50": pct(cpu, 50) * ms,
-        "cpu_p99": pct(cpu, 99) * ms,
-        "keys_p50": pct(keys_s, 50) * ms,
-        "lookup_p50": pct(lookup_s, 50) * ms,
-        "lookup_p99": pct(lookup_s, 99) * ms,
+        **latencies(wall=wall, cpu=cpu, keys=keys_s, lookup=lookup_s),
         "hit_queries": hits / queries,
         "full_gcs": full_gcs[0],
     }
