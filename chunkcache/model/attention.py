@@ -184,11 +184,28 @@ def attend_rows(
     other entries get zero queries (tiles padded to `tile` and batched). Few large calls for most
     of the keys, and little work wasted on the zero queries.
 
-    Where the calls would cost more than the masked pairs they save (`call_cost` pairs a call: a
-    short list, or few rows), and off CPU (no kernel returns the lse), one masked call does it.
+    A single run from near the head of the list is one causal attention of the whole list with
+    zero queries before the run. Where the calls would cost more than the masked pairs they save
+    (`call_cost` pairs a call: a short list, or few rows), and off CPU (no kernel returns the lse),
+    one masked call does it.
     """
     device, n = q.device, rows.numel()
     r = rows.tolist()
+    if r[-1] - r[0] + 1 == n and 8 * r[0] <= n:
+        # One contiguous run starting near the head of the list (layer 0, ratio 1: every token
+        # after S): zero queries for the entries before it make a plain causal attention of the
+        # whole list, no merge; the zero rows cost r[0]**2 / 2 pairs, at most 1/64 of the run's.
+        padded_q = q.new_zeros((r[-1] + 1, *q.shape[1:]))
+        padded_q[r[0] :] = q
+        o = F.scaled_dot_product_attention(
+            padded_q.transpose(0, 1).unsqueeze(0),
+            k[: r[-1] + 1].transpose(0, 1).unsqueeze(0),
+            v[: r[-1] + 1].transpose(0, 1).unsqueeze(0),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o[0, :, r[0] :].transpose(0, 1)
     whole: list[tuple[int, int, int, int, int]] = []  # (part, first row, last row, first key, last key)
     own: list[tuple[int, int, int, int]] = []  # contiguous runs: (first key, last key, first row, last row)
     padded: list[tuple[int, int, int]] = []  # tiles: (first entry, first row, last row)
