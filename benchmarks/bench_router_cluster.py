@@ -1,36 +1,42 @@
-"""Router cluster benchmark: 3 `chunkcache serve` replicas behind `chunkcache route`, one run per
-routing policy, on a RAG workload whose documents recur in other combinations and orders.
+"""Router cluster benchmark: 3 `chunkcache serve` replicas behind `chunkcache route`, every routing
+policy on RAG workloads whose documents recur in other combinations and orders.
 
-For each policy (random, round_robin, least_loaded, prefix_only, cache_aware) the script starts a
-fresh cluster on loopback (empty caches, empty index): the router binds one KV event socket, each
-replica's publisher connects to it with its own topic `kv@<replica>@<model>` and serves its own
-replay endpoint. It then sends the same request list through the router with streaming completions
-at a fixed concurrency, and reports TTFT (time to the first streamed token) mean / p50 / p90, the
-chunk-cache hit rate summed over the replicas' `/v1/chunk_cache/stats`, the prompt tokens served
-from cache (usage `cached_tokens`), and how the router spread the requests.
+For each run of a policy (random, round_robin, least_loaded, prefix_only, cache_aware) the script
+starts a fresh cluster on loopback (empty caches, empty index): the router binds one KV event
+socket, each replica's publisher connects to it with its own topic `kv@<replica>@<model>` and
+serves its own replay endpoint. It then sends the same request list through the router with
+streaming completions at a fixed concurrency, and reports TTFT (time to the first streamed token)
+mean / p50 / p90, the chunk-cache hit rate summed over the replicas' `/v1/chunk_cache/stats`, the
+prompt tokens served from cache (usage `cached_tokens`), and how the router spread the requests.
+Every policy runs `--repeats` (2) times per workload shape, the policy order rotated per repeat,
+so that a drift of the machine's load favours none; ratios are of the mean over the repeats, with
+the range of the per-repeat ratios beside them.
 
-The workload: `--num-docs` (40) documents of 100-200 tokens; `--topics` (12) retrieval results,
-each a random combination of 3-5 documents (topics overlap: a document belongs to several); every
-request takes a topic's documents in a fresh random order with another question,
-`SYS # # D.. # # Q`, so each result recurs about ten times in 120 requests (popular questions
-retrieve the same documents, ranked differently). `--topics 0`: a fresh random combination per
-request. A replica's chunk cache holds `--cache-fraction` (40%) of the documents' tokens: the three
-caches together hold the working set, one alone does not, which is the regime where placement
-decides the hit rate (with caches that hold everything, cache-blind policies only lose the first
-sight of each document on each replica). Document order defeats a prefix cache, and this engine
-keeps a chunked prompt's system part in its chunk pool (unreported), so a prefix-only router sees
-nothing and falls back to least-loaded; only the chunk score knows where the documents are.
+The workload shapes (`--shapes`): documents of 100-200 tokens; a number of retrieval results
+("topics"), each a random combination of documents (topics overlap: a document belongs to
+several); every request takes a topic's documents in a fresh random order with another question,
+`SYS # # D.. # # Q`. "recurring": 40 documents, 12 topics of 3-5, so each result recurs about ten
+times in 120 requests; "spread": 60 documents, 24 topics of 2-4, half as many recurrences. A
+replica's chunk cache holds `--cache-fraction` (40%) of the documents' tokens: the three caches
+together hold the working set, one alone does not, which is the regime where placement decides the
+hit rate (with caches that hold everything, cache-blind policies only lose the first sight of each
+document on each replica).
 
-The result depends on the workload's shape: fewer recurrences (more topics, fewer requests) or a
-cache too small for even a third of the working set lower cache_aware's hit rate and its lead.
+What a prefix-only router sees: the replicas use layout "offset", which registers a request's
+system part and first document in the prefix cache (their KV is a plain prefill's) and publishes
+them as BlockStored; the router keys a chunked prompt's whole token list into blocks. So
+prefix_only finds the replica that last served the same first document, and falls back to
+least-loaded only when none did (the fallbacks are reported). Document order defeats it otherwise;
+only the chunk score knows where every document is.
 
-Summary line (ratios: the other policy's mean TTFT over cache_aware's, higher is better):
-    SUMMARY bench_router_cluster: cache_aware_vs_round_robin=X.XXx cache_aware_vs_prefix_only=X.XXx ...
+Summary line (ratios: the other policy's mean TTFT over cache_aware's, higher is better; each
+target marked met or MISSED):
+    SUMMARY bench_router_cluster: recurring:cache_aware_vs_round_robin=X.XXx(repeats A-B)[target>=2: met] ...
 
 Usage:
-    python benchmarks/bench_router_cluster.py                 # ~5 minutes on 2 busy cores
-    python benchmarks/bench_router_cluster.py --quick         # smoke run: 3 policies, fewer requests
-    python benchmarks/bench_router_cluster.py --policies round_robin,cache_aware --num-requests 60
+    python benchmarks/bench_router_cluster.py                 # ~20 minutes on 2 busy cores
+    python benchmarks/bench_router_cluster.py --quick         # smoke run: 3 policies, 30 requests, 1 repeat
+    python benchmarks/bench_router_cluster.py --policies round_robin,prefix_only,cache_aware --shapes recurring
 """
 
 from __future__ import annotations
@@ -381,14 +387,13 @@ def figures(res: PolicyResult) -> dict[str, float]:
     }
 
 
-def print_table(results: list[PolicyResult], figs: dict[str, dict[str, float]]) -> None:
+def print_table(results: list[PolicyResult], figs: list[dict[str, float]]) -> None:
     head = (
         f"{'policy':<13}{'ok':>7}{'TTFT mean':>11}{'p50':>9}{'p90':>9}{'chunk hits':>12}"
         f"{'hit tokens':>12}{'cached':>9}{'evicted':>9}{'req/s':>7}  {'spread (fallbacks)':<24}{'load':>6}"
     )
     print("\n" + head + "\n" + "-" * len(head))
-    for res in results:
-        f = figs[res.policy]
+    for res, f in zip(results, figs, strict=True):
         spread = "/".join(f"{res.decisions.get(f'r{i}', 0):.0f}" for i in range(len(res.chunk_stats)))
         if res.decisions == {} and res.ok:
             spread = "/".join(
@@ -402,17 +407,104 @@ def print_table(results: list[PolicyResult], figs: dict[str, dict[str, float]]) 
         )
 
 
+# Workload shapes: (documents, topics, documents per prompt). The lead of a cache-aware router
+# depends on the shape (how often a retrieval result recurs), so it is measured on several.
+SHAPES: dict[str, tuple[int, int, tuple[int, int]]] = {
+    "recurring": (40, 12, (3, 5)),  # 12 retrieval results, each about ten times in 120 requests
+    "spread": (60, 24, (2, 4)),  # twice the results, fewer documents each: fewer recurrences
+}
+
+
+def run_shape(
+    shape: str, model: Path, tok: Any, policies: list[str], args: argparse.Namespace, log_dir: Path
+) -> dict[str, list[PolicyResult]] | None:
+    """Every policy `args.repeats` times on one workload shape, the order rotated per repeat so
+    that a drift of the machine's load favours none. None after a failed request."""
+    num_docs, topics, per_prompt = SHAPES[shape]
+    docs = build_documents(tok, num_docs, *args.doc_tokens, args.seed)
+    prompts = build_prompts(docs, args.num_requests, topics, *per_prompt, args.seed)
+    doc_pages = sum(-(-len(tok.encode(d, add_special_tokens=False)) // PAGE) for d in docs)
+    sys_pages = -(-len(tok.encode(SYSTEM)) // PAGE)
+    pool_pages = round(args.cache_fraction * doc_pages) + sys_pages
+    args.chunk_cache_gb = pool_pages * PAGE * kv_bytes_per_token(model) / 2**30
+    mean_len = statistics.fmean(len(tok.encode(x)) for x in prompts)
+    print(
+        f"\n=== shape {shape!r}: {args.num_requests} requests at concurrency {args.concurrency}; "
+        f"{num_docs} docs of {args.doc_tokens[0]}-{args.doc_tokens[1]} tokens ({doc_pages * PAGE} tokens in "
+        f"pages), {per_prompt[0]}-{per_prompt[1]} per prompt from {topics or 'no'} topics, ~{mean_len:.0f} "
+        f"prompt tokens, {args.max_tokens} output tokens; {args.replicas} replicas, chunk cache {pool_pages} "
+        f"pages ({args.cache_fraction:.0%} of the documents, {args.chunk_cache_gb * 1024:.1f} MiB) each; "
+        f"{args.repeats} repeats, policy order rotated"
+    )
+    results: dict[str, list[PolicyResult]] = {p: [] for p in policies}
+    runs = [
+        (rep, policies[rep % len(policies) :] + policies[: rep % len(policies)])
+        for rep in range(args.repeats)
+    ]
+    bar = tqdm(total=args.repeats * len(policies), desc=shape, unit="run")
+    for _, order in runs:
+        for policy in order:
+            cluster = make_cluster(model, policy, args, log_dir)
+            try:
+                cluster.start()
+                res = asyncio.run(run_policy(cluster, policy, prompts, args))
+            finally:
+                cluster.stop()
+            bar.update()
+            results[policy].append(res)
+            if len(res.ok) != len(res.results):
+                err = next(r.error for r in res.results if not r.ok)
+                print(f"{policy}: {len(res.results) - len(res.ok)} requests failed, e.g. {err}")
+                for proc in cluster.procs:
+                    print(f"--- {proc.name} log tail:\n{proc.log_tail()}")
+                return None
+    bar.close()
+    return results
+
+
+def shape_summary(shape: str, results: dict[str, list[PolicyResult]]) -> list[str]:
+    """The shape's table (every run) and its SUMMARY parts: ratios of mean TTFT (mean over the
+    repeats of each run's mean), with the range of the per-repeat ratios."""
+    runs = [r for rs in results.values() for r in rs]
+    print_table(runs, [figures(r) for r in runs])
+    parts: list[str] = []
+    if "cache_aware" not in results:
+        return parts
+    ca = [figures(r)["ttft_mean"] for r in results["cache_aware"]]
+    targets = {"round_robin": 2.0, "prefix_only": 1.0}
+    for other in ("round_robin", "prefix_only", "random", "least_loaded"):
+        if other not in results:
+            continue
+        theirs = [figures(r)["ttft_mean"] for r in results[other]]
+        ratio = statistics.fmean(theirs) / statistics.fmean(ca)
+        each = [t / c for t, c in zip(theirs, ca, strict=True)]
+        part = f"{shape}:cache_aware_vs_{other}={ratio:.2f}x(repeats {min(each):.2f}-{max(each):.2f})"
+        if other in targets:
+            op = ">=" if other == "round_robin" else ">"
+            ok = ratio >= targets[other] if other == "round_robin" else ratio > targets[other]
+            part += f"[target{op}{targets[other]:g}: {'met' if ok else 'MISSED'}]"
+        parts.append(part)
+    if "prefix_only" in results:
+        po = results["prefix_only"]
+        fallbacks = sum(r.fallbacks for r in po) / len(po)
+        parts.append(f"{shape}:prefix_only_fallbacks={fallbacks:.0f}/{len(po[0].results)}")
+    for policy, rs in results.items():
+        parts.append(
+            f"{shape}:ttft_mean_{policy}={statistics.fmean(figures(r)['ttft_mean'] for r in rs) * 1e3:.1f}ms"
+        )
+    return parts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="model dir (default: build the small random one)")
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, run in this order")
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"workload shapes, of {list(SHAPES)}")
+    p.add_argument("--repeats", type=int, default=2, help="runs of every policy per shape, order rotated")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=120)
     p.add_argument("--concurrency", type=int, default=3)
-    p.add_argument("--num-docs", type=int, default=40)
     p.add_argument("--doc-tokens", type=int, nargs=2, default=(100, 200), metavar=("MIN", "MAX"))
-    p.add_argument("--docs-per-prompt", type=int, nargs=2, default=(3, 5), metavar=("MIN", "MAX"))
-    p.add_argument("--topics", type=int, default=12, help="recurring document combinations (0: none)")
     p.add_argument(
         "--cache-fraction",
         type=float,
@@ -425,16 +517,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke run: 3 policies, 30 requests, 20 docs")
+    p.add_argument("--quick", action="store_true", help="smoke run: 3 policies, 30 requests, 1 repeat")
     args = p.parse_args(argv)
     if args.quick:
-        args.num_requests, args.num_docs, args.topics = 30, 20, 6
+        args.num_requests, args.repeats = 30, 1
         if args.policies == ",".join(POLICIES):
             args.policies = "round_robin,prefix_only,cache_aware"
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     unknown = [x for x in policies if x not in POLICIES]
     if unknown or not policies:
         p.error(f"unknown policies {unknown}; choose from {POLICIES}")
+    shapes = [x.strip() for x in args.shapes.split(",") if x.strip()]
+    if not shapes or any(x not in SHAPES for x in shapes):
+        p.error(f"--shapes must name some of {list(SHAPES)}, got {args.shapes!r}")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
 
     sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/tiny_checkpoint.py builds the random checkpoints
     from tiny_checkpoint import build_checkpoint
@@ -444,60 +541,22 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = args.model or build_checkpoint(work / "bench-serve-small", arch="llama", **SMALL_OVERRIDES)
     tok = AutoTokenizer.from_pretrained(str(model))
-    docs = build_documents(tok, args.num_docs, *args.doc_tokens, args.seed)
-    prompts = build_prompts(docs, args.num_requests, args.topics, *args.docs_per_prompt, args.seed)
-    doc_pages = sum(-(-len(tok.encode(d, add_special_tokens=False)) // PAGE) for d in docs)
-    sys_pages = -(-len(tok.encode(SYSTEM)) // PAGE)
-    pool_pages = round(args.cache_fraction * doc_pages) + sys_pages
-    args.chunk_cache_gb = pool_pages * PAGE * kv_bytes_per_token(model) / 2**30
-    mean_len = statistics.fmean(len(tok.encode(x)) for x in prompts)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-router-cluster-"))
     print(
-        f"model {model} ({kv_bytes_per_token(model)} KV bytes/token)\n"
-        f"workload: {args.num_requests} requests at concurrency {args.concurrency}; {args.num_docs} docs of "
-        f"{args.doc_tokens[0]}-{args.doc_tokens[1]} tokens ({doc_pages * PAGE} tokens in pages), "
-        f"{args.docs_per_prompt[0]}-{args.docs_per_prompt[1]} per prompt from {args.topics or 'no'} topics, "
-        f"~{mean_len:.0f} prompt tokens, {args.max_tokens} output tokens\n"
-        f"cluster: {args.replicas} replicas, chunk cache {pool_pages} pages ({args.cache_fraction:.0%} of the "
-        f"documents, {args.chunk_cache_gb * 1024:.1f} MiB) each; logs in {log_dir}\n"
+        f"model {model} ({kv_bytes_per_token(model)} KV bytes/token); logs in {log_dir}\n"
         f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
-
-    results: list[PolicyResult] = []
-    for policy in tqdm(policies, desc="policies", unit="policy"):
-        cluster = make_cluster(model, policy, args, log_dir)
-        try:
-            cluster.start()
-            res = asyncio.run(run_policy(cluster, policy, prompts, args))
-        finally:
-            cluster.stop()
-        results.append(res)
-        if len(res.ok) != len(res.results):
-            err = next(r.error for r in res.results if not r.ok)
-            print(f"{policy}: {len(res.results) - len(res.ok)} requests failed, e.g. {err}")
-            for proc in cluster.procs:
-                print(f"--- {proc.name} log tail:\n{proc.log_tail()}")
-            return 1
-
-    figs = {r.policy: figures(r) for r in results}
-    print_table(results, figs)
     parts: list[str] = []
-    if "cache_aware" in figs:
-        ca = figs["cache_aware"]
-        for other in ("round_robin", "prefix_only", "random", "least_loaded"):
-            if other in figs:
-                parts.append(f"cache_aware_vs_{other}={figs[other]['ttft_mean'] / ca['ttft_mean']:.2f}x")
-        if "round_robin" in figs:
-            parts.append(f"p90_vs_round_robin={figs['round_robin']['ttft_p90'] / ca['ttft_p90']:.2f}x")
-    for policy, f in figs.items():
-        parts.append(f"ttft_mean_{policy}={f['ttft_mean'] * 1e3:.1f}ms")
-    for policy, f in figs.items():
-        parts.append(f"hit_rate_{policy}={f['hit_rate']:.1%}")
+    for shape in shapes:
+        results = run_shape(shape, model, tok, policies, args, log_dir)
+        if results is None:
+            return 1
+        parts += shape_summary(shape, results)
     parts += [
         f"requests={args.num_requests}",
         f"concurrency={args.concurrency}",
+        f"repeats={args.repeats}",
         f"loadavg={os.getloadavg()[0]:.2f}",
-        "(target: cache_aware_vs_round_robin>=2 and cache_aware_vs_prefix_only>1)",
     ]
     print("SUMMARY bench_router_cluster: " + " ".join(parts))
     return 0

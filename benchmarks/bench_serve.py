@@ -1,8 +1,11 @@
 """Serving benchmark in the manner of `vllm bench serve`, on a RAG workload, chunk cache on vs off.
 
-The script starts `chunkcache serve` itself (one server process per mode, one after the other, on
-the same model and the same request list) and drives it over HTTP with streaming completions at a
-fixed concurrency. The workload is retrieval-augmented generation: a pool of documents recurs in
+The script starts `chunkcache serve` itself (one server process per mode, both up at once, on the
+same model) and drives them over HTTP with streaming completions at a fixed concurrency, in
+interleaved rounds: the request list is cut into `--rounds` consecutive slices, and each slice runs
+on one server, then on the other, the order alternating per round, so that a drift of the
+machine's load hits both modes alike (each server still sees every request, in the same order).
+Only one server works at a time; the ratio of each round is reported too, as its spread. The workload is retrieval-augmented generation: a pool of documents recurs in
 different combinations and orders, each prompt being `system # # doc # # ... # # question`. The
 prefix cache only helps when two prompts start with the same documents in the same order; the
 chunk cache reuses every document it has seen, wherever it sits.
@@ -249,29 +252,52 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     return result
 
 
-async def run_workload(
-    url: str, prompts: list[str], max_tokens: int, concurrency: int, desc: str
-) -> ModeResult:
+async def run_interleaved(
+    urls: dict[str, str], prompts: list[str], max_tokens: int, concurrency: int, rounds: int
+) -> tuple[dict[str, ModeResult], list[float]]:
+    """Every mode's results over the same prompts, run in alternating rounds; and per round the
+    TTFT mean ratio of the second mode over the first (off / on when both run)."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
-        # Warm-up on a prompt without separators: torch's first calls are slow, and the chunk
-        # cache must start empty for both modes alike.
-        await one_request(client, "Where does Mirela live?", 2)
+    timeout = httpx.Timeout(600.0)
+    clients = {m: httpx.AsyncClient(base_url=u, timeout=timeout, limits=limits) for m, u in urls.items()}
+    modes = list(urls)
+    results: dict[str, list[RequestResult]] = {m: [] for m in modes}
+    durations = dict.fromkeys(modes, 0.0)
+    round_ratios: list[float] = []
+    try:
+        for m in modes:
+            # Warm-up on a prompt without separators: torch's first calls are slow, and the chunk
+            # cache must start empty for both modes alike.
+            await one_request(clients[m], "Where does Mirela live?", 2)
         semaphore = asyncio.Semaphore(concurrency)
-        bar = tqdm(total=len(prompts), desc=desc, unit="req")
+        bar = tqdm(total=len(prompts) * len(modes), desc="rounds", unit="req")
 
-        async def bounded(prompt: str) -> RequestResult:
+        async def bounded(client: httpx.AsyncClient, prompt: str) -> RequestResult:
             async with semaphore:
                 result = await one_request(client, prompt, max_tokens)
             bar.update(1)
             return result
 
-        start = time.perf_counter()
-        results = await asyncio.gather(*(bounded(p) for p in prompts))
-        duration = time.perf_counter() - start
+        size = -(-len(prompts) // rounds)
+        for k in range(0, len(prompts), size):
+            part = prompts[k : k + size]
+            means: dict[str, float] = {}
+            for m in modes if (k // size) % 2 == 0 else modes[::-1]:
+                start = time.perf_counter()
+                got = await asyncio.gather(*(bounded(clients[m], p) for p in part))
+                durations[m] += time.perf_counter() - start
+                results[m].extend(got)
+                ttfts = [r.ttft for r in got if r.ok]
+                means[m] = statistics.fmean(ttfts) if ttfts else float("nan")
+            if len(modes) == 2:
+                round_ratios.append(means[modes[1]] / means[modes[0]])
         bar.close()
-        stats = (await client.get("/v1/chunk_cache/stats")).json()
-    return ModeResult(desc, list(results), duration, stats)
+        stats = {m: (await clients[m].get("/v1/chunk_cache/stats")).json() for m in modes}
+    finally:
+        for c in clients.values():
+            await c.aclose()
+    named = {m: ModeResult(f"chunk cache {m}", results[m], durations[m], stats[m]) for m in modes}
+    return named, round_ratios
 
 
 # ---- report ----------------------------------------------------------------------------------
@@ -330,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc-tokens", type=int, default=160, help="approximate tokens per document")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="on,off", help="chunk cache modes to run, in order: on,off")
+    parser.add_argument("--modes", default="on,off", help="chunk cache modes to run: on,off")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (slices of the requests)")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("on", "off") for m in modes):
@@ -355,20 +382,35 @@ def main(argv: list[str] | None = None) -> int:
         f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
 
-    figures: dict[str, dict[str, float]] = {}
-    for mode in modes:
-        server = ServerProcess(model, chunk_cache=mode == "on", extra=server_extra, log_dir=work)
-        try:
+    servers = {
+        m: ServerProcess(model, chunk_cache=m == "on", extra=server_extra, log_dir=work) for m in modes
+    }
+    try:
+        for server in servers.values():
             server.start()
-            result = asyncio.run(
-                run_workload(server.url, prompts, args.max_tokens, args.concurrency, f"chunk cache {mode}")
+        results, round_ratios = asyncio.run(
+            run_interleaved(
+                {m: s.url for m, s in servers.items()},
+                prompts,
+                args.max_tokens,
+                args.concurrency,
+                args.rounds,
             )
-        finally:
+        )
+    finally:
+        for server in servers.values():
             server.stop()
+    figures: dict[str, dict[str, float]] = {}
+    for mode, result in results.items():
         figures[mode] = report(result)
         if len(result.ok) != len(result.results):
-            print(f"server log tail:\n{server.log_tail()}")
+            print(f"server log tail:\n{servers[mode].log_tail()}")
             return 1
+    if round_ratios:
+        print(
+            f"\nTTFT mean ratio {modes[1]} / {modes[0]} per round: "
+            + ", ".join(f"{r:.2f}x" for r in round_ratios)
+        )
 
     # key=value pairs, ratios first: the comparison is what survives a noisy machine.
     parts: list[str] = []
@@ -377,12 +419,16 @@ def main(argv: list[str] | None = None) -> int:
         parts.append(f"ttft_mean_ratio_off_on={off['ttft_mean'] / on['ttft_mean']:.2f}x")
         parts.append(f"ttft_p50_ratio_off_on={off['ttft_p50'] / on['ttft_p50']:.2f}x")
         parts.append(f"throughput_ratio_on_off={on['out_tok_per_s'] / off['out_tok_per_s']:.2f}x")
+        per_round = [r if modes[0] == "on" else 1 / r for r in round_ratios]
+        parts.append(
+            f"ttft_ratio_rounds_min={min(per_round):.2f}x ttft_ratio_rounds_max={max(per_round):.2f}x"
+        )
     for mode, f in figures.items():
         parts.append(f"ttft_mean_{mode}={f['ttft_mean'] * 1e3:.1f}ms")
         parts.append(f"tpot_mean_{mode}={f['tpot_mean'] * 1e3:.1f}ms")
         parts.append(f"out_tok_s_{mode}={f['out_tok_per_s']:.1f}")
         parts.append(f"cached_{mode}={f['cached_share']:.1%}")
-    parts += [f"concurrency={args.concurrency}", f"requests={args.num_requests}"]
+    parts += [f"concurrency={args.concurrency}", f"requests={args.num_requests}", f"rounds={args.rounds}"]
     print("SUMMARY bench_serve: " + " ".join(parts))
     return 0
 

@@ -322,3 +322,70 @@ def test_query_attention_selector(checkpoint, unit: str) -> None:
         )
     assert not out.blend_fallback
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_rows_equals_masked_attention(dtype: torch.dtype) -> None:
+    """Blend's per-layer attention without a mask equals SDPA with the causal mask over its rows."""
+    import torch.nn.functional as F
+
+    from chunkcache.model.attention import attend_rows
+
+    gen = torch.Generator().manual_seed(0)
+    total, heads, kv_heads, dim = 700, 6, 2, 16
+    k = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(total, kv_heads, dim, generator=gen).to(dtype)
+    scattered = torch.randperm(total, generator=gen)[:150].sort().values
+    patterns = {
+        "all": torch.arange(total),
+        "tail": torch.arange(37, total),  # ratio 1: every token after S
+        "scattered": scattered,
+        "scattered+runs": torch.cat(
+            [scattered[scattered < 300], torch.arange(300, 520), torch.tensor([600, 699])]
+        ),
+        "one": torch.tensor([5]),
+        "last-block": torch.tensor([650, 660, 699]),
+    }
+    for name, rows in patterns.items():
+        q = torch.randn(rows.numel(), heads, dim, generator=gen).to(dtype)
+        mask = torch.arange(total)[None, :] <= rows[:, None]
+        want = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].float(),
+            k.transpose(0, 1)[None].float(),
+            v.transpose(0, 1)[None].float(),
+            attn_mask=mask,
+            scale=0.3,
+            enable_gqa=True,
+        )[0].transpose(0, 1)
+        # call_cost=0: the mask-free plan whatever it costs; the default may pick one masked call.
+        for block, tile, cost in ((16, 16, 0), (64, 8, 0), (512, 64, 0), (512, 64, 75_000)):
+            got = attend_rows(q, k, v, rows, 0.3, block=block, tile=tile, call_cost=cost)
+            assert got.dtype == dtype
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(
+                got.float(), want, atol=tol, rtol=tol, msg=f"{name}, block {block}, tile {tile}, cost {cost}"
+            )
+
+
+def test_offset_request_registers_its_exact_prefix(checkpoint) -> None:
+    """S and the first chunk of a layout-"offset" request hold a plain prefill's KV: they enter the
+    prefix cache (and its events), and a plain request over the same tokens reuses them exactly."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    docs = [2, 3, 0]
+    out = llm.generate(_prompt(docs), greedy, chunk_options={"chunk_layout": "offset"})[0]
+    sys_ids, chunks, _ = _parts(llm, docs)
+    exact = (len(sys_ids) + len(chunks[0])) // 16 * 16
+    assert exact >= 32  # S and the first chunk span two full blocks
+    plain = llm.generate([out.prompt_token_ids], greedy)[0]
+    assert plain.num_cached_tokens == exact
+    _assert_logprobs_close(plain, hf_first_token_logprobs(path, out.prompt_token_ids))
+    assert plain.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 6)
+    # The isolated layout's own blocks hold Q only: nothing of another prompt is registered.
+    isolated = llm.generate(_prompt([4, 1]), FIRST, chunk_options={"chunk_layout": "isolated"})[0]
+    again = llm.generate([isolated.prompt_token_ids], FIRST)[0]
+    assert again.num_cached_tokens <= len(sys_ids)
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.check_integrity()

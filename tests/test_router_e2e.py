@@ -215,8 +215,8 @@ def test_reordered_rag_request_lands_on_the_replica_holding_its_chunks(
     # The chunk score finds the documents on the holder, in their new order...
     assert o["chunk_tokens"] == sys_tokens
     assert h["score"] >= chunk_tokens > o["score"]
-    # ...while the prefix-only score cannot tell the replicas apart: a chunked prompt is never
-    # served from an engine's prefix cache, so both prefix scores are 0.
+    # ...while the prefix-only score cannot tell the replicas apart: layout "isolated" computes
+    # only Q in the request's own blocks, so nothing enters a prefix cache and both scores are 0.
     assert h["prefix_only_score"] == o["prefix_only_score"]
     assert h["prefix_blocks"] == o["prefix_blocks"]
 
@@ -234,6 +234,24 @@ def test_reordered_rag_request_lands_on_the_replica_holding_its_chunks(
     assert after[other]["hits"] == before[other]["hits"]
     # The engine reports the reused chunk tokens and the system part as cached.
     assert usage["prompt_tokens_details"]["cached_tokens"] >= chunk_tokens
+
+    # 5. Layout "offset" computes S and the first document at their natural positions: a plain
+    #    prefill's KV, which the replica registers in its prefix cache and reports as BlockStored.
+    #    A prefix-only router then sees past S on that replica, as it would with any prefix.
+    offset = rag([x2, d2], "Where is the bridge?")
+    body = {"model": MODEL, "prompt": offset, "max_tokens": 2, "temperature": 0, "chunk_layout": "offset"}
+    assert httpx.post(f"{replicas[other].url}/v1/completions", json=body, timeout=60).status_code == 200
+    follow = rag([x2, d1], "Who keeps the mill?")
+    exact_blocks = (sys_tokens + len(router.processor.tokenize(follow).chunks[0])) // 16
+
+    def seen() -> dict[str, Any] | None:
+        s = score(base, follow)["scores"]
+        return s if s[other]["prefix_blocks"] == exact_blocks else None
+
+    s = wait_for(seen, 20, "the offset request's BlockStored events to reach the router's index")
+    assert s[holder]["prefix_blocks"] == 0 and s[other]["prefix_only_score"] > 0
+    # The chunk score is what the engine reuses for a chunked prompt: the prefix adds nothing to it.
+    assert s[other]["score"] == s[other]["chunk_tokens"]
 
 
 def test_chat_documents_are_scored_as_chunks_and_routed_to_their_holder(

@@ -136,9 +136,13 @@ def test_scorer_chunks_count_in_any_order() -> None:
     idx.add_chunks("a", [(50, 100), (51, 30)])
     idx.add_chunks("b", [(52, 70)])
     s = Scorer(idx).score([1], [52, 51, 50])
-    assert s["a"].chunk_tokens == 130 and s["a"].total() == 16 + 130
+    # A chunked prompt is served from the chunk pool alone: its prefix blocks count only for a
+    # prefix router (use_chunks=False).
+    assert s["a"].chunk_tokens == 130 and s["a"].total() == 130
     assert s["a"].total(use_chunks=False) == 16
-    assert s["b"].chunk_tokens == 70 and s["b"].prefix_blocks == 0
+    assert s["b"].chunk_tokens == 70 and s["b"].prefix_blocks == 0 and s["b"].total() == 70
+    plain = Scorer(idx).score([1])
+    assert plain["a"].total() == plain["a"].total(use_chunks=False) == 16
     assert set(Scorer(idx).score([1], [52], pods=["a"])) == {"a"}
 
 
@@ -201,7 +205,19 @@ def test_prompt_processor_chunk_keys_match_the_engines() -> None:
         to_wire(chunk_hash("tiny-model", t.prefix_token_ids, tuple(tok.encode("c1 c2 c3", False)))),
     ]
     assert keys.chunk_keys[:2] == expected and keys.chunk_tokens == [4, 3, 2]
-    assert keys.block_keys == []  # an engine never serves a chunked prompt from its prefix cache
+    assert keys.block_keys == []  # fewer than 16 tokens: no full block
+    # A chunked prompt's block keys run over its whole token list, as a prefix router sees it (an
+    # engine registers S and the first chunk of an "offset" request): the same keys as for the
+    # plain token list, whose first 16 tokens here are S and the first chunk.
+    long_sys = " ".join(f"s{i}" for i in range(12))
+    long = p.tokenize(f"{long_sys} # # c1 c2 c3 c4 c5 # # d1 d2 # # question?")
+    assert len(long.token_ids) == 13 + 5 + 2 + 1
+    assert (
+        p.keys(long).block_keys
+        == p.keyer.request_keys(long.token_ids)
+        == p.keys(p.tokenize(list(long.token_ids))).block_keys
+    )
+    assert len(p.keys(long).block_keys) == 1
     plain = p.tokenize("just a prompt")
     assert plain.chunks == () and plain.prefix_token_ids[0] == 1
     assert p.tokenize("<s> rendered chat", rendered_chat=True).prefix_token_ids[0] != 1
@@ -210,3 +226,37 @@ def test_prompt_processor_chunk_keys_match_the_engines() -> None:
     assert chat.prefix_token_ids == tuple(WordTokenizer().encode("sys a b", False))
     assert p.tokenize([5, 6, 7]).prefix_token_ids == (5, 6, 7)
     assert PromptProcessor(WordTokenizer(), "m", enable_chunks=False).tokenize(prompt).chunks == ()
+
+
+def test_cached_encoder_remembers_long_parts_within_its_capacity() -> None:
+    from chunkcache.router.tokens import CachedEncoder
+
+    calls: list[str] = []
+
+    class Counting(WordTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            calls.append(text)
+            return super().encode(text, add_special_tokens)
+
+    tok = Counting()
+    enc = CachedEncoder(tok, capacity_tokens=250, min_chars=20)
+    docs = [" ".join(f"w{d}x{i}" for i in range(100)) for d in range(3)]  # 100 tokens each
+    for doc in docs[:2]:
+        assert list(enc.encode(doc, add_special_tokens=False)) == WordTokenizer().encode(doc, False)
+    assert list(enc.encode(docs[0], add_special_tokens=True)) == WordTokenizer().encode(docs[0])  # own entry
+    assert len(calls) == 3 and enc.num_tokens == 100 + 100 + 101 - 100  # the first entry went out
+    enc.encode(docs[1], add_special_tokens=False)
+    assert len(calls) == 3 and enc.hits == 1
+    enc.encode(docs[2], add_special_tokens=False)  # evicts the least recently used: docs[0] special
+    assert len(calls) == 4 and enc.num_tokens <= 250
+    enc.encode("short", add_special_tokens=False)
+    enc.encode("short", add_special_tokens=False)
+    assert len(calls) == 6  # short texts are not remembered
+    # The processor's chunked prompts go through it: a recurring document is tokenized once.
+    p = PromptProcessor(tok, "m")
+    p.parts.min_chars = 20
+    calls.clear()
+    first = p.tokenize(f"sys # # {docs[0]} # # {docs[1]} # # q?")
+    again = p.tokenize(f"sys # # {docs[1]} # # {docs[0]} # # other q?")
+    assert first.chunks == tuple(reversed(again.chunks))
+    assert calls.count(docs[0]) == 1 and calls.count(docs[1]) == 1

@@ -200,3 +200,23 @@ def test_first_sight_entries_are_written_down_to_the_tiers(checkpoint, tmp_path)
         assert stats["separator_free_cut"] == 1 and stats["entries"] == 2  # S and the span
         assert stats["tiers"]["disk"]["stores"] == 2 and stats["tiers"]["disk"]["entries"] == 2
         llm.check_integrity()
+
+
+def test_a_slice_from_inside_an_entry_never_enters_the_prefix_cache(checkpoint) -> None:
+    """An offset request registers S and its first chunk in the prefix cache as plain-prefill KV;
+    a separator-free first chunk cut from inside a learned span was computed in another context,
+    so it must not be registered: a plain request over the same tokens stays exact (it got
+    another context's KV, 0.6 nats off, before the check)."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    docs = _docs(llm.tokenizer, 3)
+
+    def raw(order: list[int], question: str) -> str:  # no preamble: the prompt opens on a document
+        return "\n\n".join(docs[i] for i in order) + "\n\nQuestion: " + question
+
+    llm.generate(raw([0, 1, 2], "Who is first?"), FIRST, chunk_options=REUSE)
+    second = llm.generate(raw([1, 0], "What is second?"), FIRST, chunk_options=REUSE)[0]
+    assert second.num_chunk_cached_tokens > 0  # its first chunk is a slice from inside the span
+    out = llm.generate(raw([1, 0], "What is third?"), FIRST, chunk_options={"separator_free": False})[0]
+    _close(out, hf_first_token_logprobs(path, out.prompt_token_ids))
+    llm.check_integrity()

@@ -24,10 +24,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from chunkcache.config import ChunkConfig
-from chunkcache.model.attention import ContextCalibration, calibrated_attention
+from chunkcache.model.attention import ContextCalibration, attend_rows, calibrated_attention
 from chunkcache.model.llama import LlamaForCausalLM
 
 
@@ -182,16 +181,7 @@ def blend_prefill(
         k_all[active], v_all[active] = k, v
         k_cache[inp.own_slots] = k_all
         v_cache[inp.own_slots] = v_all
-        mask = positions[None, :] <= active[:, None]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k_all.transpose(0, 1).unsqueeze(0),
-            v_all.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            scale=attn.scale,
-            enable_gqa=True,
-        )
-        o = o[0].transpose(0, 1)
+        o = attend_rows(q, k_all, v_all, active, attn.scale)
         if inp.calibration is not None:
             # Q's rows are the last ones still running: every chunk and S row comes first.
             nq = total - cached_len

@@ -541,9 +541,12 @@ class LLMEngine:
             if seq.learn is not None and seq.num_computed >= seq.num_own_prompt_tokens:
                 assert self.chunks is not None
                 self.chunks.learn(seq, self.runner.kv_caches)
-            if seq.prefix_cacheable and not seq.is_fill:
+            registrable = (
+                seq.num_computed if seq.prefix_cacheable else min(seq.exact_prefix, seq.num_computed)
+            )
+            if registrable and not seq.is_fill:
                 self.blocks.register_full_blocks(
-                    seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed, seq.cache_salt
+                    seq.block_table, seq.token_ids, seq.block_hashes, registrable, seq.cache_salt
                 )
             if seq.is_fill and seq.num_computed == seq.num_tokens:
                 self._finish(seq)

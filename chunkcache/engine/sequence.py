@@ -77,6 +77,9 @@ class Sequence:
     learn: Any = None
     # Blocks whose KV is not plain causal attention over the tokens must never be found by hash.
     prefix_cacheable: bool = True
+    # A chunked request's own prompt tokens whose KV is nevertheless exactly a plain prefill's
+    # (layout "offset": S and the first chunk), registered in the prefix cache like a plain prefix.
+    exact_prefix: int = 0
     # vLLM's cache_salt: enters the first prefix block's hash and every chunk key, so requests
     # with different salts (tenants) never share KV.
     cache_salt: str | None = None

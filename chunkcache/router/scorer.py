@@ -39,9 +39,15 @@ class PodScore:
     prefix_blocks: int = 0  # consecutive cached blocks from the start
     prefix_tokens: float = 0.0  # the same, tier-weighted, in tokens
     chunk_tokens: int = 0  # cached tokens of the prompt's chunks
+    chunked: bool = False  # the prompt has chunks: an engine serves it from its chunk pool
 
     def total(self, use_chunks: bool = True) -> float:
-        return self.prefix_tokens + (self.chunk_tokens if use_chunks else 0)
+        """Prompt tokens a pod would not recompute. A chunked prompt's KV comes from the chunk
+        pool only (its S and chunks, in any order), never from the prefix cache, so with chunk
+        scores its prefix blocks add nothing; without them (a prefix router) they are all it has."""
+        if not use_chunks:
+            return self.prefix_tokens
+        return self.chunk_tokens if self.chunked else self.prefix_tokens + self.chunk_tokens
 
 
 def tier_weight(weights: Mapping[str, float], tiers: Iterable[str], unknown: float) -> float:
@@ -108,6 +114,8 @@ class Scorer:
                 # C-level map over the pod's run: this loop is most of a long prompt's scoring.
                 s.prefix_tokens = sum(map(weight, map(itemgetter(p), rows[:depth]))) * bs
         if use_chunks and chunk_keys:
+            for s in scores.values():
+                s.chunked = True
             for i, row in enumerate(self.index.lookup_chunks(chunk_keys)):
                 cap = chunk_tokens[i] if chunk_tokens is not None else None
                 shared = row.pop(SHARED_REMOTE, 0)
@@ -120,7 +128,9 @@ class Scorer:
                 for p, n in row.items():
                     if restrict and p not in scores:
                         continue
-                    scores.setdefault(p, PodScore()).chunk_tokens += n if cap is None else min(n, cap)
+                    scores.setdefault(p, PodScore(chunked=True)).chunk_tokens += (
+                        n if cap is None else min(n, cap)
+                    )
         return scores
 
     @staticmethod

@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import struct
 import sys
+import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -182,16 +184,63 @@ class EngineKeyMap:
         self._extra_refs.clear()
 
 
+class CachedEncoder:
+    """`tokenizer.encode` remembered for long texts, least recently used first out once the
+    remembered texts pass `capacity_tokens` tokens. A RAG router sees the same documents again
+    and again, and tokenizing them is most of its per-request work (~6 ms for 8k tokens with a
+    real BPE, against ~1 ms for keys and scores); the ids are those the tokenizer gave, so the
+    keys cannot change. Thread-safe (the router tokenizes on a thread pool)."""
+
+    def __init__(self, tokenizer: Any, capacity_tokens: int = 1 << 21, min_chars: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.capacity_tokens = capacity_tokens
+        self.min_chars = min_chars
+        self._ids: OrderedDict[tuple[str, bool], array[int]] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Sequence[int]:
+        if len(text) < self.min_chars:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        key = (text, add_special_tokens)
+        with self._lock:
+            ids = self._ids.get(key)
+            if ids is not None:
+                self._ids.move_to_end(key)
+                self.hits += 1
+                return ids
+        ids = array("Q", self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        with self._lock:
+            self.misses += 1
+            if len(ids) <= self.capacity_tokens and key not in self._ids:
+                self._ids[key] = ids
+                self._tokens += len(ids)
+                while self._tokens > self.capacity_tokens:
+                    self._tokens -= len(self._ids.popitem(last=False)[1])
+        return ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+
 @dataclass(frozen=True)
 class TokenizedPrompt:
     """A prompt as the router scores it. For a chunked prompt the prefix is the system part S and
     `chunks` are the chunk token ids: an engine keeps the KV of both in its chunk pool (S as an
     entry of its own, published like a chunk), found in any order; otherwise the prefix is the
-    whole prompt, scored against the engines' prefix caches."""
+    whole prompt, scored against the engines' prefix caches. `token_ids` is the whole prompt as
+    an engine tokenizes it (for a chunked one: S, the chunks and Q, each tokenized on its own)."""
 
     prefix_token_ids: tuple[int, ...]
     chunks: tuple[tuple[int, ...], ...] = ()
     num_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -214,9 +263,12 @@ class PromptProcessor:
         chunk_hash_algorithm: str = "sha256",
         enable_chunks: bool = True,
         documents_format: str = DEFAULT_DOCUMENTS_FORMAT,
+        token_cache_tokens: int = 1 << 21,
     ) -> None:
         self.documents_format = documents_format
         self.tokenizer = tokenizer
+        # The parts of chunked prompts (documents) recur: their ids are remembered.
+        self.parts = CachedEncoder(tokenizer, token_cache_tokens)
         self.model_name = model_name
         self.keyer = keyer or BlockKeyer()
         self.separator = separator
@@ -259,23 +311,29 @@ class PromptProcessor:
             return TokenizedPrompt(chunked.sys_token_ids, chunked.chunks, chunked.num_tokens)
         if not isinstance(prompt, str):
             ids = tuple(int(t) for t in prompt)
-            return TokenizedPrompt(ids, (), len(ids))
+            return TokenizedPrompt(ids, (), len(ids), ids)
         # A rendered chat is tokenized without special tokens, as the engine does (its template
         # writes the BOS): adding another would shift every block and miss the engine's cache.
         special = not rendered_chat
         if self.enable_chunks:
-            chunked = parse_chunked_prompt(prompt, self.separator, self.tokenizer, add_special_tokens=special)
+            chunked = parse_chunked_prompt(prompt, self.separator, self.parts, add_special_tokens=special)
             if chunked is not None:
-                return TokenizedPrompt(chunked.sys_token_ids, chunked.chunks, chunked.num_tokens)
+                return TokenizedPrompt(
+                    chunked.sys_token_ids, chunked.chunks, chunked.num_tokens, tuple(chunked.all_token_ids())
+                )
         ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=special))
-        return TokenizedPrompt(ids, (), len(ids))
+        return TokenizedPrompt(ids, (), len(ids), ids)
 
     def keys(
         self, prompt: TokenizedPrompt, lora: str | None = None, cache_salt: str | None = None
     ) -> PromptKeys:
-        """Index keys of a prompt; a `cache_salt` keys it as engines do (its own chunk keys)."""
+        """Index keys of a prompt; a `cache_salt` keys it as engines do (its own chunk keys).
+
+        A chunked prompt gets block keys too, over its whole token list: what a prefix router
+        sees. An engine registers S and the first chunk of a layout-"offset" request in its
+        prefix cache (their KV is a plain prefill's), and a plain request may have cached more."""
+        block_keys = self.keyer.request_keys(prompt.token_ids or prompt.prefix_token_ids, lora, cache_salt)
         if not prompt.chunks:
-            block_keys = self.keyer.request_keys(prompt.prefix_token_ids, lora, cache_salt)
             return PromptKeys(block_keys, [], [], prompt.num_tokens)
         sys_ids, algorithm, salt = prompt.prefix_token_ids, self.chunk_hash_algorithm, cache_salt
         chunk_keys = [to_wire(system_hash(self.model_name, sys_ids, algorithm, salt))]
@@ -283,4 +341,4 @@ class PromptProcessor:
             to_wire(chunk_hash(self.model_name, sys_ids, c, algorithm, salt)) for c in prompt.chunks
         ]
         chunk_tokens = [len(sys_ids), *map(len, prompt.chunks)]
-        return PromptKeys([], chunk_keys, chunk_tokens, prompt.num_tokens)
+        return PromptKeys(block_keys, chunk_keys, chunk_tokens, prompt.num_tokens)
