@@ -102,7 +102,7 @@ class ChunkConfig:
     # Requests with fewer chunk tokens than this get a plain prefill instead of a blend.
     blend_min_tokens: int = 0
     # APE (Yang et al. 2025), both layouts: the tokens after the chunks attend to the chunks with
-    # temperature T and the chunks' total attention multiplied by s (model.attention
+    # temperature T and the chunks' total attention multiplied by s (model.calibration
     # .ContextCalibration). 1.0 and 1.0 are exact attention and cost nothing.
     calibration_temperature: float = 1.0
     calibration_scale: float = 1.0

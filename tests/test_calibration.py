@@ -18,7 +18,7 @@ from oracle import (
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.errors import InvalidRequestError
-from chunkcache.model.attention import ContextCalibration, calibrated_attention
+from chunkcache.model.calibration import ContextCalibration, calibrated_attention
 
 SEP = " # # "
 SYSTEM = "You answer questions about the documents."

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from chunkcache.config import ChunkConfig
-from chunkcache.model.attention import ContextCalibration, attend_rows, calibrated_attention
+from chunkcache.model.attention import attend_rows
+from chunkcache.model.calibration import ContextCalibration, calibrated_attention
 from chunkcache.model.llama import LlamaForCausalLM
 
 

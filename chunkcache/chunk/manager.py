@@ -46,7 +46,7 @@ from chunkcache.engine.runner import block_slots, gather_kv, scatter_kv
 from chunkcache.engine.sequence import Sequence
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import chunk_hash, system_hash
-from chunkcache.model.attention import calibration_for
+from chunkcache.model.calibration import calibration_for
 from chunkcache.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)

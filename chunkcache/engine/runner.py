@@ -14,13 +14,8 @@ from chunkcache.chunk.blend import BlendInput, blend_prefill
 from chunkcache.engine.prompt_logprobs import record_prompt_logprobs
 from chunkcache.engine.scheduler import ScheduledBatch
 from chunkcache.engine.sequence import Sequence
-from chunkcache.model.attention import (
-    AttentionMetadata,
-    ContextCalibration,
-    DecodeBatch,
-    PrefillSegment,
-    calibration_for,
-)
+from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
+from chunkcache.model.calibration import ContextCalibration, calibration_for
 from chunkcache.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)

@@ -70,7 +70,7 @@ class Sequence:
     blend_recomputed_tokens: int = 0
     blend_fallback: bool = False
     # The chunks' entries in the KV list were computed apart: later tokens attend to them through
-    # this calibration (model.attention.ContextCalibration); None = exact attention.
+    # this calibration (model.calibration.ContextCalibration); None = exact attention.
     calibration: Any = None
     # Separator-free matching, first sight (nothing to reuse): the prompt is prefilled as usual and
     # these parts (a ChunkedPrompt) are stored in the chunk pool from its KV once it is computed.
