@@ -15,19 +15,13 @@ from oracle import (
     hf_logprobs_with_mask,
     register_ape_attention,
 )
+from test_blend import DOCS, QUESTIONS, SEP, SYSTEM
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.errors import InvalidRequestError
 from chunkcache.model.calibration import ContextCalibration, calibrated_attention
 
-SEP = " # # "
-SYSTEM = "You answer questions about the documents."
-DOCS = [
-    "Alice lives in Paris and drinks tea every morning.",
-    "The red box holds 42 coins",
-    "Bob was born in 1990 in Rome, the capital of Italy, and he works as a baker.",
-]
-QUESTION = "Where does Alice live?"
+QUESTION = QUESTIONS[0]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 APE = {"calibration_temperature": 0.5, "calibration_scale": 1.5}
 

@@ -6,7 +6,6 @@ langchain-openai against a real server, the offline API as the reference."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -14,32 +13,16 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_util import ServerThread
-from test_server import API_KEY, ENGINE_OPTIONS, MODEL, PROMPTS, model_dir, reference  # noqa: F401
+from test_server import API_KEY, ENGINE_OPTIONS, MODEL, PROMPTS, client, model_dir, reference, server  # noqa: F401
 
-from chunkcache.config import EngineConfig
-from chunkcache.engine.engine import LLMEngine
 from chunkcache.llm import LLM
 from chunkcache.sampling import SamplingParams
-from chunkcache.server.app import build_app
 
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Where does Mirela live?"},
 ]
 LONG = " ".join(PROMPTS * 3)  # several full KV blocks
-
-
-@pytest.fixture(scope="module")
-def server(model_dir) -> Iterator[ServerThread]:
-    engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, **ENGINE_OPTIONS))
-    srv = ServerThread(build_app(engine, api_key=API_KEY, max_queue=64, served_model_name=MODEL)).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def greedy_chat(reference: LLM, messages: list[dict[str, Any]], n: int = 10) -> str:

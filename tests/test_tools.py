@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (pytest fixtures imported from test_server are parameters here)
 """Tool calling (server/tools.py): forced calls (named, required) on any model, the Hermes format
 read back for tool_choice "auto", multi-turn messages with tool calls and results."""
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 from server_util import ServerThread
-from test_server import API_KEY, ENGINE_OPTIONS, MODEL, model_dir  # noqa: F401
+from test_server import API_KEY, ENGINE_OPTIONS, MODEL, client, model_dir, server  # noqa: F401
 
 from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
@@ -80,19 +81,6 @@ def test_hermes_calls_are_read_back() -> None:
     # Templates get arguments as objects (a JSON string would be encoded twice by `tojson`).
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     assert template_tool_calls([call])[0]["function"]["arguments"] == {"a": 1}
-
-
-@pytest.fixture(scope="module")
-def server(model_dir) -> Iterator[ServerThread]:  # noqa: F811
-    engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, **ENGINE_OPTIONS))
-    srv = ServerThread(build_app(engine, api_key=API_KEY, max_queue=64, served_model_name=MODEL)).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 def test_named_tool_choice_returns_a_valid_call(server: ServerThread, client: openai.OpenAI) -> None:
@@ -178,7 +166,7 @@ def test_a_conversation_with_calls_and_results_renders(server: ServerThread, cli
 
 
 @pytest.fixture(scope="module")
-def hermes_server(model_dir) -> Iterator[ServerThread]:  # noqa: F811
+def hermes_server(model_dir) -> Iterator[ServerThread]:
     options = {**ENGINE_OPTIONS, "max_model_len": 1024}  # the tool listing is long
     engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, **options))
     engine.tokenizer.chat_template = HERMES_TEMPLATE
