@@ -34,6 +34,7 @@ from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.parse import parse_chunked_prompt
 
 SEP = " # # "
+ADAPTER_MARK = "~"  # MODE~ADAPTER: a mode run with a LoRA adapter merged into the model
 SYSTEM = "Answer the question using the documents. Reply with a short answer."
 
 
@@ -343,6 +344,13 @@ def main(argv: list[str] | None = None) -> None:
         "--timing", type=Path, nargs="+", default=[], help="with --merge: take the TTFTs from these files"
     )
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument(
+        "--adapter",
+        type=Path,
+        default=None,
+        help="a LoRA adapter (training/reuse_adapter.py) merged into the model; its modes are named "
+        "MODE~ADAPTER_DIR_NAME, so that --merge compares them with the base model's full prefill",
+    )
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
@@ -363,23 +371,36 @@ def main(argv: list[str] | None = None) -> None:
             # Accuracy from one run (e.g. every question on a GPU), TTFT from another (a CPU).
             timing = _load(args.timing)
             for mode, res in results.items():
-                res.ttft = timing[mode].ttft if mode in timing else {}
+                # An adapter's modes run the same kernels over merged weights: the base mode's TTFT.
+                base = mode.split(ADAPTER_MARK)[0]
+                res.ttft = (
+                    timing[mode].ttft if mode in timing else timing[base].ttft if base in timing else {}
+                )
         # The questions that every merged mode answered (a mode may have run on a subset).
         report(results, [q for q in questions if all(q.qid in r.correct for r in results.values())], args)
         return
     done = set(_load(args.skip)["full"].correct) if args.skip else set()
     index, count = (int(x) for x in args.shard.split("/"))
     questions = [q for q in questions if q.qid not in done][index::count]
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads)
+    adapter = str(args.adapter) if args.adapter else None
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads, adapter=adapter)
     t0 = time.time()
     elements = fidelity_set.load_elements(args.elements)
-    dump = (lambda res: _dump(res, args.raw)) if args.raw else None
-    results = evaluate(llm, questions, modes, args.max_tokens, args.ttft_every, elements, dump)
+
+    def labelled(res: dict[str, ModeResult]) -> dict[str, ModeResult]:
+        return {f"{m}{ADAPTER_MARK}{args.adapter.name}": r for m, r in res.items()} if adapter else res
+
+    dump = (lambda res: _dump(labelled(res), args.raw)) if args.raw else None
+    results = labelled(evaluate(llm, questions, modes, args.max_tokens, args.ttft_every, elements, dump))
     print(f"{len(questions)} questions, model {args.model}, {time.time() - t0:.0f} s")
     if args.raw:
         _dump(results, args.raw)
-    if count == 1:
+    if count == 1 and "full" in results:
         report(results, questions, args)
+    elif count == 1:
+        print(
+            "adapter modes are compared with the base model's full prefill: --merge this --raw file with one of the base model"
+        )
 
 
 if __name__ == "__main__":

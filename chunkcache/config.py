@@ -233,6 +233,9 @@ class EngineConfig:
     served_model_name: str | None = None
     # A tokenizer directory (or hub id) to use instead of the checkpoint's own (GGUF metadata included).
     tokenizer: str | None = None
+    # A LoRA adapter directory in peft's format, merged into the weights at load (model/adapter.py);
+    # e.g. the reuse adapter of training/reuse_adapter.py.
+    adapter: str | None = None
     # torch's intra-op CPU threads; None = the physical cores this process may use (threads.py).
     threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -281,7 +284,7 @@ _SECTIONS: dict[str, type] = {
     "chunk": ChunkConfig,
     "kv_events": KVEventsConfig,
 }
-_TOP_LEVEL = ("device", "dtype", "seed", "served_model_name", "tokenizer", "threads")
+_TOP_LEVEL = ("device", "dtype", "seed", "served_model_name", "tokenizer", "adapter", "threads")
 # ChunkConfig fields a request may set too, named as they are (blend and calibration options).
 _REQUEST_PREFIXES = ("blend_", "calibration_", "separator_free")
 

@@ -73,7 +73,7 @@ class LLMEngine:
         config.validate()
         self.config = config
         set_threads(config.threads)
-        loaded = load_model(config.model, config.device, config.dtype, config.tokenizer)
+        loaded = load_model(config.model, config.device, config.dtype, config.tokenizer, config.adapter)
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from chunkcache.errors import ModelLoadError
+from chunkcache.model.adapter import LoraAdapter
 from chunkcache.model.gguf_file import GGUFCheckpoint, find_gguf, load_gguf_tokenizer
 from chunkcache.model.llama import LlamaForCausalLM
 from chunkcache.model.rope import RotaryEmbedding
@@ -218,11 +219,17 @@ def load_tokenizer(path: Path) -> Any:
 
 
 def load_model(
-    model: str, device: str = "auto", dtype: str = "auto", tokenizer: str | None = None
+    model: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    tokenizer: str | None = None,
+    adapter: str | None = None,
 ) -> LoadedModel:
     """The model at `model` (directory, .gguf file or hub id) on `device`, with its tokenizer, or
-    with the one in the directory `tokenizer` where given."""
+    with the one in the directory `tokenizer` where given; a LoRA `adapter` (peft's format) is
+    merged into the weights."""
     path = resolve_model_path(model)
+    lora = LoraAdapter.open(adapter) if adapter is not None else None
     gguf = find_gguf(path)
     if gguf is not None:
         checkpoint = GGUFCheckpoint.open(gguf)
@@ -237,7 +244,15 @@ def load_model(
         net = LlamaForCausalLM(spec)
     # One tensor at a time: a dequantized GGUF tensor is float32 until it is cast here.
     # Contiguous: a permuted or strided view would send F.linear down another kernel.
-    tensors = {n: t.to(device=dev, dtype=torch_dtype).contiguous() for n, t in read()}
+    # The adapter's update is added in float32, before the cast, as peft merges it.
+    tensors = {
+        n: (lora.merge(n, t) if lora is not None and n in lora.deltas else t)
+        .to(device=dev, dtype=torch_dtype)
+        .contiguous()
+        for n, t in read()
+    }
+    if lora is not None:
+        lora.check_covered(set(tensors))
     _fill_state(net, tensors)
     # The rotary tables are buffers made on the meta device: rebuild them for real.
     rotary = RotaryEmbedding(spec.head_dim, spec.rope, spec.max_position_embeddings).to(dev)
