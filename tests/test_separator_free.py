@@ -220,3 +220,201 @@ def test_a_slice_from_inside_an_entry_never_enters_the_prefix_cache(checkpoint) 
     out = llm.generate(raw([1, 0], "What is third?"), FIRST, chunk_options={"separator_free": False})[0]
     _close(out, hf_first_token_logprobs(path, out.prompt_token_ids))
     llm.check_integrity()
+
+
+# ---- canonical entries: a run borrowed from inside an entry is recomputed right after S ------
+
+
+def _second_sight(llm: LLM, docs: list[str]) -> tuple[list[int], Any]:
+    """First sight of docs 0-2, then the plan of a second sight of docs 2 and 0 (before it runs)."""
+    llm.generate(_stuff(docs, [0, 1, 2], "Who is first?"), FIRST, chunk_options=REUSE)
+    ids = llm.tokenizer.encode(_stuff(docs, [2, 0], "What is second?"))
+    engine = llm.engine
+    cut = plan(ids, engine.chunks.index, engine.config.chunk.separator_free_min_tokens, 256)
+    assert cut is not None
+    return ids, cut
+
+
+def _canonical(llm: LLM, sys_ids: list[int], chunk: list[int]) -> Any:
+    from chunkcache.hashing import chunk_hash
+
+    engine = llm.engine
+    key = chunk_hash(engine.model_name, sys_ids, chunk, engine.config.chunk.hash_algorithm)
+    return engine.chunks.pool.get(key, (tuple(sys_ids), tuple(chunk)))
+
+
+def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None:
+    """The second sight borrows slices from inside the learned span; once it is served, each is
+    computed in the background as its own entry right after S: its KV equals transformers' KV of
+    S + the run, and a third prompt (another order) borrows those entries, exact against
+    transformers with the cache assembled from them."""
+    from oracle import hf_layer_kv
+
+    from chunkcache.engine.runner import gather_kv
+
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    docs = _docs(llm.tokenizer, 3)
+    ids, cut = _second_sight(llm, docs)
+    runs = [(a, b) for a, b, run in cut.parts if run is not None and not run.aligned]
+    assert runs, "the second sight borrows from inside the learned span"
+    second = llm.generate(_stuff(docs, [2, 0], "What is second?"), FIRST, chunk_options=REUSE)[0]
+    assert second.num_chunk_cached_tokens > 0
+    stats = llm.chunk_cache_stats()
+    assert stats["separator_free_canonical_jobs"] == len(runs)
+    assert stats["separator_free_canonical_tokens"] == sum(b - a for a, b in runs)
+    assert not llm.engine.has_background_work()  # generate returned after it
+    s = cut.sys_end
+    engine = llm.engine
+    for a, b in runs:
+        entry = _canonical(llm, ids[:s], ids[a:b])
+        assert entry is not None and entry.ready and entry.pins == 0
+        k, v = gather_kv(engine.runner.kv_caches, engine.chunks._slots(entry))
+        for layer, (hk, hv) in enumerate(hf_layer_kv(path, ids[:s] + ids[a:b])):
+            torch.testing.assert_close(k[layer], hk[:, s:].transpose(0, 1), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v[layer], hv[:, s:].transpose(0, 1), atol=1e-4, rtol=1e-4)
+
+    # Third sight, another order: the documents are found as canonical entries, from their start.
+    text = _stuff(docs, [0, 2], "Which is third?")
+    ids3 = llm.tokenizer.encode(text)
+    cut3 = plan(ids3, engine.chunks.index, engine.config.chunk.separator_free_min_tokens, 256)
+    assert cut3 is not None and ids3[: cut3.sys_end] == ids[:s]
+    borrowed = [run for _, _, run in cut3.parts if run is not None]
+    assert len(borrowed) >= 2 and all(r.aligned and r.entry.token_ids[0] == tuple(ids[:s]) for r in borrowed)
+    assert any(r.entry.num_tokens < len(ids) - s - 8 for r in borrowed)  # a canonical entry, not the span
+    third = llm.generate(text, FIRST, chunk_options=REUSE)[0]
+    pieces: list[tuple[list[int], int, int]] = [(ids3[:s], 0, s)]
+    for a, b, run in cut3.parts:
+        if run is None:
+            pieces.append((ids3[:s] + ids3[a:b], s, b - a))
+        else:
+            entry_sys, entry_tokens = run.entry.token_ids
+            pieces.append((list(entry_sys) + list(entry_tokens), len(entry_sys) + run.entry_start, b - a))
+    _close(third, hf_slices_reuse_logprobs(path, pieces, ids3[cut3.q_start :]))
+    assert llm.chunk_cache_stats()["separator_free_canonical_jobs"] == len(runs)  # nothing more to do
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 for e in engine.chunks.pool.entries())
+    llm.check_integrity()
+
+
+def test_background_jobs_never_share_a_step_with_a_request(checkpoint) -> None:
+    llm = _llm(checkpoint())
+    docs = _docs(llm.tokenizer, 3)
+    _second_sight(llm, docs)
+    engine = llm.engine
+    batches: list[list[bool]] = []
+    run = engine.runner.run
+
+    def recording(batch: Any) -> Any:
+        batches.append([s.background for s in batch.seqs])
+        return run(batch)
+
+    engine.runner.run = recording  # type: ignore[method-assign]
+    # The second sight and a plain request arrive together; the background jobs the second sight
+    # starts wait until both are done.
+    engine.add_request("second", _stuff(docs, [2, 0], "What is second?"), FIRST)
+    engine.add_request("plain", "Something else entirely, a plain prompt.", SamplingParams(max_tokens=4))
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        if engine.has_background_work():
+            assert finished == {"second", "plain"} or not any(any(b) for b in batches)
+    assert finished == {"second", "plain"}
+    assert engine.has_background_work() and not any(any(b) for b in batches)
+    while engine.has_background_work():
+        engine.step()
+    assert all(len(set(b)) == 1 for b in batches)
+    assert any(all(b) for b in batches)
+    assert llm.chunk_cache_stats()["separator_free_canonical_tokens"] > 0
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["abort", "fail"])
+def test_resources_return_after_a_cancelled_or_failed_request_and_job(checkpoint, how: str) -> None:
+    """A second sight aborted after admission: its canonical jobs still run (nobody needs the
+    request for them); a step that fails on a canonical job drops its entry. Either way the KV
+    blocks, the pins and the pool pages come back."""
+    llm = _llm(checkpoint())
+    docs = _docs(llm.tokenizer, 3)
+    ids, cut = _second_sight(llm, docs)
+    engine = llm.engine
+    pool = engine.chunks.pool
+    s = cut.sys_end
+    runs = [(a, b) for a, b, run in cut.parts if run is not None and not run.aligned]
+    assert runs
+    engine.add_request("second", _stuff(docs, [2, 0], "What is second?"), SamplingParams(max_tokens=20))
+    if how == "fail":
+        run = engine.runner.run
+
+        def failing(batch: Any) -> Any:
+            if any(s.background for s in batch.seqs):
+                raise RuntimeError("injected")
+            return run(batch)
+
+        engine.runner.run = failing  # type: ignore[method-assign]
+    engine.step()  # admitted: its background jobs are queued
+    assert engine.has_background_work()
+    if how == "abort":
+        engine.abort_request("second")
+    outs = []
+    while engine.has_unfinished_requests() or engine.has_background_work():
+        outs += [o for o in engine.step() if o.finished]
+        llm.check_integrity()
+    assert [o.request_id for o in outs] == ["second"]
+    canonical = llm.chunk_cache_stats()["separator_free_canonical_tokens"]
+    entries = [_canonical(llm, ids[:s], ids[a:b]) for a, b in runs]
+    if how == "abort":
+        assert outs[0].outputs[0].finish_reason == "abort"
+        assert canonical > 0 and all(e is not None and e.ready for e in entries)  # cached
+    else:
+        assert outs[0].outputs[0].finish_reason == "length"  # the request itself was not hurt
+        assert canonical == 0 and entries == [None] * len(runs)  # the failed jobs' entries are gone
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 and e.ready for e in pool.entries())
+    assert llm.chunk_cache_stats()["jobs_running"] == 0
+    llm.check_integrity()
+
+
+def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> None:
+    """A request whose chunk is a canonical entry still queued in the background does not wait for
+    the engine to be idle (it would wait forever under load): the job becomes an ordinary one."""
+    from chunkcache.chunk.parse import ChunkedPrompt
+    from chunkcache.engine.sequence import Sequence
+
+    llm = _llm(checkpoint())
+    docs = _docs(llm.tokenizer, 3)
+    ids, cut = _second_sight(llm, docs)
+    engine = llm.engine
+    engine.add_request("second", _stuff(docs, [2, 0], "What is second?"), FIRST)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.has_background_work()
+    a, b = next((a, b) for a, b, run in cut.parts if run is not None and not run.aligned)
+    s = cut.sys_end
+    q = llm.tokenizer.encode(" Question: which?", add_special_tokens=False)
+    chunked = ChunkedPrompt(tuple(ids[:s]), (tuple(ids[a:b]),), tuple(q))
+    tokens = chunked.all_token_ids()
+    seq = Sequence(
+        "needs", list(tokens), list(tokens), FIRST, chunk_state=chunked, chunk_config=engine.config.chunk
+    )
+    seq.prefix_cacheable = False
+    seq.generator = torch.Generator().manual_seed(0)
+    engine._post(seq)
+    # A plain request keeps the engine busy meanwhile: were the job still background, it would
+    # not run before this one ends.
+    engine.add_request(
+        "busy", "A plain prompt that keeps the engine busy.", SamplingParams(max_tokens=40, ignore_eos=True)
+    )
+    done: list[str] = []
+    for _ in range(500):  # without the promotion, "needs" would wait forever
+        done += [o.request_id for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            break
+    assert done[0] == "needs"
+    entry = _canonical(llm, ids[:s], ids[a:b])
+    assert entry is not None and entry.ready
+    while engine.has_background_work():
+        engine.step()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 for e in engine.chunks.pool.entries())
+    llm.check_integrity()

@@ -23,6 +23,15 @@ A plain prompt with separator-free matching on (chunk/matcher.py) is cut here, a
 the same parts: runs found in existing entries are borrowed as slices of them (their KV was
 computed wherever the entry was, so layout "offset" re-rotates it from there), and the gaps
 between them become new chunk entries with fill jobs, as missing chunks do.
+
+A run borrowed from inside an entry (or from an entry computed after another S) carries the
+context it was learned in: the documents before it in the prompt it was first seen in. Such a
+run is made *canonical*: a background fill job computes it as its own chunk entry right after
+this request's S, keyed as a separator chunk with the same tokens would be, exactly the KV the
+separator format gives. The request does not wait for it (it borrows the slice as it is); the
+job runs only while no request is waiting or running, and registers its anchors once computed,
+where the matcher prefers it (a run aligned with its entry's start) to the slice it replaces.
+A request that needs such an entry before it is done promotes its job to an ordinary one.
 """
 
 from __future__ import annotations
@@ -57,6 +66,9 @@ _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 # (bench_separator_free); a mostly new one is not worth it either.
 _MIN_REUSED_SHARE = 0.25
 _NO_INDEX = SpanIndex(lambda entry: False)
+# Pool pages that canonical entries still being computed may hold (pinned by their jobs): under
+# steady load background jobs wait, and must not pin the whole pool meanwhile.
+_MAX_BACKGROUND_SHARE = 0.25
 
 
 @dataclass
@@ -82,6 +94,8 @@ class RequestChunks:
 class FillJob:
     entry: Entry
     sys_entry: Entry | None  # the S entry a chunk job borrows (pinned by the job)
+    # A canonical entry's job pins its entry itself (no request does) until it ends.
+    holds_entry: bool = False
 
 
 @dataclass
@@ -125,7 +139,15 @@ class ChunkManager:
         self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
         self._ids = itertools.count()
         self.index = SpanIndex(pool.holds)
-        self.separator_free = {"requests": 0, "cut": 0, "matched_tokens": 0, "learned_tokens": 0}
+        self.separator_free = {
+            "requests": 0,
+            "cut": 0,
+            "matched_tokens": 0,
+            "learned_tokens": 0,
+            "canonical_jobs": 0,
+            "canonical_tokens": 0,
+        }
+        self._background_pages = 0  # pool pages held by canonical entries still being computed
 
     # ---- validation (any thread) -------------------------------------------------------------
 
@@ -199,6 +221,8 @@ class ChunkManager:
                 entry.pins += 1
                 state.slices.append((run.entry_start, run.length))
                 self.separator_free["matched_tokens"] += run.length
+                if not run.aligned or entry.token_ids[0] != sys_ids:
+                    self._canonicalize(sys_ids, chunk, sys_entry, jobs)
             else:
                 key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
                 # Salted entries stay out of the index: it is shared by content, across tenants.
@@ -218,6 +242,29 @@ class ChunkManager:
         else:
             seq.position_base = prompt.question_position()
         return jobs
+
+    def _canonicalize(
+        self, sys_ids: tuple[int, ...], chunk: tuple[int, ...], sys_entry: Entry, jobs: list[Sequence]
+    ) -> None:
+        """Start a background fill job computing `chunk` as its own entry right after `sys_ids`
+        (as a separator chunk), unless that entry exists or the pool has no room for it now."""
+        key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm)
+        need = self.pool.pages_for(len(chunk))
+        if (
+            self.pool.has_key(key)
+            or self._background_pages + need > _MAX_BACKGROUND_SHARE * self.pool.num_pages
+        ):
+            return
+        entry = self.pool.create(key, "chunk", (sys_ids, chunk), len(chunk))
+        if entry is None:
+            return
+        entry.pins += 1  # the job's own: nobody else waits for it
+        self._background_pages += need
+        job = self._fill_job(entry, sys_entry, len(sys_ids))
+        job.chunk_state.holds_entry = True
+        job.background = True
+        jobs.append(job)
+        self.separator_free["canonical_jobs"] += 1
 
     def _cut(
         self, token_ids: tuple[int, ...], config: ChunkConfig
@@ -266,6 +313,9 @@ class ChunkManager:
         `indexed` chunk entry of the pool registers its anchors for separator-free matching."""
         entry = self.pool.get(key, token_ids)
         found: bool | None = entry is not None
+        job = None if entry is None or entry.ready else self._jobs.get(id(entry))
+        if job is not None and job.background:
+            job.background = False  # a request waits for it now: an ordinary fill job
         if entry is None and self.loader is not None:
             # Pages first: an entry that cannot enter the pool is computed privately, not loaded.
             entry = self.pool.create(key, kind, token_ids, num_tokens)
@@ -481,6 +531,13 @@ class ChunkManager:
                     state.entry.ready = True
                 else:
                     self.pool.mark_ready(state.entry)
+                if state.holds_entry:  # a canonical entry: found by content from now on
+                    self.index.add(state.entry)
+                    self.separator_free["canonical_tokens"] += state.entry.num_tokens
+            if state.holds_entry:
+                state.holds_entry = False
+                self._background_pages -= self.pool.pages_for(state.entry.num_tokens)
+                self._unpin(state.entry, cancel)  # dropped if it never became ready
             if state.sys_entry is not None:
                 self._unpin(state.sys_entry, cancel)
         elif isinstance(state, RequestChunks):
@@ -559,5 +616,10 @@ class ChunkManager:
                 "a loading entry without its load, or a load of an entry not marked loading"
             )
         self.index.check_integrity()
+        background = 0
         for job in self._jobs.values():
             assert not job.is_finished, f"finished fill job {job.request_id} still tracked"
+            if job.chunk_state.holds_entry:
+                assert job.chunk_state.entry.pins > 0, "a canonical entry's job does not pin it"
+                background += self.pool.pages_for(job.chunk_state.entry.num_tokens)
+        assert background == self._background_pages, "background pages drifted"

@@ -8,7 +8,9 @@ so the same text yields the same anchors wherever it sits and whatever surrounds
 Every chunk entry of the pool (a separator prompt's chunk, a chat document, a span learned from a
 plain prompt) registers its anchors in a `SpanIndex`: anchor hash -> (entry, offset). A plain
 prompt's anchors are looked up there; each candidate is verified token by token and extended to
-the left and right as long as the prompt and the entry agree, so a match is exact token ids, and
+the left and right as long as the prompt and the entry agree (a run that starts at its entry's
+first token is preferred to a longer one from inside an entry: see ChunkManager's canonical
+entries), so a match is exact token ids, and
 tokenization that differs at a document's edges (a space or a newline merged into the first
 token) simply ends the match there: the interior is reused, the edges are computed. Runs shorter
 than `min_tokens` are not worth a chunk and are computed too.
@@ -33,6 +35,10 @@ _BASE = 1_000_003
 _TOP = pow(_BASE, WINDOW - 1, _MOD)
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
+# A run that starts within this many tokens of its entry's start counts as aligned with it: a
+# run's edges are where two prompts stopped agreeing, so an entry made from one often opens with a
+# token or two of its neighbour's end (a full stop, a blank line) that the next prompt lacks.
+ALIGN_SLACK = 4
 # Candidates kept per anchor hash (the most recent): repeated boilerplate must not make a lookup
 # verify every entry that ever held it.
 _MAX_CANDIDATES = 4
@@ -79,6 +85,11 @@ class Run:
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    @property
+    def aligned(self) -> bool:
+        """Whether the run starts at (or within ALIGN_SLACK tokens of) its entry's start."""
+        return self.entry_start <= ALIGN_SLACK
 
 
 @dataclass(frozen=True)
@@ -131,8 +142,9 @@ class SpanIndex:
         self._swept_size = self._size
 
     def match(self, token_ids: Sequence[int], found: list[tuple[int, int]], min_tokens: int) -> list[Run]:
-        """Non-overlapping runs of `token_ids` found in entries, left to right, each the longest
-        verified extension of an anchor's candidates; `found` are the prompt's anchors."""
+        """Non-overlapping runs of `token_ids` found in entries, left to right, each the best
+        verified extension of an anchor's candidates (aligned with its entry's start first, then
+        the longest; an aligned one may take back the previous run's tail) of at least `min_tokens`; `found` are the prompt's anchors."""
         runs: list[Run] = []
         covered = 0
         n = len(token_ids)
@@ -142,6 +154,9 @@ class SpanIndex:
             refs = self._refs.get(h)
             if not refs:
                 continue
+            # An aligned run may take back the tail of the previous run (the blank line between
+            # two documents that both runs' entries hold), down to min_tokens of it.
+            floor = runs[-1].start + min_tokens if runs else 0
             best: Run | None = None
             for entry, off in list(refs):
                 if not self._alive(entry):
@@ -155,11 +170,13 @@ class SpanIndex:
                     continue  # a hash collision
                 left = 0
                 while (
-                    pos - left > covered
+                    pos - left > floor
                     and off - left > 0
                     and token_ids[pos - left - 1] == tokens[off - left - 1]
                 ):
                     left += 1
+                if off - left > ALIGN_SLACK:
+                    left = min(left, pos - covered)  # not aligned: it takes nothing back
                 right = WINDOW
                 while (
                     pos + right < n
@@ -167,9 +184,18 @@ class SpanIndex:
                     and token_ids[pos + right] == tokens[off + right]
                 ):
                     right += 1
-                if best is None or left + right > best.length:
-                    best = Run(pos - left, left + right, entry, off - left)
-            if best is not None and best.length >= min_tokens:
+                if left + right < min_tokens:
+                    continue
+                # An aligned run (from its entry's start) is KV computed right after that entry's
+                # S, as a separator chunk's is: preferred to a longer slice from inside another
+                # entry, whose KV carries the context it was learned in.
+                run = Run(pos - left, left + right, entry, off - left)
+                if best is None or (run.aligned, run.length) > (best.aligned, best.length):
+                    best = run
+            if best is not None:
+                if best.start < covered:
+                    last = runs[-1]
+                    runs[-1] = Run(last.start, best.start - last.start, last.entry, last.entry_start)
                 runs.append(best)
                 covered = best.end
         return runs
