@@ -46,7 +46,6 @@ from langchain_core.prompts import PromptTemplate, format_document
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.chunk.matcher import plan
 from chunkcache.chunk.parse import parse_chunked_prompt
 
 # LangChain's question-answering "stuff" prompt (langchain.chains.question_answering.stuff_prompt).
@@ -94,7 +93,7 @@ def coverage(llm: LLM, text: str, docs: list[str]) -> tuple[int, int]:
     assert engine.chunks is not None
     enc = llm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     config = engine.config.chunk
-    cut = plan(enc["input_ids"], engine.chunks.index, config.separator_free_min_tokens, config.max_chunks)
+    cut = engine.chunks.plan(enc["input_ids"], config)
     covered = set()
     for a, b, run in cut.parts if cut is not None else ():
         if run is not None:

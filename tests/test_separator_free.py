@@ -11,7 +11,7 @@ from oracle import hf_first_token_logprobs, hf_slices_reuse_logprobs
 from tiny_checkpoint import corpus
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.chunk.matcher import WINDOW, SpanIndex, anchors, plan
+from chunkcache.chunk.matcher import WINDOW, SpanIndex, anchors
 from chunkcache.chunk.pool import Entry
 
 FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
@@ -32,9 +32,9 @@ def _docs(tok: Any, n: int, tokens: int = 90) -> list[str]:
     return docs
 
 
-def _stuff(docs: list[str], order: list[int], question: str) -> str:
+def _stuff(docs: list[str], order: list[int], question: str, preamble: str = PREAMBLE) -> str:
     """A LangChain-style "stuff" prompt: documents joined by blank lines, no separators."""
-    return PREAMBLE + "\n\n".join(docs[i] for i in order) + "\n\nQuestion: " + question
+    return preamble + "\n\n".join(docs[i] for i in order) + "\n\nQuestion: " + question
 
 
 def _llm(path: Any, **options: Any) -> LLM:
@@ -95,7 +95,7 @@ def test_first_sight_is_exact_and_second_sight_reuses_slices(checkpoint) -> None
     text = _stuff(docs, [2, 0], "What is second?")
     ids = tok.encode(text)
     engine = llm.engine
-    cut = plan(ids, engine.chunks.index, engine.config.chunk.separator_free_min_tokens, 256)
+    cut = engine.chunks.plan(ids, engine.config.chunk)
     assert cut is not None
     second = llm.generate(text, FIRST, chunk_options=REUSE)[0]
     assert second.prompt_token_ids == ids
@@ -225,13 +225,27 @@ def test_a_slice_from_inside_an_entry_never_enters_the_prefix_cache(checkpoint) 
 # ---- canonical entries: a run borrowed from inside an entry is recomputed right after S ------
 
 
+# Instructions long enough to be a run of their own: the second sight's S extends over them.
+LONG_PREAMBLE = (
+    "Use the following pieces of context to answer the question at the end. If you do not know "
+    "the answer, just say that you do not know, do not try to make up an answer.\n\n"
+)
+
+
+def _long(docs: list[str], order: list[int], question: str) -> str:
+    return _stuff(docs, order, question, LONG_PREAMBLE)
+
+
 def _second_sight(llm: LLM, docs: list[str]) -> tuple[list[int], Any]:
     """First sight of docs 0-2, then the plan of a second sight of docs 2 and 0 (before it runs)."""
-    llm.generate(_stuff(docs, [0, 1, 2], "Who is first?"), FIRST, chunk_options=REUSE)
-    ids = llm.tokenizer.encode(_stuff(docs, [2, 0], "What is second?"))
+    llm.generate(_long(docs, [0, 1, 2], "Who is first?"), FIRST, chunk_options=REUSE)
+    ids = llm.tokenizer.encode(_long(docs, [2, 0], "What is second?"))
     engine = llm.engine
-    cut = plan(ids, engine.chunks.index, engine.config.chunk.separator_free_min_tokens, 256)
+    cut = engine.chunks.plan(ids, engine.config.chunk)
     assert cut is not None
+    # S reaches over the instructions, which the first sight learned right after its own S.
+    preamble = len(llm.tokenizer.encode(LONG_PREAMBLE))
+    assert preamble - 4 <= cut.sys_end <= preamble + 2
     return ids, cut
 
 
@@ -256,9 +270,13 @@ def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None
     llm = _llm(path)
     docs = _docs(llm.tokenizer, 3)
     ids, cut = _second_sight(llm, docs)
-    runs = [(a, b) for a, b, run in cut.parts if run is not None and not run.aligned]
+    runs = [
+        (a, b)
+        for a, b, run in cut.parts
+        if run is not None and not run.computed_after(tuple(ids[: cut.sys_end]))
+    ]
     assert runs, "the second sight borrows from inside the learned span"
-    second = llm.generate(_stuff(docs, [2, 0], "What is second?"), FIRST, chunk_options=REUSE)[0]
+    second = llm.generate(_long(docs, [2, 0], "What is second?"), FIRST, chunk_options=REUSE)[0]
     assert second.num_chunk_cached_tokens > 0
     stats = llm.chunk_cache_stats()
     assert stats["separator_free_canonical_jobs"] == len(runs)
@@ -275,13 +293,17 @@ def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None
             torch.testing.assert_close(v[layer], hv[:, s:].transpose(0, 1), atol=1e-4, rtol=1e-4)
 
     # Third sight, another order: the documents are found as canonical entries, from their start.
-    text = _stuff(docs, [0, 2], "Which is third?")
+    text = _long(docs, [0, 2], "Which is third?")
     ids3 = llm.tokenizer.encode(text)
-    cut3 = plan(ids3, engine.chunks.index, engine.config.chunk.separator_free_min_tokens, 256)
+    cut3 = engine.chunks.plan(ids3, engine.config.chunk)
+    # Document 0 opens this prompt as it opened the first: the shared prefix reaches over it, yet
+    # S stays the known one (the canonical entries are keyed by it).
     assert cut3 is not None and ids3[: cut3.sys_end] == ids[:s]
     borrowed = [run for _, _, run in cut3.parts if run is not None]
-    assert len(borrowed) >= 2 and all(r.aligned and r.entry.token_ids[0] == tuple(ids[:s]) for r in borrowed)
-    assert any(r.entry.num_tokens < len(ids) - s - 8 for r in borrowed)  # a canonical entry, not the span
+    # Each computed right after this S: a canonical entry, or the span's head.
+    assert all(r.computed_after(tuple(ids[:s])) for r in borrowed)
+    assert sum(b - a for a, b, run in cut3.parts if run is not None) >= 0.8 * (cut3.q_start - s)
+    assert any(r.entry.num_tokens < 150 for r in borrowed)  # a canonical entry, not the span
     third = llm.generate(text, FIRST, chunk_options=REUSE)[0]
     pieces: list[tuple[list[int], int, int]] = [(ids3[:s], 0, s)]
     for a, b, run in cut3.parts:
@@ -312,7 +334,7 @@ def test_background_jobs_never_share_a_step_with_a_request(checkpoint) -> None:
     engine.runner.run = recording  # type: ignore[method-assign]
     # The second sight and a plain request arrive together; the background jobs the second sight
     # starts wait until both are done.
-    engine.add_request("second", _stuff(docs, [2, 0], "What is second?"), FIRST)
+    engine.add_request("second", _long(docs, [2, 0], "What is second?"), FIRST)
     engine.add_request("plain", "Something else entirely, a plain prompt.", SamplingParams(max_tokens=4))
     finished = set()
     while engine.has_unfinished_requests():
@@ -340,9 +362,13 @@ def test_resources_return_after_a_cancelled_or_failed_request_and_job(checkpoint
     engine = llm.engine
     pool = engine.chunks.pool
     s = cut.sys_end
-    runs = [(a, b) for a, b, run in cut.parts if run is not None and not run.aligned]
+    runs = [
+        (a, b)
+        for a, b, run in cut.parts
+        if run is not None and not run.computed_after(tuple(ids[: cut.sys_end]))
+    ]
     assert runs
-    engine.add_request("second", _stuff(docs, [2, 0], "What is second?"), SamplingParams(max_tokens=20))
+    engine.add_request("second", _long(docs, [2, 0], "What is second?"), SamplingParams(max_tokens=20))
     if how == "fail":
         run = engine.runner.run
 
@@ -385,11 +411,15 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     docs = _docs(llm.tokenizer, 3)
     ids, cut = _second_sight(llm, docs)
     engine = llm.engine
-    engine.add_request("second", _stuff(docs, [2, 0], "What is second?"), FIRST)
+    engine.add_request("second", _long(docs, [2, 0], "What is second?"), FIRST)
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.has_background_work()
-    a, b = next((a, b) for a, b, run in cut.parts if run is not None and not run.aligned)
+    a, b = next(
+        (a, b)
+        for a, b, run in cut.parts
+        if run is not None and not run.computed_after(tuple(ids[: cut.sys_end]))
+    )
     s = cut.sys_end
     q = llm.tokenizer.encode(" Question: which?", add_special_tokens=False)
     chunked = ChunkedPrompt(tuple(ids[:s]), (tuple(ids[a:b]),), tuple(q))

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from chunkcache.chunk.matcher import PlainPrompt, Run, SpanIndex, plan
+from chunkcache.chunk.matcher import PlainPrompt, Plan, Run, SpanIndex, plan
 from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.chunk.pool import ChunkPool, Entry
 from chunkcache.chunk.tiers.loader import TierLoader
@@ -221,7 +221,7 @@ class ChunkManager:
                 entry.pins += 1
                 state.slices.append((run.entry_start, run.length))
                 self.separator_free["matched_tokens"] += run.length
-                if not run.aligned or entry.token_ids[0] != sys_ids:
+                if not run.computed_after(sys_ids):
                     self._canonicalize(sys_ids, chunk, sys_entry, jobs)
             else:
                 key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
@@ -266,13 +266,22 @@ class ChunkManager:
         jobs.append(job)
         self.separator_free["canonical_jobs"] += 1
 
-    def _cut(
-        self, token_ids: tuple[int, ...], config: ChunkConfig
-    ) -> tuple[ChunkedPrompt, list[Run | None]] | None:
-        """A plain prompt as S, chunks (matched runs or gaps) and Q; None when there is nothing to
-        reuse or learn, or when computing its gaps in paged blocks (should the pool refuse them)
-        could not fit beside the prompt itself."""
-        cut = plan(token_ids, self.index, config.separator_free_min_tokens, config.max_chunks)
+    def plan(self, token_ids: tuple[int, ...] | list[int], config: ChunkConfig) -> Plan | None:
+        """How admission cuts a plain prompt now (matcher.plan on this pool); a prompt whose matches
+        cover too little of its span is planned as a first sight (one gap, nothing borrowed)."""
+
+        def system_end(lo: int, hi: int) -> int:
+            # The shortest S already in the pool that the prompt extends (its documents' canonical
+            # entries are keyed by it), else the whole shared prefix.
+            for end in sorted({e.num_tokens for e in self.pool.entries() if e.kind == "system"}):
+                if lo < end <= hi:
+                    sys_ids = tuple(token_ids[:end])
+                    key = system_hash(self.model_name, sys_ids, self.config.hash_algorithm)
+                    if self.pool.has_key(key) and self.pool.get(key, (sys_ids,)) is not None:
+                        return end
+            return hi
+
+        cut = plan(token_ids, self.index, config.separator_free_min_tokens, config.max_chunks, system_end)
         if cut is None:
             return None
         reused = sum(b - a for a, b, run in cut.parts if run is not None)
@@ -280,8 +289,17 @@ class ChunkManager:
             # Too little to borrow to pay for computing the rest as chunks and blending: a first
             # sight (a plain prefill, stored afterwards) instead.
             cut = plan(token_ids, _NO_INDEX, config.separator_free_min_tokens, config.max_chunks)
-            if cut is None:
-                return None
+        return cut
+
+    def _cut(
+        self, token_ids: tuple[int, ...], config: ChunkConfig
+    ) -> tuple[ChunkedPrompt, list[Run | None]] | None:
+        """A plain prompt as S, chunks (matched runs or gaps) and Q; None when there is nothing to
+        reuse or learn, or when computing its gaps in paged blocks (should the pool refuse them)
+        could not fit beside the prompt itself."""
+        cut = self.plan(token_ids, config)
+        if cut is None:
+            return None
         gaps = [b - a for a, b, run in cut.parts if run is None]
         blocks = self.blocks
         worst = blocks.blocks_for(len(token_ids) + 1) + blocks.blocks_for(cut.sys_end)

@@ -91,6 +91,18 @@ class Run:
         """Whether the run starts at (or within ALIGN_SLACK tokens of) its entry's start."""
         return self.entry_start <= ALIGN_SLACK
 
+    def computed_after(self, sys_ids: tuple[int, ...]) -> bool:
+        """Whether the run's KV was computed right after `sys_ids`, as a separator chunk's would
+        be: its entry's S and the entry's tokens before it are `sys_ids` (exact), or it is aligned
+        with an entry computed after `sys_ids`."""
+        entry_sys, entry_tokens = self.entry.token_ids
+        if self.aligned and entry_sys == sys_ids:
+            return True
+        n = len(entry_sys)
+        return (
+            n + self.entry_start == len(sys_ids) and entry_sys + entry_tokens[: self.entry_start] == sys_ids
+        )
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -209,8 +221,19 @@ class SpanIndex:
                     assert window_hashes(entry.token_ids[-1][pos : pos + WINDOW]) == [h]
 
 
-def plan(token_ids: Sequence[int], index: SpanIndex, min_tokens: int, max_chunks: int) -> Plan | None:
-    """How to cut a plain prompt into S, chunks and Q; None when it has no room for a chunk."""
+def plan(
+    token_ids: Sequence[int],
+    index: SpanIndex,
+    min_tokens: int,
+    max_chunks: int,
+    system_end: Callable[[int, int], int] | None = None,
+) -> Plan | None:
+    """How to cut a plain prompt into S, chunks and Q; None when it has no room for a chunk.
+
+    S is the prompt up to its first anchor, extended over a first run that continues that very S
+    in its entry (the prompt's prefix is then exactly the entry's: the instructions before the
+    documents, in practice), so that documents are computed after the same S as in a separator
+    prompt; `system_end(lo, hi)` picks where S ends in (lo, hi] (a known S), by default at hi."""
     n = len(token_ids)
     found = anchors(token_ids)
     if not found:
@@ -219,6 +242,10 @@ def plan(token_ids: Sequence[int], index: SpanIndex, min_tokens: int, max_chunks
     # Each run can add a gap before it: keep the chunk count within max_chunks.
     runs = runs[: max(0, (max_chunks - 1) // 2)]
     sys_end = max(1, min([found[0][0], *(r.start for r in runs[:1])]))
+    if runs and runs[0].entry_start == 0 and runs[0].start == sys_end:
+        first = runs[0]
+        if first.entry.token_ids[0] == tuple(token_ids[:sys_end]):
+            sys_end = first.end if system_end is None else system_end(sys_end, first.end)
     q_start = min(n - 1, max([found[-1][0] + WINDOW, *(r.end for r in runs[-1:])]))
     if q_start <= sys_end:
         return None
