@@ -448,3 +448,39 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert all(e.pins == 0 for e in engine.chunks.pool.entries())
     llm.check_integrity()
+
+
+def test_entries_a_request_borrows_are_pinned_before_its_new_entries_evict(checkpoint) -> None:
+    """A pool just large enough for the first sight's S and span: the second sight's new S (over
+    the instructions) needs pages, and the span it is about to borrow from is the only entry an
+    eviction could free them from. It must stay (pinned first): the new S is computed privately
+    instead, and the borrowed KV is still the span's (exact against transformers)."""
+    from chunkcache.chunk.matcher import SpanIndex, plan
+
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    probe = _llm(path)
+    docs = _docs(probe.tokenizer, 3)
+    first_ids = probe.tokenizer.encode(_long(docs, [0, 1, 2], "Who is first?"))
+    cut = plan(first_ids, SpanIndex(lambda e: False), 32, 256)
+    assert cut is not None
+    pages = -(-cut.sys_end // 16) + -(-(cut.q_start - cut.sys_end) // 16)
+    token_bytes = probe.engine.spec.kv_bytes_per_token(4)
+    gb = pages * 16 * token_bytes / 2**30
+    llm = _llm(path, chunk_cache_size_gb=gb, chunk_cache_lru_threshold=1.0)
+    assert llm.engine.chunks.pool.num_pages == pages
+    ids, cut2 = _second_sight(llm, docs)
+    assert llm.chunk_cache_stats()["entries"] == 2
+    second = llm.generate(_long(docs, [2, 0], "What is second?"), FIRST, chunk_options=REUSE)[0]
+    assert second.num_chunk_cached_tokens > 0
+    s = cut2.sys_end
+    pieces: list[tuple[list[int], int, int]] = [(ids[:s], 0, s)]
+    for a, b, run in cut2.parts:
+        if run is None:
+            pieces.append((ids[:s] + ids[a:b], s, b - a))
+        else:
+            entry_sys, entry_tokens = run.entry.token_ids
+            pieces.append((list(entry_sys) + list(entry_tokens), len(entry_sys) + run.entry_start, b - a))
+    _close(second, hf_slices_reuse_logprobs(path, pieces, ids[cut2.q_start :]))
+    assert llm.chunk_cache_stats()["uncacheable"] > 0  # the new S, computed privately
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    llm.check_integrity()

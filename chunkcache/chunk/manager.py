@@ -195,6 +195,13 @@ class ChunkManager:
                 seq.learn = cut[0]
                 return []
             seq.chunk_state, runs = cut
+            # Pinned before anything is created: a new entry's pages may come from evicting an
+            # unpinned entry, which must not be one this request is about to borrow from.
+            # Borrowing counts as a use for the LRU order too (matching by content does not).
+            for run in runs:
+                if run is not None:
+                    run.entry.pins += 1
+                    self.pool.get(run.entry.key, run.entry.token_ids)
         prompt: ChunkedPrompt = seq.chunk_state
         state = RequestChunks(prompt)
         seq.chunk_state = state
@@ -217,8 +224,7 @@ class ChunkManager:
             run = runs[i] if runs is not None else None
             hit: bool | None
             if run is not None:  # a separator-free match: a slice of an entry found by content
-                entry, hit = run.entry, True
-                entry.pins += 1
+                entry, hit = run.entry, True  # pinned above
                 state.slices.append((run.entry_start, run.length))
                 self.separator_free["matched_tokens"] += run.length
                 if not run.computed_after(sys_ids):
@@ -251,7 +257,8 @@ class ChunkManager:
         key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm)
         need = self.pool.pages_for(len(chunk))
         if (
-            self.pool.has_key(key)
+            sys_entry.private  # its paged blocks would stay held until the engine is idle
+            or self.pool.has_key(key)
             or self._background_pages + need > _MAX_BACKGROUND_SHARE * self.pool.num_pages
         ):
             return

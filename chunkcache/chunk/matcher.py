@@ -155,8 +155,9 @@ class SpanIndex:
 
     def match(self, token_ids: Sequence[int], found: list[tuple[int, int]], min_tokens: int) -> list[Run]:
         """Non-overlapping runs of `token_ids` found in entries, left to right, each the best
-        verified extension of an anchor's candidates (aligned with its entry's start first, then
-        the longest; an aligned one may take back the previous run's tail) of at least `min_tokens`; `found` are the prompt's anchors."""
+        verified extension of an anchor's candidates of at least `min_tokens` (aligned with its
+        entry's start first, then the longest; an aligned one may take back the previous run's
+        tail); `found` are the prompt's anchors."""
         runs: list[Run] = []
         covered = 0
         n = len(token_ids)
