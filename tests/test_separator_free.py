@@ -78,6 +78,35 @@ def test_match_is_verified_and_extended_token_by_token() -> None:
     index.check_integrity()
 
 
+def test_match_prefers_a_run_aligned_with_its_entry_and_takes_back_a_shared_blank_line() -> None:
+    # A learned span holds A then B; a canonical entry holds a blank line and B alone. In a prompt
+    # with C, the blank line, then B, where C's run (from another span) also reached over the blank
+    # line, B is taken from the canonical entry, from its start, though the span's slice of it
+    # would be longer (the span goes on as the prompt does).
+    blank = (9, 9)
+    a, b, c, tail = (tuple(range(s, s + 80)) for s in (1000, 2000, 3000, 4000))
+    span = Entry(b"span", "chunk", ((1,), a + blank + b + tail), 240)
+    canonical = Entry(b"canon", "chunk", ((1,), blank + b), 82)
+    other = Entry(b"other", "chunk", ((1,), c + blank), 82)
+    index = SpanIndex(lambda e: True)
+    for entry in (span, canonical, other):
+        index.add(entry)
+    prompt = [5] * 20 + list(c + blank + b + tail)
+    runs = index.match(prompt, anchors(prompt), 32)
+    by_entry = {r.entry.key: r for r in runs}
+    assert by_entry[b"canon"].entry_start == 0 and by_entry[b"canon"].start == 100
+    assert by_entry[b"other"].end == 100  # gave the blank line back
+    assert by_entry[b"canon"].computed_after((1,)) and not by_entry[b"canon"].computed_after((2,))
+    # Without the canonical entry, B comes from inside the span: not computed right after S.
+    index2 = SpanIndex(lambda e: e is not canonical)
+    for entry in (span, other):
+        index2.add(entry)
+    inside = [r for r in index2.match(prompt, anchors(prompt), 32) if r.entry is span]
+    assert inside and not inside[0].aligned and not inside[0].computed_after((1,))
+    # ...unless S itself is the span's S and what precedes the slice in it.
+    assert inside[0].computed_after((1, *span.token_ids[1][: inside[0].entry_start]))
+
+
 def test_first_sight_is_exact_and_second_sight_reuses_slices(checkpoint) -> None:
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path)
