@@ -46,7 +46,6 @@ from langchain_core.prompts import PromptTemplate, format_document
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.chunk.matcher import plan
 from chunkcache.chunk.parse import parse_chunked_prompt
 
 # LangChain's question-answering "stuff" prompt (langchain.chains.question_answering.stuff_prompt).
@@ -74,10 +73,12 @@ def run(llm: LLM, prompt: str, params: SamplingParams, options: dict[str, Any] |
     return llm.generate([prompt], params, add_special_tokens=False, chunk_options=options)[0]
 
 
-def timed(llm: LLM, prompt: str, options: dict[str, Any]) -> tuple[float, Any]:
+def timed(llm: LLM, prompt: str, options: dict[str, Any]) -> tuple[float, float, Any]:
+    """(TTFT, the call's wall time, output): the call also waits for the background work the
+    request started (canonical entries of the runs it borrowed from inside entries), after it."""
     t = time.perf_counter()
     out = run(llm, prompt, FIRST_TOKEN, options)
-    return time.perf_counter() - t, out
+    return out.metrics.ttft, time.perf_counter() - t, out
 
 
 def doc_tokens(llm: LLM, docs: list[str]) -> int:
@@ -92,7 +93,7 @@ def coverage(llm: LLM, text: str, docs: list[str]) -> tuple[int, int]:
     assert engine.chunks is not None
     enc = llm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     config = engine.config.chunk
-    cut = plan(enc["input_ids"], engine.chunks.index, config.separator_free_min_tokens, config.max_chunks)
+    cut = engine.chunks.plan(enc["input_ids"], config)
     covered = set()
     for a, b, run in cut.parts if cut is not None else ():
         if run is not None:
@@ -135,15 +136,23 @@ def reuse_and_ttft(
         row: dict[str, Any] = {}
         # First sight, interleaved with a plain prefill of the same prompt (order alternating).
         for name in ["plain", "learn"] if t % 2 else ["learn", "plain"]:
-            seconds, _ = timed(llm, first, SF_ON) if name == "learn" else timed(llm_plain, first, SF_OFF)
+            seconds, _, _ = timed(llm, first, SF_ON) if name == "learn" else timed(llm_plain, first, SF_OFF)
             row[f"first_{name}_s"] = seconds
         row["matched_tokens"], row["doc_tokens"] = coverage(llm, again, again_docs)
         for name in ["plain", "warm"] if t % 2 == 0 else ["warm", "plain"]:
-            seconds, out = timed(llm, again, SF_ON) if name == "warm" else timed(llm_plain, again, SF_OFF)
-            row[f"{name}_s"] = seconds
             if name == "warm":
+                before = llm.engine.chunk_cache_stats()["separator_free_canonical_tokens"]
+                seconds, wall, out = timed(llm, again, SF_ON)
                 row["served_tokens"] = out.num_chunk_cached_tokens
                 row["prompt_tokens"] = len(out.prompt_token_ids)
+                # What the canonical entries cost, after the request (the engine was idle).
+                row["canonical_s"] = wall - seconds
+                row["canonical_tokens"] = (
+                    llm.engine.chunk_cache_stats()["separator_free_canonical_tokens"] - before
+                )
+            else:
+                seconds, _, _ = timed(llm_plain, again, SF_OFF)
+            row[f"{name}_s"] = seconds
         rows.append(row)
     total = sum(r["doc_tokens"] for r in rows)
     return {
@@ -152,6 +161,7 @@ def reuse_and_ttft(
         "served_share": sum(r["served_tokens"] for r in rows) / total,
         "warm_speedup": sum(r["plain_s"] for r in rows) / sum(r["warm_s"] for r in rows),
         "first_sight_ratio": sum(r["first_learn_s"] for r in rows) / sum(r["first_plain_s"] for r in rows),
+        "canonical_vs_plain": sum(r["canonical_s"] for r in rows) / sum(r["plain_s"] for r in rows),
         "doc_tokens_mean": total / len(rows),
     }
 
@@ -162,7 +172,11 @@ def accuracy(
     questions: list[fidelity_set.Question],
     elements: dict[int, fidelity_set.Element],
     max_tokens: int,
+    sights: int,
+    progress: Path | None = None,
 ) -> dict[str, Any]:
+    """`progress`: a file rewritten after every question with the replies so far (a long run cut
+    short keeps them)."""
     answer = SamplingParams(temperature=0, max_tokens=max_tokens)
     ids = sorted(elements)
     per: dict[str, dict[str, Any]] = {}
@@ -175,15 +189,22 @@ def accuracy(
         run(llm_sep, sep_text, FIRST_TOKEN, {"chunk_layout": "isolated"})
         sep_reuse = run(llm_sep, sep_text, answer, None)
         sep_full = llm_sep.generate([parsed.all_token_ids()], answer, chunk_options=SF_OFF)[0]
-        # Stuff format: first seen reversed with one more document and another question.
+        # Stuff format: first seen reversed with one more document and another question (the
+        # engine learns the span), then seen again rotated (second sight: it borrows slices of
+        # the span, and their canonical entries are computed after it), then asked in its own
+        # order (third sight: it borrows the canonical entries). Both sights' answers are scored.
         extra = elements[ids[(q.doc_ids[0] * 7 + i) % len(ids)]].document()
         warm_docs = [extra, *reversed(docs)] if extra not in docs else list(reversed(docs))
         run(llm_sf, render_stuff(llm_sf, warm_docs, "What are these elements used for?"), FIRST_TOKEN, SF_ON)
+        replies = {}
+        if sights == 3:
+            second = render_stuff(llm_sf, docs[1:] + docs[:1], q.question)
+            replies["stuff_reuse_second_rotated"] = run(llm_sf, second, answer, SF_ON).outputs[0].text
         stuff_text = render_stuff(llm_sf, docs, q.question)
         matched, total = coverage(llm_sf, stuff_text, docs)
         sf_reuse = run(llm_sf, stuff_text, answer, SF_ON)
         sf_full = run(llm_sf, stuff_text, answer, SF_OFF)
-        replies = {
+        replies |= {
             "sep_full": sep_full.outputs[0].text,
             "sep_reuse": sep_reuse.outputs[0].text,
             "stuff_full": sf_full.outputs[0].text,
@@ -194,13 +215,13 @@ def accuracy(
             "correct": {k: fidelity_set.correct(v, q.answers) for k, v in replies.items()},
             "matched_share": matched / total,
         }
+        if progress is not None:
+            progress.write_text(json.dumps(per, indent=1))
     n = len(per)
-    acc = {
-        k: sum(p["correct"][k] for p in per.values()) / n
-        for k in ("sep_full", "sep_reuse", "stuff_full", "stuff_reuse")
-    }
+    acc = {k: sum(p["correct"][k] for p in per.values()) / n for k in next(iter(per.values()))["correct"]}
     return {
         "questions": n,
+        "sights": sights,
         "accuracy": acc,
         "matched_share": sum(p["matched_share"] for p in per.values()) / n,
         "per_question": per,
@@ -217,6 +238,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=48, help="fidelity questions (0: skip part 2)")
     parser.add_argument("--split", choices=["all", "tune", "heldout"], default="heldout")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument(
+        "--sights",
+        type=int,
+        choices=[2, 3],
+        default=3,
+        help="accuracy: the stuff prompt is asked at its documents' second or third sight",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "separator_free.json")
     args = parser.parse_args(argv)
     if args.model is None:
@@ -240,7 +268,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.split != "all":
             questions = [q for q in questions if q.split == args.split]
         llm_sep = LLM(args.model, **options)
-        result["accuracy"] = accuracy(llm_sep, llm_sf, questions[: args.questions], elements, args.max_tokens)
+        result["accuracy"] = accuracy(
+            llm_sep,
+            llm_sf,
+            questions[: args.questions],
+            elements,
+            args.max_tokens,
+            args.sights,
+            args.out.with_suffix(".progress.json"),
+        )
     result["seconds"] = time.time() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
@@ -252,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         summary += [
             f"matched_share={r['matched_share']:.1%} served_share={r['served_share']:.1%} (target matched>=80%)",
             f"warm_vs_plain={r['warm_speedup']:.2f}x (target>=3) first_sight_vs_plain={r['first_sight_ratio']:.2f}x",
+            f"canonical_after_warm_vs_plain={r['canonical_vs_plain']:.2f}x",
             f"doc_tokens={r['doc_tokens_mean']:.0f}",
         ]
     if "accuracy" in result:
@@ -261,8 +298,10 @@ def main(argv: list[str] | None = None) -> None:
         summary += [
             f"acc_stuff_reuse={acc['stuff_reuse']:.1%} acc_sep_reuse={acc['sep_reuse']:.1%}",
             f"(target within 1 point) acc_stuff_full={acc['stuff_full']:.1%} acc_sep_full={acc['sep_full']:.1%}",
-            f"questions={a['questions']} q_matched_share={a['matched_share']:.1%}",
+            f"questions={a['questions']} sights={a['sights']} q_matched_share={a['matched_share']:.1%}",
         ]
+        if "stuff_reuse_second_rotated" in acc:
+            summary.append(f"acc_stuff_reuse_second_sight_rotated={acc['stuff_reuse_second_rotated']:.1%}")
     print(" ".join(summary))
 
 

@@ -114,9 +114,10 @@ class ChunkConfig:
     # for spans that are cached chunks, found by content-defined anchors and verified token by
     # token; matched runs of at least `separator_free_min_tokens` are reused, the rest is computed
     # and cached, so that later prompts find it. Off by default, by measurement (RESULTS.md,
-    # bench_separator_free): it reuses ~100% of reordered documents' tokens at 4.0x plain TTFT, but
-    # those answers kept 16 of full prefill's 25 correct (48 questions), against 19 for the
-    # separator format under the same blend, and a plain prompt is exact today.
+    # bench_separator_free): it reuses ~100% of reordered documents' tokens at 5.7x plain TTFT, and
+    # from a document's third sight (canonical entries) its answers match the separator format's
+    # (45 vs 44 of 96), but those keep 37 of full prefill's 52 correct answers (71%), far from the
+    # 95% the defaults are chosen by, while a plain prompt is exact without it.
     separator_free: bool = False
     separator_free_min_tokens: int = 32
 

@@ -85,7 +85,9 @@ class LLM:
     def _run_until_done(
         self, order: dict[str, int], results: dict[int, RequestOutput] | None, bar: tqdm | None = None
     ) -> None:
-        while self.engine.has_unfinished_requests():
+        # Then the background work these requests started (canonical chunk entries), so that the
+        # next call finds it done and none of its requests shares a step with it.
+        while self.engine.has_unfinished_requests() or self.engine.has_background_work():
             for out in self.engine.step():
                 if out.finished and results is not None and out.request_id in order:
                     results[order[out.request_id]] = out

@@ -3,6 +3,7 @@ through the server with the official `openai` client."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -231,8 +232,15 @@ def test_server_separator_free_request_option(client) -> None:
 
     assert ask([0, 1, 2]).usage.prompt_tokens_details.cached_tokens == 0
     assert ask([2, 0]).usage.prompt_tokens_details.cached_tokens > 0
-    stats = srv.on_engine(srv.engine_loop.engine.chunk_cache_stats)
+    engine = srv.engine_loop.engine
+    stats = srv.on_engine(engine.chunk_cache_stats)
     assert stats["separator_free_cut"] == 2
+    # The canonical entries the second one started are computed while the server is idle.
+    deadline = time.monotonic() + 30
+    while srv.on_engine(engine.has_background_work):
+        assert time.monotonic() < deadline, "background work never ran on an idle server"
+        time.sleep(0.02)
+    assert srv.on_engine(engine.chunk_cache_stats)["separator_free_canonical_tokens"] > 0
     with pytest.raises(openai.BadRequestError) as e:
         cl.chat.completions.create(
             model=MODEL,

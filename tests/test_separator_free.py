@@ -11,7 +11,7 @@ from oracle import hf_first_token_logprobs, hf_slices_reuse_logprobs
 from tiny_checkpoint import corpus
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.chunk.matcher import WINDOW, SpanIndex, anchors, plan
+from chunkcache.chunk.matcher import WINDOW, SpanIndex, anchors
 from chunkcache.chunk.pool import Entry
 
 FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
@@ -32,9 +32,9 @@ def _docs(tok: Any, n: int, tokens: int = 90) -> list[str]:
     return docs
 
 
-def _stuff(docs: list[str], order: list[int], question: str) -> str:
+def _stuff(docs: list[str], order: list[int], question: str, preamble: str = PREAMBLE) -> str:
     """A LangChain-style "stuff" prompt: documents joined by blank lines, no separators."""
-    return PREAMBLE + "\n\n".join(docs[i] for i in order) + "\n\nQuestion: " + question
+    return preamble + "\n\n".join(docs[i] for i in order) + "\n\nQuestion: " + question
 
 
 def _llm(path: Any, **options: Any) -> LLM:
@@ -78,6 +78,35 @@ def test_match_is_verified_and_extended_token_by_token() -> None:
     index.check_integrity()
 
 
+def test_match_prefers_a_run_aligned_with_its_entry_and_takes_back_a_shared_blank_line() -> None:
+    # A learned span holds A then B; a canonical entry holds a blank line and B alone. In a prompt
+    # with C, the blank line, then B, where C's run (from another span) also reached over the blank
+    # line, B is taken from the canonical entry, from its start, though the span's slice of it
+    # would be longer (the span goes on as the prompt does).
+    blank = (9, 9)
+    a, b, c, tail = (tuple(range(s, s + 80)) for s in (1000, 2000, 3000, 4000))
+    span = Entry(b"span", "chunk", ((1,), a + blank + b + tail), 240)
+    canonical = Entry(b"canon", "chunk", ((1,), blank + b), 82)
+    other = Entry(b"other", "chunk", ((1,), c + blank), 82)
+    index = SpanIndex(lambda e: True)
+    for entry in (span, canonical, other):
+        index.add(entry)
+    prompt = [5] * 20 + list(c + blank + b + tail)
+    runs = index.match(prompt, anchors(prompt), 32)
+    by_entry = {r.entry.key: r for r in runs}
+    assert by_entry[b"canon"].entry_start == 0 and by_entry[b"canon"].start == 100
+    assert by_entry[b"other"].end == 100  # gave the blank line back
+    assert by_entry[b"canon"].computed_after((1,)) and not by_entry[b"canon"].computed_after((2,))
+    # Without the canonical entry, B comes from inside the span: not computed right after S.
+    index2 = SpanIndex(lambda e: e is not canonical)
+    for entry in (span, other):
+        index2.add(entry)
+    inside = [r for r in index2.match(prompt, anchors(prompt), 32) if r.entry is span]
+    assert inside and not inside[0].aligned and not inside[0].computed_after((1,))
+    # ...unless S itself is the span's S and what precedes the slice in it.
+    assert inside[0].computed_after((1, *span.token_ids[1][: inside[0].entry_start]))
+
+
 def test_first_sight_is_exact_and_second_sight_reuses_slices(checkpoint) -> None:
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path)
@@ -95,7 +124,7 @@ def test_first_sight_is_exact_and_second_sight_reuses_slices(checkpoint) -> None
     text = _stuff(docs, [2, 0], "What is second?")
     ids = tok.encode(text)
     engine = llm.engine
-    cut = plan(ids, engine.chunks.index, engine.config.chunk.separator_free_min_tokens, 256)
+    cut = engine.chunks.plan(ids, engine.config.chunk)
     assert cut is not None
     second = llm.generate(text, FIRST, chunk_options=REUSE)[0]
     assert second.prompt_token_ids == ids
@@ -219,4 +248,268 @@ def test_a_slice_from_inside_an_entry_never_enters_the_prefix_cache(checkpoint) 
     assert second.num_chunk_cached_tokens > 0  # its first chunk is a slice from inside the span
     out = llm.generate(raw([1, 0], "What is third?"), FIRST, chunk_options={"separator_free": False})[0]
     _close(out, hf_first_token_logprobs(path, out.prompt_token_ids))
+    llm.check_integrity()
+
+
+# ---- canonical entries: a run borrowed from inside an entry is recomputed right after S ------
+
+
+# Instructions long enough to be a run of their own: the second sight's S extends over them.
+LONG_PREAMBLE = (
+    "Use the following pieces of context to answer the question at the end. If you do not know "
+    "the answer, just say that you do not know, do not try to make up an answer.\n\n"
+)
+
+
+def _long(docs: list[str], order: list[int], question: str) -> str:
+    return _stuff(docs, order, question, LONG_PREAMBLE)
+
+
+def _second_sight(llm: LLM, docs: list[str]) -> tuple[list[int], Any]:
+    """First sight of docs 0-2, then the plan of a second sight of docs 2 and 0 (before it runs)."""
+    llm.generate(_long(docs, [0, 1, 2], "Who is first?"), FIRST, chunk_options=REUSE)
+    ids = llm.tokenizer.encode(_long(docs, [2, 0], "What is second?"))
+    engine = llm.engine
+    cut = engine.chunks.plan(ids, engine.config.chunk)
+    assert cut is not None
+    # S reaches over the instructions, which the first sight learned right after its own S.
+    preamble = len(llm.tokenizer.encode(LONG_PREAMBLE))
+    assert preamble - 4 <= cut.sys_end <= preamble + 2
+    return ids, cut
+
+
+def _canonical(llm: LLM, sys_ids: list[int], chunk: list[int]) -> Any:
+    from chunkcache.hashing import chunk_hash
+
+    engine = llm.engine
+    key = chunk_hash(engine.model_name, sys_ids, chunk, engine.config.chunk.hash_algorithm)
+    return engine.chunks.pool.get(key, (tuple(sys_ids), tuple(chunk)))
+
+
+def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None:
+    """The second sight borrows slices from inside the learned span; once it is served, each is
+    computed in the background as its own entry right after S: its KV equals transformers' KV of
+    S + the run, and a third prompt (another order) borrows those entries, exact against
+    transformers with the cache assembled from them."""
+    from oracle import hf_layer_kv
+
+    from chunkcache.engine.runner import gather_kv
+
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    docs = _docs(llm.tokenizer, 3)
+    ids, cut = _second_sight(llm, docs)
+    runs = [
+        (a, b)
+        for a, b, run in cut.parts
+        if run is not None and not run.computed_after(tuple(ids[: cut.sys_end]))
+    ]
+    assert runs, "the second sight borrows from inside the learned span"
+    second = llm.generate(_long(docs, [2, 0], "What is second?"), FIRST, chunk_options=REUSE)[0]
+    assert second.num_chunk_cached_tokens > 0
+    stats = llm.chunk_cache_stats()
+    assert stats["separator_free_canonical_jobs"] == len(runs)
+    assert stats["separator_free_canonical_tokens"] == sum(b - a for a, b in runs)
+    assert not llm.engine.has_background_work()  # generate returned after it
+    s = cut.sys_end
+    engine = llm.engine
+    for a, b in runs:
+        entry = _canonical(llm, ids[:s], ids[a:b])
+        assert entry is not None and entry.ready and entry.pins == 0
+        k, v = gather_kv(engine.runner.kv_caches, engine.chunks._slots(entry))
+        for layer, (hk, hv) in enumerate(hf_layer_kv(path, ids[:s] + ids[a:b])):
+            torch.testing.assert_close(k[layer], hk[:, s:].transpose(0, 1), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v[layer], hv[:, s:].transpose(0, 1), atol=1e-4, rtol=1e-4)
+
+    # Third sight, another order: the documents are found as canonical entries, from their start.
+    text = _long(docs, [0, 2], "Which is third?")
+    ids3 = llm.tokenizer.encode(text)
+    cut3 = engine.chunks.plan(ids3, engine.config.chunk)
+    # Document 0 opens this prompt as it opened the first: the shared prefix reaches over it, yet
+    # S stays the known one (the canonical entries are keyed by it).
+    assert cut3 is not None and ids3[: cut3.sys_end] == ids[:s]
+    borrowed = [run for _, _, run in cut3.parts if run is not None]
+    # Each computed right after this S: a canonical entry, or the span's head.
+    assert all(r.computed_after(tuple(ids[:s])) for r in borrowed)
+    assert sum(b - a for a, b, run in cut3.parts if run is not None) >= 0.8 * (cut3.q_start - s)
+    assert any(r.entry.num_tokens < 150 for r in borrowed)  # a canonical entry, not the span
+    third = llm.generate(text, FIRST, chunk_options=REUSE)[0]
+    pieces: list[tuple[list[int], int, int]] = [(ids3[:s], 0, s)]
+    for a, b, run in cut3.parts:
+        if run is None:
+            pieces.append((ids3[:s] + ids3[a:b], s, b - a))
+        else:
+            entry_sys, entry_tokens = run.entry.token_ids
+            pieces.append((list(entry_sys) + list(entry_tokens), len(entry_sys) + run.entry_start, b - a))
+    _close(third, hf_slices_reuse_logprobs(path, pieces, ids3[cut3.q_start :]))
+    assert llm.chunk_cache_stats()["separator_free_canonical_jobs"] == len(runs)  # nothing more to do
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 for e in engine.chunks.pool.entries())
+    llm.check_integrity()
+
+
+def test_background_jobs_never_share_a_step_with_a_request(checkpoint) -> None:
+    llm = _llm(checkpoint())
+    docs = _docs(llm.tokenizer, 3)
+    _second_sight(llm, docs)
+    engine = llm.engine
+    batches: list[list[bool]] = []
+    run = engine.runner.run
+
+    def recording(batch: Any) -> Any:
+        batches.append([s.background for s in batch.seqs])
+        return run(batch)
+
+    engine.runner.run = recording  # type: ignore[method-assign]
+    # The second sight and a plain request arrive together; the background jobs the second sight
+    # starts wait until both are done.
+    engine.add_request("second", _long(docs, [2, 0], "What is second?"), FIRST)
+    engine.add_request("plain", "Something else entirely, a plain prompt.", SamplingParams(max_tokens=4))
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        if engine.has_background_work():
+            assert finished == {"second", "plain"} or not any(any(b) for b in batches)
+    assert finished == {"second", "plain"}
+    assert engine.has_background_work() and not any(any(b) for b in batches)
+    while engine.has_background_work():
+        engine.step()
+    assert all(len(set(b)) == 1 for b in batches)
+    assert any(all(b) for b in batches)
+    assert llm.chunk_cache_stats()["separator_free_canonical_tokens"] > 0
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["abort", "fail"])
+def test_resources_return_after_a_cancelled_or_failed_request_and_job(checkpoint, how: str) -> None:
+    """A second sight aborted after admission: its canonical jobs still run (nobody needs the
+    request for them); a step that fails on a canonical job drops its entry. Either way the KV
+    blocks, the pins and the pool pages come back."""
+    llm = _llm(checkpoint())
+    docs = _docs(llm.tokenizer, 3)
+    ids, cut = _second_sight(llm, docs)
+    engine = llm.engine
+    pool = engine.chunks.pool
+    s = cut.sys_end
+    runs = [
+        (a, b)
+        for a, b, run in cut.parts
+        if run is not None and not run.computed_after(tuple(ids[: cut.sys_end]))
+    ]
+    assert runs
+    engine.add_request("second", _long(docs, [2, 0], "What is second?"), SamplingParams(max_tokens=20))
+    if how == "fail":
+        run = engine.runner.run
+
+        def failing(batch: Any) -> Any:
+            if any(s.background for s in batch.seqs):
+                raise RuntimeError("injected")
+            return run(batch)
+
+        engine.runner.run = failing  # type: ignore[method-assign]
+    engine.step()  # admitted: its background jobs are queued
+    assert engine.has_background_work()
+    if how == "abort":
+        engine.abort_request("second")
+    outs = []
+    while engine.has_unfinished_requests() or engine.has_background_work():
+        outs += [o for o in engine.step() if o.finished]
+        llm.check_integrity()
+    assert [o.request_id for o in outs] == ["second"]
+    canonical = llm.chunk_cache_stats()["separator_free_canonical_tokens"]
+    entries = [_canonical(llm, ids[:s], ids[a:b]) for a, b in runs]
+    if how == "abort":
+        assert outs[0].outputs[0].finish_reason == "abort"
+        assert canonical > 0 and all(e is not None and e.ready for e in entries)  # cached
+    else:
+        assert outs[0].outputs[0].finish_reason == "length"  # the request itself was not hurt
+        assert canonical == 0 and entries == [None] * len(runs)  # the failed jobs' entries are gone
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 and e.ready for e in pool.entries())
+    assert llm.chunk_cache_stats()["jobs_running"] == 0
+    llm.check_integrity()
+
+
+def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> None:
+    """A request whose chunk is a canonical entry still queued in the background does not wait for
+    the engine to be idle (it would wait forever under load): the job becomes an ordinary one."""
+    from chunkcache.chunk.parse import ChunkedPrompt
+    from chunkcache.engine.sequence import Sequence
+
+    llm = _llm(checkpoint())
+    docs = _docs(llm.tokenizer, 3)
+    ids, cut = _second_sight(llm, docs)
+    engine = llm.engine
+    engine.add_request("second", _long(docs, [2, 0], "What is second?"), FIRST)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.has_background_work()
+    a, b = next(
+        (a, b)
+        for a, b, run in cut.parts
+        if run is not None and not run.computed_after(tuple(ids[: cut.sys_end]))
+    )
+    s = cut.sys_end
+    q = llm.tokenizer.encode(" Question: which?", add_special_tokens=False)
+    chunked = ChunkedPrompt(tuple(ids[:s]), (tuple(ids[a:b]),), tuple(q))
+    tokens = chunked.all_token_ids()
+    seq = Sequence(
+        "needs", list(tokens), list(tokens), FIRST, chunk_state=chunked, chunk_config=engine.config.chunk
+    )
+    seq.prefix_cacheable = False
+    seq.generator = torch.Generator().manual_seed(0)
+    engine._post(seq)
+    # A plain request keeps the engine busy meanwhile: were the job still background, it would
+    # not run before this one ends.
+    engine.add_request(
+        "busy", "A plain prompt that keeps the engine busy.", SamplingParams(max_tokens=40, ignore_eos=True)
+    )
+    done: list[str] = []
+    for _ in range(500):  # without the promotion, "needs" would wait forever
+        done += [o.request_id for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            break
+    assert done[0] == "needs"
+    entry = _canonical(llm, ids[:s], ids[a:b])
+    assert entry is not None and entry.ready
+    while engine.has_background_work():
+        engine.step()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 for e in engine.chunks.pool.entries())
+    llm.check_integrity()
+
+
+def test_entries_a_request_borrows_are_pinned_before_its_new_entries_evict(checkpoint) -> None:
+    """A pool just large enough for the first sight's S and span: the second sight's new S (over
+    the instructions) needs pages, and the span it is about to borrow from is the only entry an
+    eviction could free them from. It must stay (pinned first): the new S is computed privately
+    instead, and the borrowed KV is still the span's (exact against transformers)."""
+    from chunkcache.chunk.matcher import SpanIndex, plan
+
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    probe = _llm(path)
+    docs = _docs(probe.tokenizer, 3)
+    first_ids = probe.tokenizer.encode(_long(docs, [0, 1, 2], "Who is first?"))
+    cut = plan(first_ids, SpanIndex(lambda e: False), 32, 256)
+    assert cut is not None
+    pages = -(-cut.sys_end // 16) + -(-(cut.q_start - cut.sys_end) // 16)
+    token_bytes = probe.engine.spec.kv_bytes_per_token(4)
+    gb = pages * 16 * token_bytes / 2**30
+    llm = _llm(path, chunk_cache_size_gb=gb, chunk_cache_lru_threshold=1.0)
+    assert llm.engine.chunks.pool.num_pages == pages
+    ids, cut2 = _second_sight(llm, docs)
+    assert llm.chunk_cache_stats()["entries"] == 2
+    second = llm.generate(_long(docs, [2, 0], "What is second?"), FIRST, chunk_options=REUSE)[0]
+    assert second.num_chunk_cached_tokens > 0
+    s = cut2.sys_end
+    pieces: list[tuple[list[int], int, int]] = [(ids[:s], 0, s)]
+    for a, b, run in cut2.parts:
+        if run is None:
+            pieces.append((ids[:s] + ids[a:b], s, b - a))
+        else:
+            entry_sys, entry_tokens = run.entry.token_ids
+            pieces.append((list(entry_sys) + list(entry_tokens), len(entry_sys) + run.entry_start, b - a))
+    _close(second, hf_slices_reuse_logprobs(path, pieces, ids[cut2.q_start :]))
+    assert llm.chunk_cache_stats()["uncacheable"] > 0  # the new S, computed privately
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
     llm.check_integrity()

@@ -23,6 +23,15 @@ A plain prompt with separator-free matching on (chunk/matcher.py) is cut here, a
 the same parts: runs found in existing entries are borrowed as slices of them (their KV was
 computed wherever the entry was, so layout "offset" re-rotates it from there), and the gaps
 between them become new chunk entries with fill jobs, as missing chunks do.
+
+A run borrowed from inside an entry (or from an entry computed after another S) carries the
+context it was learned in: the documents before it in the prompt it was first seen in. Such a
+run is made *canonical*: a background fill job computes it as its own chunk entry right after
+this request's S, keyed as a separator chunk with the same tokens would be, exactly the KV the
+separator format gives. The request does not wait for it (it borrows the slice as it is); the
+job runs only while no request is waiting or running, and registers its anchors once computed,
+where the matcher prefers it (a run aligned with its entry's start) to the slice it replaces.
+A request that needs such an entry before it is done promotes its job to an ordinary one.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from typing import Any
 
 import torch
 
-from chunkcache.chunk.matcher import PlainPrompt, Run, SpanIndex, plan
+from chunkcache.chunk.matcher import PlainPrompt, Plan, Run, SpanIndex, plan
 from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.chunk.pool import ChunkPool, Entry
 from chunkcache.chunk.tiers.loader import TierLoader
@@ -57,6 +66,9 @@ _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 # (bench_separator_free); a mostly new one is not worth it either.
 _MIN_REUSED_SHARE = 0.25
 _NO_INDEX = SpanIndex(lambda entry: False)
+# Pool pages that canonical entries still being computed may hold (pinned by their jobs): under
+# steady load background jobs wait, and must not pin the whole pool meanwhile.
+_MAX_BACKGROUND_SHARE = 0.25
 
 
 @dataclass
@@ -82,6 +94,8 @@ class RequestChunks:
 class FillJob:
     entry: Entry
     sys_entry: Entry | None  # the S entry a chunk job borrows (pinned by the job)
+    # A canonical entry's job pins its entry itself (no request does) until it ends.
+    holds_entry: bool = False
 
 
 @dataclass
@@ -125,7 +139,15 @@ class ChunkManager:
         self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
         self._ids = itertools.count()
         self.index = SpanIndex(pool.holds)
-        self.separator_free = {"requests": 0, "cut": 0, "matched_tokens": 0, "learned_tokens": 0}
+        self.separator_free = {
+            "requests": 0,
+            "cut": 0,
+            "matched_tokens": 0,
+            "learned_tokens": 0,
+            "canonical_jobs": 0,
+            "canonical_tokens": 0,
+        }
+        self._background_pages = 0  # pool pages held by canonical entries still being computed
 
     # ---- validation (any thread) -------------------------------------------------------------
 
@@ -173,6 +195,13 @@ class ChunkManager:
                 seq.learn = cut[0]
                 return []
             seq.chunk_state, runs = cut
+            # Pinned before anything is created: a new entry's pages may come from evicting an
+            # unpinned entry, which must not be one this request is about to borrow from.
+            # Borrowing counts as a use for the LRU order too (matching by content does not).
+            for run in runs:
+                if run is not None:
+                    run.entry.pins += 1
+                    self.pool.get(run.entry.key, run.entry.token_ids)
         prompt: ChunkedPrompt = seq.chunk_state
         state = RequestChunks(prompt)
         seq.chunk_state = state
@@ -195,10 +224,11 @@ class ChunkManager:
             run = runs[i] if runs is not None else None
             hit: bool | None
             if run is not None:  # a separator-free match: a slice of an entry found by content
-                entry, hit = run.entry, True
-                entry.pins += 1
+                entry, hit = run.entry, True  # pinned above
                 state.slices.append((run.entry_start, run.length))
                 self.separator_free["matched_tokens"] += run.length
+                if not run.computed_after(sys_ids):
+                    self._canonicalize(sys_ids, chunk, sys_entry, jobs)
             else:
                 key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
                 # Salted entries stay out of the index: it is shared by content, across tenants.
@@ -219,13 +249,46 @@ class ChunkManager:
             seq.position_base = prompt.question_position()
         return jobs
 
-    def _cut(
-        self, token_ids: tuple[int, ...], config: ChunkConfig
-    ) -> tuple[ChunkedPrompt, list[Run | None]] | None:
-        """A plain prompt as S, chunks (matched runs or gaps) and Q; None when there is nothing to
-        reuse or learn, or when computing its gaps in paged blocks (should the pool refuse them)
-        could not fit beside the prompt itself."""
-        cut = plan(token_ids, self.index, config.separator_free_min_tokens, config.max_chunks)
+    def _canonicalize(
+        self, sys_ids: tuple[int, ...], chunk: tuple[int, ...], sys_entry: Entry, jobs: list[Sequence]
+    ) -> None:
+        """Start a background fill job computing `chunk` as its own entry right after `sys_ids`
+        (as a separator chunk), unless that entry exists or the pool has no room for it now."""
+        key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm)
+        need = self.pool.pages_for(len(chunk))
+        if (
+            sys_entry.private  # its paged blocks would stay held until the engine is idle
+            or self.pool.has_key(key)
+            or self._background_pages + need > _MAX_BACKGROUND_SHARE * self.pool.num_pages
+        ):
+            return
+        entry = self.pool.create(key, "chunk", (sys_ids, chunk), len(chunk))
+        if entry is None:
+            return
+        entry.pins += 1  # the job's own: nobody else waits for it
+        self._background_pages += need
+        job = self._fill_job(entry, sys_entry, len(sys_ids))
+        job.chunk_state.holds_entry = True
+        job.background = True
+        jobs.append(job)
+        self.separator_free["canonical_jobs"] += 1
+
+    def plan(self, token_ids: tuple[int, ...] | list[int], config: ChunkConfig) -> Plan | None:
+        """How admission cuts a plain prompt now (matcher.plan on this pool); a prompt whose matches
+        cover too little of its span is planned as a first sight (one gap, nothing borrowed)."""
+
+        def system_end(lo: int, hi: int) -> int:
+            # The shortest S already in the pool that the prompt extends (its documents' canonical
+            # entries are keyed by it), else the whole shared prefix.
+            for end in sorted({e.num_tokens for e in self.pool.entries() if e.kind == "system"}):
+                if lo < end <= hi:
+                    sys_ids = tuple(token_ids[:end])
+                    key = system_hash(self.model_name, sys_ids, self.config.hash_algorithm)
+                    if self.pool.has_key(key) and self.pool.get(key, (sys_ids,)) is not None:
+                        return end
+            return hi
+
+        cut = plan(token_ids, self.index, config.separator_free_min_tokens, config.max_chunks, system_end)
         if cut is None:
             return None
         reused = sum(b - a for a, b, run in cut.parts if run is not None)
@@ -233,8 +296,17 @@ class ChunkManager:
             # Too little to borrow to pay for computing the rest as chunks and blending: a first
             # sight (a plain prefill, stored afterwards) instead.
             cut = plan(token_ids, _NO_INDEX, config.separator_free_min_tokens, config.max_chunks)
-            if cut is None:
-                return None
+        return cut
+
+    def _cut(
+        self, token_ids: tuple[int, ...], config: ChunkConfig
+    ) -> tuple[ChunkedPrompt, list[Run | None]] | None:
+        """A plain prompt as S, chunks (matched runs or gaps) and Q; None when there is nothing to
+        reuse or learn, or when computing its gaps in paged blocks (should the pool refuse them)
+        could not fit beside the prompt itself."""
+        cut = self.plan(token_ids, config)
+        if cut is None:
+            return None
         gaps = [b - a for a, b, run in cut.parts if run is None]
         blocks = self.blocks
         worst = blocks.blocks_for(len(token_ids) + 1) + blocks.blocks_for(cut.sys_end)
@@ -266,6 +338,9 @@ class ChunkManager:
         `indexed` chunk entry of the pool registers its anchors for separator-free matching."""
         entry = self.pool.get(key, token_ids)
         found: bool | None = entry is not None
+        job = None if entry is None or entry.ready else self._jobs.get(id(entry))
+        if job is not None and job.background:
+            job.background = False  # a request waits for it now: an ordinary fill job
         if entry is None and self.loader is not None:
             # Pages first: an entry that cannot enter the pool is computed privately, not loaded.
             entry = self.pool.create(key, kind, token_ids, num_tokens)
@@ -481,6 +556,13 @@ class ChunkManager:
                     state.entry.ready = True
                 else:
                     self.pool.mark_ready(state.entry)
+                if state.holds_entry:  # a canonical entry: found by content from now on
+                    self.index.add(state.entry)
+                    self.separator_free["canonical_tokens"] += state.entry.num_tokens
+            if state.holds_entry:
+                state.holds_entry = False
+                self._background_pages -= self.pool.pages_for(state.entry.num_tokens)
+                self._unpin(state.entry, cancel)  # dropped if it never became ready
             if state.sys_entry is not None:
                 self._unpin(state.sys_entry, cancel)
         elif isinstance(state, RequestChunks):
@@ -559,5 +641,10 @@ class ChunkManager:
                 "a loading entry without its load, or a load of an entry not marked loading"
             )
         self.index.check_integrity()
+        background = 0
         for job in self._jobs.values():
             assert not job.is_finished, f"finished fill job {job.request_id} still tracked"
+            if job.chunk_state.holds_entry:
+                assert job.chunk_state.entry.pins > 0, "a canonical entry's job does not pin it"
+                background += self.pool.pages_for(job.chunk_state.entry.num_tokens)
+        assert background == self._background_pages, "background pages drifted"

@@ -8,7 +8,9 @@ so the same text yields the same anchors wherever it sits and whatever surrounds
 Every chunk entry of the pool (a separator prompt's chunk, a chat document, a span learned from a
 plain prompt) registers its anchors in a `SpanIndex`: anchor hash -> (entry, offset). A plain
 prompt's anchors are looked up there; each candidate is verified token by token and extended to
-the left and right as long as the prompt and the entry agree, so a match is exact token ids, and
+the left and right as long as the prompt and the entry agree (a run that starts at its entry's
+first token is preferred to a longer one from inside an entry: see ChunkManager's canonical
+entries), so a match is exact token ids, and
 tokenization that differs at a document's edges (a space or a newline merged into the first
 token) simply ends the match there: the interior is reused, the edges are computed. Runs shorter
 than `min_tokens` are not worth a chunk and are computed too.
@@ -33,6 +35,10 @@ _BASE = 1_000_003
 _TOP = pow(_BASE, WINDOW - 1, _MOD)
 _MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
+# A run that starts within this many tokens of its entry's start counts as aligned with it: a
+# run's edges are where two prompts stopped agreeing, so an entry made from one often opens with a
+# token or two of its neighbour's end (a full stop, a blank line) that the next prompt lacks.
+ALIGN_SLACK = 4
 # Candidates kept per anchor hash (the most recent): repeated boilerplate must not make a lookup
 # verify every entry that ever held it.
 _MAX_CANDIDATES = 4
@@ -79,6 +85,23 @@ class Run:
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    @property
+    def aligned(self) -> bool:
+        """Whether the run starts at (or within ALIGN_SLACK tokens of) its entry's start."""
+        return self.entry_start <= ALIGN_SLACK
+
+    def computed_after(self, sys_ids: tuple[int, ...]) -> bool:
+        """Whether the run's KV was computed right after `sys_ids`, as a separator chunk's would
+        be: its entry's S and the entry's tokens before it are `sys_ids` (exact), or it is aligned
+        with an entry computed after `sys_ids`."""
+        entry_sys, entry_tokens = self.entry.token_ids
+        if self.aligned and entry_sys == sys_ids:
+            return True
+        n = len(entry_sys)
+        return (
+            n + self.entry_start == len(sys_ids) and entry_sys + entry_tokens[: self.entry_start] == sys_ids
+        )
 
 
 @dataclass(frozen=True)
@@ -131,8 +154,10 @@ class SpanIndex:
         self._swept_size = self._size
 
     def match(self, token_ids: Sequence[int], found: list[tuple[int, int]], min_tokens: int) -> list[Run]:
-        """Non-overlapping runs of `token_ids` found in entries, left to right, each the longest
-        verified extension of an anchor's candidates; `found` are the prompt's anchors."""
+        """Non-overlapping runs of `token_ids` found in entries, left to right, each the best
+        verified extension of an anchor's candidates of at least `min_tokens` (aligned with its
+        entry's start first, then the longest; an aligned one may take back the previous run's
+        tail); `found` are the prompt's anchors."""
         runs: list[Run] = []
         covered = 0
         n = len(token_ids)
@@ -142,6 +167,9 @@ class SpanIndex:
             refs = self._refs.get(h)
             if not refs:
                 continue
+            # An aligned run may take back the tail of the previous run (the blank line between
+            # two documents that both runs' entries hold), down to min_tokens of it.
+            floor = runs[-1].start + min_tokens if runs else 0
             best: Run | None = None
             for entry, off in list(refs):
                 if not self._alive(entry):
@@ -155,11 +183,13 @@ class SpanIndex:
                     continue  # a hash collision
                 left = 0
                 while (
-                    pos - left > covered
+                    pos - left > floor
                     and off - left > 0
                     and token_ids[pos - left - 1] == tokens[off - left - 1]
                 ):
                     left += 1
+                if off - left > ALIGN_SLACK:
+                    left = min(left, pos - covered)  # not aligned: it takes nothing back
                 right = WINDOW
                 while (
                     pos + right < n
@@ -167,9 +197,18 @@ class SpanIndex:
                     and token_ids[pos + right] == tokens[off + right]
                 ):
                     right += 1
-                if best is None or left + right > best.length:
-                    best = Run(pos - left, left + right, entry, off - left)
-            if best is not None and best.length >= min_tokens:
+                if left + right < min_tokens:
+                    continue
+                # An aligned run (from its entry's start) is KV computed right after that entry's
+                # S, as a separator chunk's is: preferred to a longer slice from inside another
+                # entry, whose KV carries the context it was learned in.
+                run = Run(pos - left, left + right, entry, off - left)
+                if best is None or (run.aligned, run.length) > (best.aligned, best.length):
+                    best = run
+            if best is not None:
+                if best.start < covered:
+                    last = runs[-1]
+                    runs[-1] = Run(last.start, best.start - last.start, last.entry, last.entry_start)
                 runs.append(best)
                 covered = best.end
         return runs
@@ -183,8 +222,19 @@ class SpanIndex:
                     assert window_hashes(entry.token_ids[-1][pos : pos + WINDOW]) == [h]
 
 
-def plan(token_ids: Sequence[int], index: SpanIndex, min_tokens: int, max_chunks: int) -> Plan | None:
-    """How to cut a plain prompt into S, chunks and Q; None when it has no room for a chunk."""
+def plan(
+    token_ids: Sequence[int],
+    index: SpanIndex,
+    min_tokens: int,
+    max_chunks: int,
+    system_end: Callable[[int, int], int] | None = None,
+) -> Plan | None:
+    """How to cut a plain prompt into S, chunks and Q; None when it has no room for a chunk.
+
+    S is the prompt up to its first anchor, extended over a first run that continues that very S
+    in its entry (the prompt's prefix is then exactly the entry's: the instructions before the
+    documents, in practice), so that documents are computed after the same S as in a separator
+    prompt; `system_end(lo, hi)` picks where S ends in (lo, hi] (a known S), by default at hi."""
     n = len(token_ids)
     found = anchors(token_ids)
     if not found:
@@ -193,6 +243,10 @@ def plan(token_ids: Sequence[int], index: SpanIndex, min_tokens: int, max_chunks
     # Each run can add a gap before it: keep the chunk count within max_chunks.
     runs = runs[: max(0, (max_chunks - 1) // 2)]
     sys_end = max(1, min([found[0][0], *(r.start for r in runs[:1])]))
+    if runs and runs[0].entry_start == 0 and runs[0].start == sys_end:
+        first = runs[0]
+        if first.entry.token_ids[0] == tuple(token_ids[:sys_end]):
+            sys_end = first.end if system_end is None else system_end(sys_end, first.end)
     q_start = min(n - 1, max([found[-1][0] + WINDOW, *(r.end for r in runs[-1:])]))
     if q_start <= sys_end:
         return None

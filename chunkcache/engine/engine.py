@@ -431,6 +431,11 @@ class LLMEngine:
         loading = self.chunks is not None and self.chunks.loads_pending > 0
         return pending or loading or any(not s.is_fill for s in list(self._requests.values()))
 
+    def has_background_work(self) -> bool:
+        """Whether work nobody waits for is queued (canonical chunk entries, chunk/manager.py):
+        steps run it while no request is waiting or running. Call from the stepping thread."""
+        return self.scheduler.has_background_work()
+
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -5,6 +5,10 @@ for a prefill, so long prompts are prefilled in chunks), then admits waiting seq
 first served while the budget, `max_num_seqs` and free KV blocks allow. When a running sequence
 needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
 freed and it is recomputed later (its prefix-cached blocks usually survive).
+
+Background sequences (a chunk cache's canonical entries, which no request waits for) get tokens
+only in a step where no other sequence is waiting or running: they never share a batch with a
+request, so they cost a request at most the one step it arrives during.
 """
 
 from __future__ import annotations
@@ -56,14 +60,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_background_work(self) -> bool:
+        return any(s.background for s in self.running) or any(s.background for s in self.waiting)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted_any = False
+        foreground = any(not s.background for s in self.running) or any(
+            not s.background for s in self.waiting
+        )
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._num_new_tokens(seq, budget)
+            n = 0 if seq.background and foreground else self._num_new_tokens(seq, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -87,7 +97,7 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
-            if not self.is_ready(seq):
+            if (seq.background and foreground) or not self.is_ready(seq):
                 skipped.append(seq)
                 continue
             # Only plain requests match the prefix cache: a chunked request's KV comes from the

@@ -288,7 +288,8 @@ class EngineLoop:
                         break
                     self._work_pending = False
                 self._run_calls()
-                while self.engine.has_unfinished_requests():
+                # Background work (canonical chunk entries) runs while no request is there.
+                while self.engine.has_unfinished_requests() or self.engine.has_background_work():
                     with self._step_lock:
                         outputs = self.engine.step()
                     self._dispatch(outputs)
