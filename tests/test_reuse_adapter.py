@@ -18,7 +18,7 @@ import torch
 from chunkcache import LLM, SamplingParams
 
 pytest.importorskip("peft")
-from training import reuse_adapter, reuse_corpus  # noqa: E402
+from training import reuse_adapter, reuse_corpus
 
 REUSE = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [0.0]}
 

@@ -34,6 +34,15 @@ _UNSUPPORTED: dict[str, object] = {
     "rank_pattern": {},
     "alpha_pattern": {},
     "layers_to_transform": None,
+    "lora_bias": False,
+    "layer_replication": None,
+    "alora_invocation_tokens": None,  # activated LoRA: only after given tokens, not a weight merge
+    "arrow_config": None,
+    "use_qalora": False,
+    "kasa_config": None,
+    "monteclora_config": None,
+    "trainable_token_indices": None,
+    "target_parameters": None,
 }
 
 
