@@ -49,6 +49,20 @@ def _close(out: Any, ref: torch.Tensor) -> None:
         assert abs(ref[token].item() - lp) < 1e-4, (token, ref[token].item(), lp)
 
 
+
+def _pieces(ids: list[int], cut) -> list[tuple[list[int], int, int]]:
+    """The cache a plan assembles, as `hf_slices_reuse_logprobs` pieces: S; each computed gap as the
+    causal run of S + gap; each borrowed run as its slice of its entry's own context."""
+    s = cut.sys_end
+    pieces: list[tuple[list[int], int, int]] = [(ids[:s], 0, s)]
+    for a, b, run in cut.parts:
+        if run is None:
+            pieces.append((ids[:s] + ids[a:b], s, b - a))
+        else:
+            entry_sys, entry_tokens = run.entry.token_ids
+            pieces.append((list(entry_sys) + list(entry_tokens), len(entry_sys) + run.entry_start, b - a))
+    return pieces
+
 def test_anchors_depend_on_content_only() -> None:
     doc = list(range(100, 400))
     found = anchors(doc)
@@ -334,14 +348,7 @@ def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None
     assert sum(b - a for a, b, run in cut3.parts if run is not None) >= 0.8 * (cut3.q_start - s)
     assert any(r.entry.num_tokens < 150 for r in borrowed)  # a canonical entry, not the span
     third = llm.generate(text, FIRST, chunk_options=REUSE)[0]
-    pieces: list[tuple[list[int], int, int]] = [(ids3[:s], 0, s)]
-    for a, b, run in cut3.parts:
-        if run is None:
-            pieces.append((ids3[:s] + ids3[a:b], s, b - a))
-        else:
-            entry_sys, entry_tokens = run.entry.token_ids
-            pieces.append((list(entry_sys) + list(entry_tokens), len(entry_sys) + run.entry_start, b - a))
-    _close(third, hf_slices_reuse_logprobs(path, pieces, ids3[cut3.q_start :]))
+    _close(third, hf_slices_reuse_logprobs(path, _pieces(ids3, cut3), ids3[cut3.q_start :]))
     assert llm.chunk_cache_stats()["separator_free_canonical_jobs"] == len(runs)  # nothing more to do
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert all(e.pins == 0 for e in engine.chunks.pool.entries())
@@ -501,15 +508,7 @@ def test_entries_a_request_borrows_are_pinned_before_its_new_entries_evict(check
     assert llm.chunk_cache_stats()["entries"] == 2
     second = llm.generate(_long(docs, [2, 0], "What is second?"), FIRST, chunk_options=REUSE)[0]
     assert second.num_chunk_cached_tokens > 0
-    s = cut2.sys_end
-    pieces: list[tuple[list[int], int, int]] = [(ids[:s], 0, s)]
-    for a, b, run in cut2.parts:
-        if run is None:
-            pieces.append((ids[:s] + ids[a:b], s, b - a))
-        else:
-            entry_sys, entry_tokens = run.entry.token_ids
-            pieces.append((list(entry_sys) + list(entry_tokens), len(entry_sys) + run.entry_start, b - a))
-    _close(second, hf_slices_reuse_logprobs(path, pieces, ids[cut2.q_start :]))
+    _close(second, hf_slices_reuse_logprobs(path, _pieces(ids, cut2), ids[cut2.q_start :]))
     assert llm.chunk_cache_stats()["uncacheable"] > 0  # the new S, computed privately
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
     llm.check_integrity()
