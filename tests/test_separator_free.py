@@ -49,7 +49,6 @@ def _close(out: Any, ref: torch.Tensor) -> None:
         assert abs(ref[token].item() - lp) < 1e-4, (token, ref[token].item(), lp)
 
 
-
 def _pieces(ids: list[int], cut) -> list[tuple[list[int], int, int]]:
     """The cache a plan assembles, as `hf_slices_reuse_logprobs` pieces: S; each computed gap as the
     causal run of S + gap; each borrowed run as its slice of its entry's own context."""
@@ -62,6 +61,7 @@ def _pieces(ids: list[int], cut) -> list[tuple[list[int], int, int]]:
             entry_sys, entry_tokens = run.entry.token_ids
             pieces.append((list(entry_sys) + list(entry_tokens), len(entry_sys) + run.entry_start, b - a))
     return pieces
+
 
 def test_anchors_depend_on_content_only() -> None:
     doc = list(range(100, 400))
