@@ -18,9 +18,9 @@ import torch
 from chunkcache import LLM, SamplingParams
 
 pytest.importorskip("peft")
-from training import reuse_adapter, reuse_corpus
+from test_blend import FIRST, REUSE
 
-REUSE = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [0.0]}
+from training import reuse_adapter, reuse_corpus
 
 
 def _options(**kw) -> argparse.Namespace:
@@ -32,11 +32,10 @@ def test_student_forward_is_the_engines_offset_reuse(checkpoint) -> None:
     path = checkpoint(arch="llama")
     model, tokenizer = reuse_adapter.load(str(path), _options())
     llm = LLM(str(path), device="cpu", kv_cache_tokens=4096, chunk_cache_size_gb=0.01)
-    first = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     for sample in reuse_corpus.samples(tokenizer, 2, seed=1):
         prompt = sample.text
-        llm.generate([prompt], first, add_special_tokens=False, chunk_options={"chunk_layout": "isolated"})
-        out = llm.generate([prompt], first, add_special_tokens=False, chunk_options=REUSE)[0]
+        llm.generate([prompt], FIRST, add_special_tokens=False, chunk_options={"chunk_layout": "isolated"})
+        out = llm.generate([prompt], FIRST, add_special_tokens=False, chunk_options=REUSE)[0]
         assert out.num_cached_tokens > len(sample.sys_ids)  # the documents came from the cache
         with torch.no_grad():
             ref = reuse_adapter.student_logprobs(model, sample, [out.outputs[0].token_ids[0]], "cpu")[0]

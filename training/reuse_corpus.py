@@ -88,13 +88,13 @@ def _words(text: str) -> list[str]:
     return re.findall(r"[A-Za-z][A-Za-z_]{3,}", text)
 
 
-def _phrase(rng: random.Random, text: str, n: int = 4) -> tuple[str, str] | None:
-    """n consecutive words of `text` and the word after them."""
+def _phrase(rng: random.Random, text: str, n: int = 4) -> str | None:
+    """n consecutive words of `text` that some word follows (the question asks for it)."""
     words = text.split()
     if len(words) < n + 2:
         return None
     i = rng.randrange(0, len(words) - n - 1)
-    return " ".join(words[i : i + n]), words[i + n]
+    return " ".join(words[i : i + n])
 
 
 def _question(rng: random.Random, docs: list[Passage]) -> str:
@@ -114,7 +114,7 @@ def _question(rng: random.Random, docs: list[Passage]) -> str:
         lambda: f"What do the documents titled {doc.title!r} and {other.title!r} have in common?",
     ]
     if phrase is not None:
-        makers.append(lambda: f"In the document titled {doc.title!r}, which word follows {phrase[0]!r}?")
+        makers.append(lambda: f"In the document titled {doc.title!r}, which word follows {phrase!r}?")
     return rng.choice(makers)()
 
 
