@@ -158,6 +158,8 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m chunkcache.server.cli` on a free loopback port, its log in a temp file."""
 
+    health_path = "/health"  # answers 200 once the server can take requests
+
     def __init__(self, model: Path, chunk_cache: bool, extra: list[str], log_dir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -181,7 +183,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{self.health_path}", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

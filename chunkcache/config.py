@@ -239,6 +239,9 @@ class EngineConfig:
     adapter: str | None = None
     # torch's intra-op CPU threads; None = the physical cores this process may use (threads.py).
     threads: int | None = None
+    # CPU float32: projections packed for oneDNN also keep a plain layout for decode steps of
+    # 1-3 sequences, where the packed kernel is slow (model/linear.py); up to 2x weight memory.
+    narrow_weights: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
@@ -285,7 +288,16 @@ _SECTIONS: dict[str, type] = {
     "chunk": ChunkConfig,
     "kv_events": KVEventsConfig,
 }
-_TOP_LEVEL = ("device", "dtype", "seed", "served_model_name", "tokenizer", "adapter", "threads")
+_TOP_LEVEL = (
+    "device",
+    "dtype",
+    "seed",
+    "served_model_name",
+    "tokenizer",
+    "adapter",
+    "threads",
+    "narrow_weights",
+)
 # ChunkConfig fields a request may set too, named as they are (blend and calibration options).
 _REQUEST_PREFIXES = ("blend_", "calibration_", "separator_free")
 

@@ -270,34 +270,59 @@ def test_device_and_dtype_auto(checkpoint) -> None:
         assert llm.engine.runner.dtype == torch.float32
 
 
+# (pack, narrow_copy, in, out) -> expected (narrow, wide) layouts
+LAYOUTS = [
+    (True, False, 96, 160, ("packed", "packed")),
+    (True, True, 96, 160, ("transposed", "packed")),
+    (True, True, 160, 96, ("dense", "packed")),
+    (False, True, 96, 160, ("transposed", "transposed")),
+    (False, False, 160, 96, ("dense", "dense")),
+]
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("rows", [1, 3, 4, 37])
 @pytest.mark.parametrize(
     ("gated", "bias", "with_residual"), [(False, False, False), (False, True, True), (True, True, False)]
 )
-def test_packed_linear_matches_f_linear(rows: int, gated: bool, bias: bool, with_residual: bool) -> None:
-    """The oneDNN path (row padding below 4 rows, fused SwiGLU and residual) against F.linear."""
+@pytest.mark.parametrize(("pack", "narrow_copy", "n_in", "n_out", "layouts"), LAYOUTS)
+def test_every_linear_layout_matches_f_linear(
+    rows: int,
+    gated: bool,
+    bias: bool,
+    with_residual: bool,
+    pack: bool,
+    narrow_copy: bool,
+    n_in: int,
+    n_out: int,
+    layouts: tuple[str, str],
+) -> None:
+    """Every layout a Linear can be prepared in (oneDNN with row padding below 4 rows, fused
+    SwiGLU and residual; transposed; dense), for narrow and wide steps, against F.linear."""
     import torch.nn.functional as F
 
     from chunkcache.model.linear import Linear
 
     gen = torch.Generator().manual_seed(rows)
-    lin = Linear(96, 160, bias=bias, gated=gated)
-    weight = torch.randn(160, 96, generator=gen) * 0.1
-    b = torch.randn(160, generator=gen) if bias else None
+    lin = Linear(n_in, n_out, bias=bias, gated=gated)
+    weight = torch.randn(n_out, n_in, generator=gen) * 0.1
+    b = torch.randn(n_out, generator=gen) if bias else None
     with torch.no_grad():
         lin.weight.copy_(weight)
         if lin.bias is not None:
             lin.bias.copy_(b)
-    x = torch.randn(rows, 96, generator=gen)
-    out_size = 80 if gated else 160
+    x = torch.randn(rows, n_in, generator=gen)
+    out_size = n_out // 2 if gated else n_out
     residual = torch.randn(rows, out_size, generator=gen) if with_residual else None
     ref = F.linear(x, weight, b)
     if gated:
-        ref = F.silu(ref[:, :80]) * ref[:, 80:]
+        ref = F.silu(ref[:, :out_size]) * ref[:, out_size:]
     if residual is not None:
         ref = ref + residual
-    assert lin.prepack() and lin.is_packed and lin.weight is None
+    assert lin.prepare(pack, narrow_copy) == layouts
+    assert lin.is_packed == (pack is True)
+    assert (lin.weight is None) == ("dense" not in layouts)
+    assert (lin.weight_t is None) == ("transposed" not in layouts)
     with torch.inference_mode():
         out = lin(x, residual)
     assert out.shape == (rows, out_size)
@@ -305,10 +330,13 @@ def test_packed_linear_matches_f_linear(rows: int, gated: bool, bias: bool, with
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("tied", [False, True])
-def test_cpu_fp32_model_is_prepacked_and_matches_dense(checkpoint, monkeypatch, tied: bool) -> None:
-    """On CPU float32 every projection (lm_head included) is packed at load, and the logits of a
-    prefill (many rows) and a decode step (one row) equal those of the dense F.linear model."""
+@pytest.mark.parametrize(("tied", "narrow_weights"), [(False, True), (True, True), (True, False)])
+def test_cpu_fp32_model_layouts_match_dense(
+    checkpoint, monkeypatch, tied: bool, narrow_weights: bool
+) -> None:
+    """On CPU float32 every projection (lm_head included) is laid out at load (packed for wide
+    steps here, with or without plain copies for narrow ones), and the logits of a prefill (many
+    rows) and a decode step (one row) equal those of the dense F.linear model."""
     from chunkcache.model import llama as llama_module
     from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
     from chunkcache.model.linear import Linear
@@ -317,13 +345,14 @@ def test_cpu_fp32_model_is_prepacked_and_matches_dense(checkpoint, monkeypatch, 
 
     path = checkpoint(arch="qwen2", tie_word_embeddings=tied)
     # Whether packing pays is measured at load; here it is forced, to check the packed path.
-    monkeypatch.setattr(llama_module, "packing_pays", lambda weight: True)
-    packed = load_model(str(path), "cpu", "float32")
+    monkeypatch.setattr(llama_module, "packing_pays", lambda weight, narrow_elsewhere: True)
+    packed = load_model(str(path), "cpu", "float32", narrow_weights=narrow_weights)
     linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.is_packed and m.weight is None for m in linears)
-    monkeypatch.setattr(LlamaForCausalLM, "prepack", lambda self: 0)
+    assert linears and all(m.is_packed and m.wide == "packed" for m in linears)
+    assert all((m.narrow != "packed") == narrow_weights for m in linears)
+    monkeypatch.setattr(LlamaForCausalLM, "prepare", lambda self, narrow_weights=True: {})
     dense = load_model(str(path), "cpu", "float32")
-    assert not any(m.is_packed for m in dense.model.modules() if isinstance(m, Linear))
+    assert all(m.narrow == m.wide == "dense" for m in dense.model.modules() if isinstance(m, Linear))
 
     spec = packed.spec
     n = 11
@@ -341,3 +370,28 @@ def test_cpu_fp32_model_is_prepacked_and_matches_dense(checkpoint, monkeypatch, 
         return torch.cat((prefill, decode))
 
     torch.testing.assert_close(logits(packed.model), logits(dense.model), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_of_one_run_of_slots_reads_the_cache_in_place() -> None:
+    """A one-sequence decode whose KV list is one run of slots (`DecodeBatch.span`) attends the
+    cache in place; it equals the gathered, masked path, and a wrong span would not."""
+    from chunkcache.model.attention import AttentionMetadata, DecodeBatch, attend
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, first, length = 6, 2, 16, 32, 21
+    k_cache, v_cache = (
+        torch.randn(96, kv_heads, dim, generator=gen),
+        torch.randn(96, kv_heads, dim, generator=gen),
+    )
+    q, k, v = torch.randn(1, heads, dim, generator=gen), *torch.randn(2, 1, kv_heads, dim, generator=gen)
+    slots = torch.arange(first, first + length)[None]
+    mask = torch.ones(1, 1, 1, length, dtype=torch.bool)
+
+    def run(span: tuple[int, int] | None) -> torch.Tensor:
+        kc, vc = k_cache.clone(), v_cache.clone()
+        meta = AttentionMetadata(slots[0, -1:], [], DecodeBatch(torch.tensor([0]), slots, mask, span=span))
+        return attend(q, k, v, kc, vc, meta, dim**-0.5)
+
+    gathered = run(None)
+    torch.testing.assert_close(run((first, length)), gathered, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(run((first + 1, length)), gathered, atol=1e-3)

@@ -73,7 +73,9 @@ class LLMEngine:
         config.validate()
         self.config = config
         set_threads(config.threads)
-        loaded = load_model(config.model, config.device, config.dtype, config.tokenizer, config.adapter)
+        loaded = load_model(
+            config.model, config.device, config.dtype, config.tokenizer, config.adapter, config.narrow_weights
+        )
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device

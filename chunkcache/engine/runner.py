@@ -30,6 +30,12 @@ def block_slots(
     return (blocks[:, None] * block_size + offsets).flatten()[:num_tokens]
 
 
+def consecutive(block_table: list[int], num_tokens: int, block_size: int) -> bool:
+    """Whether the blocks holding the first `num_tokens` tokens are consecutive block ids."""
+    used = -(-num_tokens // block_size)
+    return all(block_table[i + 1] == block_table[i] + 1 for i in range(used - 1))
+
+
 def gather_kv(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +87,7 @@ class ModelRunner:
         prefills: list[PrefillSegment] = []
         decode_index: list[int] = []
         decode_slots: list[torch.Tensor] = []
+        span: tuple[int, int] | None = None
         calibrated: list[tuple[int, int, int, ContextCalibration]] = []
         sample_index: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -96,6 +103,8 @@ class ModelRunner:
                     calibrated.append((len(decode_index), start, past.numel() + 1, seq.calibration))
                 decode_index.append(start)
                 decode_slots.append(torch.cat((past, own[c:])))
+                if seq.borrowed_slots is None and consecutive(seq.block_table, c + n, self.block_size):
+                    span = (seq.block_table[0] * self.block_size, c + n)
             else:
                 prefills.append(PrefillSegment.make(start, start + n, past, seq.calibration))
             done = c + n == seq.num_tokens
@@ -108,7 +117,13 @@ class ModelRunner:
             for row, s in enumerate(decode_slots):
                 slots[row, : s.numel()] = s
                 mask[row, 0, 0, : s.numel()] = True
-            decode = DecodeBatch(torch.tensor(decode_index, device=dev), slots, mask, calibrated)
+            decode = DecodeBatch(
+                torch.tensor(decode_index, device=dev),
+                slots,
+                mask,
+                calibrated,
+                span if len(decode_slots) == 1 else None,
+            )
         meta = AttentionMetadata(torch.cat(slot_mapping), prefills, decode)
         return torch.tensor(ids, device=dev), torch.cat(positions), meta, sample_index
 

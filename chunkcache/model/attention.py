@@ -57,6 +57,9 @@ class DecodeBatch:
     # (row, token index, KV-list length, calibration) of the sequences whose chunks are
     # calibrated; plain ints, so that no device tensor is read back per layer.
     calibrated: list[tuple[int, int, int, ContextCalibration]] = field(default_factory=list)
+    # (first slot, length) when the batch is one sequence whose KV list is one run of slots: the
+    # cache is then read in place, with no gather (two copies of the whole KV list per layer).
+    span: tuple[int, int] | None = None
 
 
 @dataclass
@@ -114,12 +117,19 @@ def attend(
         # One query per sequence: fold the query heads of a KV head into the query axis (GQA
         # without repeating K/V), which is several times faster than enable_gqa on CPU.
         qd = q[d.token_index].view(b, num_kv_heads, group, -1)
-        # index_select over the flattened slots, not k_cache[d.slots]: the advanced-indexing
-        # gather was ~5x slower on CPU and 7% of a 16-sequence decode step.
-        flat = d.slots.flatten()
-        kd = k_cache.index_select(0, flat).view(*d.slots.shape, *k_cache.shape[1:]).permute(0, 2, 1, 3)
-        vd = v_cache.index_select(0, flat).view(*d.slots.shape, *v_cache.shape[1:]).permute(0, 2, 1, 3)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=scale)
+        if d.span is not None:
+            first, length = d.span
+            kd = k_cache[first : first + length].unsqueeze(0).permute(0, 2, 1, 3)
+            vd = v_cache[first : first + length].unsqueeze(0).permute(0, 2, 1, 3)
+            mask = None
+        else:
+            # index_select over the flattened slots, not k_cache[d.slots]: the advanced-indexing
+            # gather was ~5x slower on CPU and 7% of a 16-sequence decode step.
+            flat = d.slots.flatten()
+            kd = k_cache.index_select(0, flat).view(*d.slots.shape, *k_cache.shape[1:]).permute(0, 2, 1, 3)
+            vd = v_cache.index_select(0, flat).view(*d.slots.shape, *v_cache.shape[1:]).permute(0, 2, 1, 3)
+            mask = d.mask
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         out[d.token_index] = o.reshape(b, q.shape[1], -1)
         for row, i, length, cal in d.calibrated:
             index = torch.tensor([length - 1], device=q.device)

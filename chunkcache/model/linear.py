@@ -1,16 +1,22 @@
-"""Linear layers with a CPU fast path: the weight prepacked once for oneDNN.
+"""Linear layers with CPU fast paths: the weight held in the layouts its row counts run fastest in.
 
-On CPU in float32, `F.linear` runs MKL's sgemm, which is slow at the row counts an engine runs
-most (a decode step of 1-64 sequences). oneDNN with the weight reordered once into its blocked
-layout measured 1.3-2.4x faster at 4-16 rows and 1.05-1.2x at prefill sizes on this project's
-Qwen2.5-0.5B shapes (benchmarks/RESULTS.md, bench_engine). `Linear.prepack()` does the reorder
-after the checkpoint is loaded and drops the dense weight, so each weight is held once (except
-a tied lm_head: see `LlamaForCausalLM.prepack`).
-Everywhere else (CUDA, half precision, a torch without oneDNN) `Linear` is `F.linear` on the
-dense weight.
+On CPU in float32 three layouts of a weight serve `y = x W^T` (benchmarks/RESULTS.md, bench_engine):
+- dense [out, in], `F.linear` (MKL): the reference, and the best at 1 row when in > out;
+- transposed [in, out] contiguous, `x @ W^T` (MKL): at 1-3 rows, 1.2-1.8x faster than dense when
+  out >= in (q/k/v, gate/up, lm_head: 10 -> 6 ms per decode token for SmolLM2's lm_head), and
+  within a few percent of dense at prefill sizes;
+- oneDNN packed (`Linear.prepare(pack=True)`): reordered once into oneDNN's blocked layout, with
+  SwiGLU and the residual add fused in; 1.3-2.4x faster at 4-16 rows on Qwen2.5-0.5B's shapes,
+  but slower than either plain layout at 1-3 rows.
 
-Until it is packed a `Linear` has `nn.Linear`'s parameter names and shapes, so the loader fills it
-like one, and a merged projection (q/k/v, gate/up) stays one tensor in the checkpoint mapping.
+`prepare()` picks a layout for steps of 1-3 rows ("narrow": a batch-1 to batch-3 decode step) and
+one for 4 rows and more ("wide") and drops the dense tensor when neither needs it. Packed wide
+layouts may keep a second, plain layout for narrow steps (`narrow_copy`): the one memory trade in
+here, an option of the engine (`narrow_weights`). Everywhere else (CUDA, half precision) `Linear`
+is `F.linear` on the dense weight.
+
+Until it is prepared a `Linear` has `nn.Linear`'s parameter names and shapes, so the loader fills
+it like one, and a merged projection (q/k/v, gate/up) stays one tensor in the checkpoint mapping.
 """
 
 from __future__ import annotations
@@ -48,26 +54,39 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return _ops._reorder_linear_weight(weight.contiguous(), None)
 
 
-# Per weight shape, once per process: every model of a shape then takes the same path (and
-# gives the same numbers), however noisy the machine was at a later load.
-_PACKING_PAYS: dict[tuple[int, ...], bool] = {}
+# Per weight shape and row counts, once per process: every model of a shape then takes the same
+# path (and gives the same numbers), however noisy the machine was at a later load.
+_PACKING_PAYS: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
 
 
-def packing_pays(weight: torch.Tensor) -> bool:
-    """Whether the oneDNN path beats `F.linear` for this weight's shape on this machine. It
-    depends on the shape: packing won 1.3-2.4x at decode sizes on Qwen2.5-0.5B's (896 wide), yet
-    lost ~20% of decode speed on SmolLM2-135M's (576 wide) on the same CPU, so it is measured at
-    the first load, not assumed."""
+def packing_pays(weight: torch.Tensor, narrow_elsewhere: bool) -> bool:
+    """Whether the oneDNN path beats `F.linear` for this weight's shape on this machine, over the
+    row counts it would serve. It depends on the shape: on Qwen2.5-0.5B's (896 wide) packing won
+    1.3-2.4x at decode sizes and 1.05-1.2x at prefill sizes; on SmolLM2-135M's (576 wide) it won
+    at 4-64 rows on every projection but lost 8-15% at prefill sizes on q/k/v and down, and at
+    one row on all. So it is measured per shape at the first load, not assumed.
+    `narrow_elsewhere`: steps of 1-3 rows take another layout, so only 4 rows and more count."""
     if not onednn_usable(weight):
         return False
-    shape = tuple(weight.shape)
-    if shape not in _PACKING_PAYS:
-        _PACKING_PAYS[shape] = _measure_packing(weight)
-    return _PACKING_PAYS[shape]
+    out_features, in_features = weight.shape
+    rows = tuple(
+        n
+        for n in ((_MIN_ROWS, 64, 256) if narrow_elsewhere else (1, 64, 256))
+        if n == _MIN_ROWS or n == 1 or n * out_features * in_features <= _MEASURE_MACS
+    )
+    key = (tuple(weight.shape), rows)
+    if key not in _PACKING_PAYS:
+        _PACKING_PAYS[key] = _measure_packing(weight, rows)
+    return _PACKING_PAYS[key]
+
+
+# The largest product measured at load (multiply-adds): keeps a big lm_head's measurement short
+# (Qwen2.5-0.5B's at 64 rows would be ~9e9) at the cost of judging it on fewer row counts.
+_MEASURE_MACS = 2**31
 
 
 @torch.inference_mode()
-def _measure_packing(weight: torch.Tensor, rows: tuple[int, ...] = (1, 64), repeats: int = 15) -> bool:
+def _measure_packing(weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 9) -> bool:
     """The sum over `rows` of each path's fastest of `repeats` interleaved runs."""
     import time
 
@@ -95,6 +114,11 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     return padded
 
 
+def plain_cpu_fp32(weight: torch.Tensor) -> bool:
+    """Whether the transposed layout applies: measured on CPU float32 only."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
 class Linear(nn.Module):
     """`y = x W^T + b` with `nn.Linear`'s `weight` [out, in] and `bias` [out]; x is [T, in].
 
@@ -102,6 +126,9 @@ class Linear(nn.Module):
     the result is `silu(gate) * up` ([T, out / 2]). Packed, that is two GEMMs with silu and the
     product fused in as oneDNN post-ops, so neither the merged [T, out] output nor the strided
     halves of it are materialised (the MLP measured 16% faster at 2048 rows, 14% at 256).
+
+    `narrow` is the layout of steps of 1-3 rows, `wide` that of 4 rows and more: "dense",
+    "transposed" or "packed" (see the module docstring); both "dense" until `prepare()`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, gated: bool = False) -> None:
@@ -111,51 +138,78 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.gated = in_features, out_features, gated
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias: nn.Parameter | None = nn.Parameter(torch.empty(out_features)) if bias else None
-        # After prepack(): the oneDNN weights (one, or gate and up) and their biases. Plain
-        # attributes, not buffers: an opaque oneDNN tensor has no storage to save or move.
+        # After prepare(): the oneDNN weights (one, or gate and up) and their biases, and the
+        # [in, out] copy. Plain attributes, not buffers: an opaque oneDNN tensor has no storage
+        # to save or move, and the transposed copy is derived from `weight`.
         self.packed: tuple[torch.Tensor, ...] = ()
         self.packed_bias: tuple[torch.Tensor | None, ...] = ()
+        self.weight_t: torch.Tensor | None = None
+        self.plain_bias: torch.Tensor | None = None
+        self.narrow = self.wide = "dense"
 
     @property
     def is_packed(self) -> bool:
         return bool(self.packed)
 
-    def prepack(self) -> bool:
-        """Reorder the weight for oneDNN and drop this module's dense copy; False (and nothing
-        changed) where the oneDNN path does not apply. Call once, after the weights are loaded.
+    def plain_layout(self) -> str:
+        """The faster plain layout at 1-3 rows: transposed when the output is at least as wide
+        as the input (the product then streams contiguous rows of W^T), else dense."""
+        return "transposed" if self.out_features >= self.in_features else "dense"
 
-        The dense tensor is freed unless something else holds it (a tied embedding does)."""
-        if self.is_packed:
-            return True
-        if self.weight is None or not onednn_usable(self.weight):
-            return False
+    def prepare(self, pack: bool, narrow_copy: bool) -> tuple[str, str]:
+        """Choose and build the layouts, once, after the weights are loaded; returns (narrow,
+        wide). `pack`: the wide layout is oneDNN's (where that path applies). `narrow_copy`: a
+        packed weight also keeps its plain layout for narrow steps (a second copy of it).
+
+        The dense tensor is dropped when no layout uses it; it is only freed if nothing else
+        holds it (a tied embedding does). Outside CPU float32 nothing changes."""
+        if self.weight is None or self.wide != "dense" or not plain_cpu_fp32(self.weight):
+            return self.narrow, self.wide
+        plain = self.plain_layout()
+        if pack and onednn_usable(self.weight):
+            self.wide, self.narrow = "packed", plain if narrow_copy else "packed"
+        else:
+            self.wide = self.narrow = plain
         w = self.weight.detach()
         b = None if self.bias is None else self.bias.detach()
-        if self.gated:
-            half = self.out_features // 2
-            self.packed = (_pack(w[:half]), _pack(w[half:]))
-            self.packed_bias = (None, None) if b is None else (b[:half].contiguous(), b[half:].contiguous())
-        else:
-            self.packed, self.packed_bias = (_pack(w),), (b,)
-        self.weight = None
-        self.bias = None
-        return True
+        if "packed" in (self.wide, self.narrow):
+            if self.gated:
+                half = self.out_features // 2
+                self.packed = (_pack(w[:half]), _pack(w[half:]))
+                self.packed_bias = (
+                    (None, None) if b is None else (b[:half].contiguous(), b[half:].contiguous())
+                )
+            else:
+                self.packed, self.packed_bias = (_pack(w),), (b,)
+        if "transposed" in (self.wide, self.narrow):
+            self.weight_t = w.t().contiguous()
+        if "dense" not in (self.wide, self.narrow):
+            self.plain_bias = b
+            self.weight = None
+            self.bias = None
+        return self.narrow, self.wide
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The projection of x [T, in], plus `residual` [T, out] when given (fused into the GEMM
         when packed, so the sum costs no extra pass over the output)."""
-        if not self.packed:
+        rows = x.shape[0]
+        layout = self.narrow if rows < _MIN_ROWS else self.wide
+        if layout == "packed":
+            if rows >= _MIN_ROWS:
+                return self._packed_forward(x, residual)
+            res = None if residual is None else _pad_rows(residual)
+            return self._packed_forward(_pad_rows(x), res)[:rows]
+        if layout == "transposed":
+            assert self.weight_t is not None
+            bias = self.bias if self.bias is not None else self.plain_bias
+            y = torch.mm(x, self.weight_t) if bias is None else torch.addmm(bias, x, self.weight_t)
+        else:
             assert self.weight is not None
             y = F.linear(x, self.weight, self.bias)
-            if self.gated:
-                gate, up = y.split(self.out_features // 2, dim=-1)
-                y = F.silu(gate) * up
-            return y if residual is None else y + residual
-        rows = x.shape[0]
-        if rows >= _MIN_ROWS:
-            return self._packed_forward(x, residual)
-        res = None if residual is None else _pad_rows(residual)
-        return self._packed_forward(_pad_rows(x), res)[:rows]
+        if self.gated:
+            gate, up = y.split(self.out_features // 2, dim=-1)
+            y = F.silu(gate) * up
+        return y if residual is None else y + residual
 
     def _packed_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         weights, biases = self.packed, self.packed_bias
@@ -168,8 +222,8 @@ class Linear(nn.Module):
         return _ops._linear_pointwise(x, weights[0], biases[0], "none", [], "")
 
     def extra_repr(self) -> str:
-        has_bias = self.bias is not None or any(b is not None for b in self.packed_bias)
+        has_bias = any(b is not None for b in (self.bias, self.plain_bias, *self.packed_bias))
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={has_bias}, "
-            f"gated={self.gated}, packed={self.is_packed}"
+            f"gated={self.gated}, narrow={self.narrow}, wide={self.wide}"
         )

@@ -2,8 +2,9 @@
 qkv bias (Qwen2, Llama's attention_bias), per-head q/k RMSNorm (Qwen3), tied embeddings.
 
 Tokens of every sequence in a step are flattened into one [T] batch; q/k/v and gate/up are
-merged projections, so a layer runs four matmuls. On CPU float32 the projections are prepacked
-for oneDNN after loading (`model.linear`), with the residual adds and SwiGLU fused into them.
+merged projections, so a layer runs four matmuls. On CPU float32 the projections are laid out
+after loading for the row counts they run (`model.linear`: MKL's plain layouts, or oneDNN's
+packed one with the residual adds and SwiGLU fused into it).
 """
 
 from __future__ import annotations
@@ -127,22 +128,28 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, kv, meta)
         return self.norm(x)
 
-    def prepack(self) -> int:
-        """Prepack every projection for oneDNN where that path applies (CPU float32); returns how
-        many were packed. Call once, after the weights are loaded.
+    def prepare(self, narrow_weights: bool = True) -> dict[str, int]:
+        """Lay out every projection for the row counts it will run (`Linear.prepare`); returns
+        how many projections got each (narrow, wide) pair, e.g. {"transposed/packed": 61}. Call
+        once, after the weights are loaded.
 
-        A tied lm_head is packed too, although the embedding keeps its dense weight for row
-        lookups, so that tensor is then held twice (+vocab x hidden x 4 bytes: 544 MB for
-        Qwen2.5-0.5B). The packed lm_head is ~2x faster at 16 rows, which the batched decode of
-        bench_engine needs; every other weight is held once.
+        The wide layout of a projection is oneDNN's where packing measured faster than
+        `F.linear` for its shape on this machine (`linear.packing_pays`), else the plain layout.
+        `narrow_weights`: packed projections keep a plain copy for steps of 1-3 rows too (up to
+        twice the weights' memory; the batch-1 decode then runs at MKL's 1-row speed instead of
+        oneDNN's slower padded one).
 
-        Packing is skipped altogether where it measured no faster than `F.linear` on this model's
-        widest projection (layer 0's gate/up) on this machine (`linear.packing_pays`).
+        A tied lm_head holds its own layout beside the embedding's dense weight, which row lookups
+        need (+vocab x hidden x 4 bytes: 113 MB for SmolLM2-135M, 544 MB for Qwen2.5-0.5B; twice
+        that with a narrow copy): its 1-row product is the largest of a decode step.
         """
-        mlp = self.layers[0].mlp.gate_up_proj if self.layers else None
-        if mlp is None or mlp.weight is None or not packing_pays(mlp.weight):
-            return 0
-        return sum(m.prepack() for m in self.modules() if isinstance(m, Linear))
+        counts: dict[str, int] = {}
+        for m in self.modules():
+            if isinstance(m, Linear):
+                pack = m.weight is not None and packing_pays(m.weight, narrow_weights)
+                key = "/".join(m.prepare(pack, narrow_weights))
+                counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

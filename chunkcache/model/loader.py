@@ -224,10 +224,11 @@ def load_model(
     dtype: str = "auto",
     tokenizer: str | None = None,
     adapter: str | None = None,
+    narrow_weights: bool = True,
 ) -> LoadedModel:
     """The model at `model` (directory, .gguf file or hub id) on `device`, with its tokenizer, or
     with the one in the directory `tokenizer` where given; a LoRA `adapter` (peft's format) is
-    merged into the weights."""
+    merged into the weights. `narrow_weights`: see `LlamaForCausalLM.prepare`."""
     path = resolve_model_path(model)
     lora = LoraAdapter.open(adapter) if adapter is not None else None
     gguf = find_gguf(path)
@@ -260,8 +261,8 @@ def load_model(
     for layer in net.layers:
         layer.self_attn.rotary = rotary
     net.eval()
-    # After every weight is in place: packing reads the final (merged, tied) tensors.
-    net.prepack()
+    # After every weight is in place: the layouts are built from the final (merged, tied) tensors.
+    net.prepare(narrow_weights)
     if tokenizer is not None:
         tok = load_tokenizer(Path(tokenizer).expanduser())
     elif gguf is not None:

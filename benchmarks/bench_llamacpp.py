@@ -1,0 +1,326 @@
+"""chunkcache against llama.cpp, the server a user would pick on a CPU, side by side over HTTP.
+
+Both sides serve the default model, SmolLM2-135M-Instruct, from the SAME F32 GGUF, made as a
+llama.cpp user makes one: transformers dequantizes the packaged Q4_1 GGUF and exports it in HF
+format, and llama.cpp's own `convert_hf_to_gguf.py` (from the llama-cpp-python sdist of the
+installed version, fetched with `pip download`) writes it as F32. Cached under `--cache-dir`.
+
+The peer is llama-cpp-python's OpenAI server (`python -m llama_cpp.server`, install it with the
+optional extra `peer`: `pip install -e .[peer]`; it compiles llama.cpp, ~10-16 minutes on 2 cores)
+at its best for these workloads: its RAM prompt cache on (`--cache true`), `--logits_all false`,
+the same number of threads for prompt and generation as chunkcache gets (`--threads`). chunkcache
+runs `chunkcache serve` with its defaults (chunk cache on, layout offset + blend). Both servers
+are up at once; only one works at a time: every request goes to both, one after the other, the
+side that goes first alternating. Every request is greedy (`temperature 0`) and streamed; times
+are client-side (TTFT = first streamed token). CPU seconds of each server process are read from
+/proc around every request, so CPU-time ratios stand beside wall ratios on a shared machine.
+
+Workloads (text: CPython's reference documentation, `pydoc_data.topics`, which nobody on the
+project wrote):
+1. cold prefill: a fresh ~2,000-token prompt per repetition, 1 token generated; never seen by
+   either side.
+2. decode: a short prompt, 128 tokens generated (EOS held off by `min_tokens` on both sides); rate
+   = 127 tokens over first-to-last token time. The two sides' texts are compared.
+3. RAG, random order: a pool of 12 documents (~`--doc-tokens` each); every request puts 4 of them,
+   drawn at random in a random order, between a system line and a fresh question, joined by
+   chunkcache's separator ` # # ` (llama.cpp gets the same string). Every document was seen once
+   on both sides before timing starts (warm-up requests).
+4. RAG, same order: the same 4 documents in the same order every time with a fresh question:
+   llama.cpp's best case, where its prefix cache reuses everything but the question.
+
+The ratios are llama.cpp's time over chunkcache's (> 1 = chunkcache faster). The last line:
+
+    SUMMARY bench_llamacpp: prefill=X.XXx decode=X.XXx rag_random=X.XXx rag_same=X.XXx (wall) cpu_...
+
+    python benchmarks/bench_llamacpp.py [--threads 1] [--repeats 3] [--rag-requests 12] [-- extra chunkcache serve args]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from bench_serve import ServerProcess, percentile
+from common import summary
+from tqdm import tqdm
+
+SEPARATOR = " # # "
+SYSTEM = "You are a helpful assistant. Answer the question from the documents."
+DEFAULT_CACHE = Path.home() / ".cache" / "chunkcache" / "bench-llamacpp"
+
+
+# ---- the F32 GGUF both sides serve -------------------------------------------------------------
+
+
+def llama_cpp_source(cache_dir: Path) -> Path:
+    """llama.cpp's tree from the sdist of the installed llama-cpp-python (its conversion script
+    must match the llama.cpp that will read the file)."""
+    import llama_cpp
+
+    version = llama_cpp.__version__
+    root = cache_dir / f"llama_cpp_python-{version}"
+    if not (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={version}", "-d", str(cache_dir)],
+            check=True,
+        )  # fmt: skip
+        shutil.unpack_archive(cache_dir / f"llama_cpp_python-{version}.tar.gz", cache_dir)
+    return root / "vendor" / "llama.cpp"
+
+
+def f32_gguf(cache_dir: Path) -> Path:
+    """The default model as an F32 GGUF written by llama.cpp's converter; built once."""
+    out = cache_dir / "SmolLM2-135M-Instruct.F32.gguf"
+    if out.exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from chunkcache.model.loader import default_model
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    src = Path(default_model())
+    hf_dir = cache_dir / "hf-export"
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    # A GGUF-loaded model refuses save_pretrained (it counts as quantized): copy its dequantized
+    # weights into a plain model of the same config.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    llama_cpp = llama_cpp_source(cache_dir)
+    env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+    tmp = out.with_suffix(".partial")
+    subprocess.run(
+        [sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+         "--outfile", str(tmp)],
+        check=True, env=env,
+    )  # fmt: skip
+    tmp.rename(out)
+    shutil.rmtree(hf_dir)
+    return out
+
+
+# ---- the two servers ---------------------------------------------------------------------------
+
+
+class LlamaCppServer(ServerProcess):
+    """`python -m llama_cpp.server` on a free loopback port; ready when it lists its model."""
+
+    health_path = "/v1/models"
+
+    def __init__(self, model: Path, threads: int, n_ctx: int, log_dir: Path) -> None:
+        super().__init__(model, True, [], log_dir)
+        self.cmd = [
+            sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(self.port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+            "--n_ctx", str(n_ctx), "--logits_all", "false", "--cache", "true", "--verbose", "false",
+        ]  # fmt: skip
+        self.log_path = log_dir / "llama-cpp-server.log"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Timing:
+    ttft: float
+    e2e: float
+    cpu: float
+    token_times: list[float] = field(default_factory=list)
+    text: str = ""
+
+
+def complete(server: ServerProcess, client: httpx.Client, prompt: str, max_tokens: int) -> Timing:
+    """One streamed greedy completion of exactly `max_tokens` tokens, timed from the client."""
+    assert server.proc is not None
+    body = {
+        "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0,
+        "stream": True,
+    }  # fmt: skip
+    cpu0, start = cpu_seconds(server.proc.pid), time.perf_counter()
+    token_times: list[float] = []
+    text: list[str] = []
+    with client.stream("POST", f"{server.url}/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(
+                f"{server.url}: HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}"
+            )
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            if choices and choices[0].get("text"):
+                token_times.append(time.perf_counter() - start)
+                text.append(choices[0]["text"])
+    if not token_times:
+        raise RuntimeError(f"{server.url}: no token streamed")
+    end = time.perf_counter() - start
+    return Timing(token_times[0], end, cpu_seconds(server.proc.pid) - cpu0, token_times, "".join(text))
+
+
+# ---- workloads -----------------------------------------------------------------------------------
+
+
+def passages(tokenizer: object, min_tokens: int) -> list[tuple[str, str]]:
+    """(title, text) of the reference documentation's topics, the longest first, each cut to about
+    `min_tokens` tokens at a word boundary; shorter topics are left out."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for title, text in sorted(topics.items(), key=lambda kv: -len(kv[1])):
+        ids = tokenizer.encode(" ".join(text.split()), add_special_tokens=False)  # type: ignore[attr-defined]
+        if len(ids) >= min_tokens:
+            cut = tokenizer.decode(ids[:min_tokens]).rsplit(" ", 1)[0]  # type: ignore[attr-defined]
+            out.append((title, cut))
+    return out
+
+
+def question(rng: random.Random, titles: list[str]) -> str:
+    return f"Question {rng.randrange(10**6)}: which document explains '{rng.choice(titles)}'? Answer briefly."
+
+
+@dataclass
+class Side:
+    name: str
+    server: ServerProcess
+    runs: dict[str, list[Timing]] = field(default_factory=dict)
+
+
+def both(
+    sides: list[Side], client: httpx.Client, workload: str, i: int, prompt: str, max_tokens: int
+) -> None:
+    """The same request on both sides, the side that goes first alternating with `i`."""
+    for side in sides if i % 2 == 0 else sides[::-1]:
+        side.runs.setdefault(workload, []).append(complete(side.server, client, prompt, max_tokens))
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="threads of each server (default: %(default)s)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="cold prefills and decodes per side")
+    parser.add_argument("--prefill-tokens", type=int, default=2000)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--doc-tokens", type=int, default=500, help="tokens per RAG document")
+    parser.add_argument("--rag-requests", type=int, default=12, help="timed requests per RAG workload")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("serve_args", nargs="*", help="after --: extra `chunkcache serve` arguments")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    gguf = f32_gguf(args.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    rng = random.Random(args.seed)
+    pool = passages(tokenizer, args.doc_tokens)
+    rng.shuffle(pool)
+    docs, rest = pool[:12], pool[12:]
+    titles = [t for t, _ in docs]
+    # Cold prompts: fresh text per repetition (and per warm-up), never a RAG document.
+    cold = [" ".join(text for _, text in rest[i * 5 : i * 5 + 5]) for i in range(args.repeats + 1)]
+    cold = [
+        tokenizer.decode(tokenizer.encode(c, add_special_tokens=False)[: args.prefill_tokens]) for c in cold
+    ]
+    n_ctx = 8192  # the model's context length; chunkcache serves that by default
+
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-llamacpp-"))
+    ours = ServerProcess(gguf, True, ["--threads", str(args.threads), *args.serve_args], log_dir)
+    theirs = LlamaCppServer(gguf, args.threads, n_ctx, log_dir)
+    sides = [Side("chunkcache", ours), Side("llama.cpp", theirs)]
+    print(f"model {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB), threads {args.threads}, logs in {log_dir}")
+    try:
+        for side in sides:
+            side.server.start()
+        with httpx.Client() as client:
+
+            def run(workload: str, prompts: list[str], max_tokens: int) -> None:
+                for i, prompt in enumerate(tqdm(prompts, desc=workload)):
+                    both(sides, client, workload, i, prompt, max_tokens)
+
+            def rag(chosen: list[tuple[str, str]]) -> str:
+                return SEPARATOR.join([SYSTEM, *[text for _, text in chosen], question(rng, titles)])
+
+            run("warmup", [cold[-1]], 2)
+            run("prefill", cold[:-1], 1)
+            run(
+                "decode",
+                [f"{SYSTEM}\nTell me a long story about {t}." for t in titles[: args.repeats]],
+                args.decode_tokens,
+            )
+            # Every document once on both sides before timing, in three prompts of four.
+            run("warmup", [rag(docs[4 * i : 4 * i + 4]) for i in range(3)], 1)
+            run("rag_random", [rag(rng.sample(docs, 4)) for _ in range(args.rag_requests)], 1)
+            run("rag_same", [rag(docs[:4]) for _ in range(args.rag_requests)], 1)
+    finally:
+        for side in sides:
+            side.server.stop()
+    return report(sides, args)
+
+
+def report(sides: list[Side], args: argparse.Namespace) -> int:
+    ours, theirs = sides
+    ratios: dict[str, str] = {}
+    cpu_ratios: dict[str, str] = {}
+    print(
+        f"\n{'workload':<12} {'side':<11} {'mean':>9} {'p50':>9} {'cpu mean':>9}  (seconds; decode: tokens/s)"
+    )
+    for workload in ("prefill", "decode", "rag_random", "rag_same"):
+        stats = {}
+        for side in sides:
+            runs = side.runs[workload]
+            if workload == "decode":
+                rates = [(len(r.token_times) - 1) / (r.token_times[-1] - r.token_times[0]) for r in runs]
+                cpu = [r.cpu / len(r.token_times) for r in runs]
+                stats[side.name] = (mean(rates), percentile(rates, 50), mean(cpu))
+            else:
+                ttft = [r.ttft for r in runs]
+                stats[side.name] = (mean(ttft), percentile(ttft, 50), mean([r.cpu for r in runs]))
+            m, p50, c = stats[side.name]
+            print(f"{workload:<12} {side.name:<11} {m:>9.4f} {p50:>9.4f} {c:>9.4f}")
+        (om, op, oc), (tm, tp, tc) = stats[ours.name], stats[theirs.name]
+        wall = om / tm if workload == "decode" else tm / om
+        ratios[workload] = f"{wall:.2f}x"
+        cpu_ratios[f"cpu_{workload}"] = f"{tc / oc:.2f}x"
+        if workload != "decode":
+            ratios[f"{workload}_p50"] = f"{tp / op:.2f}x"
+    texts = [(o.text == t.text) for o, t in zip(ours.runs["decode"], theirs.runs["decode"], strict=True)]
+    print(f"decode texts equal on both sides: {sum(texts)}/{len(texts)}")
+    targets = {"prefill": 1.5, "decode": 1.0, "rag_random": 5.0}
+    verdict = {
+        f"target_{k}": f">={v}:{'met' if float(ratios[k][:-1]) >= v else 'MISSED'}"
+        for k, v in targets.items()
+    }
+    print(summary("bench_llamacpp", **ratios, **cpu_ratios, **verdict, threads=str(args.threads),
+                  loadavg=f"{os.getloadavg()[0]:.2f}"))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
