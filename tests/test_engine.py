@@ -270,22 +270,24 @@ def test_device_and_dtype_auto(checkpoint) -> None:
         assert llm.engine.runner.dtype == torch.float32
 
 
-# (pack, narrow_copy, in, out) -> expected (narrow, wide) layouts
+# (pack, narrow_copy, pack_prefill, in, out) -> expected (narrow, wide, prefill) layouts
 LAYOUTS = [
-    (True, False, 96, 160, ("packed", "packed")),
-    (True, True, 96, 160, ("transposed", "packed")),
-    (True, True, 160, 96, ("dense", "packed")),
-    (False, True, 96, 160, ("transposed", "transposed")),
-    (False, False, 160, 96, ("dense", "dense")),
+    (True, False, True, 96, 160, ("packed", "packed", "packed")),
+    (True, False, False, 96, 160, ("packed", "packed", "packed")),  # no plain copy to take
+    (True, True, True, 96, 160, ("transposed", "packed", "packed")),
+    (True, True, False, 96, 160, ("transposed", "packed", "transposed")),
+    (True, True, False, 160, 96, ("dense", "packed", "dense")),
+    (False, True, True, 96, 160, ("transposed", "transposed", "transposed")),
+    (False, False, True, 160, 96, ("dense", "dense", "dense")),
 ]
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("rows", [1, 3, 4, 37])
+@pytest.mark.parametrize("rows", [1, 3, 4, 37, 130])
 @pytest.mark.parametrize(
     ("gated", "bias", "with_residual"), [(False, False, False), (False, True, True), (True, True, False)]
 )
-@pytest.mark.parametrize(("pack", "narrow_copy", "n_in", "n_out", "layouts"), LAYOUTS)
+@pytest.mark.parametrize(("pack", "narrow_copy", "pack_prefill", "n_in", "n_out", "layouts"), LAYOUTS)
 def test_every_linear_layout_matches_f_linear(
     rows: int,
     gated: bool,
@@ -293,12 +295,13 @@ def test_every_linear_layout_matches_f_linear(
     with_residual: bool,
     pack: bool,
     narrow_copy: bool,
+    pack_prefill: bool,
     n_in: int,
     n_out: int,
     layouts: tuple[str, str],
 ) -> None:
     """Every layout a Linear can be prepared in (oneDNN with row padding below 4 rows, fused
-    SwiGLU and residual; transposed; dense), for narrow and wide steps, against F.linear."""
+    SwiGLU and residual; transposed; dense), for narrow, wide and prefill steps, against F.linear."""
     import torch.nn.functional as F
 
     from chunkcache.model.linear import Linear
@@ -319,7 +322,7 @@ def test_every_linear_layout_matches_f_linear(
         ref = F.silu(ref[:, :out_size]) * ref[:, out_size:]
     if residual is not None:
         ref = ref + residual
-    assert lin.prepare(pack, narrow_copy) == layouts
+    assert lin.prepare(pack, narrow_copy, pack_prefill) == layouts
     assert lin.is_packed == (pack is True)
     assert (lin.weight is None) == ("dense" not in layouts)
     assert (lin.weight_t is None) == ("transposed" not in layouts)
@@ -345,17 +348,22 @@ def test_cpu_fp32_model_layouts_match_dense(
 
     path = checkpoint(arch="qwen2", tie_word_embeddings=tied)
     # Whether packing pays is measured at load; here it is forced, to check the packed path.
-    monkeypatch.setattr(llama_module, "packing_pays", lambda weight, narrow_elsewhere: True)
+    # Packing is forced for decode steps, and for prefills only without narrow copies.
+    monkeypatch.setattr(llama_module, "packing_pays", lambda weight, rows: rows != (256,))
     packed = load_model(str(path), "cpu", "float32", narrow_weights=narrow_weights)
     linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.is_packed and m.wide == "packed" for m in linears)
     assert all((m.narrow != "packed") == narrow_weights for m in linears)
+    lm_head = packed.model.lm_head
+    assert all((m.prefill != "packed") == narrow_weights for m in linears if m is not lm_head)
     monkeypatch.setattr(LlamaForCausalLM, "prepare", lambda self, narrow_weights=True: {})
     dense = load_model(str(path), "cpu", "float32")
-    assert all(m.narrow == m.wide == "dense" for m in dense.model.modules() if isinstance(m, Linear))
+    assert all(
+        m.narrow == m.wide == m.prefill == "dense" for m in dense.model.modules() if isinstance(m, Linear)
+    )
 
     spec = packed.spec
-    n = 11
+    n = 140  # a prefill of 139 rows: past PREFILL_ROWS, so the prefill layouts run
     ids = torch.randint(3, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
 
     @torch.inference_mode()

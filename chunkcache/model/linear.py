@@ -9,10 +9,11 @@ On CPU in float32 three layouts of a weight serve `y = x W^T` (benchmarks/RESULT
   SwiGLU and the residual add fused in; 1.3-2.4x faster at 4-16 rows on Qwen2.5-0.5B's shapes,
   but slower than either plain layout at 1-3 rows.
 
-`prepare()` picks a layout for steps of 1-3 rows ("narrow": a batch-1 to batch-3 decode step) and
-one for 4 rows and more ("wide") and drops the dense tensor when neither needs it. Packed wide
-layouts may keep a second, plain layout for narrow steps (`narrow_copy`): the one memory trade in
-here, an option of the engine (`narrow_weights`). Everywhere else (CUDA, half precision) `Linear`
+`prepare()` picks a layout for steps of 1-3 rows ("narrow": a batch-1 to batch-3 decode step), one
+for 4-127 rows ("wide": batched decode) and one for 128 rows and more ("prefill"), and drops the
+dense tensor when none needs it. Packed weights may keep a second, plain layout for narrow steps
+(`narrow_copy`), which prefill steps then take too where it measured faster: the one memory trade
+in here, an option of the engine (`narrow_weights`). Everywhere else (CUDA, half precision) `Linear`
 is `F.linear` on the dense weight.
 
 Until it is prepared a `Linear` has `nn.Linear`'s parameter names and shapes, so the loader fills
@@ -32,6 +33,8 @@ _ops = torch.ops.mkldnn
 # to 4 (padding to 2, 3, 6 or 8 was no better). The extra zero rows cost nothing measurable
 # because at these sizes the GEMM is bound by reading the weight.
 _MIN_ROWS = 4
+# Steps of this many rows and more are prefills (or blend recomputations) for layout choice.
+PREFILL_ROWS = 128
 
 
 def onednn_usable(weight: torch.Tensor) -> bool:
@@ -59,35 +62,25 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 _PACKING_PAYS: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
 
 
-def packing_pays(weight: torch.Tensor, narrow_elsewhere: bool) -> bool:
-    """Whether the oneDNN path beats `F.linear` for this weight's shape on this machine, over the
-    row counts it would serve. It depends on the shape: on Qwen2.5-0.5B's (896 wide) packing won
-    1.3-2.4x at decode sizes and 1.05-1.2x at prefill sizes; on SmolLM2-135M's (576 wide) it won
-    at 4-64 rows on every projection but lost 8-15% at prefill sizes on q/k/v and down, and at
-    one row on all. So it is measured per shape at the first load, not assumed.
-    `narrow_elsewhere`: steps of 1-3 rows take another layout, so only 4 rows and more count."""
+def packing_pays(weight: torch.Tensor, rows: tuple[int, ...]) -> bool:
+    """Whether the oneDNN path beats `F.linear` for this weight's shape on this machine, summed
+    over steps of `rows` rows. It depends on the shape and the rows: packing won 1.3-2.4x at
+    4-16 rows on Qwen2.5-0.5B's (896 wide) and lost ~20% of a batch-1 decode on SmolLM2-135M's
+    (576 wide) when it also served 1-row steps; SmolLM2's 2048-token prefill was 0.89x
+    transformers' packed against 1.01x plain. So it is measured per shape and row band at the
+    first load, not assumed."""
     if not onednn_usable(weight):
         return False
-    out_features, in_features = weight.shape
-    rows = tuple(
-        n
-        for n in ((_MIN_ROWS, 64, 256) if narrow_elsewhere else (1, 64, 256))
-        if n == _MIN_ROWS or n == 1 or n * out_features * in_features <= _MEASURE_MACS
-    )
     key = (tuple(weight.shape), rows)
     if key not in _PACKING_PAYS:
         _PACKING_PAYS[key] = _measure_packing(weight, rows)
     return _PACKING_PAYS[key]
 
 
-# The largest product measured at load (multiply-adds): keeps a big lm_head's measurement short
-# (Qwen2.5-0.5B's at 64 rows would be ~9e9) at the cost of judging it on fewer row counts.
-_MEASURE_MACS = 2**31
-
-
 @torch.inference_mode()
 def _measure_packing(weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 9) -> bool:
-    """The sum over `rows` of each path's fastest of `repeats` interleaved runs."""
+    """The sum over `rows` of each path's fastest of `repeats` interleaved runs, in this thread's
+    CPU time: a run preempted by another process on a shared machine then costs no more."""
     import time
 
     w = weight.detach().contiguous()
@@ -97,12 +90,12 @@ def _measure_packing(weight: torch.Tensor, rows: tuple[int, ...], repeats: int =
         x = torch.randn(max(n, _MIN_ROWS), w.shape[1])
         runs: dict[str, list[float]] = {"dense": [], "packed": []}
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = time.thread_time()
             F.linear(x[:n], w)
-            runs["dense"].append(time.perf_counter() - start)
-            start = time.perf_counter()
+            runs["dense"].append(time.thread_time() - start)
+            start = time.thread_time()
             _ops._linear_pointwise(x, packed, None, "none", [], "")
-            runs["packed"].append(time.perf_counter() - start)
+            runs["packed"].append(time.thread_time() - start)
         for name, times in runs.items():
             best[name] += min(times)
     return best["packed"] < best["dense"]
@@ -127,8 +120,9 @@ class Linear(nn.Module):
     product fused in as oneDNN post-ops, so neither the merged [T, out] output nor the strided
     halves of it are materialised (the MLP measured 16% faster at 2048 rows, 14% at 256).
 
-    `narrow` is the layout of steps of 1-3 rows, `wide` that of 4 rows and more: "dense",
-    "transposed" or "packed" (see the module docstring); both "dense" until `prepare()`.
+    `narrow` is the layout of steps of 1-3 rows, `wide` that of 4 to PREFILL_ROWS - 1 rows,
+    `prefill` that of more: "dense", "transposed" or "packed" (see the module docstring); all
+    "dense" until `prepare()`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, gated: bool = False) -> None:
@@ -145,7 +139,7 @@ class Linear(nn.Module):
         self.packed_bias: tuple[torch.Tensor | None, ...] = ()
         self.weight_t: torch.Tensor | None = None
         self.plain_bias: torch.Tensor | None = None
-        self.narrow = self.wide = "dense"
+        self.narrow = self.wide = self.prefill = "dense"
 
     @property
     def is_packed(self) -> bool:
@@ -156,23 +150,26 @@ class Linear(nn.Module):
         as the input (the product then streams contiguous rows of W^T), else dense."""
         return "transposed" if self.out_features >= self.in_features else "dense"
 
-    def prepare(self, pack: bool, narrow_copy: bool) -> tuple[str, str]:
+    def prepare(self, pack: bool, narrow_copy: bool, pack_prefill: bool = True) -> tuple[str, str, str]:
         """Choose and build the layouts, once, after the weights are loaded; returns (narrow,
-        wide). `pack`: the wide layout is oneDNN's (where that path applies). `narrow_copy`: a
-        packed weight also keeps its plain layout for narrow steps (a second copy of it).
+        wide, prefill). `pack`: the wide layout is oneDNN's (where that path applies).
+        `narrow_copy`: a packed weight also keeps its plain layout for narrow steps (a second
+        copy of it), which prefill steps then take too unless `pack_prefill`.
 
         The dense tensor is dropped when no layout uses it; it is only freed if nothing else
         holds it (a tied embedding does). Outside CPU float32 nothing changes."""
         if self.weight is None or self.wide != "dense" or not plain_cpu_fp32(self.weight):
-            return self.narrow, self.wide
+            return self.narrow, self.wide, self.prefill
         plain = self.plain_layout()
         if pack and onednn_usable(self.weight):
             self.wide, self.narrow = "packed", plain if narrow_copy else "packed"
+            self.prefill = "packed" if pack_prefill or not narrow_copy else plain
         else:
-            self.wide = self.narrow = plain
+            self.wide = self.narrow = self.prefill = plain
+        held = (self.narrow, self.wide, self.prefill)
         w = self.weight.detach()
         b = None if self.bias is None else self.bias.detach()
-        if "packed" in (self.wide, self.narrow):
+        if "packed" in held:
             if self.gated:
                 half = self.out_features // 2
                 self.packed = (_pack(w[:half]), _pack(w[half:]))
@@ -181,19 +178,19 @@ class Linear(nn.Module):
                 )
             else:
                 self.packed, self.packed_bias = (_pack(w),), (b,)
-        if "transposed" in (self.wide, self.narrow):
+        if "transposed" in held:
             self.weight_t = w.t().contiguous()
-        if "dense" not in (self.wide, self.narrow):
+        if "dense" not in held:
             self.plain_bias = b
             self.weight = None
             self.bias = None
-        return self.narrow, self.wide
+        return held
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The projection of x [T, in], plus `residual` [T, out] when given (fused into the GEMM
         when packed, so the sum costs no extra pass over the output)."""
         rows = x.shape[0]
-        layout = self.narrow if rows < _MIN_ROWS else self.wide
+        layout = self.narrow if rows < _MIN_ROWS else self.wide if rows < PREFILL_ROWS else self.prefill
         if layout == "packed":
             if rows >= _MIN_ROWS:
                 return self._packed_forward(x, residual)
@@ -225,5 +222,5 @@ class Linear(nn.Module):
         has_bias = any(b is not None for b in (self.bias, self.plain_bias, *self.packed_bias))
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={has_bias}, "
-            f"gated={self.gated}, narrow={self.narrow}, wide={self.wide}"
+            f"gated={self.gated}, narrow={self.narrow}, wide={self.wide}, prefill={self.prefill}"
         )

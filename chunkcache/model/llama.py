@@ -130,14 +130,16 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare(self, narrow_weights: bool = True) -> dict[str, int]:
         """Lay out every projection for the row counts it will run (`Linear.prepare`); returns
-        how many projections got each (narrow, wide) pair, e.g. {"transposed/packed": 61}. Call
+        how many projections got each (narrow, wide, prefill) layouts, e.g.
+        {"transposed/packed/packed": 61}. Call
         once, after the weights are loaded.
 
-        The wide layout of a projection is oneDNN's where packing measured faster than
-        `F.linear` for its shape on this machine (`linear.packing_pays`), else the plain layout.
-        `narrow_weights`: packed projections keep a plain copy for steps of 1-3 rows too (up to
-        twice the weights' memory; the batch-1 decode then runs at MKL's 1-row speed instead of
-        oneDNN's slower padded one).
+        Per projection shape, oneDNN's layout serves batched decode steps where packing
+        measured faster than `F.linear` at 4-64 rows on this machine (`linear.packing_pays`;
+        1-64 rows without narrow copies), and prefills too where it also measured faster at 256
+        rows; the plain layout serves the rest. `narrow_weights`: packed projections keep a plain
+        copy for steps of 1-3 rows and prefills (up to twice the weights' memory; the batch-1
+        decode then runs at MKL's 1-row speed instead of oneDNN's slower padded one).
 
         A tied lm_head holds its own layout beside the embedding's dense weight, which row lookups
         need (+vocab x hidden x 4 bytes: 113 MB for SmolLM2-135M, 544 MB for Qwen2.5-0.5B; twice
@@ -145,9 +147,13 @@ class LlamaForCausalLM(nn.Module):
         """
         counts: dict[str, int] = {}
         for m in self.modules():
-            if isinstance(m, Linear):
-                pack = m.weight is not None and packing_pays(m.weight, narrow_weights)
-                key = "/".join(m.prepare(pack, narrow_weights))
+            if isinstance(m, Linear) and m.weight is not None:
+                pack = packing_pays(m.weight, (4, 64) if narrow_weights else (1, 64))
+                # The lm_head's prefill rows are few (the last token of each prompt): no band.
+                pack_prefill = (
+                    m is self.lm_head or not (pack and narrow_weights) or packing_pays(m.weight, (256,))
+                )
+                key = "/".join(m.prepare(pack, narrow_weights, pack_prefill))
                 counts[key] = counts.get(key, 0) + 1
         return counts
 
