@@ -37,6 +37,7 @@ Usage:
     python benchmarks/bench_router_cluster.py                 # ~20 minutes on 2 busy cores
     python benchmarks/bench_router_cluster.py --quick         # smoke run: 3 policies, 30 requests, 1 repeat
     python benchmarks/bench_router_cluster.py --policies round_robin,prefix_only,cache_aware --shapes recurring
+    python benchmarks/bench_router_cluster.py --server-arg=--chunk-layout=isolated   # replica options
 """
 
 from __future__ import annotations
@@ -223,6 +224,7 @@ def make_cluster(model: Path, policy: str, args: argparse.Namespace, log_dir: Pa
             # A concrete host:port connects: to the router's bound SUB socket.
             "--kv-events-endpoint", events, "--kv-events-topic", f"kv@{name}@{MODEL_NAME}",
             "--kv-events-replay-endpoint", replay,
+            *args.server_arg,
         ]  # fmt: skip
         replicas.append(Proc(f"{policy}-{name}", cmd, f"http://127.0.0.1:{port}", log_dir))
         specs.append(f"{name}@http://127.0.0.1:{port}=={replay}")  # no PUB to connect to; a replay
@@ -235,6 +237,7 @@ def make_cluster(model: Path, policy: str, args: argparse.Namespace, log_dir: Pa
     ]  # fmt: skip
     if args.load_weight is not None:
         cmd += ["--load-weight", str(args.load_weight)]
+    cmd += args.router_arg
     return Cluster(Proc(f"{policy}-router", cmd, f"http://127.0.0.1:{port}", log_dir), replicas)
 
 
@@ -515,6 +518,21 @@ def main(argv: list[str] | None = None) -> int:
         "--load-weight", type=float, default=None, help="the router's --load-weight (default: its own)"
     )
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an option for every replica's `chunkcache serve`, repeatable; write it with '=' "
+        "(--server-arg=--chunk-layout=isolated)",
+    )
+    p.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an option for the router, repeatable (--router-arg=--load-weight=1.0)",
+    )
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 3 policies, 30 requests, 1 repeat")
@@ -544,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-router-cluster-"))
     print(
         f"model {model} ({kv_bytes_per_token(model)} KV bytes/token); logs in {log_dir}\n"
+        f"replica options: {' '.join(args.server_arg) or '(defaults)'}; router options: "
+        f"{' '.join(args.router_arg) or '(defaults)'}\n"
         f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     parts: list[str] = []
