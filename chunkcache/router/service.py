@@ -267,12 +267,15 @@ class Router:
         rendered_chat: bool = False,
         lora: str | None = None,
         cache_salt: str | None = None,
+        chunked_block_keys: bool = True,
     ) -> ScoreResult:
-        """Tokenize and score a prompt against every backend (blocking: run it off the event loop)."""
+        """Tokenize and score a prompt against every backend (blocking: run it off the event loop).
+        `chunked_block_keys=False`: a chunked prompt's prefix blocks are not looked up (its prefix
+        score stays 0), for a policy that scores chunked prompts by their chunks alone."""
         t0 = time.perf_counter()
         tokenized = self.processor.tokenize(prompt, rendered_chat)
         t1 = time.perf_counter()
-        keys = self.processor.keys(tokenized, lora, cache_salt)
+        keys = self.processor.keys(tokenized, lora, cache_salt, chunked_block_keys)
         result = ScoreResult(None, keys.num_tokens, len(keys.block_keys), len(tokenized.chunks), t1 - t0)
         if time.monotonic() < self._index_down_until:
             return result
@@ -314,7 +317,13 @@ class Router:
         try:
             prompt, rendered = self.prompt_of(body, chat)
             result = await run_in_threadpool(
-                self.score_prompt, prompt, rendered, self.lora_of(body), self.salt_of(body)
+                self.score_prompt,
+                prompt,
+                rendered,
+                self.lora_of(body),
+                self.salt_of(body),
+                # cache_aware scores a chunked prompt by its chunks alone (PodScore.total).
+                self.picker.policy != "cache_aware",
             )
         except Exception as e:  # a prompt we cannot read still gets served, by the backend's rules
             logger.debug("prompt not scored: %s", e)
