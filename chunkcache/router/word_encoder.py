@@ -129,6 +129,10 @@ class WordEncoder:
         self._ids: dict[str, tuple[int, ...]] = {}
         self._lock = threading.Lock()
         self.fallbacks = 0  # texts sent to the tokenizer (not ASCII, or holding an added token)
+        # Pre-tokens encoded, and those not in the cache (sent through BPE): statistics, not
+        # exact under concurrent calls.
+        self.pretokens = 0
+        self.learned = 0
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, capacity_words: int = 1 << 18) -> WordEncoder | None:
@@ -159,7 +163,7 @@ class WordEncoder:
                     tokenizer.encode(text, add_special_tokens=special)
                 ):
                     return None
-        enc.fallbacks = 0
+        enc.fallbacks = enc.pretokens = enc.learned = 0
         return enc
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -167,6 +171,7 @@ class WordEncoder:
             self.fallbacks += 1
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         words = self._split(text)
+        self.pretokens += len(words)
         try:
             ids = list(chain.from_iterable(map(self._ids.__getitem__, words)))
         except KeyError:
@@ -186,6 +191,7 @@ class WordEncoder:
             w: tuple(t.id for t in self._model.tokenize(w.translate(to_chars)))
             for w in distinct - known.keys()
         }
+        self.learned += len(learned)
         with self._lock:
             if len(table) + len(learned) > self.capacity_words:
                 table.clear()
