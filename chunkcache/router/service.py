@@ -20,7 +20,7 @@ from chunkcache.router.backends import Backend, BackendPool, BackendSpec
 from chunkcache.router.events import EventIntake, IntakeCurve
 from chunkcache.router.index import IndexUnavailableError, KVIndex, MemoryIndex
 from chunkcache.router.metrics import RouterMetrics
-from chunkcache.router.policy import Decision, Picker
+from chunkcache.router.policy import DEFAULT_CACHE_THRESHOLD, Decision, Picker
 from chunkcache.router.redis_index import RedisIndex
 from chunkcache.router.scorer import DEFAULT_TIER_WEIGHTS, PodScore, Scorer, ScorerConfig
 from chunkcache.router.tokens import BlockKeyer, PromptProcessor
@@ -47,6 +47,8 @@ class RouterConfig:
     pods_per_key: int = 10
     policy: str = "cache_aware"
     load_weight: float = 0.5
+    # No backend holding this share of a prompt: it goes to the least loaded (policy.py).
+    cache_threshold: float = DEFAULT_CACHE_THRESHOLD
     tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
     # Backends (pod ids) that share one remote chunk tier; None = all of them.
     remote_pods: tuple[str, ...] | None = None
@@ -124,7 +126,7 @@ class Router:
             ScorerConfig(config.tier_weights, block_size=config.block_size, remote_pods=remote_pods),
         )
         self.pool = BackendPool(config.backends)
-        self.picker = Picker(config.policy, config.load_weight, config.seed)
+        self.picker = Picker(config.policy, config.load_weight, config.seed, config.cache_threshold)
         self.intake: EventIntake | None = None
         if config.events_bind is not None or any(s.events for s in config.backends):
             curve = None
