@@ -26,8 +26,9 @@ What a prefix-only router sees: the replicas use layout "offset", which register
 system part and first document in the prefix cache (their KV is a plain prefill's) and publishes
 them as BlockStored; the router keys a chunked prompt's whole token list into blocks. So
 prefix_only finds the replica that last served the same first document, and falls back to
-least-loaded only when none did (the fallbacks are reported). Document order defeats it otherwise;
-only the chunk score knows where every document is.
+least-loaded only when none did (the fallbacks are reported). Document order defeats it
+otherwise; only the chunk score knows where every document is. "new" beside the fallbacks: the
+prompts no replica held the router's `--cache-threshold` of, sent to the least loaded replica.
 
 Summary line (ratios: the other policy's mean TTFT over cache_aware's, higher is better; each
 target marked met or MISSED):
@@ -261,7 +262,8 @@ class PolicyResult:
     duration: float
     chunk_stats: list[dict[str, Any]]
     decisions: dict[str, float] = field(default_factory=dict)
-    fallbacks: float = 0.0
+    fallbacks: float = 0.0  # routed by load because the index knew nothing of the prompt
+    new_prompts: float = 0.0  # routed by load because no replica held --cache-threshold of it
     loadavg: float = 0.0
 
     @property
@@ -306,17 +308,19 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     return result
 
 
-def router_metrics(text: str) -> tuple[dict[str, float], float]:
-    """(routing decisions per backend, fallbacks) from the router's /metrics."""
+def router_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(routing decisions per backend, fallbacks per reason) from the router's /metrics."""
     decisions: dict[str, float] = {}
-    fallbacks = 0.0
+    fallbacks: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("chunkcache_router_routing_decisions_total{"):
             labels, value = line.rsplit(" ", 1)
             backend = labels.split('backend="', 1)[1].split('"', 1)[0]
             decisions[backend] = decisions.get(backend, 0.0) + float(value)
         elif line.startswith("chunkcache_router_fallbacks_total{"):
-            fallbacks += float(line.rsplit(" ", 1)[1])
+            labels, value = line.rsplit(" ", 1)
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in labels else ""
+            fallbacks[reason] = fallbacks.get(reason, 0.0) + float(value)
     return decisions, fallbacks
 
 
@@ -354,8 +358,10 @@ async def run_policy(
         bar.close()
         decisions, fallbacks = router_metrics((await client.get("/metrics")).text)
         stats = [(await client.get(f"{r.url}/v1/chunk_cache/stats")).json() for r in cluster.replicas]
+    new = {k: v - fallbacks_before.get(k, 0.0) for k, v in fallbacks.items()}
+    below = new.pop("below_cache_threshold", 0.0)
     return PolicyResult(
-        policy, list(results), duration, stats, decisions, fallbacks - fallbacks_before, os.getloadavg()[0]
+        policy, list(results), duration, stats, decisions, sum(new.values()), below, os.getloadavg()[0]
     )
 
 
@@ -393,7 +399,7 @@ def figures(res: PolicyResult) -> dict[str, float]:
 def print_table(results: list[PolicyResult], figs: list[dict[str, float]]) -> None:
     head = (
         f"{'policy':<13}{'ok':>7}{'TTFT mean':>11}{'p50':>9}{'p90':>9}{'chunk hits':>12}"
-        f"{'hit tokens':>12}{'cached':>9}{'evicted':>9}{'req/s':>7}  {'spread (fallbacks)':<24}{'load':>6}"
+        f"{'hit tokens':>12}{'cached':>9}{'evicted':>9}{'req/s':>7}  {'spread (fallbacks/new)':<24}{'load':>6}"
     )
     print("\n" + head + "\n" + "-" * len(head))
     for res, f in zip(results, figs, strict=True):
@@ -406,7 +412,7 @@ def print_table(results: list[PolicyResult], figs: list[dict[str, float]]) -> No
             f"{res.policy:<13}{len(res.ok):>3}/{len(res.results):<3}{f['ttft_mean'] * 1e3:>9.1f}ms"
             f"{f['ttft_p50'] * 1e3:>7.1f}ms{f['ttft_p90'] * 1e3:>7.1f}ms{f['hit_rate']:>12.1%}"
             f"{f['token_hit_rate']:>12.1%}{f['cached_share']:>9.1%}{f['evictions']:>9.0f}"
-            f"{f['req_per_s']:>7.2f}  {spread + f' ({res.fallbacks:.0f})':<24}{res.loadavg:>6.2f}"
+            f"{f['req_per_s']:>7.2f}  {spread + f' ({res.fallbacks:.0f}/{res.new_prompts:.0f})':<24}{res.loadavg:>6.2f}"
         )
 
 
