@@ -225,7 +225,8 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_CACHE_THRESHOLD,
         help="a prompt no backend holds this share of (0..1) goes to the least loaded backend, so that new "
-        "content spreads over the backends' caches; 0: only when none holds any (default: %(default)s)",
+        "content spreads over the backends' caches (SGLang's router uses 0.5); 0: only when none holds any "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--tier-weights",

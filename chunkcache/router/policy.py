@@ -4,12 +4,13 @@
 - `prefix_only`: the same without chunk scores (what a prefix-only router such as llm-d sees);
 - `least_loaded`, `round_robin`, `random`: cache-blind baselines.
 The cache policies fall back to least-loaded when the index knows nothing of the prompt or cannot
-be reached, and when no backend holds at least `cache_threshold` of it (SGLang's router does the
-same): a mostly new prompt then goes where the load is least, instead of to the backend that holds
-a little of it. Without that, the backend that served the first prompts attracts every later one
-that shares a document with them, and a backend that started with little is never chosen again:
-its cache stays unused while the others thrash and queue (bench_router_cluster saw splits of
-60/9/51 requests). The decision says which rule chose, for the metrics.
+be reached, and, with `cache_threshold` > 0, when no backend holds that share of it (SGLang's
+router does this, at 0.5): a mostly new prompt then goes where the load is least, instead of to the
+backend that holds a little of it, so a backend that started with little is not left idle while
+the others queue (bench_router_cluster saw splits of 60/9/51 requests). It is off by default: at
+0.5 it evened the split but cost 2-4 points of hit rate, and mean TTFT was no better in
+bench_router_cluster (0.91-0.99x of threshold 0, within the round-to-round spread; RESULTS.md).
+The decision says which rule chose, for the metrics.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from chunkcache.router.scorer import PodScore
 
 POLICIES = ("cache_aware", "prefix_only", "least_loaded", "round_robin", "random")
 CACHE_POLICIES = ("cache_aware", "prefix_only")
-# The least share of a prompt that some backend must hold for the cache to choose its backend.
-DEFAULT_CACHE_THRESHOLD = 0.5
+# The least share of a prompt that some backend must hold for the cache to choose its backend
+# (0: any cached token counts, as before the option existed).
+DEFAULT_CACHE_THRESHOLD = 0.0
 
 
 @dataclass(frozen=True)
