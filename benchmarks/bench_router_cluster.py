@@ -133,10 +133,19 @@ def kv_bytes_per_token(model: Path) -> int:
 # ---- processes ---------------------------------------------------------------------------------
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one this run handed out before: with every policy's cluster up
+    at once, the OS could give a port back that a process not yet started was told to use."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 class Proc:
