@@ -8,8 +8,8 @@ be reached, and, with `cache_threshold` > 0, when no backend holds that share of
 router does this, at 0.5): a mostly new prompt then goes where the load is least, instead of to the
 backend that holds a little of it, so a backend that started with little is not left idle while
 the others queue (bench_router_cluster saw splits of 60/9/51 requests). It is off by default: at
-0.5 it evened the split but cost 2-4 points of hit rate, and mean TTFT was no better in
-bench_router_cluster (0.91-0.99x of threshold 0, within the round-to-round spread; RESULTS.md).
+0.5 it evened the split, and mean TTFT in bench_router_cluster's interleaved runs was 0.91-1.07x
+that of threshold 0 (six comparisons, within the round-to-round spread; RESULTS.md).
 The decision says which rule chose, for the metrics.
 """
 
