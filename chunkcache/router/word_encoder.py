@@ -123,7 +123,7 @@ class WordEncoder:
         # The tokenizer's own byte -> character mapping, for the 128 ASCII bytes.
         mapper = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         self._byte_chars = {c: mapper.pre_tokenize_str(chr(c))[0][0] for c in range(128)}
-        added = backend.get_added_tokens_decoder() if hasattr(backend, "get_added_tokens_decoder") else {}
+        added = backend.get_added_tokens_decoder()
         contents = sorted({t.content for t in added.values() if t.content}, key=len, reverse=True)
         self._added = re.compile("|".join(map(re.escape, contents))).search if contents else None
         self._ids: dict[str, tuple[int, ...]] = {}
@@ -140,6 +140,8 @@ class WordEncoder:
         pipeline it reproduces exactly; None for any other tokenizer, or when a probe text's ids
         differ from the tokenizer's."""
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        if not hasattr(backend, "get_added_tokens_decoder"):  # added tokens must be cut out first
+            return None
         try:
             config = json.loads(backend.to_str())
         except Exception:  # not a `tokenizers` tokenizer
