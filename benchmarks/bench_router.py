@@ -10,13 +10,18 @@
    the publisher's CPU is in the other process; on a shared machine the CPU figure is the one
    neighbours do not move).
 2. Scoring, as the router scores a request: an 8k-token chunked RAG prompt as text
-   (`S # # D1 # # ... # # D7 # # Q`, S of 512 tokens, 7 documents of ~1000 tokens from a library
-   of 64, in random order) through tokenization (the engine's split and per-part tokenization),
-   router keys (block keys over the whole token list, a chunk key per part: sha256 over CBOR),
-   index lookups and scores over 16 pods, against the 1M-block index of part 1 plus chunk claims
-   (each pod's pool holds a random third of the library with its S) and the S + first-document
-   prefix blocks an "offset" engine registers. Target: p99 <= 5 ms for the whole path (wall and
-   CPU time), with its parts' p50 beside it.
+   (`S # # D1 # # ... # # D7 # # Q`, S of 512 tokens, 7 documents of ~1090 tokens from a library
+   of 64, in random order; the text is sentences of words drawn by Zipf's law from a 50k-word
+   random lexicon, with numbers and punctuation) through tokenization (the engine's split and
+   per-part tokenization, by the router's WordEncoder unless `--no-word-encoder`), keys (a chunk
+   key per part: sha256 over CBOR; block keys over the whole token list only where the policy
+   uses them) and index lookups and scores over 16 pods, against the 1M-block index of part 1
+   plus chunk claims (each pod's pool holds a random third of the library with its S) and the
+   S + first-document prefix blocks an "offset" engine registers. Modes (bench_chunked_scoring):
+   first_sight (the router's first prompt: no word known), cold (documents never seen; the word
+   cache as 64 other documents left it), cold_prefix_keys (cold plus the block keys prefix_only
+   looks up), warm (documents seen before). Target: p99 <= 5 ms for the whole path (wall and
+   CPU time of the process), with its parts' p50 beside it.
 3. Prefix scoring alone (the longest-prefix path of a plain 8k-token prompt given as token ids):
    router block keys + index lookup + scoring; queries mix prompts one pod holds whole, prompts
    sharing a group's system prefix (held by up to `--pods-per-key` pods), and unseen prompts; then
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import multiprocessing as mp
 import os
 import platform
@@ -68,6 +74,7 @@ from chunkcache.router.events import EventIntake
 from chunkcache.router.index import MemoryIndex
 from chunkcache.router.scorer import Scorer
 from chunkcache.router.tokens import BlockKeyer, CachedEncoder, PromptProcessor
+from chunkcache.router.word_encoder import WordEncoder
 
 BLOCK = 16
 GROUPS = 8
@@ -216,18 +223,36 @@ def load_processor(tokenizer: str | None) -> tuple[PromptProcessor, str]:
 
 
 class TextMaker:
-    """Texts of exact token counts from a random lexicon (their own parts tokenized alone)."""
+    """Texts of exact token counts, made of sentences of words drawn from a 50k-word random
+    lexicon by Zipf's law (as natural text: new documents still bring words never seen), with
+    capitals, numbers and punctuation (their own parts tokenized alone)."""
 
     def __init__(self, proc: PromptProcessor, seed: int) -> None:
         self.tok = proc.tokenizer
         self.tok.model_max_length = 1 << 30  # long prompts are the point here
         self.rng = random.Random(seed)
         self.lexicon = [
-            "".join(self.rng.choices(string.ascii_lowercase, k=self.rng.randint(2, 8))) for _ in range(5000)
+            "".join(self.rng.choices(string.ascii_lowercase, k=self.rng.randint(2, 9))) for _ in range(50_000)
         ]
+        self.cum_weights = list(itertools.accumulate(1.0 / (r + 1) for r in range(len(self.lexicon))))
+
+    def _words(self, n: int) -> list[str]:
+        rng = self.rng
+        words = rng.choices(self.lexicon, cum_weights=self.cum_weights, k=n)
+        out, start = [], True
+        for w in words:
+            if rng.random() < 0.03:
+                w = str(rng.randint(0, 10 ** rng.randint(1, 4)))
+            out.append(w.capitalize() if start else w)
+            start = rng.random() < 0.07
+            if start:
+                out[-1] += rng.choice((".", ".", ".", "?", "!", ";"))
+            elif rng.random() < 0.05:
+                out[-1] += ","
+        return out
 
     def text(self, tokens: int) -> str:
-        words = [self.rng.choice(self.lexicon) for _ in range(2 * tokens)]
+        words = self._words(2 * tokens)
         lo, hi = 1, len(words)  # the fewest words that make `tokens` tokens
         while lo < hi:
             mid = (lo + hi) // 2
@@ -238,21 +263,40 @@ class TextMaker:
         return " ".join(words[:lo])
 
 
+MODES = ("first_sight", "cold", "cold_prefix_keys", "warm")
+
+
 def bench_chunked_scoring(
-    proc: PromptProcessor, index: MemoryIndex, num_pods: int, prompt_tokens: int, queries: int, seed: int
-) -> dict[str, dict[str, float]]:
-    """The router's whole path for a chunked RAG prompt: tokenize, keys, score (see the docstring),
-    with no part remembered ("cold") and with the library's documents seen before ("warm")."""
+    setup: PromptProcessor,
+    make_processor: Any,
+    index: MemoryIndex,
+    num_pods: int,
+    prompt_tokens: int,
+    queries: int,
+    seed: int,
+) -> tuple[dict[str, dict[str, float]], Any]:
+    """The router's whole path for a chunked RAG prompt: tokenize, keys, score (see the docstring).
+    Modes, each timed with a processor that never tokenized the prompts' documents before:
+    - first_sight: the router's first prompt ever (no word of the tokenizer's cache either);
+    - cold: the documents never seen, the word cache (WordEncoder) as routing 64 other documents
+      of the same language left it, and as the timed prompts themselves fill it;
+    - cold_prefix_keys: cold with the block keys over the whole token list, which `prefix_only`
+      (and /score) look up and `cache_aware` does not (it scores a chunked prompt by its chunks);
+    - warm: the documents seen before, served by the part cache (CachedEncoder).
+    Also returns the cold processor's word encoder (its hit statistics)."""
     sep = " # # "
-    maker = TextMaker(proc, seed)
+    maker = TextMaker(setup, seed)
     sys_text = maker.text(512)
     doc_tokens = (prompt_tokens - 512 - 64) // 7
     library = [maker.text(doc_tokens) for _ in tqdm(range(64), desc="documents", unit="doc")]
+    others = [maker.text(doc_tokens) for _ in tqdm(range(64), desc="other documents", unit="doc")]
     questions = [maker.text(64) for _ in range(16)]
     rng = random.Random(seed + 2)
     pods = [f"pod-{p}" for p in range(num_pods)]
     # Claims, as the engines' chunk events would make them: each pod's pool holds a random third
     # of the library and S; an "offset" engine also registered S and its first document as blocks.
+    # Made with their own processor: the timed ones have seen none of these texts.
+    proc = setup
     some = proc.tokenize(sep.join([sys_text, library[0], library[1], questions[0]]))
     sys_ids = some.prefix_token_ids
     sys_key = proc.keys(some).chunk_keys[0]
@@ -274,32 +318,58 @@ def bench_chunked_scoring(
         sep.join([sys_text, *(library[i] for i in rng.sample(range(len(library)), 7)), rng.choice(questions)])
         for _ in range(queries)
     ]
-    remembered = proc.parts
     out: dict[str, dict[str, float]] = {}
-    for mode in ("cold", "warm"):
-        # cold: no part remembered, every document tokenized as on its first sight; warm: the
-        # library's documents (and S) were seen before, as in a RAG workload where they recur.
-        proc.parts = CachedEncoder(proc.tokenizer, capacity_tokens=0) if mode == "cold" else remembered
-        if mode == "warm":
+    cold: PromptProcessor = make_processor()
+    # The router has routed other documents of the same language: its word cache holds their words.
+    for doc in others:
+        cold.tokenize(sep.join([doc, doc, "q"]))
+    cold.parts = CachedEncoder(cold.encoder, capacity_tokens=0)  # no part remembered
+    words = cold.encoder if isinstance(cold.encoder, WordEncoder) else None
+    if words is not None:
+        words.pretokens = words.learned = 0
+    for mode in MODES:
+        if mode == "first_sight":
+            first: PromptProcessor = make_processor()
+            first.parts = CachedEncoder(first.encoder, capacity_tokens=0)
+            fresh = first.encoder._ids.clear if isinstance(first.encoder, WordEncoder) else None
+            out[mode] = _time_scoring(first, scorer, pods, prompts, len(sys_ids), mode, fresh, False)
+        elif mode == "cold":
+            out[mode] = _time_scoring(cold, scorer, pods, prompts, len(sys_ids), mode, None, False)
+            if words is not None:
+                out[mode]["word_hits"] = 1 - words.learned / max(words.pretokens, 1)
+        elif mode == "cold_prefix_keys":
+            out[mode] = _time_scoring(cold, scorer, pods, prompts, len(sys_ids), mode, None, True)
+        else:
+            warm: PromptProcessor = make_processor()
             for doc in library:
-                proc.tokenize(sep.join([sys_text, doc, library[0], questions[0]]))
-        out[mode] = _time_scoring(proc, scorer, pods, prompts, len(sys_ids), mode)
-    return out
+                warm.tokenize(sep.join([sys_text, doc, library[0], questions[0]]))
+            out[mode] = _time_scoring(warm, scorer, pods, prompts, len(sys_ids), mode, None, False)
+    return out, words
 
 
 def _time_scoring(
-    proc: PromptProcessor, scorer: Scorer, pods: list[str], prompts: list[str], sys_len: int, mode: str
+    proc: PromptProcessor,
+    scorer: Scorer,
+    pods: list[str],
+    prompts: list[str],
+    sys_len: int,
+    mode: str,
+    before_each: Any,
+    block_keys: bool,
 ) -> dict[str, float]:
     wall, cpu, tok_s, keys_s, score_s, tokens, chunk_hits = [], [], [], [], [], [], 0
     for text in tqdm(prompts, desc=f"scoring chunked ({mode})", unit="prompt"):
-        c0, t0 = time.thread_time(), time.perf_counter()
+        if before_each is not None:
+            before_each()
+        # process_time, not thread_time: CPU of any helper thread counts too.
+        c0, t0 = time.process_time(), time.perf_counter()
         tokenized = proc.tokenize(text)
         t1 = time.perf_counter()
-        keys = proc.keys(tokenized)
+        keys = proc.keys(tokenized, chunked_block_keys=block_keys)
         t2 = time.perf_counter()
         scores = scorer.score(keys.block_keys, keys.chunk_keys, pods, chunk_tokens=keys.chunk_tokens)
         t3 = time.perf_counter()
-        cpu.append(time.thread_time() - c0)
+        cpu.append(time.process_time() - c0)
         wall.append(t3 - t0)
         tok_s.append(t1 - t0)
         keys_s.append(t2 - t1)
@@ -396,6 +466,11 @@ def main() -> int:
     p.add_argument(
         "--tokenizer", default=None, help="tokenizer dir, or 'tiny' (default: the default model's)"
     )
+    p.add_argument(
+        "--no-word-encoder",
+        action="store_true",
+        help="tokenize through transformers' tokenizer only (the router without its WordEncoder)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
@@ -421,15 +496,28 @@ def main() -> int:
         f"{per_cpu_s:,.0f} blocks per CPU-second of the router process ({len(payloads)} batches)"
     )
     proc, tok_name = load_processor(args.tokenizer)
-    chunked = bench_chunked_scoring(proc, index, args.pods, args.prompt_tokens, args.queries, args.seed)
+    tokenizer = proc.tokenizer
+    # The claims are made with the tokenizer itself, the timed processors use the router's
+    # default (the word encoder, unless --no-word-encoder): every query finding its documents
+    # shows their keys agree.
+    setup = PromptProcessor(tokenizer, MODEL, word_encoder=False)
+
+    def make_processor() -> PromptProcessor:
+        return PromptProcessor(tokenizer, MODEL, word_encoder=not args.no_word_encoder)
+
+    encoder = type(make_processor().encoder).__name__
+    chunked, _ = bench_chunked_scoring(
+        setup, make_processor, index, args.pods, args.prompt_tokens, args.queries, args.seed
+    )
     for mode, ch in chunked.items():
+        extra = f", {ch['word_hits']:.1%} of pre-tokens from the word cache" if "word_hits" in ch else ""
         print(
             f"chunked prompt, {mode}, tokenize + keys + score ({ch['tokens']:.0f} tokens, 7 documents, "
-            f"tokenizer {tok_name}): wall p50 {ch['p50']:.3f} ms, p99 {ch['p99']:.3f} ms; CPU p50 "
-            f"{ch['cpu_p50']:.3f} ms, p99 {ch['cpu_p99']:.3f} ms (tokenize p50 {ch['tokenize_p50']:.3f} / "
-            f"p99 {ch['tokenize_p99']:.3f} ms, keys p50 {ch['keys_p50']:.3f} ms, lookups+scores p50 "
-            f"{ch['score_p50']:.3f} / p99 {ch['score_p99']:.3f} ms; {ch['chunk_hit_queries']:.0%} of "
-            "queries found documents)"
+            f"tokenizer {tok_name} through {encoder}): wall p50 {ch['p50']:.3f} ms, p99 {ch['p99']:.3f} ms; "
+            f"CPU p50 {ch['cpu_p50']:.3f} ms, p99 {ch['cpu_p99']:.3f} ms (tokenize p50 "
+            f"{ch['tokenize_p50']:.3f} / p99 {ch['tokenize_p99']:.3f} ms, keys p50 {ch['keys_p50']:.3f} ms, "
+            f"lookups+scores p50 {ch['score_p50']:.3f} / p99 {ch['score_p99']:.3f} ms; "
+            f"{ch['chunk_hit_queries']:.0%} of queries found documents{extra})"
         )
     sc = bench_scoring(w, index, args.pods, args.queries, args.seed)
     print(
@@ -451,6 +539,8 @@ def main() -> int:
             f"chunked_{mode}_tokenize_p99_ms={ch['tokenize_p99']:.3f} "
             for mode, ch in chunked.items()
         )
+        + f"encoder={encoder} "
+        + (f"cold_word_hits={chunked['cold']['word_hits']:.3f} " if "word_hits" in chunked["cold"] else "")
         + f"prefix_score_p99_ms={sc['p99']:.3f} {verdict(sc['p99'], 2, True)} "
         f"prefix_score_cpu_p99_ms={sc['cpu_p99']:.3f} {verdict(sc['cpu_p99'], 2, True)} "
         f"hot_p99_ms={hot['p99']:.3f} {verdict(hot['p99'], 2, True)} "

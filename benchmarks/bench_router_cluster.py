@@ -1,16 +1,19 @@
 """Router cluster benchmark: 3 `chunkcache serve` replicas behind `chunkcache route`, every routing
 policy on RAG workloads whose documents recur in other combinations and orders.
 
-For each run of a policy (random, round_robin, least_loaded, prefix_only, cache_aware) the script
-starts a fresh cluster on loopback (empty caches, empty index): the router binds one KV event
-socket, each replica's publisher connects to it with its own topic `kv@<replica>@<model>` and
-serves its own replay endpoint. It then sends the same request list through the router with
-streaming completions at a fixed concurrency, and reports TTFT (time to the first streamed token)
-mean / p50 / p90, the chunk-cache hit rate summed over the replicas' `/v1/chunk_cache/stats`, the
-prompt tokens served from cache (usage `cached_tokens`), and how the router spread the requests.
-Every policy runs `--repeats` (2) times per workload shape, the policy order rotated per repeat,
-so that a drift of the machine's load favours none; ratios are of the mean over the repeats, with
-the range of the per-repeat ratios beside them.
+Every policy (random, round_robin, least_loaded, prefix_only, cache_aware; or a policy with
+router options of its own, `cache_aware:--cache-threshold=0`) gets a fresh cluster on loopback
+(empty caches, empty index), all of them up at once: the router binds one KV event socket, each
+replica's publisher connects to it with its own topic `kv@<replica>@<model>` and serves its own
+replay endpoint. The request list is cut into `--rounds` (6) slices; each slice goes through every
+policy's router in turn (streaming completions at a fixed concurrency; the other clusters idle
+meanwhile), the order rotated per round. So every policy serves the same requests in the same
+order, and a drift of the machine's load (other jobs on a shared machine moved one policy's mean
+TTFT 1.6x between back-to-back runs) falls on all of them alike. Reported: TTFT (time to the
+first streamed token) mean / p50 / p90, the chunk-cache hit rate summed over the replicas'
+`/v1/chunk_cache/stats`, the prompt tokens served from cache (usage `cached_tokens`), and how the
+router spread the requests; ratios of mean TTFT, with the range of the per-round ratios beside
+them. `--repeats` runs it all again on fresh clusters.
 
 The workload shapes (`--shapes`): documents of 100-200 tokens; a number of retrieval results
 ("topics"), each a random combination of documents (topics overlap: a document belongs to
@@ -26,17 +29,19 @@ What a prefix-only router sees: the replicas use layout "offset", which register
 system part and first document in the prefix cache (their KV is a plain prefill's) and publishes
 them as BlockStored; the router keys a chunked prompt's whole token list into blocks. So
 prefix_only finds the replica that last served the same first document, and falls back to
-least-loaded only when none did (the fallbacks are reported). Document order defeats it otherwise;
-only the chunk score knows where every document is.
+least-loaded only when none did (the fallbacks are reported). Document order defeats it
+otherwise; only the chunk score knows where every document is. "new" beside the fallbacks: the
+prompts no replica held the router's `--cache-threshold` of, sent to the least loaded replica.
 
 Summary line (ratios: the other policy's mean TTFT over cache_aware's, higher is better; each
 target marked met or MISSED):
-    SUMMARY bench_router_cluster: recurring:cache_aware_vs_round_robin=X.XXx(repeats A-B)[target>=2: met] ...
+    SUMMARY bench_router_cluster: recurring:cache_aware_vs_round_robin=X.XXx(rounds A-B)[target>=2: met] ...
 
 Usage:
     python benchmarks/bench_router_cluster.py                 # ~20 minutes on 2 busy cores
-    python benchmarks/bench_router_cluster.py --quick         # smoke run: 3 policies, 30 requests, 1 repeat
+    python benchmarks/bench_router_cluster.py --quick         # smoke run: 3 policies, 30 requests
     python benchmarks/bench_router_cluster.py --policies round_robin,prefix_only,cache_aware --shapes recurring
+    python benchmarks/bench_router_cluster.py --server-arg=--chunk-layout=isolated   # replica options
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -127,10 +133,19 @@ def kv_bytes_per_token(model: Path) -> int:
 # ---- processes ---------------------------------------------------------------------------------
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one this run handed out before: with every policy's cluster up
+    at once, the OS could give a port back that a process not yet started was told to use."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 class Proc:
@@ -189,9 +204,7 @@ class Cluster:
     def procs(self) -> list[Proc]:
         return [self.router, *self.replicas]
 
-    def start(self, timeout: float = 300.0) -> None:
-        for p in self.procs:
-            p.start()
+    def wait_healthy(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
         pending = list(self.procs)
         while pending:
@@ -208,7 +221,26 @@ class Cluster:
             p.wait()
 
 
-def make_cluster(model: Path, policy: str, args: argparse.Namespace, log_dir: Path) -> Cluster:
+@dataclass(frozen=True)
+class Variant:
+    """A routing policy, with router options of its own: `cache_aware:--cache-threshold=0`."""
+
+    label: str
+    policy: str
+    router_args: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str) -> Variant:
+        policy, *extra = spec.split(":")
+        return cls(spec, policy, tuple(extra))
+
+    @property
+    def file_name(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.label)
+
+
+def make_cluster(model: Path, variant: Variant, args: argparse.Namespace, log_dir: Path) -> Cluster:
+    policy, name_prefix = variant.policy, variant.file_name
     events = f"tcp://127.0.0.1:{free_port()}"
     replicas, specs = [], []
     for i in range(args.replicas):
@@ -223,8 +255,9 @@ def make_cluster(model: Path, policy: str, args: argparse.Namespace, log_dir: Pa
             # A concrete host:port connects: to the router's bound SUB socket.
             "--kv-events-endpoint", events, "--kv-events-topic", f"kv@{name}@{MODEL_NAME}",
             "--kv-events-replay-endpoint", replay,
+            *args.server_arg,
         ]  # fmt: skip
-        replicas.append(Proc(f"{policy}-{name}", cmd, f"http://127.0.0.1:{port}", log_dir))
+        replicas.append(Proc(f"{name_prefix}-{name}", cmd, f"http://127.0.0.1:{port}", log_dir))
         specs.append(f"{name}@http://127.0.0.1:{port}=={replay}")  # no PUB to connect to; a replay
     port = free_port()
     cmd = [
@@ -235,7 +268,8 @@ def make_cluster(model: Path, policy: str, args: argparse.Namespace, log_dir: Pa
     ]  # fmt: skip
     if args.load_weight is not None:
         cmd += ["--load-weight", str(args.load_weight)]
-    return Cluster(Proc(f"{policy}-router", cmd, f"http://127.0.0.1:{port}", log_dir), replicas)
+    cmd += [*args.router_arg, *variant.router_args]
+    return Cluster(Proc(f"{name_prefix}-router", cmd, f"http://127.0.0.1:{port}", log_dir), replicas)
 
 
 # ---- client ------------------------------------------------------------------------------------
@@ -258,8 +292,10 @@ class PolicyResult:
     duration: float
     chunk_stats: list[dict[str, Any]]
     decisions: dict[str, float] = field(default_factory=dict)
-    fallbacks: float = 0.0
+    fallbacks: float = 0.0  # routed by load because the index knew nothing of the prompt
+    new_prompts: float = 0.0  # routed by load because no replica held --cache-threshold of it
     loadavg: float = 0.0
+    round_ttft: list[float] = field(default_factory=list)  # mean TTFT of each interleaved round
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -303,26 +339,37 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     return result
 
 
-def router_metrics(text: str) -> tuple[dict[str, float], float]:
-    """(routing decisions per backend, fallbacks) from the router's /metrics."""
+def router_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(routing decisions per backend, fallbacks per reason) from the router's /metrics."""
     decisions: dict[str, float] = {}
-    fallbacks = 0.0
+    fallbacks: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("chunkcache_router_routing_decisions_total{"):
             labels, value = line.rsplit(" ", 1)
             backend = labels.split('backend="', 1)[1].split('"', 1)[0]
             decisions[backend] = decisions.get(backend, 0.0) + float(value)
         elif line.startswith("chunkcache_router_fallbacks_total{"):
-            fallbacks += float(line.rsplit(" ", 1)[1])
+            labels, value = line.rsplit(" ", 1)
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in labels else ""
+            fallbacks[reason] = fallbacks.get(reason, 0.0) + float(value)
     return decisions, fallbacks
 
 
-async def run_policy(
-    cluster: Cluster, policy: str, prompts: list[str], args: argparse.Namespace
-) -> PolicyResult:
+async def run_interleaved(
+    clusters: dict[str, Cluster], prompts: list[str], args: argparse.Namespace, rotation: int
+) -> dict[str, PolicyResult]:
+    """The prompts, cut into `args.rounds` slices in order, through every cluster: each slice goes
+    to one cluster after the other (the order rotated per round), the others idle meanwhile. So
+    every cluster sees every prompt, in the same order, and a drift of the machine's load over the
+    run falls on all of them alike."""
     timeout = httpx.Timeout(600.0)
     limits = httpx.Limits(max_connections=args.concurrency + 4)
-    async with httpx.AsyncClient(base_url=cluster.router.url, timeout=timeout, limits=limits) as client:
+    labels = list(clusters)
+    clients = {
+        k: httpx.AsyncClient(base_url=c.router.url, timeout=timeout, limits=limits)
+        for k, c in clusters.items()
+    }
+    try:
         # Warm every replica directly (torch's first calls are slow) on a prompt without chunks,
         # sharing nothing with the workload: chunk caches and the index start empty of it.
         async with httpx.AsyncClient(timeout=timeout) as direct:
@@ -332,28 +379,62 @@ async def run_policy(
                         f"{r.url}/v1/completions",
                         json={"model": MODEL_NAME, "prompt": WARMUP, "max_tokens": 2, "temperature": 0},
                     )
-                    for r in cluster.replicas
+                    for c in clusters.values()
+                    for r in c.replicas
                 )
             )
-        _, fallbacks_before = router_metrics((await client.get("/metrics")).text)
-        semaphore = asyncio.Semaphore(args.concurrency)
-        bar = tqdm(total=len(prompts), desc=f"{policy:>12}", unit="req", leave=False)
+        before = {k: router_metrics((await clients[k].get("/metrics")).text)[1] for k in labels}
+        results: dict[str, list[RequestResult]] = {k: [] for k in labels}
+        round_ttft: dict[str, list[float]] = {k: [] for k in labels}
+        durations = dict.fromkeys(labels, 0.0)
+        loads: dict[str, list[float]] = {k: [] for k in labels}
+        rounds = max(1, min(args.rounds, len(prompts)))
+        cuts = [round(i * len(prompts) / rounds) for i in range(rounds + 1)]
+        bar = tqdm(total=len(prompts) * len(labels), desc="requests", unit="req", leave=False)
+        for r in range(rounds):
+            part = prompts[cuts[r] : cuts[r + 1]]
+            k0 = (rotation + r) % len(labels)
+            for label in labels[k0:] + labels[:k0]:
+                semaphore = asyncio.Semaphore(args.concurrency)
+                client = clients[label]
 
-        async def bounded(prompt: str) -> RequestResult:
-            async with semaphore:
-                result = await one_request(client, prompt, args.max_tokens)
-            bar.update(1)
-            return result
+                async def bounded(prompt: str, client: httpx.AsyncClient = client) -> RequestResult:
+                    async with semaphore:  # noqa: B023 - awaited within this iteration
+                        result = await one_request(client, prompt, args.max_tokens)
+                    bar.update(1)
+                    return result
 
-        start = time.perf_counter()
-        results = await asyncio.gather(*(bounded(p) for p in prompts))
-        duration = time.perf_counter() - start
+                start = time.perf_counter()
+                done = await asyncio.gather(*(bounded(p) for p in part))
+                durations[label] += time.perf_counter() - start
+                results[label] += done
+                ok = [x.ttft for x in done if x.ok]
+                round_ttft[label].append(statistics.fmean(ok) if ok else float("nan"))
+                loads[label].append(os.getloadavg()[0])
         bar.close()
-        decisions, fallbacks = router_metrics((await client.get("/metrics")).text)
-        stats = [(await client.get(f"{r.url}/v1/chunk_cache/stats")).json() for r in cluster.replicas]
-    return PolicyResult(
-        policy, list(results), duration, stats, decisions, fallbacks - fallbacks_before, os.getloadavg()[0]
-    )
+        out: dict[str, PolicyResult] = {}
+        for label, cluster in clusters.items():
+            decisions, fallbacks = router_metrics((await clients[label].get("/metrics")).text)
+            stats = [
+                (await clients[label].get(f"{r.url}/v1/chunk_cache/stats")).json() for r in cluster.replicas
+            ]
+            new = {k: v - before[label].get(k, 0.0) for k, v in fallbacks.items()}
+            below = new.pop("below_cache_threshold", 0.0)
+            out[label] = PolicyResult(
+                label,
+                results[label],
+                durations[label],
+                stats,
+                decisions,
+                sum(new.values()),
+                below,
+                statistics.fmean(loads[label]),
+                round_ttft[label],
+            )
+        return out
+    finally:
+        for client in clients.values():
+            await client.aclose()
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -388,9 +469,10 @@ def figures(res: PolicyResult) -> dict[str, float]:
 
 
 def print_table(results: list[PolicyResult], figs: list[dict[str, float]]) -> None:
+    width = max(13, *(len(r.policy) + 1 for r in results))
     head = (
-        f"{'policy':<13}{'ok':>7}{'TTFT mean':>11}{'p50':>9}{'p90':>9}{'chunk hits':>12}"
-        f"{'hit tokens':>12}{'cached':>9}{'evicted':>9}{'req/s':>7}  {'spread (fallbacks)':<24}{'load':>6}"
+        f"{'policy':<{width}}{'ok':>7}{'TTFT mean':>11}{'p50':>9}{'p90':>9}{'chunk hits':>12}"
+        f"{'hit tokens':>12}{'cached':>9}{'evicted':>9}{'req/s':>7}  {'spread (fallbacks/new)':<24}{'load':>6}"
     )
     print("\n" + head + "\n" + "-" * len(head))
     for res, f in zip(results, figs, strict=True):
@@ -400,10 +482,10 @@ def print_table(results: list[PolicyResult], figs: list[dict[str, float]]) -> No
                 str(sum(r.backend == f"r{i}" for r in res.ok)) for i in range(len(res.chunk_stats))
             )
         print(
-            f"{res.policy:<13}{len(res.ok):>3}/{len(res.results):<3}{f['ttft_mean'] * 1e3:>9.1f}ms"
+            f"{res.policy:<{width}}{len(res.ok):>3}/{len(res.results):<3}{f['ttft_mean'] * 1e3:>9.1f}ms"
             f"{f['ttft_p50'] * 1e3:>7.1f}ms{f['ttft_p90'] * 1e3:>7.1f}ms{f['hit_rate']:>12.1%}"
             f"{f['token_hit_rate']:>12.1%}{f['cached_share']:>9.1%}{f['evictions']:>9.0f}"
-            f"{f['req_per_s']:>7.2f}  {spread + f' ({res.fallbacks:.0f})':<24}{res.loadavg:>6.2f}"
+            f"{f['req_per_s']:>7.2f}  {spread + f' ({res.fallbacks:.0f}/{res.new_prompts:.0f})':<24}{res.loadavg:>6.2f}"
         )
 
 
@@ -416,10 +498,11 @@ SHAPES: dict[str, tuple[int, int, tuple[int, int]]] = {
 
 
 def run_shape(
-    shape: str, model: Path, tok: Any, policies: list[str], args: argparse.Namespace, log_dir: Path
+    shape: str, model: Path, tok: Any, variants: list[Variant], args: argparse.Namespace, log_dir: Path
 ) -> dict[str, list[PolicyResult]] | None:
-    """Every policy `args.repeats` times on one workload shape, the order rotated per repeat so
-    that a drift of the machine's load favours none. None after a failed request."""
+    """Every variant `args.repeats` times on one workload shape, interleaved in `args.rounds`
+    rounds (run_interleaved), the order rotated per round and repeat so that a drift of the
+    machine's load favours none. None after a failed request."""
     num_docs, topics, per_prompt = SHAPES[shape]
     docs = build_documents(tok, num_docs, *args.doc_tokens, args.seed)
     prompts = build_prompts(docs, args.num_requests, topics, *per_prompt, args.seed)
@@ -434,28 +517,33 @@ def run_shape(
         f"pages), {per_prompt[0]}-{per_prompt[1]} per prompt from {topics or 'no'} topics, ~{mean_len:.0f} "
         f"prompt tokens, {args.max_tokens} output tokens; {args.replicas} replicas, chunk cache {pool_pages} "
         f"pages ({args.cache_fraction:.0%} of the documents, {args.chunk_cache_gb * 1024:.1f} MiB) each; "
-        f"{args.repeats} repeats, policy order rotated"
+        f"{args.repeats} repeats of {args.rounds} interleaved rounds, policy order rotated"
     )
-    results: dict[str, list[PolicyResult]] = {p: [] for p in policies}
-    runs = [
-        (rep, policies[rep % len(policies) :] + policies[: rep % len(policies)])
-        for rep in range(args.repeats)
-    ]
-    bar = tqdm(total=args.repeats * len(policies), desc=shape, unit="run")
-    for _, order in runs:
-        for policy in order:
-            cluster = make_cluster(model, policy, args, log_dir)
-            try:
-                cluster.start()
-                res = asyncio.run(run_policy(cluster, policy, prompts, args))
-            finally:
-                cluster.stop()
-            bar.update()
-            results[policy].append(res)
+    results: dict[str, list[PolicyResult]] = {v.label: [] for v in variants}
+    bar = tqdm(total=args.repeats, desc=shape, unit="repeat")
+    for rep in range(args.repeats):
+        # Every variant's cluster is up at once (fresh: empty caches and index); see run_interleaved.
+        clusters = {v.label: make_cluster(model, v, args, log_dir) for v in variants}
+        try:
+            for cluster in clusters.values():
+                for proc in cluster.procs:
+                    proc.start()
+            for cluster in clusters.values():
+                cluster.wait_healthy()
+            round_results = asyncio.run(run_interleaved(clusters, prompts, args, rotation=rep))
+        finally:
+            for cluster in clusters.values():
+                for proc in cluster.procs:
+                    proc.terminate()
+            for cluster in clusters.values():
+                cluster.stop()  # SIGKILL what SIGTERM left
+        bar.update()
+        for label, res in round_results.items():
+            results[label].append(res)
             if len(res.ok) != len(res.results):
                 err = next(r.error for r in res.results if not r.ok)
-                print(f"{policy}: {len(res.results) - len(res.ok)} requests failed, e.g. {err}")
-                for proc in cluster.procs:
+                print(f"{label}: {len(res.results) - len(res.ok)} requests failed, e.g. {err}")
+                for proc in clusters[label].procs:
                     print(f"--- {proc.name} log tail:\n{proc.log_tail()}")
                 return None
     bar.close()
@@ -468,39 +556,67 @@ def shape_summary(shape: str, results: dict[str, list[PolicyResult]]) -> list[st
     runs = [r for rs in results.values() for r in rs]
     print_table(runs, [figures(r) for r in runs])
     parts: list[str] = []
-    if "cache_aware" not in results:
-        return parts
-    ca = [figures(r)["ttft_mean"] for r in results["cache_aware"]]
     targets = {"round_robin": 2.0, "prefix_only": 1.0}
-    for other in ("round_robin", "prefix_only", "random", "least_loaded"):
-        if other not in results:
-            continue
-        theirs = [figures(r)["ttft_mean"] for r in results[other]]
-        ratio = statistics.fmean(theirs) / statistics.fmean(ca)
-        each = [t / c for t, c in zip(theirs, ca, strict=True)]
-        part = f"{shape}:cache_aware_vs_{other}={ratio:.2f}x(repeats {min(each):.2f}-{max(each):.2f})"
-        if other in targets:
-            op = ">=" if other == "round_robin" else ">"
-            ok = ratio >= targets[other] if other == "round_robin" else ratio > targets[other]
-            part += f"[target{op}{targets[other]:g}: {'met' if ok else 'MISSED'}]"
-        parts.append(part)
+    others = ("round_robin", "prefix_only", "random", "least_loaded")
+    for mine in (k for k in results if k.split(":")[0] == "cache_aware"):
+        ca = results[mine]
+        name = mine.replace(":", "[", 1) + "]" if ":" in mine else mine
+        for other in (*others, *(k for k in results if k.split(":")[0] == "cache_aware" and k != mine)):
+            if other not in results:
+                continue
+            theirs = results[other]
+            ratio = statistics.fmean(figures(r)["ttft_mean"] for r in theirs) / statistics.fmean(
+                figures(r)["ttft_mean"] for r in ca
+            )
+            # Per interleaved round (and repeat): the same prompts, at the same time of the run.
+            each = [
+                t / c
+                for a, b in zip(theirs, ca, strict=True)
+                for t, c in zip(a.round_ttft, b.round_ttft, strict=True)
+            ]
+            other_name = other.replace(":", "[", 1) + "]" if ":" in other else other
+            part = f"{shape}:{name}_vs_{other_name}={ratio:.2f}x(rounds {min(each):.2f}-{max(each):.2f})"
+            if other in targets and mine == "cache_aware":
+                op = ">=" if other == "round_robin" else ">"
+                ok = ratio >= targets[other] if other == "round_robin" else ratio > targets[other]
+                part += f"[target{op}{targets[other]:g}: {'met' if ok else 'MISSED'}]"
+            parts.append(part)
     if "prefix_only" in results:
         po = results["prefix_only"]
         fallbacks = sum(r.fallbacks for r in po) / len(po)
         parts.append(f"{shape}:prefix_only_fallbacks={fallbacks:.0f}/{len(po[0].results)}")
-    for policy, rs in results.items():
+    for label, rs in results.items():
+        name = label.replace(":", "[", 1) + "]" if ":" in label else label
         parts.append(
-            f"{shape}:ttft_mean_{policy}={statistics.fmean(figures(r)['ttft_mean'] for r in rs) * 1e3:.1f}ms"
+            f"{shape}:ttft_mean_{name}={statistics.fmean(figures(r)['ttft_mean'] for r in rs) * 1e3:.1f}ms"
         )
+        parts.append(f"{shape}:hit_rate_{name}={statistics.fmean(figures(r)['hit_rate'] for r in rs):.1%}")
     return parts
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None, help="model dir (default: build the small random one)")
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated; a policy with router options of its own is POLICY:ARG[:ARG...] "
+        "(cache_aware:--cache-threshold=0)",
+    )
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"workload shapes, of {list(SHAPES)}")
-    p.add_argument("--repeats", type=int, default=2, help="runs of every policy per shape, order rotated")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="fresh clusters per shape, each running every policy (default: 1)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=6,
+        help="slices of the requests, each run through every policy's cluster in turn, the order rotated "
+        "(default: %(default)s)",
+    )
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--num-requests", type=int, default=120)
     p.add_argument("--concurrency", type=int, default=3)
@@ -515,23 +631,42 @@ def main(argv: list[str] | None = None) -> int:
         "--load-weight", type=float, default=None, help="the router's --load-weight (default: its own)"
     )
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an option for every replica's `chunkcache serve`, repeatable; write it with '=' "
+        "(--server-arg=--chunk-layout=isolated)",
+    )
+    p.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an option for the router, repeatable (--router-arg=--load-weight=1.0)",
+    )
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke run: 3 policies, 30 requests, 1 repeat")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: 3 policies, 30 requests, 1 repeat, 3 rounds"
+    )
     args = p.parse_args(argv)
     if args.quick:
-        args.num_requests, args.repeats = 30, 1
+        args.num_requests, args.repeats, args.rounds = 30, 1, 3
         if args.policies == ",".join(POLICIES):
             args.policies = "round_robin,prefix_only,cache_aware"
-    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    unknown = [x for x in policies if x not in POLICIES]
-    if unknown or not policies:
+    variants = [Variant.parse(x.strip()) for x in args.policies.split(",") if x.strip()]
+    unknown = [v.policy for v in variants if v.policy not in POLICIES]
+    if unknown or not variants:
         p.error(f"unknown policies {unknown}; choose from {POLICIES}")
+    if len({v.label for v in variants}) != len(variants):
+        p.error("a policy is named twice")
     shapes = [x.strip() for x in args.shapes.split(",") if x.strip()]
     if not shapes or any(x not in SHAPES for x in shapes):
         p.error(f"--shapes must name some of {list(SHAPES)}, got {args.shapes!r}")
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
+    if args.repeats < 1 or args.rounds < 1:
+        p.error("--repeats and --rounds must be >= 1")
 
     sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/tiny_checkpoint.py builds the random checkpoints
     from tiny_checkpoint import build_checkpoint
@@ -544,11 +679,13 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-router-cluster-"))
     print(
         f"model {model} ({kv_bytes_per_token(model)} KV bytes/token); logs in {log_dir}\n"
+        f"replica options: {' '.join(args.server_arg) or '(defaults)'}; router options: "
+        f"{' '.join(args.router_arg) or '(defaults)'}\n"
         f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     parts: list[str] = []
     for shape in shapes:
-        results = run_shape(shape, model, tok, policies, args, log_dir)
+        results = run_shape(shape, model, tok, variants, args, log_dir)
         if results is None:
             return 1
         parts += shape_summary(shape, results)
@@ -556,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
         f"requests={args.num_requests}",
         f"concurrency={args.concurrency}",
         f"repeats={args.repeats}",
+        f"rounds={args.rounds}",
         f"loadavg={os.getloadavg()[0]:.2f}",
     ]
     print("SUMMARY bench_router_cluster: " + " ".join(parts))

@@ -363,6 +363,30 @@ def test_policies_pick_as_documented() -> None:
         Picker("fastest")
 
 
+def test_a_prompt_no_backend_holds_enough_of_goes_to_the_least_loaded() -> None:
+    a, b, c = (Backend(BackendSpec(f"http://{n}", n)) for n in "abc")
+    a.in_flight, b.in_flight, c.in_flight = 2, 1, 0
+    # `a` holds 40% of the prompt, the others a little: below a threshold of 0.5 the prompt is
+    # mostly new everywhere, and the idle backend takes it (and caches its documents).
+    scores = {"a": PodScore(chunk_tokens=40, chunked=True), "b": PodScore(chunk_tokens=5, chunked=True)}
+    d = Picker("cache_aware", cache_threshold=0.5).pick([a, b, c], scores, 100)
+    assert (d.backend, d.policy, d.fallback) == (c, "least_loaded", "below_cache_threshold")
+    # The default (0): the cached share net of load (0.4 - 0.5 * 2/3 > 0.05 - 0.5 * 1/3 > 0).
+    d = Picker("cache_aware").pick([a, b, c], scores, 100)
+    assert (d.backend, d.policy, d.fallback) == (a, "cache_aware", None)
+    # At or above the threshold the cache decides, load weighed as before.
+    scores["a"] = PodScore(chunk_tokens=50, chunked=True)
+    assert Picker("cache_aware", cache_threshold=0.5).pick([a, b, c], scores, 100).backend is a
+    # prefix_only measures its prefix share against the same threshold.
+    prefix = {"a": PodScore(prefix_blocks=3, prefix_tokens=48.0)}
+    d = Picker("prefix_only", cache_threshold=0.5).pick([a, b, c], prefix, 100)
+    assert d.fallback == "below_cache_threshold"
+    assert Picker("prefix_only", cache_threshold=0.4).pick([a, b, c], prefix, 100).backend is a
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="cache_threshold"):
+            Picker("cache_aware", cache_threshold=bad)
+
+
 def test_backend_specs_and_files(tmp_path: Path) -> None:
     s = parse_backend_spec("r1@http://10.0.0.5:8000/=tcp://10.0.0.5:5557=tcp://10.0.0.5:5558")
     assert s == BackendSpec("http://10.0.0.5:8000", "r1", "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")

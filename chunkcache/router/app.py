@@ -25,7 +25,7 @@ from chunkcache import envs
 from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT
 from chunkcache.config import HASH_ALGORITHMS
 from chunkcache.router.backends import BackendSpec, load_backends_file, parse_backend_list
-from chunkcache.router.policy import POLICIES
+from chunkcache.router.policy import DEFAULT_CACHE_THRESHOLD, POLICIES
 from chunkcache.router.scorer import parse_tier_weights
 from chunkcache.router.service import NoBackendError, Router, RouterConfig
 from chunkcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
@@ -221,6 +221,14 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
         "--load-weight", type=float, default=0.5, help="how much in-flight load offsets a cache hit"
     )
     g.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=DEFAULT_CACHE_THRESHOLD,
+        help="a prompt no backend holds this share of (0..1) goes to the least loaded backend, so that new "
+        "content spreads over the backends' caches (SGLang's router uses 0.5); 0: only when none holds any "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
         "--tier-weights",
         default="gpu=1.0,cpu=0.8,disk=0.3,remote=0.3",
         help="score weight per KV tier (the `medium` of KV events), each in [0, 1]; a tier not named keeps "
@@ -282,6 +290,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         pods_per_key=args.pods_per_key,
         policy=args.policy,
         load_weight=args.load_weight,
+        cache_threshold=args.cache_threshold,
         tier_weights=parse_tier_weights(args.tier_weights),
         block_size=args.block_size,
         chunk_separator=args.chunk_separator,

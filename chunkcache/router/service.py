@@ -20,7 +20,7 @@ from chunkcache.router.backends import Backend, BackendPool, BackendSpec
 from chunkcache.router.events import EventIntake, IntakeCurve
 from chunkcache.router.index import IndexUnavailableError, KVIndex, MemoryIndex
 from chunkcache.router.metrics import RouterMetrics
-from chunkcache.router.policy import Decision, Picker
+from chunkcache.router.policy import DEFAULT_CACHE_THRESHOLD, Decision, Picker
 from chunkcache.router.redis_index import RedisIndex
 from chunkcache.router.scorer import DEFAULT_TIER_WEIGHTS, PodScore, Scorer, ScorerConfig
 from chunkcache.router.tokens import BlockKeyer, PromptProcessor
@@ -47,6 +47,8 @@ class RouterConfig:
     pods_per_key: int = 10
     policy: str = "cache_aware"
     load_weight: float = 0.5
+    # No backend holding this share of a prompt: it goes to the least loaded (policy.py).
+    cache_threshold: float = DEFAULT_CACHE_THRESHOLD
     tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
     # Backends (pod ids) that share one remote chunk tier; None = all of them.
     remote_pods: tuple[str, ...] | None = None
@@ -124,7 +126,7 @@ class Router:
             ScorerConfig(config.tier_weights, block_size=config.block_size, remote_pods=remote_pods),
         )
         self.pool = BackendPool(config.backends)
-        self.picker = Picker(config.policy, config.load_weight, config.seed)
+        self.picker = Picker(config.policy, config.load_weight, config.seed, config.cache_threshold)
         self.intake: EventIntake | None = None
         if config.events_bind is not None or any(s.events for s in config.backends):
             curve = None
@@ -267,12 +269,15 @@ class Router:
         rendered_chat: bool = False,
         lora: str | None = None,
         cache_salt: str | None = None,
+        chunked_block_keys: bool = True,
     ) -> ScoreResult:
-        """Tokenize and score a prompt against every backend (blocking: run it off the event loop)."""
+        """Tokenize and score a prompt against every backend (blocking: run it off the event loop).
+        `chunked_block_keys=False`: a chunked prompt's prefix blocks are not looked up (its prefix
+        score stays 0), for a policy that scores chunked prompts by their chunks alone."""
         t0 = time.perf_counter()
         tokenized = self.processor.tokenize(prompt, rendered_chat)
         t1 = time.perf_counter()
-        keys = self.processor.keys(tokenized, lora, cache_salt)
+        keys = self.processor.keys(tokenized, lora, cache_salt, chunked_block_keys)
         result = ScoreResult(None, keys.num_tokens, len(keys.block_keys), len(tokenized.chunks), t1 - t0)
         if time.monotonic() < self._index_down_until:
             return result
@@ -314,7 +319,13 @@ class Router:
         try:
             prompt, rendered = self.prompt_of(body, chat)
             result = await run_in_threadpool(
-                self.score_prompt, prompt, rendered, self.lora_of(body), self.salt_of(body)
+                self.score_prompt,
+                prompt,
+                rendered,
+                self.lora_of(body),
+                self.salt_of(body),
+                # cache_aware scores a chunked prompt by its chunks alone (PodScore.total).
+                self.picker.policy != "cache_aware",
             )
         except Exception as e:  # a prompt we cannot read still gets served, by the backend's rules
             logger.debug("prompt not scored: %s", e)

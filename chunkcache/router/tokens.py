@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import cbor2
+
 from chunkcache.chunk.documents import (
     DEFAULT_DOCUMENTS_FORMAT,
     PromptParts,
@@ -28,8 +30,9 @@ from chunkcache.chunk.documents import (
     render_with_documents,
 )
 from chunkcache.chunk.parse import parse_chunked_prompt, tokenize_parts
-from chunkcache.hashing import chunk_hash, system_hash, to_wire
+from chunkcache.hashing import to_wire
 from chunkcache.kv_events import BlockStored
+from chunkcache.router.word_encoder import WordEncoder
 
 ROUTER_BLOCK_SIZE = 16
 _ROUTER_SEED = b"chunkcache-router-keys-v1"
@@ -251,6 +254,43 @@ class PromptKeys:
     num_tokens: int
 
 
+def _cbor(obj: Any) -> bytes:
+    return cbor2.dumps(obj, canonical=True)
+
+
+def _cbor_array_head(n: int) -> bytes:
+    if not 0 <= n < 24:
+        raise ValueError(f"array of {n} items: only short heads are written here")
+    return bytes([0x80 | n])
+
+
+def prompt_chunk_keys(
+    model_name: str,
+    sys_token_ids: Sequence[int],
+    chunks: Sequence[Sequence[int]],
+    algorithm: str = "sha256",
+    cache_salt: str | None = None,
+) -> list[int]:
+    """The wire keys of S and of each chunk, equal to `hashing.system_hash` and `chunk_hash`.
+    Their digest is of the CBOR of `("chunk-v1", model, S, C[, salt])`, which is an array head
+    followed by each item's own CBOR: S is encoded and hashed once, and each chunk continues a
+    copy of that hash, instead of S being encoded again for every chunk."""
+    salt = b"" if cache_salt is None else _cbor(cache_salt)
+    extra = 0 if cache_salt is None else 1
+    model, sys_cbor = _cbor(model_name), _cbor(tuple(sys_token_ids))
+    system = hashlib.new(
+        algorithm, _cbor_array_head(3 + extra) + _cbor("system-v1") + model + sys_cbor + salt
+    )
+    keys = [to_wire(system.digest())]
+    base = hashlib.new(algorithm, _cbor_array_head(4 + extra) + _cbor("chunk-v1") + model + sys_cbor)
+    for chunk in chunks:
+        h = base.copy()
+        h.update(_cbor(tuple(chunk)))
+        h.update(salt)
+        keys.append(to_wire(h.digest()))
+    return keys
+
+
 class PromptProcessor:
     """Tokenizes prompts exactly as an engine does (DESIGN.md §2) and turns them into index keys."""
 
@@ -264,11 +304,15 @@ class PromptProcessor:
         enable_chunks: bool = True,
         documents_format: str = DEFAULT_DOCUMENTS_FORMAT,
         token_cache_tokens: int = 1 << 21,
+        word_encoder: bool = True,
     ) -> None:
         self.documents_format = documents_format
         self.tokenizer = tokenizer
+        # The tokenizer's ids, by pre-token from a cache for ASCII text when the tokenizer is one
+        # WordEncoder reproduces exactly (word_encoder.py); the tokenizer itself otherwise.
+        self.encoder: Any = (WordEncoder.for_tokenizer(tokenizer) if word_encoder else None) or tokenizer
         # The parts of chunked prompts (documents) recur: their ids are remembered.
-        self.parts = CachedEncoder(tokenizer, token_cache_tokens)
+        self.parts = CachedEncoder(self.encoder, token_cache_tokens)
         self.model_name = model_name
         self.keyer = keyer or BlockKeyer()
         self.separator = separator
@@ -306,7 +350,7 @@ class PromptProcessor:
             if not self.enable_chunks:
                 return self.tokenize(prompt.text(), rendered_chat)
             chunked = tokenize_parts(
-                prompt.system, prompt.chunks, prompt.question, self.tokenizer, not rendered_chat
+                prompt.system, prompt.chunks, prompt.question, self.parts, not rendered_chat
             )
             return TokenizedPrompt(chunked.sys_token_ids, chunked.chunks, chunked.num_tokens)
         if not isinstance(prompt, str):
@@ -321,24 +365,30 @@ class PromptProcessor:
                 return TokenizedPrompt(
                     chunked.sys_token_ids, chunked.chunks, chunked.num_tokens, tuple(chunked.all_token_ids())
                 )
-        ids = tuple(self.tokenizer.encode(prompt, add_special_tokens=special))
+        ids = tuple(self.encoder.encode(prompt, add_special_tokens=special))
         return TokenizedPrompt(ids, (), len(ids), ids)
 
     def keys(
-        self, prompt: TokenizedPrompt, lora: str | None = None, cache_salt: str | None = None
+        self,
+        prompt: TokenizedPrompt,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+        chunked_block_keys: bool = True,
     ) -> PromptKeys:
         """Index keys of a prompt; a `cache_salt` keys it as engines do (its own chunk keys).
 
         A chunked prompt gets block keys too, over its whole token list: what a prefix router
         sees. An engine registers S and the first chunk of a layout-"offset" request in its
-        prefix cache (their KV is a plain prefill's), and a plain request may have cached more."""
-        block_keys = self.keyer.request_keys(prompt.token_ids or prompt.prefix_token_ids, lora, cache_salt)
+        prefix cache (their KV is a plain prefill's), and a plain request may have cached more.
+        A router that scores chunked prompts by their chunks alone (`cache_aware`: an engine
+        serves them from its chunk pool) does not need those: `chunked_block_keys=False`."""
+        ids = prompt.token_ids or prompt.prefix_token_ids
         if not prompt.chunks:
-            return PromptKeys(block_keys, [], [], prompt.num_tokens)
-        sys_ids, algorithm, salt = prompt.prefix_token_ids, self.chunk_hash_algorithm, cache_salt
-        chunk_keys = [to_wire(system_hash(self.model_name, sys_ids, algorithm, salt))]
-        chunk_keys += [
-            to_wire(chunk_hash(self.model_name, sys_ids, c, algorithm, salt)) for c in prompt.chunks
-        ]
+            return PromptKeys(self.keyer.request_keys(ids, lora, cache_salt), [], [], prompt.num_tokens)
+        block_keys = self.keyer.request_keys(ids, lora, cache_salt) if chunked_block_keys else []
+        sys_ids = prompt.prefix_token_ids
+        chunk_keys = prompt_chunk_keys(
+            self.model_name, sys_ids, prompt.chunks, self.chunk_hash_algorithm, cache_salt
+        )
         chunk_tokens = [len(sys_ids), *map(len, prompt.chunks)]
         return PromptKeys(block_keys, chunk_keys, chunk_tokens, prompt.num_tokens)
