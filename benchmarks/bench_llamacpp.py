@@ -310,8 +310,15 @@ def report(sides: list[Side], args: argparse.Namespace) -> int:
         cpu_ratios[f"cpu_{workload}"] = f"{tc / oc:.2f}x"
         if workload != "decode":
             ratios[f"{workload}_p50"] = f"{tp / op:.2f}x"
-    texts = [(o.text == t.text) for o, t in zip(ours.runs["decode"], theirs.runs["decode"], strict=True)]
-    print(f"decode texts equal on both sides: {sum(texts)}/{len(texts)}")
+    # Greedy on both sides, yet fp32 sums in another order (ggml's kernels vs MKL's) can flip a
+    # near-tie; after that the texts part. How far they agree shows both did the same work.
+    agree = [
+        len(os.path.commonprefix([o.text, t.text]))  # noqa: RUF071 (characters, not paths)
+        for o, t in zip(ours.runs["decode"], theirs.runs["decode"], strict=True)
+    ]
+    print(
+        f"decode texts: identical for the first {agree} characters (of {[len(o.text) for o in ours.runs['decode']]})"
+    )
     targets = {"prefill": 1.5, "decode": 1.0, "rag_random": 5.0}
     verdict = {
         f"target_{k}": f">={v}:{'met' if float(ratios[k][:-1]) >= v else 'MISSED'}"
