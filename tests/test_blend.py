@@ -329,7 +329,7 @@ def test_attend_rows_equals_masked_attention(dtype: torch.dtype) -> None:
     """Blend's per-layer attention without a mask equals SDPA with the causal mask over its rows."""
     import torch.nn.functional as F
 
-    from chunkcache.model.attention import attend_rows
+    from chunkcache.model.row_attention import attend_rows, plan_rows
 
     gen = torch.Generator().manual_seed(0)
     total, heads, kv_heads, dim = 700, 6, 2, 16
@@ -345,7 +345,9 @@ def test_attend_rows_equals_masked_attention(dtype: torch.dtype) -> None:
         ),
         "one": torch.tensor([5]),
         "last-block": torch.tensor([650, 660, 699]),
+        "spread-from-0": torch.tensor([0, 2, 3, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 300]),
     }
+    seen: set[str] = set()  # which paths ran: every one must
     for name, rows in patterns.items():
         q = torch.randn(rows.numel(), heads, dim, generator=gen).to(dtype)
         mask = torch.arange(total)[None, :] <= rows[:, None]
@@ -358,13 +360,29 @@ def test_attend_rows_equals_masked_attention(dtype: torch.dtype) -> None:
             enable_gqa=True,
         )[0].transpose(0, 1)
         # call_cost=0: the mask-free plan whatever it costs; the default may pick one masked call.
-        for block, tile, cost in ((16, 16, 0), (64, 8, 0), (512, 64, 0), (512, 64, 75_000)):
-            got = attend_rows(q, k, v, rows, 0.3, block=block, tile=tile, call_cost=cost)
+        # Tiny blocks (every row its own), runs as causal blocks or as masked rows, big blocks.
+        for max_tail, min_run, cost in (
+            (1, 2, 0),
+            (64, 4, 0),
+            (4096, 32, 0),
+            (10**6, 10**6, 0),
+            (4096, 32, 1000),
+        ):
+            plan = plan_rows(rows, heads, kv_heads, dtype, max_tail=max_tail, min_run=min_run, call_cost=cost)
+            got = attend_rows(q, k, v, plan, 0.3)
+            seen.add(plan.kind)
+            seen.update("causal" if b.mask is None else "masked span" for b in plan.blocks)
+            seen.update("at head" for b in plan.blocks if b.first == 0)
             assert got.dtype == dtype
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(
-                got.float(), want, atol=tol, rtol=tol, msg=f"{name}, block {block}, tile {tile}, cost {cost}"
+                got.float(),
+                want,
+                atol=tol,
+                rtol=tol,
+                msg=f"{name}, tail {max_tail}, run {min_run}, cost {cost}",
             )
+    assert seen == {"head", "masked", "blocks", "causal", "masked span", "at head"}, seen
 
 
 def test_offset_request_registers_its_exact_prefix(checkpoint) -> None:

@@ -152,7 +152,18 @@ class RotaryEmbedding(torch.nn.Module):
 
         The attention factor is already inside K, so only the pure rotation R(delta) is applied.
         """
+        cos, sin = self.rerotation(delta, k.dtype)
+        return self.rerotate_(k.clone(), cos, sin)
+
+    def rerotation(self, delta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] of the pure rotation R(delta [T]), for `rerotate_`."""
         freqs = delta.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().unsqueeze(1).to(k.dtype), emb.sin().unsqueeze(1).to(k.dtype)
-        return k * cos + _rotate_half(k) * sin
+        return emb.cos().unsqueeze(1).to(dtype), emb.sin().unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def rerotate_(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`rerotate` in place, with R(delta)'s cos/sin from `rerotation` (made once, used by every
+        layer); the same operations in the same order, so the same numbers."""
+        rotated = _rotate_half(k).mul_(sin)
+        return k.mul_(cos).add_(rotated)
