@@ -21,13 +21,16 @@ The blended KV lands in the request's own blocks; the pool keeps the canonical i
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from chunkcache.config import ChunkConfig
 from chunkcache.model.calibration import ContextCalibration, calibrated_attention
-from chunkcache.model.llama import LlamaForCausalLM
+from chunkcache.model.linear import Linear
+from chunkcache.model.llama import Attention, LlamaForCausalLM
 from chunkcache.model.row_attention import attend_rows, plan_rows
 
 
@@ -39,6 +42,10 @@ class BlendInput:
     num_sys: int
     chunk_spans: list[tuple[int, int]]  # (start, length) of each chunk in the token list
     own_slots: torch.Tensor  # [T] where the blended KV of each token is written
+    # Tokens from the head whose cached KV is a plain prefill's: S, and the first chunk when its
+    # entry was computed right after this S from its start. Causal attention keeps them from
+    # seeing anything after them, so running them again gives their cached KV back.
+    num_exact: int = 0
     # Q's attention to the chunks (APE); the chunk tokens that run keep exact attention.
     calibration: ContextCalibration | None = None
 
@@ -49,6 +56,57 @@ class BlendResult:
     reused_tokens: int  # chunk tokens whose KV stayed the cached one past the last check layer
     recomputed_tokens: int  # chunk tokens that ran through every layer, plus Q
     reused: torch.Tensor  # [P] bool: the cached token's KV was kept in the last layer (S always)
+
+
+# Selectors that need only the fresh K of the candidates, not their Q or V.
+_K_SELECTORS = ("k_deviation", "threshold")
+# The K rows of a merged q/k/v projection, dense, per projection: (weight [Hk * D, in], bias).
+_K_WEIGHTS: weakref.WeakKeyDictionary[Linear, tuple[torch.Tensor, torch.Tensor | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _project_k(attn: Attention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The K [T, Hk, D] that `attn.project` computes for x at `positions` (bias, k-norm, RoPE),
+    without its Q and V: at a check layer every chunk token needs its K compared, but only the
+    chosen share needs Q and V (at 0.15 this skips ~75% of that layer's q/k/v projection)."""
+    proj = attn.qkv_proj
+    if proj not in _K_WEIGHTS:
+        # A packed projection keeps its weight only in oneDNN's layout; to_dense gives it back exactly.
+        weight = proj.packed[0].to_dense() if proj.is_packed else proj.weight
+        bias = proj.packed_bias[0] if proj.is_packed else proj.bias
+        rows = slice(attn.q_size, attn.q_size + attn.kv_size)
+        assert weight is not None
+        _K_WEIGHTS[proj] = (
+            weight.detach()[rows].contiguous(),
+            None if bias is None else bias.detach()[rows].contiguous(),
+        )
+    weight, bias = _K_WEIGHTS[proj]
+    k = F.linear(x, weight, bias).view(x.shape[0], attn.num_kv_heads, attn.head_dim)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    return attn.rotary.rotate(positions, k)
+
+
+def _exact_never_chosen(cfg: ChunkConfig, num_chunk_tokens: int, num_exact_chunk_tokens: int) -> bool:
+    """Whether no check layer would choose an exact token (`BlendInput.num_exact`), so that they
+    need not run at all: their fresh KV equals the cached one, and the selector ranks by that
+    deviation (a question-attention selector could rank them first), per token (a whole-chunk
+    unit could take one to fill its budget), at a check layer after 0 (at layer 0 every
+    deviation is rounding noise), with fewer tokens to choose than the others offer."""
+    if cfg.blend_selector == "threshold":
+        deviation_ranked = cfg.blend_threshold > 0
+    else:
+        deviation_ranked = cfg.blend_selector in ("k_deviation", "v_deviation")
+    first_ratio = cfg.blend_recompute_ratios[0]
+    budget = math.ceil(first_ratio * num_chunk_tokens - 1e-9)
+    return (
+        num_exact_chunk_tokens > 0
+        and deviation_ranked
+        and cfg.blend_unit == "token"
+        and (cfg.blend_check_layers[0] > 0 or budget == 0)
+        and budget <= num_chunk_tokens - num_exact_chunk_tokens
+    )
 
 
 def _deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
@@ -68,16 +126,18 @@ def _query_attention(q: torch.Tensor, keys: torch.Tensor, num_query: int, scale:
 def _scores(
     cfg: ChunkConfig,
     idx: torch.Tensor,
-    fresh: tuple[torch.Tensor, torch.Tensor],
+    fresh: tuple[torch.Tensor, torch.Tensor | None],
     cached: tuple[torch.Tensor, torch.Tensor],
     attention: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Per candidate row `idx`: how much recomputing it matters (larger = recompute first)."""
+    """Per candidate row `idx`: how much recomputing it matters (larger = recompute first).
+    The fresh V is None where the selector does not read it (`_K_SELECTORS`)."""
     (k_new, v_new), (k_old, v_old) = fresh, cached
     if cfg.blend_selector == "query_attention":
         assert attention is not None
         return attention[idx]
     if cfg.blend_selector == "v_deviation":
+        assert v_new is not None
         return _deviation(v_new[idx], v_old[idx])
     return _deviation(k_new[idx], k_old[idx])
 
@@ -89,7 +149,7 @@ def _keep(
     chunk_rows: torch.Tensor,
     boundary_rows: torch.Tensor,
     chunk_ids: torch.Tensor,
-    fresh: tuple[torch.Tensor, torch.Tensor],
+    fresh: tuple[torch.Tensor, torch.Tensor | None],
     cached: tuple[torch.Tensor, torch.Tensor],
     attention: torch.Tensor | None,
 ) -> torch.Tensor:
@@ -145,7 +205,14 @@ def blend_prefill(
     check = dict(zip(cfg.blend_check_layers, cfg.blend_recompute_ratios, strict=True))
     rotary = model.rotary
 
-    active = torch.arange(inp.num_sys, total, device=device)  # tokens still running, ascending
+    running = torch.ones(total, dtype=torch.bool, device=device)  # S never runs: its KV is exact
+    running[: inp.num_sys] = False
+    if _exact_never_chosen(cfg, num_chunk_tokens, inp.num_exact - inp.num_sys):
+        # Nor the exact first chunk (25% of the chunk tokens with 4 chunks): same KV, no choice
+        # to make, so its layer-0 work (and its K at the check layer) is skipped. Boundary
+        # tokens still run, as everywhere.
+        running[inp.num_sys : inp.num_exact] = boundary[inp.num_sys : inp.num_exact]
+    active = running.nonzero().squeeze(1)  # tokens still running, ascending
     h = model.embed_tokens(inp.token_ids[active])
     spec = model.spec
     # One layer's KV list [T, Hk, D]: the cached KV (K re-rotated) with the running tokens' fresh
@@ -163,7 +230,14 @@ def blend_prefill(
         torch.index_select(k_cache, 0, inp.cached_slots, out=k_old)
         torch.index_select(v_cache, 0, inp.cached_slots, out=v_old)
         rotary.rerotate_(k_old, cos, sin)
-        q, k, v = attn.project(layer.input_layernorm(h), positions[active])
+        x = layer.input_layernorm(h)
+        k_only = layer_index in check and cfg.blend_selector in _K_SELECTORS and check[layer_index] < 1.0
+        v_fresh: torch.Tensor | None = None
+        if k_only:
+            k = _project_k(attn, x, positions[active])
+        else:
+            q, k, v = attn.project(x, positions[active])
+            v_fresh = v
         if layer_index in check:
             chunk_rows = is_chunk[active]
             # Compare only the chunk rows with their cached counterparts (indices < cached_len).
@@ -181,11 +255,15 @@ def blend_prefill(
                 chunk_rows,
                 boundary[active],
                 chunk_id[active],
-                (k, v),
+                (k, v_fresh),
                 (k_old[safe], v_old[safe]),
                 attention,
             )
-            active, h, q, k, v = active[keep], h[keep], q[keep], k[keep], v[keep]
+            if k_only:
+                active, h, x = active[keep], h[keep], x[keep]
+                q, k, v = attn.project(x, positions[active])
+            else:
+                active, h, q, k, v = active[keep], h[keep], q[keep], k[keep], v[keep]
             plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)
         k_all.index_copy_(0, active, k)
         v_all.index_copy_(0, active, v)

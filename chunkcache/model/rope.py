@@ -147,6 +147,12 @@ class RotaryEmbedding(torch.nn.Module):
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One tensor [T, H, D] rotated to `positions` [T], as `forward` rotates q and k."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
     def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """K [T, Hk, D] computed at p, rotated to p + delta [T] (delta may be negative).
 
