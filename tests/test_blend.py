@@ -324,12 +324,101 @@ def test_query_attention_selector(checkpoint, unit: str) -> None:
     llm.check_integrity()
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v bias; per-head k-norm
+def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, monkeypatch, arch) -> None:
+    """At check layer 1 with K deviation, the chunk tokens that keep running are those whose
+    fresh K deviates most from their cached K, both taken from transformers: fresh = the full
+    prefill's layer-1 K (layer 0 runs every token, so layer 1 sees exactly a full prefill's
+    input), cached = the run of S + that chunk alone, re-rotated to the chunk's offset. Blend
+    projects only K for this choice (`_project_k`); a wrong slice, bias, norm or rotation there
+    ranks other tokens first."""
+    import copy
+
+    from oracle import hf_rerotate
+
+    import chunkcache.chunk.blend as blend
+    import chunkcache.engine.runner as runner
+
+    path = checkpoint(arch=arch, num_hidden_layers=3)
+    llm = _llm(path)
+    results = []
+    real = runner.blend_prefill
+
+    def spy(*args):
+        results.append(real(*args))
+        return results[-1]
+
+    monkeypatch.setattr(runner, "blend_prefill", spy)
+    docs, ratio = [2, 3, 1], 0.3
+    options = {"chunk_layout": "offset", "blend_check_layers": [1], "blend_recompute_ratios": [ratio]}
+    out = llm.generate(_prompt(docs), FIRST, chunk_options=options)[0]
+    sys_ids, chunks, q_ids = _parts(llm, docs)
+    assert out.prompt_token_ids == sys_ids + [t for c in chunks for t in c] + q_ids
+    s, n = len(sys_ids), sum(len(c) for c in chunks)
+    fresh = hf_layer_kv(path, out.prompt_token_ids)[1][0][:, s : s + n]  # [Hk, n, D]
+    cached, offset = [], s
+    for c in chunks:
+        alone = hf_layer_kv(path, sys_ids + c)[1][0][:, s:]
+        cached.append(hf_rerotate(path, alone, offset - s))
+        offset += len(c)
+    # The K-only projection is the K of the model's own projection (bias, norm and RoPE included).
+    attn = llm.engine.runner.model.layers[1].self_attn
+    x, where = torch.randn(7, attn.qkv_proj.in_features), torch.tensor([0, 3, 5, 8, 13, 21, 34])
+    packed = copy.deepcopy(attn)  # and from a projection packed for oneDNN, whose weight is opaque
+    assert packed.qkv_proj.prepack() and packed.qkv_proj.weight is None
+    with torch.inference_mode():
+        want = attn.project(x, where)[1]
+        torch.testing.assert_close(blend._project_k(attn, x, where), want)
+        torch.testing.assert_close(blend._project_k(packed, x, where), want)
+    deviation = (fresh - torch.cat(cached, dim=1)).pow(2).sum(dim=(0, 2))  # [n]
+    recomputed = ~results[-1].reused[s:]
+    assert int(recomputed.sum()) == -(-3 * n // 10)
+    # Every chosen token deviates at least as much as every other (up to float noise).
+    assert deviation[recomputed].min() >= deviation[~recomputed].max() - 1e-4 * deviation.max()
+    assert deviation[recomputed].min() > 1e-3 * deviation.max()  # not a tie among zeros
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_an_exact_first_chunk_is_reused_without_running(checkpoint, monkeypatch, arch) -> None:
+    """The first chunk, computed right after this S, holds a full prefill's KV, so blend does not
+    run it. With a ratio that recomputes every other chunk token at check layer 1, the result
+    is then a full prefill (transformers), with the first chunk's tokens reused."""
+    import chunkcache.chunk.blend as blend
+
+    path = checkpoint(arch=arch, num_hidden_layers=3)
+    llm = _llm(path)
+    skipped = []
+    real = blend._exact_never_chosen
+
+    def spy(*args):
+        skipped.append(real(*args))
+        return skipped[-1]
+
+    monkeypatch.setattr(blend, "_exact_never_chosen", spy)
+    docs = [1, 3, 2]
+    _, chunks, _ = _parts(llm, docs)
+    n, first = sum(len(c) for c in chunks), len(chunks[0])
+    options = {
+        "chunk_layout": "offset",
+        "blend_check_layers": [1],
+        "blend_recompute_ratios": [(n - first) / n],
+    }
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    out = llm.generate(_prompt(docs), greedy, chunk_options=options)[0]
+    assert skipped == [True] and not out.blend_fallback
+    assert out.num_blend_reused_tokens == first
+    _assert_logprobs_close(out, hf_first_token_logprobs(path, out.prompt_token_ids))
+    # Decode reads the request's blocks: the reused chunk's KV was written there too.
+    assert out.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 6)
+    llm.check_integrity()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attend_rows_equals_masked_attention(dtype: torch.dtype) -> None:
     """Blend's per-layer attention without a mask equals SDPA with the causal mask over its rows."""
     import torch.nn.functional as F
 
-    from chunkcache.model.attention import attend_rows
+    from chunkcache.model.row_attention import attend_rows, plan_rows
 
     gen = torch.Generator().manual_seed(0)
     total, heads, kv_heads, dim = 700, 6, 2, 16
@@ -345,7 +434,9 @@ def test_attend_rows_equals_masked_attention(dtype: torch.dtype) -> None:
         ),
         "one": torch.tensor([5]),
         "last-block": torch.tensor([650, 660, 699]),
+        "spread-from-0": torch.tensor([0, 2, 3, 9, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 300]),
     }
+    seen: set[str] = set()  # which paths ran: every one must
     for name, rows in patterns.items():
         q = torch.randn(rows.numel(), heads, dim, generator=gen).to(dtype)
         mask = torch.arange(total)[None, :] <= rows[:, None]
@@ -358,13 +449,29 @@ def test_attend_rows_equals_masked_attention(dtype: torch.dtype) -> None:
             enable_gqa=True,
         )[0].transpose(0, 1)
         # call_cost=0: the mask-free plan whatever it costs; the default may pick one masked call.
-        for block, tile, cost in ((16, 16, 0), (64, 8, 0), (512, 64, 0), (512, 64, 75_000)):
-            got = attend_rows(q, k, v, rows, 0.3, block=block, tile=tile, call_cost=cost)
+        # Tiny blocks (every row its own), runs as causal blocks or as masked rows, big blocks.
+        for max_tail, min_run, cost in (
+            (1, 2, 0),
+            (64, 4, 0),
+            (4096, 32, 0),
+            (10**6, 10**6, 0),
+            (4096, 32, 1000),
+        ):
+            plan = plan_rows(rows, heads, kv_heads, dtype, max_tail=max_tail, min_run=min_run, call_cost=cost)
+            got = attend_rows(q, k, v, plan, 0.3)
+            seen.add(plan.kind)
+            seen.update("causal" if b.mask is None else "masked span" for b in plan.blocks)
+            seen.update("at head" for b in plan.blocks if b.first == 0)
             assert got.dtype == dtype
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(
-                got.float(), want, atol=tol, rtol=tol, msg=f"{name}, block {block}, tile {tile}, cost {cost}"
+                got.float(),
+                want,
+                atol=tol,
+                rtol=tol,
+                msg=f"{name}, tail {max_tail}, run {min_run}, cost {cost}",
             )
+    assert seen == {"head", "masked", "blocks", "causal", "masked span", "at head"}, seen
 
 
 def test_offset_request_registers_its_exact_prefix(checkpoint) -> None:

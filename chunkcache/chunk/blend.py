@@ -8,7 +8,8 @@ each check layer j the fresh K (or V) of the chunk tokens still running is compa
 cached one and only the share `ratios[j]` of all chunk tokens with the largest deviation keeps
 running (EPIC's first-k tokens of every chunk always do). The KV of a layer is the cached KV with
 the running tokens' fresh KV written over it. S is never recomputed: its cached KV is exact.
-Q always runs. Ratio 1.0 at check layer 0 is a full prefill; ratio 0 at layer 0 is pure reuse.
+Nor, where no check layer could choose it, is a first chunk computed right after this S: its
+fresh KV would equal the cached one (`BlendInput.num_exact`). Q always runs. Ratio 1.0 at check layer 0 is a full prefill; ratio 0 at layer 0 is pure reuse.
 
 Selectors rank the candidates: by K or V deviation (CacheBlend), or by the attention the
 question's tokens pay them at the check layer (`query_attention`: the question is known when the
@@ -21,14 +22,17 @@ The blended KV lands in the request's own blocks; the pool keeps the canonical i
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from chunkcache.config import ChunkConfig
-from chunkcache.model.attention import attend_rows
 from chunkcache.model.calibration import ContextCalibration, calibrated_attention
-from chunkcache.model.llama import LlamaForCausalLM
+from chunkcache.model.linear import Linear
+from chunkcache.model.llama import Attention, LlamaForCausalLM
+from chunkcache.model.row_attention import attend_rows, plan_rows
 
 
 @dataclass
@@ -39,6 +43,10 @@ class BlendInput:
     num_sys: int
     chunk_spans: list[tuple[int, int]]  # (start, length) of each chunk in the token list
     own_slots: torch.Tensor  # [T] where the blended KV of each token is written
+    # Tokens from the head whose cached KV is a plain prefill's: S, and the first chunk when its
+    # entry was computed right after this S from its start. Causal attention keeps them from
+    # seeing anything after them, so running them again gives their cached KV back.
+    num_exact: int = 0
     # Q's attention to the chunks (APE); the chunk tokens that run keep exact attention.
     calibration: ContextCalibration | None = None
 
@@ -49,6 +57,57 @@ class BlendResult:
     reused_tokens: int  # chunk tokens whose KV stayed the cached one past the last check layer
     recomputed_tokens: int  # chunk tokens that ran through every layer, plus Q
     reused: torch.Tensor  # [P] bool: the cached token's KV was kept in the last layer (S always)
+
+
+# Selectors that need only the fresh K of the candidates, not their Q or V.
+_K_SELECTORS = ("k_deviation", "threshold")
+# The K rows of a merged q/k/v projection, dense, per projection: (weight [Hk * D, in], bias).
+_K_WEIGHTS: weakref.WeakKeyDictionary[Linear, tuple[torch.Tensor, torch.Tensor | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _project_k(attn: Attention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The K [T, Hk, D] that `attn.project` computes for x at `positions` (bias, k-norm, RoPE),
+    without its Q and V: at a check layer every chunk token needs its K compared, but only the
+    chosen share needs Q and V (at 0.15 this skips ~75% of that layer's q/k/v projection)."""
+    proj = attn.qkv_proj
+    if proj not in _K_WEIGHTS:
+        # A packed projection keeps its weight only in oneDNN's layout; to_dense gives it back exactly.
+        weight = proj.packed[0].to_dense() if proj.is_packed else proj.weight
+        bias = proj.packed_bias[0] if proj.is_packed else proj.bias
+        rows = slice(attn.q_size, attn.q_size + attn.kv_size)
+        assert weight is not None
+        _K_WEIGHTS[proj] = (
+            weight.detach()[rows].contiguous(),
+            None if bias is None else bias.detach()[rows].contiguous(),
+        )
+    weight, bias = _K_WEIGHTS[proj]
+    k = F.linear(x, weight, bias).view(x.shape[0], attn.num_kv_heads, attn.head_dim)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    return attn.rotary.rotate(positions, k)
+
+
+def _exact_never_chosen(cfg: ChunkConfig, num_chunk_tokens: int, num_exact_chunk_tokens: int) -> bool:
+    """Whether no check layer would choose an exact token (`BlendInput.num_exact`), so that they
+    need not run at all: their fresh KV equals the cached one, and the selector ranks by that
+    deviation (a question-attention selector could rank them first), per token (a whole-chunk
+    unit could take one to fill its budget), at a check layer after 0 (at layer 0 every
+    deviation is rounding noise), with fewer tokens to choose than the others offer."""
+    if cfg.blend_selector == "threshold":
+        deviation_ranked = cfg.blend_threshold > 0
+    else:
+        deviation_ranked = cfg.blend_selector in ("k_deviation", "v_deviation")
+    first_ratio = cfg.blend_recompute_ratios[0]
+    budget = math.ceil(first_ratio * num_chunk_tokens - 1e-9)
+    return (
+        num_exact_chunk_tokens > 0
+        and deviation_ranked
+        and cfg.blend_unit == "token"
+        and (cfg.blend_check_layers[0] > 0 or budget == 0)
+        and budget <= num_chunk_tokens - num_exact_chunk_tokens
+    )
 
 
 def _deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
@@ -68,16 +127,18 @@ def _query_attention(q: torch.Tensor, keys: torch.Tensor, num_query: int, scale:
 def _scores(
     cfg: ChunkConfig,
     idx: torch.Tensor,
-    fresh: tuple[torch.Tensor, torch.Tensor],
+    fresh: tuple[torch.Tensor, torch.Tensor | None],
     cached: tuple[torch.Tensor, torch.Tensor],
     attention: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Per candidate row `idx`: how much recomputing it matters (larger = recompute first)."""
+    """Per candidate row `idx`: how much recomputing it matters (larger = recompute first).
+    The fresh V is None where the selector does not read it (`_K_SELECTORS`)."""
     (k_new, v_new), (k_old, v_old) = fresh, cached
     if cfg.blend_selector == "query_attention":
         assert attention is not None
         return attention[idx]
     if cfg.blend_selector == "v_deviation":
+        assert v_new is not None
         return _deviation(v_new[idx], v_old[idx])
     return _deviation(k_new[idx], k_old[idx])
 
@@ -89,7 +150,7 @@ def _keep(
     chunk_rows: torch.Tensor,
     boundary_rows: torch.Tensor,
     chunk_ids: torch.Tensor,
-    fresh: tuple[torch.Tensor, torch.Tensor],
+    fresh: tuple[torch.Tensor, torch.Tensor | None],
     cached: tuple[torch.Tensor, torch.Tensor],
     attention: torch.Tensor | None,
 ) -> torch.Tensor:
@@ -145,14 +206,39 @@ def blend_prefill(
     check = dict(zip(cfg.blend_check_layers, cfg.blend_recompute_ratios, strict=True))
     rotary = model.rotary
 
-    active = torch.arange(inp.num_sys, total, device=device)  # tokens still running, ascending
+    running = torch.ones(total, dtype=torch.bool, device=device)  # S never runs: its KV is exact
+    running[: inp.num_sys] = False
+    if _exact_never_chosen(cfg, num_chunk_tokens, inp.num_exact - inp.num_sys):
+        # Nor the exact first chunk (25% of the chunk tokens with 4 chunks): same KV, no choice
+        # to make, so its layer-0 work (and its K at the check layer) is skipped. Boundary
+        # tokens still run, as everywhere.
+        running[inp.num_sys : inp.num_exact] = boundary[inp.num_sys : inp.num_exact]
+    active = running.nonzero().squeeze(1)  # tokens still running, ascending
     h = model.embed_tokens(inp.token_ids[active])
+    spec = model.spec
+    # One layer's KV list [T, Hk, D]: the cached KV (K re-rotated) with the running tokens' fresh
+    # KV written over it. Reused by every layer; the request's blocks get a copy of each.
+    k_all = torch.empty((total, spec.num_kv_heads, spec.head_dim), dtype=h.dtype, device=device)
+    v_all = torch.empty_like(k_all)
+    k_old, v_old = k_all[:cached_len], v_all[:cached_len]
+    # R(delta) is the same at every layer: its cos/sin once per request.
+    cos, sin = rotary.rerotation(inp.cached_delta, k_all.dtype)
+    plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)  # changes at check layers only
     for layer_index, layer in enumerate(model.layers):
         k_cache, v_cache = kv_caches[layer_index]
         attn = layer.self_attn
-        k_old = rotary.rerotate(k_cache[inp.cached_slots], inp.cached_delta)
-        v_old = v_cache[inp.cached_slots]
-        q, k, v = attn.project(layer.input_layernorm(h), positions[active])
+        # index_select, not k_cache[slots]: the advanced-indexing gather is ~5x slower on CPU.
+        torch.index_select(k_cache, 0, inp.cached_slots, out=k_old)
+        torch.index_select(v_cache, 0, inp.cached_slots, out=v_old)
+        rotary.rerotate_(k_old, cos, sin)
+        x = layer.input_layernorm(h)
+        k_only = layer_index in check and cfg.blend_selector in _K_SELECTORS and check[layer_index] < 1.0
+        v_fresh: torch.Tensor | None = None
+        if k_only:
+            k = _project_k(attn, x, positions[active])
+        else:
+            q, k, v = attn.project(x, positions[active])
+            v_fresh = v
         if layer_index in check:
             chunk_rows = is_chunk[active]
             # Compare only the chunk rows with their cached counterparts (indices < cached_len).
@@ -160,8 +246,7 @@ def blend_prefill(
             attention = None
             if cfg.blend_selector == "query_attention":
                 # The question's view of this layer: fresh keys where tokens still run.
-                keys = k_old.new_empty((total, *k.shape[1:]))
-                keys[:cached_len] = k_old
+                keys = k_all.clone()
                 keys[active] = k
                 attention = _query_attention(q, keys, total - cached_len, attn.scale)[active]
             keep = _keep(
@@ -171,24 +256,28 @@ def blend_prefill(
                 chunk_rows,
                 boundary[active],
                 chunk_id[active],
-                (k, v),
+                (k, v_fresh),
                 (k_old[safe], v_old[safe]),
                 attention,
             )
-            active, h, q, k, v = active[keep], h[keep], q[keep], k[keep], v[keep]
-        k_all = torch.empty((total, *k.shape[1:]), dtype=k.dtype, device=device)
-        v_all = torch.empty_like(k_all)
-        k_all[:cached_len], v_all[:cached_len] = k_old, v_old
-        k_all[active], v_all[active] = k, v
-        k_cache[inp.own_slots] = k_all
-        v_cache[inp.own_slots] = v_all
-        o = attend_rows(q, k_all, v_all, active, attn.scale)
+            if k_only:
+                active, h, x = active[keep], h[keep], x[keep]
+                q, k, v = attn.project(x, positions[active])
+            else:
+                active, h, q, k, v = active[keep], h[keep], q[keep], k[keep], v[keep]
+            plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)
+        k_all.index_copy_(0, active, k)
+        v_all.index_copy_(0, active, v)
+        k_cache.index_copy_(0, inp.own_slots, k_all)
+        v_cache.index_copy_(0, inp.own_slots, v_all)
+        o = attend_rows(q, k_all, v_all, plan, attn.scale)
         if inp.calibration is not None:
             # Q's rows are the last ones still running: every chunk and S row comes first.
             nq = total - cached_len
             o[-nq:] = calibrated_attention(q[-nq:], k_all, v_all, active[-nq:], inp.calibration, attn.scale)
-        h = h + attn.o_proj(o.reshape(active.numel(), -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        # The residual adds fused into the projections, as in the model's own forward.
+        h = attn.o_proj(o.reshape(active.numel(), -1), h)
+        h = layer.mlp(layer.post_attention_layernorm(h), residual=h)
     recomputed_chunks = int(is_chunk[active].sum())
     reused = torch.ones(cached_len, dtype=torch.bool, device=device)
     reused[active[active < cached_len]] = False

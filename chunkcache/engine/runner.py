@@ -167,6 +167,13 @@ class ModelRunner:
             start += len(chunk)
         cfg = seq.blend
         calibration = calibration_for(s, start, cfg.calibration_temperature, cfg.calibration_scale)
+        # S was computed at [0, s) and the first chunk right after it: their KV, cached or
+        # recomputed, is a plain prefill's, which the prefix cache may offer to any request. Not
+        # so for a separator-free slice cut from the middle of an entry, or from an entry computed
+        # after another S: that KV was computed in another context.
+        first_exact = bool(prompt.chunks) and state.slices[1][0] == 0
+        first_exact = first_exact and state.entries[1].token_ids[0] == tuple(prompt.sys_token_ids)
+        exact_prefix = s + (len(prompt.chunks[0]) if first_exact else 0)
         try:
             result = blend_prefill(
                 self.model,
@@ -179,6 +186,7 @@ class ModelRunner:
                     chunk_spans=spans,
                     own_slots=block_slots(seq.block_table, self.block_size, seq.num_tokens, self.device),
                     calibration=calibration,
+                    num_exact=exact_prefix,
                 ),
                 seq.blend,
             )
@@ -193,13 +201,7 @@ class ModelRunner:
             seq.num_prefix_cached = seq.num_chunk_cached = 0  # every token is computed now
             return None
         seq.calibration = calibration  # decode attends to the blended chunks the same way
-        # S was computed at [0, s) and the first chunk right after it: their KV, cached or
-        # recomputed, is a plain prefill's, which the prefix cache may offer to any request. Not
-        # so for a separator-free slice cut from the middle of an entry, or from an entry computed
-        # after another S: that KV was computed in another context.
-        first_exact = bool(prompt.chunks) and state.slices[1][0] == 0
-        first_exact = first_exact and state.entries[1].token_ids[0] == tuple(prompt.sys_token_ids)
-        seq.exact_prefix = s + (len(prompt.chunks[0]) if first_exact else 0)
+        seq.exact_prefix = exact_prefix
         seq.blend_reused_tokens = result.reused_tokens
         seq.blend_recomputed_tokens = result.recomputed_tokens
         # Cached = read from an entry that existed before the request and not recomputed.

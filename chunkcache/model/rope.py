@@ -147,12 +147,29 @@ class RotaryEmbedding(torch.nn.Module):
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One tensor [T, H, D] rotated to `positions` [T], as `forward` rotates q and k."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
     def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """K [T, Hk, D] computed at p, rotated to p + delta [T] (delta may be negative).
 
         The attention factor is already inside K, so only the pure rotation R(delta) is applied.
         """
+        cos, sin = self.rerotation(delta, k.dtype)
+        return self.rerotate_(k.clone(), cos, sin)
+
+    def rerotation(self, delta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] of the pure rotation R(delta [T]), for `rerotate_`."""
         freqs = delta.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().unsqueeze(1).to(k.dtype), emb.sin().unsqueeze(1).to(k.dtype)
-        return k * cos + _rotate_half(k) * sin
+        return emb.cos().unsqueeze(1).to(dtype), emb.sin().unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def rerotate_(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`rerotate` in place, with R(delta)'s cos/sin from `rerotation` (made once, used by every
+        layer); the same operations in the same order, so the same numbers."""
+        rotated = _rotate_half(k).mul_(sin)
+        return k.mul_(cos).add_(rotated)
