@@ -332,12 +332,11 @@ def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, 
     input), cached = the run of S + that chunk alone, re-rotated to the chunk's offset. Blend
     projects only K for this choice (`_project_k`); a wrong slice, bias, norm or rotation there
     ranks other tokens first."""
-    import copy
-
     from oracle import hf_rerotate
 
     import chunkcache.chunk.blend as blend
     import chunkcache.engine.runner as runner
+    from chunkcache.model.linear import Linear
 
     path = checkpoint(arch=arch, num_hidden_layers=3)
     llm = _llm(path)
@@ -364,12 +363,29 @@ def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, 
     # The K-only projection is the K of the model's own projection (bias, norm and RoPE included).
     attn = llm.engine.runner.model.layers[1].self_attn
     x, where = torch.randn(7, attn.qkv_proj.in_features), torch.tensor([0, 3, 5, 8, 13, 21, 34])
-    packed = copy.deepcopy(attn)  # and from a projection packed for oneDNN, whose weight is opaque
-    assert packed.qkv_proj.prepack() and packed.qkv_proj.weight is None
     with torch.inference_mode():
         want = attn.project(x, where)[1]
         torch.testing.assert_close(blend._project_k(attn, x, where), want)
-        torch.testing.assert_close(blend._project_k(packed, x, where), want)
+    # ... from whichever layouts the projection holds: dense, transposed, or only oneDNN's opaque one
+    served = attn.qkv_proj
+    weight, bias = served.dense_weight()
+    for pack, narrow_copy, held in (
+        (False, True, "transposed"),
+        (True, True, "packed"),
+        (True, False, "packed"),
+    ):
+        lin = Linear(served.in_features, served.out_features, bias=bias is not None)
+        with torch.no_grad():
+            lin.weight.copy_(weight)
+            if bias is not None:
+                lin.bias.copy_(bias)
+        assert held in lin.prepare(pack, narrow_copy) and lin.weight is None
+        attn.qkv_proj = lin
+        try:
+            with torch.inference_mode():
+                torch.testing.assert_close(blend._project_k(attn, x, where), want)
+        finally:
+            attn.qkv_proj = served
     deviation = (fresh - torch.cat(cached, dim=1)).pow(2).sum(dim=(0, 2))  # [n]
     recomputed = ~results[-1].reused[s:]
     assert int(recomputed.sum()) == -(-3 * n // 10)

@@ -73,14 +73,11 @@ def _project_k(attn: Attention, x: torch.Tensor, positions: torch.Tensor) -> tor
     chosen share needs Q and V (at 0.15 this skips ~75% of that layer's q/k/v projection)."""
     proj = attn.qkv_proj
     if proj not in _K_WEIGHTS:
-        # A packed projection keeps its weight only in oneDNN's layout; to_dense gives it back exactly.
-        weight = proj.packed[0].to_dense() if proj.is_packed else proj.weight
-        bias = proj.packed_bias[0] if proj.is_packed else proj.bias
+        weight, bias = proj.dense_weight()
         rows = slice(attn.q_size, attn.q_size + attn.kv_size)
-        assert weight is not None
         _K_WEIGHTS[proj] = (
-            weight.detach()[rows].contiguous(),
-            None if bias is None else bias.detach()[rows].contiguous(),
+            weight[rows].contiguous(),
+            None if bias is None else bias[rows].contiguous(),
         )
     weight, bias = _K_WEIGHTS[proj]
     k = F.linear(x, weight, bias).view(x.shape[0], attn.num_kv_heads, attn.head_dim)

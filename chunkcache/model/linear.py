@@ -186,6 +186,16 @@ class Linear(nn.Module):
             self.bias = None
         return held
 
+    def dense_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight [out, in] and bias, read back exactly from whichever layout is held (a
+        view where the dense or transposed tensor is held, a new tensor from oneDNN's layout)."""
+        if self.weight is not None:
+            return self.weight.detach(), None if self.bias is None else self.bias.detach()
+        bias = self.plain_bias  # set whenever the dense tensor is dropped
+        if self.weight_t is not None:
+            return self.weight_t.t(), bias
+        return torch.cat([p.to_dense() for p in self.packed]), bias
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The projection of x [T, in], plus `residual` [T, out] when given (fused into the GEMM
         when packed, so the sum costs no extra pass over the output)."""
