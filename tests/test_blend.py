@@ -324,6 +324,19 @@ def test_query_attention_selector(checkpoint, unit: str) -> None:
     llm.check_integrity()
 
 
+def _record(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list:
+    """Wrap `owner.name` so that each of its return values is appended to the returned list."""
+    results: list = []
+    real = getattr(owner, name)
+
+    def spy(*args):
+        results.append(real(*args))
+        return results[-1]
+
+    monkeypatch.setattr(owner, name, spy)
+    return results
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # q/k/v bias; per-head k-norm
 def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, monkeypatch, arch) -> None:
     """At check layer 1 with K deviation, the chunk tokens that keep running are those whose
@@ -340,14 +353,7 @@ def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, 
 
     path = checkpoint(arch=arch, num_hidden_layers=3)
     llm = _llm(path)
-    results = []
-    real = runner.blend_prefill
-
-    def spy(*args):
-        results.append(real(*args))
-        return results[-1]
-
-    monkeypatch.setattr(runner, "blend_prefill", spy)
+    results = _record(monkeypatch, runner, "blend_prefill")
     docs, ratio = [2, 3, 1], 0.3
     options = {"chunk_layout": "offset", "blend_check_layers": [1], "blend_recompute_ratios": [ratio]}
     out = llm.generate(_prompt(docs), FIRST, chunk_options=options)[0]
@@ -403,14 +409,7 @@ def test_an_exact_first_chunk_is_reused_without_running(checkpoint, monkeypatch,
 
     path = checkpoint(arch=arch, num_hidden_layers=3)
     llm = _llm(path)
-    skipped = []
-    real = blend._exact_never_chosen
-
-    def spy(*args):
-        skipped.append(real(*args))
-        return skipped[-1]
-
-    monkeypatch.setattr(blend, "_exact_never_chosen", spy)
+    skipped = _record(monkeypatch, blend, "_exact_never_chosen")
     docs = [1, 3, 2]
     _, chunks, _ = _parts(llm, docs)
     n, first = sum(len(c) for c in chunks), len(chunks[0])
