@@ -118,6 +118,34 @@ def system_hash(
     return _digest(("system-v1", model_name, tuple(sys_token_ids), *salt), algorithm)
 
 
+def prompt_hashes(
+    model_name: str,
+    sys_token_ids: Sequence[int],
+    chunks: Sequence[Sequence[int]],
+    algorithm: str = "sha256",
+    cache_salt: str | None = None,
+) -> list[bytes]:
+    """`system_hash` of S, then `chunk_hash` of each chunk, the same bytes for fewer CPU cycles:
+    each digest is of the CBOR of a short array, which is an array head followed by each item's
+    own CBOR, so S is encoded and hashed once and each chunk continues a copy of that hash
+    (a router keys every prompt it routes; S is often most of a prompt's text)."""
+
+    def head(items: int) -> bytes:  # CBOR's head of an array of fewer than 24 items
+        return bytes([0x80 | items])
+
+    salt = b"" if cache_salt is None else _cbor(cache_salt)
+    extra = 0 if cache_salt is None else 1
+    model, sys_cbor = _cbor(model_name), _cbor(tuple(sys_token_ids))
+    hashes = [hashlib.new(algorithm, head(3 + extra) + _cbor("system-v1") + model + sys_cbor + salt).digest()]
+    base = hashlib.new(algorithm, head(4 + extra) + _cbor("chunk-v1") + model + sys_cbor)
+    for chunk in chunks:
+        h = base.copy()
+        h.update(_cbor(tuple(chunk)))
+        h.update(salt)
+        hashes.append(h.digest())
+    return hashes
+
+
 def to_wire(h: bytes) -> int:
     """A hash as sent in KV events: its low 64 bits, unsigned."""
     return int.from_bytes(h, "big") & (2**64 - 1)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from tiny_checkpoint import build_tokenizer
 
-from chunkcache.hashing import chunk_hash, system_hash, to_wire
-from chunkcache.router.tokens import CachedEncoder, PromptProcessor, prompt_chunk_keys
+from chunkcache.hashing import chunk_hash, prompt_hashes, system_hash, to_wire
+from chunkcache.router.tokens import CachedEncoder, PromptProcessor
 from chunkcache.router.word_encoder import _LLAMA3, _QWEN2, WordEncoder
 
 QWEN_LIKE = "/root/.cache/chunkcache/bench-qwen2.5-0.5b"
@@ -178,7 +178,9 @@ def test_chunk_keys_equal_the_engines_hashes() -> None:
             expected = [to_wire(system_hash("model-x", sys_ids, algorithm, salt))] + [
                 to_wire(chunk_hash("model-x", sys_ids, c, algorithm, salt)) for c in chunks
             ]
-            assert prompt_chunk_keys("model-x", sys_ids, chunks, algorithm, salt) == expected
+            assert [
+                to_wire(h) for h in prompt_hashes("model-x", sys_ids, chunks, algorithm, salt)
+            ] == expected
 
 
 def test_cache_aware_leaves_out_a_chunked_prompts_block_keys(tiny: Any) -> None:

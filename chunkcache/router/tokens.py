@@ -21,8 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import cbor2
-
 from chunkcache.chunk.documents import (
     DEFAULT_DOCUMENTS_FORMAT,
     PromptParts,
@@ -30,7 +28,7 @@ from chunkcache.chunk.documents import (
     render_with_documents,
 )
 from chunkcache.chunk.parse import parse_chunked_prompt, tokenize_parts
-from chunkcache.hashing import to_wire
+from chunkcache.hashing import prompt_hashes, to_wire
 from chunkcache.kv_events import BlockStored
 from chunkcache.router.word_encoder import WordEncoder
 
@@ -254,43 +252,6 @@ class PromptKeys:
     num_tokens: int
 
 
-def _cbor(obj: Any) -> bytes:
-    return cbor2.dumps(obj, canonical=True)
-
-
-def _cbor_array_head(n: int) -> bytes:
-    if not 0 <= n < 24:
-        raise ValueError(f"array of {n} items: only short heads are written here")
-    return bytes([0x80 | n])
-
-
-def prompt_chunk_keys(
-    model_name: str,
-    sys_token_ids: Sequence[int],
-    chunks: Sequence[Sequence[int]],
-    algorithm: str = "sha256",
-    cache_salt: str | None = None,
-) -> list[int]:
-    """The wire keys of S and of each chunk, equal to `hashing.system_hash` and `chunk_hash`.
-    Their digest is of the CBOR of `("chunk-v1", model, S, C[, salt])`, which is an array head
-    followed by each item's own CBOR: S is encoded and hashed once, and each chunk continues a
-    copy of that hash, instead of S being encoded again for every chunk."""
-    salt = b"" if cache_salt is None else _cbor(cache_salt)
-    extra = 0 if cache_salt is None else 1
-    model, sys_cbor = _cbor(model_name), _cbor(tuple(sys_token_ids))
-    system = hashlib.new(
-        algorithm, _cbor_array_head(3 + extra) + _cbor("system-v1") + model + sys_cbor + salt
-    )
-    keys = [to_wire(system.digest())]
-    base = hashlib.new(algorithm, _cbor_array_head(4 + extra) + _cbor("chunk-v1") + model + sys_cbor)
-    for chunk in chunks:
-        h = base.copy()
-        h.update(_cbor(tuple(chunk)))
-        h.update(salt)
-        keys.append(to_wire(h.digest()))
-    return keys
-
-
 class PromptProcessor:
     """Tokenizes prompts exactly as an engine does (DESIGN.md §2) and turns them into index keys."""
 
@@ -387,8 +348,7 @@ class PromptProcessor:
             return PromptKeys(self.keyer.request_keys(ids, lora, cache_salt), [], [], prompt.num_tokens)
         block_keys = self.keyer.request_keys(ids, lora, cache_salt) if chunked_block_keys else []
         sys_ids = prompt.prefix_token_ids
-        chunk_keys = prompt_chunk_keys(
-            self.model_name, sys_ids, prompt.chunks, self.chunk_hash_algorithm, cache_salt
-        )
+        hashes = prompt_hashes(self.model_name, sys_ids, prompt.chunks, self.chunk_hash_algorithm, cache_salt)
+        chunk_keys = [to_wire(h) for h in hashes]
         chunk_tokens = [len(sys_ids), *map(len, prompt.chunks)]
         return PromptKeys(block_keys, chunk_keys, chunk_tokens, prompt.num_tokens)
