@@ -356,7 +356,7 @@ def test_cpu_fp32_model_layouts_match_dense(
     assert all((m.narrow != "packed") == narrow_weights for m in linears)
     lm_head = packed.model.lm_head
     assert all((m.prefill != "packed") == narrow_weights for m in linears if m is not lm_head)
-    monkeypatch.setattr(LlamaForCausalLM, "prepare", lambda self, narrow_weights=True: {})
+    monkeypatch.setattr(LlamaForCausalLM, "prepare", lambda self, narrow_weights=True: None)
     dense = load_model(str(path), "cpu", "float32")
     assert all(
         m.narrow == m.wide == m.prefill == "dense" for m in dense.model.modules() if isinstance(m, Linear)

@@ -101,10 +101,16 @@ class ModelRunner:
             if n == 1 and past.numel() > 0:
                 if seq.calibration is not None:
                     calibrated.append((len(decode_index), start, past.numel() + 1, seq.calibration))
+                # Only a batch of one decode reads its KV in place (`DecodeBatch.span`).
+                first_decode = not decode_slots
+                if (
+                    first_decode
+                    and seq.borrowed_slots is None
+                    and consecutive(seq.block_table, c + n, self.block_size)
+                ):
+                    span = (seq.block_table[0] * self.block_size, c + n)
                 decode_index.append(start)
                 decode_slots.append(torch.cat((past, own[c:])))
-                if seq.borrowed_slots is None and consecutive(seq.block_table, c + n, self.block_size):
-                    span = (seq.block_table[0] * self.block_size, c + n)
             else:
                 prefills.append(PrefillSegment.make(start, start + n, past, seq.calibration))
             done = c + n == seq.num_tokens

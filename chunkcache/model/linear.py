@@ -180,8 +180,8 @@ class Linear(nn.Module):
                 self.packed, self.packed_bias = (_pack(w),), (b,)
         if "transposed" in held:
             self.weight_t = w.t().contiguous()
+        self.plain_bias = b  # the bias of the plain layouts, also once the dense tensor is dropped
         if "dense" not in held:
-            self.plain_bias = b
             self.weight = None
             self.bias = None
         return held
@@ -191,7 +191,7 @@ class Linear(nn.Module):
         view where the dense or transposed tensor is held, a new tensor from oneDNN's layout)."""
         if self.weight is not None:
             return self.weight.detach(), None if self.bias is None else self.bias.detach()
-        bias = self.plain_bias  # set whenever the dense tensor is dropped
+        bias = self.plain_bias
         if self.weight_t is not None:
             return self.weight_t.t(), bias
         return torch.cat([p.to_dense() for p in self.packed]), bias
@@ -208,7 +208,7 @@ class Linear(nn.Module):
             return self._packed_forward(_pad_rows(x), res)[:rows]
         if layout == "transposed":
             assert self.weight_t is not None
-            bias = self.bias if self.bias is not None else self.plain_bias
+            bias = self.plain_bias
             y = torch.mm(x, self.weight_t) if bias is None else torch.addmm(bias, x, self.weight_t)
         else:
             assert self.weight is not None

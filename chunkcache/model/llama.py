@@ -128,11 +128,9 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, kv, meta)
         return self.norm(x)
 
-    def prepare(self, narrow_weights: bool = True) -> dict[str, int]:
-        """Lay out every projection for the row counts it will run (`Linear.prepare`); returns
-        how many projections got each (narrow, wide, prefill) layouts, e.g.
-        {"transposed/packed/packed": 61}. Call
-        once, after the weights are loaded.
+    def prepare(self, narrow_weights: bool = True) -> None:
+        """Lay out every projection for the row counts it will run (`Linear.prepare`). Call once,
+        after the weights are loaded.
 
         Per projection shape, oneDNN's layout serves batched decode steps where packing
         measured faster than `F.linear` at 4-64 rows on this machine (`linear.packing_pays`;
@@ -145,7 +143,6 @@ class LlamaForCausalLM(nn.Module):
         need (+vocab x hidden x 4 bytes: 113 MB for SmolLM2-135M, 544 MB for Qwen2.5-0.5B; twice
         that with a narrow copy): its 1-row product is the largest of a decode step.
         """
-        counts: dict[str, int] = {}
         for m in self.modules():
             if isinstance(m, Linear) and m.weight is not None:
                 pack = packing_pays(m.weight, (4, 64) if narrow_weights else (1, 64))
@@ -153,9 +150,7 @@ class LlamaForCausalLM(nn.Module):
                 pack_prefill = (
                     m is self.lm_head or not (pack and narrow_weights) or packing_pays(m.weight, (256,))
                 )
-                key = "/".join(m.prepare(pack, narrow_weights, pack_prefill))
-                counts[key] = counts.get(key, 0) + 1
-        return counts
+                m.prepare(pack, narrow_weights, pack_prefill)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
