@@ -127,6 +127,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin tables for every position up to max_position, indexed by explicit per-token positions."""
 
@@ -143,15 +147,15 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D] rotated to `positions` [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self._cos_sin(positions, q.dtype)
+        return _rotated(q, cos, sin), _rotated(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """One tensor [T, H, D] rotated to `positions` [T], as `forward` rotates q and k."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        return _rotated(x, *self._cos_sin(positions, x.dtype))
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
     def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """K [T, Hk, D] computed at p, rotated to p + delta [T] (delta may be negative).
