@@ -48,6 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import fmean
 
 import httpx
 from bench_serve import ServerProcess, percentile
@@ -213,10 +214,6 @@ def both(
         side.runs.setdefault(workload, []).append(complete(side.server, client, prompt, max_tokens))
 
 
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -298,10 +295,10 @@ def report(sides: list[Side], args: argparse.Namespace) -> int:
             if workload == "decode":
                 rates = [(len(r.token_times) - 1) / (r.token_times[-1] - r.token_times[0]) for r in runs]
                 cpu = [r.cpu / len(r.token_times) for r in runs]
-                stats[side.name] = (mean(rates), percentile(rates, 50), mean(cpu))
+                stats[side.name] = (fmean(rates), percentile(rates, 50), fmean(cpu))
             else:
                 ttft = [r.ttft for r in runs]
-                stats[side.name] = (mean(ttft), percentile(ttft, 50), mean([r.cpu for r in runs]))
+                stats[side.name] = (fmean(ttft), percentile(ttft, 50), fmean([r.cpu for r in runs]))
             m, p50, c = stats[side.name]
             print(f"{workload:<12} {side.name:<11} {m:>9.4f} {p50:>9.4f} {c:>9.4f}")
         (om, op, oc), (tm, tp, tc) = stats[ours.name], stats[theirs.name]
