@@ -34,7 +34,7 @@ from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.parse import parse_chunked_prompt
 
 SEP = " # # "
-ADAPTER_MARK = "~"  # MODE~ADAPTER: a mode run with a LoRA adapter merged into the model
+LABEL_MARK = "~"  # MODE~LABEL: a mode run on another model variant (an adapter, a dtype, a device)
 SYSTEM = "Answer the question using the documents. Reply with a short answer."
 
 
@@ -348,8 +348,15 @@ def main(argv: list[str] | None = None) -> None:
         "--adapter",
         type=Path,
         default=None,
-        help="a LoRA adapter (training/reuse_adapter.py) merged into the model; its modes are named "
-        "MODE~ADAPTER_DIR_NAME, so that --merge compares them with the base model's full prefill",
+        help="a LoRA adapter (training/reuse_adapter.py) merged into the model; its modes are labelled "
+        "with the adapter directory's name unless --label says otherwise",
+    )
+    parser.add_argument(
+        "--label",
+        default=None,
+        help="name this run's modes MODE~LABEL, so that --merge compares them with another run's full "
+        "prefill (e.g. a bfloat16 run against the float32 one: how many answers a numerically "
+        "equivalent full prefill keeps)",
     )
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes if m not in MODES]
@@ -371,8 +378,9 @@ def main(argv: list[str] | None = None) -> None:
             # Accuracy from one run (e.g. every question on a GPU), TTFT from another (a CPU).
             timing = _load(args.timing)
             for mode, res in results.items():
-                # An adapter's modes run the same kernels over merged weights: the base mode's TTFT.
-                base = mode.split(ADAPTER_MARK)[0]
+                # A labelled run's modes take the base mode's TTFT where they have none of their own
+                # (an adapter's modes run the same kernels over merged weights).
+                base = mode.split(LABEL_MARK)[0]
                 res.ttft = (
                     timing[mode].ttft if mode in timing else timing[base].ttft if base in timing else {}
                 )
@@ -383,12 +391,13 @@ def main(argv: list[str] | None = None) -> None:
     index, count = (int(x) for x in args.shard.split("/"))
     questions = [q for q in questions if q.qid not in done][index::count]
     adapter = str(args.adapter) if args.adapter else None
+    label = args.label or (args.adapter.name if adapter else None)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads, adapter=adapter)
     t0 = time.time()
     elements = fidelity_set.load_elements(args.elements)
 
     def labelled(res: dict[str, ModeResult]) -> dict[str, ModeResult]:
-        return {f"{m}{ADAPTER_MARK}{args.adapter.name}": r for m, r in res.items()} if adapter else res
+        return {f"{m}{LABEL_MARK}{label}": r for m, r in res.items()} if label else res
 
     dump = (lambda res: _dump(labelled(res), args.raw)) if args.raw else None
     results = labelled(evaluate(llm, questions, modes, args.max_tokens, args.ttft_every, elements, dump))
@@ -398,9 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     if count == 1 and "full" in results:
         report(results, questions, args)
     elif count == 1:
-        print(
-            "adapter modes are compared with the base model's full prefill: --merge this --raw file with one of the base model"
-        )
+        print("labelled modes are compared with another run's full prefill: --merge this --raw file with it")
 
 
 if __name__ == "__main__":

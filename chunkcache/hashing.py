@@ -17,6 +17,7 @@ import hashlib
 import os
 import pickle
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import cbor2
@@ -79,10 +80,33 @@ def block_hash(
     return _BLOCK_HASH_FNS[algorithm]((parent, tuple(token_ids), extra))
 
 
-def first_block_extra(cache_salt: str | None) -> tuple[str, ...] | None:
-    """The extra keys of a sequence's first block: its cache salt, as vLLM puts it there, so that
-    requests with different salts never share a chain."""
-    return None if cache_salt is None else (cache_salt,)
+@dataclass(frozen=True)
+class BlockKeys:
+    """What besides its tokens a sequence's block hashes cover: vLLM's extra keys.
+
+    `cache_salt` on the first block, so that requests with different salts never share a chain;
+    from block `kv_key_from` on, `kv_key`, which says how the KV was computed where it is not a
+    plain prefill's (a blend's options and cuts, `blend_key`), so that no plain prompt ever finds
+    such a block. Blocks under either are private: no KV event publishes them (a router computes
+    plain chains only)."""
+
+    cache_salt: str | None = None
+    kv_key: bytes | None = None
+    kv_key_from: int = 0
+
+    def extra(self, index: int) -> tuple[str | bytes, ...] | None:
+        keys: tuple[str | bytes, ...] = ()
+        if index == 0 and self.cache_salt is not None:
+            keys += (self.cache_salt,)
+        if self.kv_key is not None and index >= self.kv_key_from:
+            keys += (self.kv_key,)
+        return keys or None
+
+    def private(self, index: int) -> bool:
+        return self.cache_salt is not None or (self.kv_key is not None and index >= self.kv_key_from)
+
+
+PLAIN = BlockKeys()
 
 
 def block_hashes(
@@ -108,6 +132,13 @@ def chunk_hash(
     (and on the request's cache salt, when it has one: tenants with different salts share nothing)."""
     salt = () if cache_salt is None else (cache_salt,)
     return _digest(("chunk-v1", model_name, tuple(sys_token_ids), tuple(chunk_token_ids), *salt), algorithm)
+
+
+def blend_key(options: tuple[Any, ...], part_lengths: Sequence[int], algorithm: str = "sha256") -> bytes:
+    """The `kv_key` of prefix blocks holding a blend's KV: the blend options that decide it and
+    where the prompt's parts (S, then each chunk) end, since the same tokens cut otherwise blend
+    otherwise."""
+    return _digest(("blend-v1", options, tuple(part_lengths)), algorithm)
 
 
 def system_hash(

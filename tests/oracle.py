@@ -329,3 +329,37 @@ def hf_slices_reuse_logprobs(
     positions = torch.arange(offset, offset + len(q_ids)).view(1, -1)
     out = model(input_ids=_ids(q_ids), position_ids=positions, past_key_values=cache, use_cache=True)
     return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+
+
+@torch.inference_mode()
+def hf_continue_over_cache(
+    path: str | Path,
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    token_ids: Sequence[int],
+    n: int,
+) -> tuple[torch.Tensor, list[int]]:
+    """First-token log-probs and `n` greedy tokens (EOS ignored) of transformers running
+    `token_ids` after a given cache: per layer (K, V) [Hk, P, D] of the first P positions (K
+    after RoPE, as transformers caches it), whatever computed them."""
+    from transformers import DynamicCache
+
+    model = hf_model(path)
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k[None].float(), v[None].float(), layer)
+    start = kv[0][0].shape[1]
+    positions = torch.arange(start, start + len(token_ids)).view(1, -1)
+    out = model(input_ids=_ids(token_ids), position_ids=positions, past_key_values=cache, use_cache=True)
+    first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+    tokens = [int(first.argmax())]
+    position = start + len(token_ids)
+    while len(tokens) < n:
+        out = model(
+            input_ids=_ids(tokens[-1:]),
+            position_ids=torch.tensor([[position]]),
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+        tokens.append(int(out.logits[0, -1].argmax()))
+        position += 1
+    return first, tokens

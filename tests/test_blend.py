@@ -44,6 +44,9 @@ def _parts(llm: LLM, doc_ids: list[int], question: str = QUESTIONS[0]):
 
 
 def _llm(path, **options) -> LLM:
+    # The blend alone, against its oracles: with the prefix cache on, a blend's blocks are
+    # registered for follow-ups and the last chunk's tail runs fresh (test_blended_prefix.py).
+    options.setdefault("enable_prefix_caching", False)
     options.setdefault("kv_cache_tokens", 2048)
     options.setdefault("chunk_cache_size_gb", 0.001)
     return LLM(str(path), device="cpu", **options)
@@ -169,7 +172,7 @@ def test_selectors_and_boundary_tokens(checkpoint) -> None:
 
 def test_blend_never_pollutes_the_pool(checkpoint) -> None:
     path = checkpoint(arch="qwen3", num_hidden_layers=3)
-    llm = _llm(path)
+    llm = _llm(path, enable_prefix_caching=True)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate(
         _prompt([0, 1]), greedy, chunk_options={"chunk_layout": "offset", "blend_recompute_ratios": [0.5]}
@@ -187,7 +190,7 @@ def test_blend_never_pollutes_the_pool(checkpoint) -> None:
 
 def test_blend_failure_falls_back_to_plain_prefill(checkpoint, monkeypatch) -> None:
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    llm = _llm(path)
+    llm = _llm(path, enable_prefix_caching=True)
     import chunkcache.engine.runner as runner_module
 
     def broken(*args, **kwargs):
@@ -201,6 +204,9 @@ def test_blend_failure_falls_back_to_plain_prefill(checkpoint, monkeypatch) -> N
         _assert_logprobs_close(out, hf_first_token_logprobs(path, out.prompt_token_ids))
         assert out.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 12)
     assert llm.chunk_cache_stats()["blend_fallbacks"] == 2
+    # A fallback's KV is a plain prefill's: a plain prompt over the same tokens finds it all.
+    again = llm.generate([outs[0].prompt_token_ids], FIRST)[0]
+    assert again.num_cached_tokens == (len(outs[0].prompt_token_ids) - 1) // 16 * 16
     stats = llm.engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     llm.check_integrity()
@@ -493,7 +499,7 @@ def test_offset_request_registers_its_exact_prefix(checkpoint) -> None:
     """S and the first chunk of a layout-"offset" request hold a plain prefill's KV: they enter the
     prefix cache (and its events), and a plain request over the same tokens reuses them exactly."""
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    llm = _llm(path)
+    llm = _llm(path, enable_prefix_caching=True)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     docs = [2, 3, 0]
     out = llm.generate(_prompt(docs), greedy, chunk_options={"chunk_layout": "offset"})[0]

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import chunk_isolated_mask, hf_logprobs_with_mask, hf_offset_reuse_logprobs
+from oracle import (
+    chunk_isolated_mask,
+    hf_logprobs_with_mask,
+    hf_offset_reuse_logprobs,
+    hf_slices_reuse_logprobs,
+)
 
 from chunkcache import LLM, SamplingParams
 
@@ -33,11 +38,25 @@ def _llm(path, **options) -> LLM:
     return LLM(str(path), device="cpu", kv_cache_tokens=2048, chunk_cache_size_gb=0.001, **options)
 
 
-def _reference(path, llm: LLM, layout: str) -> torch.Tensor:
+def _reference(path, llm: LLM, layout: str, prefix_caching: bool = True) -> torch.Tensor:
     tok = llm.tokenizer
     sys_ids = tok.encode(SYSTEM, add_special_tokens=True)
     chunks = [tok.encode(d, add_special_tokens=False) for d in DOCS]
     q_ids = tok.encode(QUESTION, add_special_tokens=False)
+    if layout == "offset" and prefix_caching:
+        # The blocks are registered for follow-ups: the last chunk's tokens after its last full
+        # block run fresh (BlendInput.fresh_from), the rest is reused.
+        fresh = (len(sys_ids) + sum(map(len, chunks))) // 16 * 16
+        s = len(sys_ids)
+        pieces = [(sys_ids, 0, s)]
+        end = s
+        for c in chunks:
+            n = max(0, min(len(c), fresh - end))
+            if n:
+                pieces.append((sys_ids + c, s, n))
+            end += len(c)
+        joined = sys_ids + [t for c in chunks for t in c] + q_ids
+        return hf_slices_reuse_logprobs(path, pieces, joined[fresh:])
     if layout == "offset":
         return hf_offset_reuse_logprobs(path, sys_ids, chunks, q_ids)
     mask, positions = chunk_isolated_mask(len(sys_ids), [len(c) for c in chunks], len(q_ids))
@@ -52,7 +71,7 @@ def test_chunked_and_plain_requests_mix(checkpoint, prefix_caching: bool, layout
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path, enable_prefix_caching=prefix_caching)
     options = REUSE if layout == "offset" else ISOLATED
-    ref = _reference(path, llm, layout)
+    ref = _reference(path, llm, layout, prefix_caching)
     # The plain request is the chunked prompt's own token ids: every block of it is then in the
     # prefix cache, the worst case for a chunked request that wrongly matches the prefix.
     joined = llm.generate(PROMPT, FIRST, chunk_options=options)[0].prompt_token_ids
@@ -72,13 +91,21 @@ def test_chunked_and_plain_requests_mix(checkpoint, prefix_caching: bool, layout
         for token, lp in out.outputs[0].logprobs[0].items():
             assert abs(ref[token].item() - lp) < 1e-4, (out is warm, token, ref[token].item(), lp)
         assert out.num_cached_tokens <= len(out.prompt_token_ids)
-        if layout == "offset":
-            assert out.num_blend_reused_tokens == num_docs  # ratio 0: every chunk token reused
-            assert not out.blend_fallback
+        assert not out.blend_fallback
     # Cold: S and the documents were computed for this request; warm: all of them are reused.
     assert cold.num_cached_tokens == 0
-    assert warm.num_prefix_cached_tokens == num_sys
-    assert warm.num_chunk_cached_tokens == num_docs
+    if layout == "offset" and prefix_caching:
+        # Ratio 0: every chunk token reused but the last chunk's after its last full block.
+        assert cold.num_blend_reused_tokens == (num_sys + num_docs) // 16 * 16 - num_sys
+        # The same prompt again reads the cold request's blended blocks: no pool, no blend.
+        assert warm.num_blend_reused_tokens == warm.num_blend_recomputed_tokens == 0
+        assert warm.num_prefix_cached_tokens == (len(warm.prompt_token_ids) - 1) // 16 * 16
+        assert llm.chunk_cache_stats()["blended_prefix_hits"] == 1
+    else:
+        if layout == "offset":
+            assert cold.num_blend_reused_tokens == warm.num_blend_reused_tokens == num_docs
+        assert warm.num_prefix_cached_tokens == num_sys
+        assert warm.num_chunk_cached_tokens == num_docs
     llm.check_integrity()
 
 

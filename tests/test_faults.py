@@ -31,6 +31,7 @@ from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.scheduler import Scheduler
 from chunkcache.engine.sequence import Sequence
 from chunkcache.errors import InvalidRequestError
+from chunkcache.hashing import BlockKeys
 from chunkcache.router.app import create_app
 from chunkcache.router.backends import BackendSpec
 from chunkcache.router.service import Router, RouterConfig
@@ -781,10 +782,10 @@ def test_salted_blocks_are_never_published() -> None:
     blocks = BlockManager(8, 4, enable_prefix_caching=True, hash_seed="0", medium="GPU")
     tokens = list(range(1, 13))
     salted = blocks.allocate(3)
-    blocks.register_full_blocks(salted, tokens, [], 12, cache_salt="t")
+    blocks.register_full_blocks(salted, tokens, [], 12, BlockKeys(cache_salt="t"))
     assert blocks.events == [] and blocks.num_cached_blocks == 3
     assert blocks.match_prefix(tokens, 3) == ([], [])  # unsalted: no hit
-    hit, _ = blocks.match_prefix(tokens, 3, cache_salt="t")
+    hit, _ = blocks.match_prefix(tokens, 3, BlockKeys(cache_salt="t"))
     assert hit == salted
     blocks.free(hit)
     blocks.free(salted)
@@ -819,7 +820,7 @@ def test_block_state_events_list_parents_first() -> None:
     tokens = list(range(1, 13))
     table = blocks.allocate(3)
     blocks.register_full_blocks(table, tokens, [], 12)
-    blocks.register_full_blocks(table, tokens, [], 12, cache_salt="t")  # already cached: no change
+    blocks.register_full_blocks(table, tokens, [], 12, BlockKeys(cache_salt="t"))  # already cached: no change
     state = blocks.state_events()
     wire = [to_wire(h) for h in block_hashes("0", tokens, 4)]
     assert [e.block_hashes for e in state] == [[w] for w in wire]

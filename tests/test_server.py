@@ -276,7 +276,9 @@ def test_chunked_prompt_is_cached_on_second_call(
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens_details.cached_tokens
     stats = http.get("/v1/chunk_cache/stats").json()
-    assert stats["enabled"] is True and stats["hits"] > 0 and stats["entries"] > 0
+    assert stats["enabled"] is True and stats["entries"] > 0
+    # The second call, the same documents in the same order, read the first one's blended KV.
+    assert stats["blended_prefix_hits"] > 0
 
 
 def test_per_request_chunk_options(reference: LLM, client: openai.OpenAI) -> None:

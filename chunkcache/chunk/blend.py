@@ -17,6 +17,12 @@ request arrives, so recompute what it reads). `blend_unit="chunk"` recomputes wh
 by their summed score, as many as fit in the same token budget.
 
 The blended KV lands in the request's own blocks; the pool keeps the canonical isolated KV.
+Those blocks are registered in the prefix cache under an extra key of the blend's options and the
+prompt's cuts (`kv_options`, `hashing.blend_key`): the chunks' blended KV does not depend on the
+question (causal attention; the selectors but `query_attention` rank chunk tokens by what they
+hold), so a follow-up with the same S and chunks in the same order reads it and computes only
+its question (and the last chunk's tokens after its last full block, which therefore always run
+here too: `BlendInput.fresh_from`).
 """
 
 from __future__ import annotations
@@ -49,6 +55,12 @@ class BlendInput:
     num_exact: int = 0
     # Q's attention to the chunks (APE); the chunk tokens that run keep exact attention.
     calibration: ContextCalibration | None = None
+    # Chunk tokens from here on always run, as boundary tokens do: those of the last chunk after
+    # its last full KV block when the blocks are registered for follow-ups (`kv_options`). That
+    # block also holds the question, so a follow-up cannot find it and computes those tokens
+    # fresh; running them here too keeps a request's answer the same whether or not it found
+    # an earlier request's blended blocks. None: no such tokens.
+    fresh_from: int | None = None
 
 
 @dataclass
@@ -104,6 +116,27 @@ def _exact_never_chosen(cfg: ChunkConfig, num_chunk_tokens: int, num_exact_chunk
         and cfg.blend_unit == "token"
         and (cfg.blend_check_layers[0] > 0 or budget == 0)
         and budget <= num_chunk_tokens - num_exact_chunk_tokens
+    )
+
+
+def kv_options(cfg: ChunkConfig) -> tuple[object, ...] | None:
+    """The options that decide the chunks' blended KV (with the prompt's cuts,
+    `hashing.blend_key`), or None where the request's KV is not worth finding again: where the
+    choice depends on the question (`query_attention`), which a follow-up asks anew; or where the
+    tokens after the chunks read them through APE's calibration, which a plain prefill over the
+    blended KV would not apply."""
+    if cfg.blend_selector == "query_attention":
+        return None
+    if (cfg.calibration_temperature, cfg.calibration_scale) != (1.0, 1.0):
+        return None
+    threshold = cfg.blend_threshold if cfg.blend_selector == "threshold" else None
+    return (
+        tuple(cfg.blend_check_layers),
+        tuple(float(r) for r in cfg.blend_recompute_ratios),
+        cfg.blend_selector,
+        threshold,
+        cfg.blend_unit,
+        cfg.blend_boundary_tokens,
     )
 
 
@@ -199,6 +232,8 @@ def blend_prefill(
     for i, (start, length) in enumerate(inp.chunk_spans):
         boundary[start : start + min(cfg.blend_boundary_tokens, length)] = True
         chunk_id[start : start + length] = i
+    if inp.fresh_from is not None:
+        boundary[max(inp.fresh_from, inp.num_sys) : cached_len] = True
     num_chunk_tokens = cached_len - inp.num_sys
     check = dict(zip(cfg.blend_check_layers, cfg.blend_recompute_ratios, strict=True))
     rotary = model.rotary

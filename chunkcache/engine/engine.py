@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from chunkcache.chunk.blend import kv_options
 from chunkcache.chunk.documents import PromptParts, parse_documents, render_with_documents
 from chunkcache.chunk.manager import ChunkManager
 from chunkcache.chunk.matcher import PlainPrompt
@@ -36,6 +37,7 @@ from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
 from chunkcache.engine.sequence import Sequence, Status
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
+from chunkcache.hashing import blend_key
 from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher, PublisherCurve
 from chunkcache.model.loader import load_model
 from chunkcache.outputs import CompletionOutput, RequestOutput
@@ -146,6 +148,8 @@ class LLMEngine:
                 ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps, curve=curve
             )
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+        # Chunked requests that read an earlier request's blended KV from the prefix cache.
+        self.blended_prefix_hits = 0
 
     def _lower_tiers(self, chunk: ChunkConfig, loaded: Any) -> TierStack | None:
         """The chunk pool's lower tiers, nearest first; None without any. On a CPU the device pool
@@ -400,7 +404,33 @@ class LLMEngine:
             seq.chunk_state = chunked if chunked is not None else plain
             seq.chunk_config = chunk_config
             seq.prefix_cacheable = False
+        if chunked is not None and offset and chunked.chunks and self.blocks.enable_prefix_caching:
+            options = kv_options(chunk_config)
+            if options is not None:
+                parts = [len(chunked.sys_token_ids), *map(len, chunked.chunks)]
+                seq.kv_key = blend_key(options, parts, chunk_config.hash_algorithm)
+                # S and the first chunk hold a plain prefill's KV (the runner's exact prefix):
+                # their blocks keep plain hashes, which any prompt with that prefix may find.
+                seq.kv_key_from = (parts[0] + parts[1]) // self.blocks.block_size
         return seq
+
+    def _reads_blended_prefix(self, seq: Sequence) -> bool:
+        """Whether a chunked "offset" request's S and chunks, in this order and under these blend
+        options, were blended before and are still in the prefix cache. It then reads that KV as a
+        prefix (the scheduler matches its `kv_key` chain) and computes only its question and the
+        last chunk's tokens after its last full block: no pool entries, no blend."""
+        prompt = seq.chunk_state
+        if seq.kv_key is None or seq.is_prewarm or not isinstance(prompt, ChunkedPrompt):
+            return False
+        need = (prompt.num_tokens - len(prompt.question_token_ids)) // self.blocks.block_size
+        if need <= seq.kv_key_from:
+            return False  # no blended block to find: S and the first chunk fill the prompt's blocks
+        if self.blocks.cached_prefix_blocks(seq.token_ids, need, seq.block_keys) < need:
+            return False
+        seq.chunk_state = None
+        seq.prefix_cacheable = True
+        self.blended_prefix_hits += 1
+        return True
 
     def _fit_kv_cache(self, params: SamplingParams, own_tokens: int, prompt_len: int) -> SamplingParams:
         """A request must fit the whole paged KV cache alone, or preemption could never let it
@@ -495,7 +525,11 @@ class LLMEngine:
         for seq in inbox:
             self.counters["requests"] += 1
             try:
-                if self.chunks is not None and seq.chunk_state is not None:
+                if (
+                    self.chunks is not None
+                    and seq.chunk_state is not None
+                    and not self._reads_blended_prefix(seq)
+                ):
                     for job in self.chunks.admit(seq):
                         self._requests[job.request_id] = job
                         self.scheduler.add(job)
@@ -553,7 +587,7 @@ class LLMEngine:
             )
             if registrable and not seq.is_fill:
                 self.blocks.register_full_blocks(
-                    seq.block_table, seq.token_ids, seq.block_hashes, registrable, seq.cache_salt
+                    seq.block_table, seq.token_ids, seq.block_hashes, registrable, seq.block_keys
                 )
             if seq.is_fill and seq.num_computed == seq.num_tokens:
                 self._finish(seq)
@@ -740,6 +774,7 @@ class LLMEngine:
             "blend_reused_tokens": r.blend_reused_tokens,
             "blend_recomputed_tokens": r.blend_recomputed_tokens,
             "blend_fallbacks": r.blend_fallbacks,
+            "blended_prefix_hits": self.blended_prefix_hits,
         }
 
     def stats(self) -> dict[str, Any]:

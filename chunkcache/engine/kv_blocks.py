@@ -7,6 +7,9 @@ Contract:
   hash; a hash maps to at most one block. Freed registered blocks keep their KV and stay findable
   until the allocator reuses them, least recently freed first (unregistered ones go first).
 - `match_prefix` takes references on the longest chain of registered blocks of a token list.
+- A block whose KV is not a plain prefill's (a blend's) is registered under a chain whose extra
+  keys say how it was computed (`hashing.BlockKeys`): only a request that would compute the same
+  KV finds it.
 - Registration and eviction are reported as KV events (BlockStored / BlockRemoved) in `events`,
   which the engine drains once per step.
 """
@@ -14,13 +17,14 @@ Contract:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from chunkcache.hashing import (
     DEFAULT_BLOCK_HASH_ALGORITHM,
+    PLAIN,
+    BlockKeys,
     block_hash,
     block_hash_fn,
-    first_block_extra,
     none_hash,
     to_wire,
 )
@@ -102,32 +106,41 @@ class BlockManager:
                 if block not in self._hash_of:
                     self._free.move_to_end(block, last=False)
 
+    def _chain(
+        self, token_ids: Sequence[int], max_blocks: int, keys: BlockKeys
+    ) -> Iterator[tuple[bytes, int]]:
+        """(hash, block) of the longest cached chain of `token_ids`'s first `max_blocks` full
+        blocks."""
+        parent = self.root_hash
+        bs = self.block_size
+        for i in range(min(max_blocks, len(token_ids) // bs)):
+            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs], keys.extra(i), self.hash_algorithm)
+            block = self._block_of.get(h)
+            if block is None:
+                return
+            yield h, block
+            parent = h
+
+    def cached_prefix_blocks(self, token_ids: Sequence[int], max_blocks: int, keys: BlockKeys = PLAIN) -> int:
+        """How many leading full blocks `match_prefix` would find now; takes no references."""
+        if not self.enable_prefix_caching:
+            return 0
+        return sum(1 for _ in self._chain(token_ids, max_blocks, keys))
+
     def match_prefix(
-        self, token_ids: Sequence[int], max_blocks: int, cache_salt: str | None = None
+        self, token_ids: Sequence[int], max_blocks: int, keys: BlockKeys = PLAIN
     ) -> tuple[list[int], list[bytes]]:
         """Referenced blocks and their hashes for the longest cached chain of `token_ids`'s full
-        blocks (of chains with the same `cache_salt` only)."""
+        blocks, of chains with the same `keys` only."""
         if not self.enable_prefix_caching:
             return [], []
         blocks: list[int] = []
         hashes: list[bytes] = []
-        parent = self.root_hash
-        bs = self.block_size
-        for i in range(min(max_blocks, len(token_ids) // bs)):
-            self.queries += 1
-            h = block_hash(
-                parent,
-                token_ids[i * bs : (i + 1) * bs],
-                first_block_extra(cache_salt) if i == 0 else None,
-                self.hash_algorithm,
-            )
-            block = self._block_of.get(h)
-            if block is None:
-                break
-            self.hits += 1
+        for h, block in self._chain(token_ids, max_blocks, keys):
             blocks.append(block)
             hashes.append(h)
-            parent = h
+        self.queries += min(max_blocks, len(token_ids) // self.block_size, len(blocks) + 1)
+        self.hits += len(blocks)
         for block in blocks:
             if self._ref[block] == 0:
                 del self._free[block]
@@ -140,11 +153,12 @@ class BlockManager:
         token_ids: Sequence[int],
         hashes: list[bytes],
         num_tokens: int,
-        cache_salt: str | None = None,
+        keys: BlockKeys = PLAIN,
     ) -> None:
         """Hash and register the sequence's full blocks among its first `num_tokens` computed tokens.
 
-        `hashes` is the sequence's chain so far; it is extended in place.
+        `hashes` is the sequence's chain so far; it is extended in place. Private blocks
+        (`BlockKeys.private`) are registered without an event.
         """
         if not self.enable_prefix_caching:
             return
@@ -152,16 +166,14 @@ class BlockManager:
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else self.root_hash
             tokens = token_ids[i * bs : (i + 1) * bs]
-            h = block_hash(
-                parent, tokens, first_block_extra(cache_salt) if i == 0 else None, self.hash_algorithm
-            )
+            h = block_hash(parent, tokens, keys.extra(i), self.hash_algorithm)
             hashes.append(h)
             block = blocks[i]
             if h in self._block_of or block in self._hash_of:
                 continue  # the same content is cached elsewhere already
             self._block_of[h] = block
             self._hash_of[block] = h
-            if cache_salt is not None:
+            if keys.private(i):
                 self._private.add(h)
                 continue
             event = BlockStored(

@@ -193,6 +193,7 @@ class ModelRunner:
                     own_slots=block_slots(seq.block_table, self.block_size, seq.num_tokens, self.device),
                     calibration=calibration,
                     num_exact=exact_prefix,
+                    fresh_from=None if seq.kv_key is None else start // self.block_size * self.block_size,
                 ),
                 seq.blend,
             )
@@ -205,9 +206,15 @@ class ModelRunner:
             seq.blend = None
             seq.blend_fallback = True
             seq.num_prefix_cached = seq.num_chunk_cached = 0  # every token is computed now
+            # ... by a plain prefill, whose blocks any prompt with these tokens may find.
+            seq.prefix_cacheable, seq.kv_key = True, None
             return None
         seq.calibration = calibration  # decode attends to the blended chunks the same way
         seq.exact_prefix = exact_prefix
+        if seq.kv_key is not None:
+            # Its blocks are found under the blend's key from the first one holding blended KV.
+            seq.kv_key_from = min(seq.kv_key_from, exact_prefix // self.block_size)
+            seq.prefix_cacheable = True
         seq.blend_reused_tokens = result.reused_tokens
         seq.blend_recomputed_tokens = result.recomputed_tokens
         # Cached = read from an entry that existed before the request and not recomputed.

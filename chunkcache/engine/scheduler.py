@@ -100,9 +100,10 @@ class Scheduler:
             if (seq.background and foreground) or not self.is_ready(seq):
                 skipped.append(seq)
                 continue
-            # Only plain requests match the prefix cache: a chunked request's KV comes from the
-            # chunk pool (an "offset" one has no borrowed slots, yet its blend must start at 0),
-            # and prompt logprobs need every prompt position computed.
+            # Only prefix-cacheable requests match the prefix cache: a chunked request's KV comes
+            # from the chunk pool (an "offset" one has no borrowed slots, yet its blend must start
+            # at 0) unless its blended prefix was found at admission (its `kv_key` chain), and
+            # prompt logprobs need every prompt position computed.
             if (
                 not seq.block_table
                 and seq.num_computed == 0
@@ -137,7 +138,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         # At least one prompt token is always computed: it yields the first token's logits.
         max_blocks = (seq.num_own_prompt_tokens - 1) // self.blocks.block_size
-        blocks, hashes = self.blocks.match_prefix(seq.token_ids, max_blocks, seq.cache_salt)
+        blocks, hashes = self.blocks.match_prefix(seq.token_ids, max_blocks, seq.block_keys)
         seq.block_table = blocks
         seq.block_hashes = hashes
         seq.num_computed = len(blocks) * self.blocks.block_size

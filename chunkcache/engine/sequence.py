@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from chunkcache.hashing import BlockKeys
 from chunkcache.outputs import RequestMetrics
 from chunkcache.sampling import SamplingParams
 
@@ -86,10 +87,19 @@ class Sequence:
     # vLLM's cache_salt: enters the first prefix block's hash and every chunk key, so requests
     # with different salts (tenants) never share KV.
     cache_salt: str | None = None
+    # How this sequence's KV from block `kv_key_from` on is computed where it is not a plain
+    # prefill's (a blend's options and cuts, hashing.blend_key): its blocks are registered, and
+    # found, under this extra key. None: a plain chain.
+    kv_key: bytes | None = None
+    kv_key_from: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_own_prompt_tokens:
             self.num_own_prompt_tokens = len(self.token_ids)
+
+    @property
+    def block_keys(self) -> BlockKeys:
+        return BlockKeys(self.cache_salt, self.kv_key, self.kv_key_from)
 
     @property
     def num_tokens(self) -> int:

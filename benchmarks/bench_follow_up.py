@@ -1,0 +1,152 @@
+"""Follow-up questions over the same documents: a blend's KV found again in the prefix cache.
+
+A RAG chat asks a second question over the documents of the first, in the same order. Each
+question of `fidelity_set` (real encyclopedic texts from the `mendeleev` package, 3-5 per prompt)
+gives a first question (its own) and a follow-up (another question about one of its documents),
+both rendered with the chat template as bench_fidelity renders them. Three engines of the same
+model, one thread each, in one process:
+- plain: no chunk cache, prefix caching on: a follow-up finds S and every document in the prefix
+  cache (exact) and computes only its question: the baseline at its best (llama.cpp's case too);
+- blend: the chunk cache's default (layout offset, blend@0.15), prefix caching off: every request
+  blends anew, as a chunked request did before its blocks were registered for follow-ups;
+- chain: the same, prefix caching on (the default): the first question's blended blocks are
+  registered under a key of its blend options and cuts, and the follow-up reads them, computing
+  only its question and the last document's tokens after its last full block.
+
+Every document is in the chunk pools before the first question (an isolated request over the
+first question's prompt, as bench_fidelity warms them), as in production. Per
+doc set, untimed unless said: (1) the first question, timed (blend and chain both blend; chain
+also runs the last document's tail fresh); (2) the follow-up, timed; then (3) both questions
+answered (greedy, 24 tokens) on every engine. Timed runs are one-token requests, the engines'
+order rotating per doc set; wall and process CPU time. Answers: accuracy of the follow-ups per
+engine, and whether chain's replies equal those of a twin engine (chain's options) that never saw
+the first question and blends the follow-up itself: they should, the same KV found or computed.
+Blend's replies may differ where the last document's tail (run fresh under chain) tips them.
+
+    python benchmarks/bench_follow_up.py --threads 1 [--sets 24] [--model default]
+
+Last line: `SUMMARY bench_follow_up: follow_chain_vs_blend=..x follow_chain_vs_plain=..x
+first_chain_vs_blend=..x cpu_... same_replies=K/N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import fidelity_set
+from bench_fidelity import render
+from common import now, setup_torch, summary
+from tqdm import tqdm
+
+from chunkcache import LLM, SamplingParams
+
+ONE = SamplingParams(temperature=0, max_tokens=1)
+ANSWER = SamplingParams(temperature=0, max_tokens=24)
+
+
+def follow_up(q: fidelity_set.Question, elements: dict[int, fidelity_set.Element]) -> tuple[str, list]:
+    """Another question about one of q's documents: the first template not asked by q itself."""
+    for number in q.doc_ids:
+        for _, text, answers in fidelity_set._single(elements[number]):
+            if text != q.question:
+                return text, answers
+    raise ValueError(f"no follow-up for {q.qid}")
+
+
+def timed(llm: LLM, prompt: str) -> tuple[float, float]:
+    wall, cpu = now()
+    llm.generate([prompt], ONE, add_special_tokens=False)
+    end_wall, end_cpu = now()
+    return end_wall - wall, end_cpu - cpu
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="checkpoint (default: chunkcache's default model)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sets", type=int, default=24, help="doc sets (first questions of the tune split)")
+    args = parser.parse_args(argv)
+    setup_torch(args.threads)
+    if args.model is None:
+        from chunkcache.model.loader import default_model
+
+        args.model = str(default_model())
+    common: dict[str, Any] = {"device": "cpu", "dtype": "float32", "threads": args.threads}
+    engines = {
+        "plain": LLM(args.model, enable_chunk_cache=False, **common),
+        "blend": LLM(args.model, enable_prefix_caching=False, **common),
+        "chain": LLM(args.model, **common),
+    }
+    # Chain's twin that never sees a first question: it blends every follow-up itself (the last
+    # document's tail fresh, as chain's blend does), so its replies are what chain's must equal.
+    check = LLM(args.model, **common)
+    elements = fidelity_set.load_elements()
+    questions = [q for q in fidelity_set.load() if q.split == "tune"][: args.sets]
+    names = list(engines)
+    first: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    follow: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+    correct: dict[str, int] = dict.fromkeys(names, 0)
+    same = same_as_blend = 0
+    hits = 0  # timed follow-ups of the chain engine that read a blended prefix
+    tokenizer = engines["plain"].tokenizer
+    for i, q in enumerate(tqdm(questions, desc="doc sets", unit="set")):
+        docs = [elements[n].document() for n in q.doc_ids]
+        text2, answers2 = follow_up(q, elements)
+        p1, p2 = render(engines["plain"], docs, q.question), render(engines["plain"], docs, text2)
+        for llm in (engines["blend"], engines["chain"], check):  # the documents were seen before
+            llm.generate([p1], ONE, add_special_tokens=False, chunk_options={"chunk_layout": "isolated"})
+        rotation = names[i % 3 :] + names[: i % 3]
+        for name in rotation:
+            first[name].append(timed(engines[name], p1))
+        before = engines["chain"].chunk_cache_stats()["blended_prefix_hits"]
+        for name in rotation:
+            follow[name].append(timed(engines[name], p2))
+        hits += engines["chain"].chunk_cache_stats()["blended_prefix_hits"] - before
+        replies = {}
+        for name in names:
+            out = engines[name].generate([p2], ANSWER, add_special_tokens=False)[0]
+            replies[name] = out.outputs[0].text
+            correct[name] += fidelity_set.correct(replies[name], answers2)
+        alone = check.generate([p2], ANSWER, add_special_tokens=False)[0].outputs[0].text
+        same += replies["chain"] == alone
+        same_as_blend += replies["chain"] == replies["blend"]
+    n = len(questions)
+    print(
+        f"\n{n} doc sets, model {Path(args.model).name}, {args.threads} thread(s); {len(tokenizer(p2).input_ids)} tokens in the last follow-up"
+    )
+    print(f"chain engine: {hits} timed follow-ups read a blended prefix (of {n})")
+    print(
+        f"{'':8} {'first wall ms':>14} {'first cpu ms':>13} {'follow wall ms':>15} {'follow cpu ms':>14} {'follow-up correct':>18}"
+    )
+    for name in names:
+        fw, fc = (1000 * statistics.fmean(x[k] for x in first[name]) for k in (0, 1))
+        uw, uc = (1000 * statistics.fmean(x[k] for x in follow[name]) for k in (0, 1))
+        print(f"{name:8} {fw:14.1f} {fc:13.1f} {uw:15.1f} {uc:14.1f} {correct[name]:>12}/{n}")
+    print(f"chain's follow-up replies equal those of its twin that blends them itself: {same}/{n}")
+    print(f"chain's follow-up replies equal blend's (no fresh tail): {same_as_blend}/{n}")
+
+    def ratio(side: dict[str, list[tuple[float, float]]], a: str, b: str, k: int) -> str:
+        return f"{sum(x[k] for x in side[b]) / sum(x[k] for x in side[a]):.2f}x"
+
+    print(
+        summary(
+            "bench_follow_up",
+            follow_chain_vs_blend=ratio(follow, "chain", "blend", 0),
+            follow_chain_vs_plain=ratio(follow, "chain", "plain", 0),
+            first_chain_vs_blend=ratio(first, "chain", "blend", 0),
+            cpu_follow_chain_vs_blend=ratio(follow, "chain", "blend", 1),
+            cpu_follow_chain_vs_plain=ratio(follow, "chain", "plain", 1),
+            cpu_first_chain_vs_blend=ratio(first, "chain", "blend", 1),
+            same_replies=f"{same}/{n}",
+        )
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""A blend's KV in the prefix cache: a follow-up with the same S and chunks in the same order, under
+the same blend options, reads it and computes only its question (engine._reads_blended_prefix)."""
+
+from __future__ import annotations
+
+import torch
+from oracle import hf_continue_over_cache, hf_first_token_logprobs, hf_greedy
+from test_blend import DOCS, SEP, SYSTEM
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.engine.runner import block_slots
+
+ORDER = [2, 3, 0, 1]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+BLEND = {"chunk_layout": "offset", "blend_recompute_ratios": [0.3]}
+
+
+def _prompt(doc_ids: list[int], question: str) -> str:
+    return SYSTEM + SEP + SEP.join(DOCS[i] for i in doc_ids) + SEP + question
+
+
+def _llm(path, **options) -> LLM:
+    options.setdefault("kv_cache_tokens", 2048)
+    return LLM(str(path), device="cpu", **options)
+
+
+def _blended_kv(llm: LLM, prompt: str, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V) [Hk, P, D] of the first `num_blocks` blocks of `prompt`'s blend chain, as
+    the prefix cache holds them."""
+    engine = llm.engine
+    seq = engine._make_sequence("probe", prompt, GREEDY, True, engine._chunk_config(BLEND))
+    assert seq.kv_key is not None
+    blocks, _ = engine.blocks.match_prefix(seq.token_ids, num_blocks, seq.block_keys)
+    assert len(blocks) == num_blocks
+    slots = block_slots(
+        blocks, engine.blocks.block_size, num_blocks * engine.blocks.block_size, engine.device
+    )
+    kv = [
+        (k[slots].transpose(0, 1).clone(), v[slots].transpose(0, 1).clone())
+        for k, v in engine.runner.kv_caches
+    ]
+    engine.blocks.free(blocks)
+    return kv
+
+
+def _salted(llm: LLM, prompt: str, salt: str):
+    """One request with a cache salt (LLM.generate has none: it is a server field)."""
+    engine = llm.engine
+    engine.add_request(
+        f"salted-{salt}-{len(engine._requests)}", prompt, GREEDY, chunk_options=BLEND, cache_salt=salt
+    )
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out
+    raise AssertionError("the request never finished")
+
+
+def _chunk_end(llm: LLM, doc_ids: list[int]) -> int:
+    tok = llm.tokenizer
+    return len(tok.encode(SYSTEM)) + sum(len(tok.encode(DOCS[i], add_special_tokens=False)) for i in doc_ids)
+
+
+def test_a_follow_up_reads_the_blended_prefix(checkpoint) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    first = llm.generate(_prompt(ORDER, "Where does Alice live?"), GREEDY, chunk_options=BLEND)[0]
+    assert first.num_blend_recomputed_tokens > 0
+    follow = llm.generate(_prompt(ORDER, "What is the dog called?"), GREEDY, chunk_options=BLEND)[0]
+    stats = llm.chunk_cache_stats()
+    assert stats["blended_prefix_hits"] == 1
+    assert follow.num_blend_recomputed_tokens == follow.num_blend_reused_tokens == 0
+    need = _chunk_end(llm, ORDER) // 16
+    assert follow.num_prefix_cached_tokens >= need * 16
+    # Oracle: transformers running the rest of the prompt over the cached blocks' KV.
+    kv = _blended_kv(llm, follow.prompt, need)
+    rest = follow.prompt_token_ids[need * 16 :]
+    ref, tokens = hf_continue_over_cache(path, kv, rest, 8)
+    for token, lp in follow.outputs[0].logprobs[0].items():
+        assert abs(ref[token].item() - lp) < 1e-4, (token, ref[token].item(), lp)
+    assert follow.outputs[0].token_ids == tokens
+    # That KV is the blend's, which does not depend on the question: an engine that blends the
+    # follow-up itself writes the same KV for those tokens.
+    fresh = _llm(path)
+    alone = fresh.generate(follow.prompt, GREEDY, chunk_options=BLEND)[0]
+    assert alone.num_blend_recomputed_tokens > 0
+    # The answer does not depend on whether the blended blocks were found.
+    assert alone.outputs[0].token_ids == follow.outputs[0].token_ids
+    for token, lp in alone.outputs[0].logprobs[0].items():
+        assert abs(follow.outputs[0].logprobs[0][token] - lp) < 1e-4
+    for (k, v), (k2, v2) in zip(kv, _blended_kv(fresh, follow.prompt, need), strict=True):
+        torch.testing.assert_close(k, k2, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, v2, atol=1e-5, rtol=1e-5)
+    # And it is not a full prefill's: the blend reused most chunk tokens.
+    assert (kv[-1][0] - hf_full_kv(path, follow.prompt_token_ids, need * 16)).abs().max() > 1e-3
+    for engine in (llm, fresh):
+        s = engine.engine.stats()
+        assert s["kv_blocks_free"] == s["kv_blocks_total"]
+        engine.check_integrity()
+
+
+def hf_full_kv(path, token_ids: list[int], length: int) -> torch.Tensor:
+    from oracle import hf_layer_kv
+
+    return hf_layer_kv(path, token_ids)[-1][0][:, :length]
+
+
+def test_only_the_same_cut_and_options_find_it(checkpoint) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    q1, q2 = "Where does Alice live?", "How many coins are in the box?"
+    first = llm.generate(_prompt(ORDER, q1), GREEDY, chunk_options=BLEND)[0]
+    tok = llm.tokenizer
+    exact = (len(tok.encode(SYSTEM)) + len(tok.encode(DOCS[ORDER[0]], add_special_tokens=False))) // 16 * 16
+
+    def hits() -> int:
+        return llm.chunk_cache_stats()["blended_prefix_hits"]
+
+    # A plain prompt of the same tokens finds S and the first chunk (a plain prefill's KV), no
+    # blended block, and stays exact.
+    plain = llm.generate([first.prompt_token_ids], GREEDY)[0]
+    assert plain.num_cached_tokens == exact
+    ref = hf_first_token_logprobs(path, first.prompt_token_ids)
+    for token, lp in plain.outputs[0].logprobs[0].items():
+        assert abs(ref[token].item() - lp) < 1e-4
+    assert plain.outputs[0].token_ids == hf_greedy(path, first.prompt_token_ids, 8)
+    # Published (KV events) are the plain blocks only: a router computes plain chains.
+    assert (
+        len(llm.engine.blocks.state_events())
+        == len(first.prompt_token_ids + first.outputs[0].token_ids) // 16
+    )
+    # Another order, other blend options, a question-dependent selector, APE: no hit.
+    llm.generate(_prompt([3, 2, 0, 1], q2), GREEDY, chunk_options=BLEND)
+    llm.generate(_prompt(ORDER, q2), GREEDY, chunk_options={**BLEND, "blend_recompute_ratios": [0.5]})
+    query = {**BLEND, "blend_selector": "query_attention"}
+    llm.generate(_prompt(ORDER, q1), GREEDY, chunk_options=query)
+    again = llm.generate(_prompt(ORDER, q2), GREEDY, chunk_options=query)[0]
+    assert again.num_blend_recomputed_tokens > 0
+    ape = {**BLEND, "calibration_temperature": 0.9}
+    llm.generate(_prompt(ORDER, q1), GREEDY, chunk_options=ape)
+    assert llm.generate(_prompt(ORDER, q2), GREEDY, chunk_options=ape)[0].num_blend_recomputed_tokens > 0
+    assert hits() == 0
+    # Tenants: a salted blend is found by its own salt only.
+    _salted(llm, _prompt(ORDER, q1), "a")
+    _salted(llm, _prompt(ORDER, q2), "b")
+    assert hits() == 0
+    salted = _salted(llm, _prompt(ORDER, q2), "a")
+    assert hits() == 1 and salted.num_blend_recomputed_tokens == 0
+    # The same options again: found.
+    llm.generate(_prompt(ORDER, q2), GREEDY, chunk_options=BLEND)
+    assert hits() == 2
+    s = llm.engine.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    llm.check_integrity()
+
+
+def test_without_prefix_caching_every_request_blends(checkpoint) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path, enable_prefix_caching=False)
+    for question in ("Where does Alice live?", "What is the dog called?"):
+        out = llm.generate(_prompt(ORDER, question), GREEDY, chunk_options=BLEND)[0]
+        assert out.num_blend_recomputed_tokens > 0
+    assert llm.chunk_cache_stats()["blended_prefix_hits"] == 0
+    llm.check_integrity()
