@@ -11,7 +11,10 @@ model, one thread each, in one process:
   blends anew, as a chunked request did before its blocks were registered for follow-ups;
 - chain: the same, prefix caching on (the default): the first question's blended blocks are
   registered under a key of its blend options and cuts, and the follow-up reads them, computing
-  only its question and the last document's tokens after its last full block.
+  only its question and the last document's tokens after its last full block;
+- exact: chain with `exact_follow_ups`: after the first question a background job (run untimed
+  here, as in a server's idle time) prefills S and the documents as a plain prompt, and the
+  follow-up reads that exact KV: a full prefill's answer at a prefix-cache hit's cost.
 
 Every document is in the chunk pools before the first question (an isolated request over the
 first question's prompt, as bench_fidelity warms them), as in production. Per
@@ -26,25 +29,29 @@ Blend's replies may differ where the last document's tail (run fresh under chain
     python benchmarks/bench_follow_up.py --threads 1 [--sets 24] [--model default]
 
 Last line: `SUMMARY bench_follow_up: follow_chain_vs_blend=..x follow_chain_vs_plain=..x
-first_chain_vs_blend=..x cpu_... same_replies=K/N`.
+first_chain_vs_blend=..x follow_exact_vs_blend=..x cpu_... same_replies=K/N
+exact_replies_as_full=K/N`.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 import fidelity_set
-from bench_fidelity import render
+from bench_fidelity import SEP, render
 from common import now, setup_torch, summary
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
+from chunkcache.chunk.parse import parse_chunked_prompt
 
 ONE = SamplingParams(temperature=0, max_tokens=1)
+_ids = itertools.count()
 ANSWER = SamplingParams(temperature=0, max_tokens=24)
 
 
@@ -57,11 +64,28 @@ def follow_up(q: fidelity_set.Question, elements: dict[int, fidelity_set.Element
     raise ValueError(f"no follow-up for {q.qid}")
 
 
-def timed(llm: LLM, prompt: str) -> tuple[float, float]:
-    wall, cpu = now()
-    llm.generate([prompt], ONE, add_special_tokens=False)
-    end_wall, end_cpu = now()
-    return end_wall - wall, end_cpu - cpu
+def token_ids(llm: LLM, text: str) -> list[int]:
+    parsed = parse_chunked_prompt(text, SEP, llm.tokenizer, add_special_tokens=False)
+    assert parsed is not None
+    return parsed.all_token_ids()
+
+
+def timed(llm: LLM, prompt: str | list[int]) -> tuple[float, float]:
+    """(wall, process CPU) seconds to the first token of a one-token request; the background work
+    it queues (exact_follow_ups' job) then runs untimed, as in the idle time a server has."""
+    engine = llm.engine
+    request_id = f"timed-{next(_ids)}"
+    start = now()
+    engine.add_request(request_id, prompt, ONE, add_special_tokens=False)
+    first: tuple[float, float] | None = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.request_id == request_id and out.outputs[0].token_ids:
+                first = now()
+    assert first is not None
+    while engine.has_background_work():
+        engine.step()
+    return first[0] - start[0], first[1] - start[1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         "plain": LLM(args.model, enable_chunk_cache=False, **common),
         "blend": LLM(args.model, enable_prefix_caching=False, **common),
         "chain": LLM(args.model, **common),
+        "exact": LLM(args.model, exact_follow_ups=True, **common),
     }
     # Chain's twin that never sees a first question: it blends every follow-up itself (the last
     # document's tail fresh, as chain's blend does), so its replies are what chain's must equal.
@@ -92,33 +117,39 @@ def main(argv: list[str] | None = None) -> None:
     first: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     follow: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     correct: dict[str, int] = dict.fromkeys(names, 0)
-    same = same_as_blend = 0
-    hits = 0  # timed follow-ups of the chain engine that read a blended prefix
-    tokenizer = engines["plain"].tokenizer
+    same = same_as_blend = exact_as_plain = 0
+    hits = exact_hits = 0  # timed follow-ups that read a blended (chain) or exact (exact) prefix
     for i, q in enumerate(tqdm(questions, desc="doc sets", unit="set")):
         docs = [elements[n].document() for n in q.doc_ids]
         text2, answers2 = follow_up(q, elements)
         p1, p2 = render(engines["plain"], docs, q.question), render(engines["plain"], docs, text2)
-        for llm in (engines["blend"], engines["chain"], check):  # the documents were seen before
+        # Plain gets the chunked prompts' own token ids (each part tokenized alone): a full prefill
+        # of exactly what the chunk engines read, as bench_fidelity's "full".
+        prompts = {name: (p1, p2) for name in names}
+        prompts["plain"] = (token_ids(engines["plain"], p1), token_ids(engines["plain"], p2))
+        for llm in (engines["blend"], engines["chain"], engines["exact"], check):  # seen before
             llm.generate([p1], ONE, add_special_tokens=False, chunk_options={"chunk_layout": "isolated"})
-        rotation = names[i % 3 :] + names[: i % 3]
+        rotation = names[i % len(names) :] + names[: i % len(names)]
         for name in rotation:
-            first[name].append(timed(engines[name], p1))
+            first[name].append(timed(engines[name], prompts[name][0]))
         before = engines["chain"].chunk_cache_stats()["blended_prefix_hits"]
+        exact_before = engines["exact"].chunk_cache_stats()["exact_prefix_hits"]
         for name in rotation:
-            follow[name].append(timed(engines[name], p2))
+            follow[name].append(timed(engines[name], prompts[name][1]))
         hits += engines["chain"].chunk_cache_stats()["blended_prefix_hits"] - before
+        exact_hits += engines["exact"].chunk_cache_stats()["exact_prefix_hits"] - exact_before
         replies = {}
         for name in names:
-            out = engines[name].generate([p2], ANSWER, add_special_tokens=False)[0]
+            out = engines[name].generate([prompts[name][1]], ANSWER, add_special_tokens=False)[0]
             replies[name] = out.outputs[0].text
             correct[name] += fidelity_set.correct(replies[name], answers2)
         alone = check.generate([p2], ANSWER, add_special_tokens=False)[0].outputs[0].text
         same += replies["chain"] == alone
         same_as_blend += replies["chain"] == replies["blend"]
+        exact_as_plain += replies["exact"] == replies["plain"]
     n = len(questions)
     print(
-        f"\n{n} doc sets, model {Path(args.model).name}, {args.threads} thread(s); {len(tokenizer(p2).input_ids)} tokens in the last follow-up"
+        f"\n{n} doc sets, model {Path(args.model).name}, {args.threads} thread(s); {len(prompts['plain'][1])} tokens in the last follow-up"
     )
     print(f"chain engine: {hits} timed follow-ups read a blended prefix (of {n})")
     print(
@@ -130,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:8} {fw:14.1f} {fc:13.1f} {uw:15.1f} {uc:14.1f} {correct[name]:>12}/{n}")
     print(f"chain's follow-up replies equal those of its twin that blends them itself: {same}/{n}")
     print(f"chain's follow-up replies equal blend's (no fresh tail): {same_as_blend}/{n}")
+    print(f"exact's follow-up replies equal plain's (a full prefill's): {exact_as_plain}/{n}")
+    print(f"exact engine: {exact_hits} timed follow-ups read an exact prefix (of {n})")
 
     def ratio(side: dict[str, list[tuple[float, float]]], a: str, b: str, k: int) -> str:
         return f"{sum(x[k] for x in side[b]) / sum(x[k] for x in side[a]):.2f}x"
@@ -140,10 +173,13 @@ def main(argv: list[str] | None = None) -> None:
             follow_chain_vs_blend=ratio(follow, "chain", "blend", 0),
             follow_chain_vs_plain=ratio(follow, "chain", "plain", 0),
             first_chain_vs_blend=ratio(first, "chain", "blend", 0),
+            follow_exact_vs_blend=ratio(follow, "exact", "blend", 0),
             cpu_follow_chain_vs_blend=ratio(follow, "chain", "blend", 1),
             cpu_follow_chain_vs_plain=ratio(follow, "chain", "plain", 1),
             cpu_first_chain_vs_blend=ratio(first, "chain", "blend", 1),
+            cpu_follow_exact_vs_blend=ratio(follow, "exact", "blend", 1),
             same_replies=f"{same}/{n}",
+            exact_replies_as_full=f"{exact_as_plain}/{n}",
         )
     )
 

@@ -120,6 +120,13 @@ class ChunkConfig:
     # 95% the defaults are chosen by, while a plain prompt is exact without it.
     separator_free: bool = False
     separator_free_min_tokens: int = 32
+    # Layout "offset": after a chunked request, a background job (idle steps only) prefills its S
+    # and documents in that order as a plain prompt into the prefix cache; a later request with
+    # the same S and documents in the same order (a follow-up question) reads that exact KV and
+    # is answered as a full prefill would answer it, computing only its question. Off by default:
+    # each new document order costs one full prefill of idle time (offline, `LLM.generate` waits
+    # for it), and a request arriving during that step waits for it.
+    exact_follow_ups: bool = False
 
     def validate(self, num_layers: int | None = None) -> None:
         if not self.separator:
@@ -322,6 +329,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
         if f.name.startswith(_REQUEST_PREFIXES)
     },
     "documents_format": ("chunk", "documents_format"),
+    "exact_follow_ups": ("chunk", "exact_follow_ups"),
     "kv_events_endpoint": ("kv_events", "endpoint"),
     "kv_events_topic": ("kv_events", "topic"),
     "kv_events_replay_endpoint": ("kv_events", "replay_endpoint"),

@@ -331,6 +331,8 @@ def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
         "chunkcache_kv_cache_usage_ratio",
         "chunkcache_chunk_cache_bytes",
         "chunkcache_chunk_cache_hit_ratio",
+        "chunkcache_chunk_cache_blended_prefix_hits_total",
+        "chunkcache_chunk_cache_exact_prefix_hits_total",
         "chunkcache_kv_blocks",
     ):
         assert name in text, name

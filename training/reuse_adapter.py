@@ -10,7 +10,9 @@ that by self-distillation, so it needs no labelled data and keeps the model's ow
   greedy reply: what the user would get without reuse;
 - student: base + LoRA reading the same tokens as the engine serves them in layout "offset" with
   no recompute: each document's KV computed right after S alone (what the chunk cache holds), its
-  K re-rotated to the document's place, the question and the reply running over that cache;
+  K re-rotated to the document's place, the question and the reply running over that cache (as
+  served with prefix caching off; with it on, the last document's tokens after its last full KV
+  block run fresh too, so that follow-ups can read the blocks: a few tokens of difference);
 - loss: KL(teacher || student) of the next-token distributions over the reply (teacher-forced).
 
 The adapter is saved in peft's format (adapter_config.json, adapter_model.safetensors); the engine

@@ -37,7 +37,7 @@ from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
 from chunkcache.engine.sequence import Sequence, Status
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
-from chunkcache.hashing import blend_key
+from chunkcache.hashing import BlockKeys, blend_key
 from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher, PublisherCurve
 from chunkcache.model.loader import load_model
 from chunkcache.outputs import CompletionOutput, RequestOutput
@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_GB = 0.5
 _PREWARM_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+# An exact_follow_ups job is a plain prefill; the one token it samples is thrown away.
+_EXACT_JOB_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+_MAX_EXACT_JOBS = 64
 # A step with nothing runnable while chunk entries load from the tiers waits this long at most.
 _LOAD_WAIT_S = 0.01
 # apply_chat_template's own arguments: a request's template variables must not reach them.
@@ -148,8 +151,12 @@ class LLMEngine:
                 ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps, curve=curve
             )
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
-        # Chunked requests that read an earlier request's blended KV from the prefix cache.
+        # Chunked requests that read an earlier request's blended KV from the prefix cache, or an
+        # exact one (`exact_follow_ups`); the background jobs of the latter, by prompt.
         self.blended_prefix_hits = 0
+        self.exact_prefix_hits = 0
+        self.exact_prefix_jobs = 0
+        self._exact_jobs: dict[tuple[str | None, tuple[int, ...]], Sequence] = {}
 
     def _lower_tiers(self, chunk: ChunkConfig, loaded: Any) -> TierStack | None:
         """The chunk pool's lower tiers, nearest first; None without any. On a CPU the device pool
@@ -414,23 +421,71 @@ class LLMEngine:
                 seq.kv_key_from = (parts[0] + parts[1]) // self.blocks.block_size
         return seq
 
-    def _reads_blended_prefix(self, seq: Sequence) -> bool:
-        """Whether a chunked "offset" request's S and chunks, in this order and under these blend
-        options, were blended before and are still in the prefix cache. It then reads that KV as a
-        prefix (the scheduler matches its `kv_key` chain) and computes only its question and the
-        last chunk's tokens after its last full block: no pool entries, no blend."""
+    def _reads_cached_prefix(self, seq: Sequence) -> bool:
+        """Whether a chunked "offset" request's S and chunks, in this order, are in the prefix
+        cache: as a plain prefill's KV (an `exact_follow_ups` job's), or blended before under the
+        same blend options (its `kv_key` chain). It then reads that KV as a prefix (the scheduler
+        matches the chain) and computes only its question and the last chunk's tokens after its
+        last full block: no pool entries, no blend."""
         prompt = seq.chunk_state
-        if seq.kv_key is None or seq.is_prewarm or not isinstance(prompt, ChunkedPrompt):
+        if seq.is_prewarm or not isinstance(prompt, ChunkedPrompt) or seq.chunk_config.layout != "offset":
             return False
         need = (prompt.num_tokens - len(prompt.question_token_ids)) // self.blocks.block_size
-        if need <= seq.kv_key_from:
-            return False  # no blended block to find: S and the first chunk fill the prompt's blocks
-        if self.blocks.cached_prefix_blocks(seq.token_ids, need, seq.block_keys) < need:
+        exact = BlockKeys(seq.cache_salt)
+        if (
+            self.config.chunk.exact_follow_ups
+            and need > 0
+            and self.blocks.cached_prefix_blocks(seq.token_ids, need, exact) >= need
+        ):
+            seq.kv_key, seq.kv_key_from = None, 0  # what it computes is exact too: plain blocks
+            self.exact_prefix_hits += 1
+        elif (
+            seq.kv_key is not None
+            and need > seq.kv_key_from  # else no blended block: S and the first chunk fill them
+            and self.blocks.cached_prefix_blocks(seq.token_ids, need, seq.block_keys) >= need
+        ):
+            self.blended_prefix_hits += 1
+        else:
             return False
         seq.chunk_state = None
         seq.prefix_cacheable = True
-        self.blended_prefix_hits += 1
         return True
+
+    def _queue_exact_prefix(self, seq: Sequence) -> None:
+        """`exact_follow_ups`: a background job that prefills the request's S and chunks, in this
+        order, as a plain prompt, so that its follow-ups find them (`_reads_cached_prefix`). Only
+        where it runs in one step (it never holds KV blocks while a request waits) and is not
+        cached or queued already; at most `_MAX_EXACT_JOBS` wait at once."""
+        prompt = seq.chunk_state
+        if (
+            not self.config.chunk.exact_follow_ups
+            or seq.is_prewarm
+            or not isinstance(prompt, ChunkedPrompt)
+            or seq.chunk_config.layout != "offset"
+        ):
+            return
+        ids = seq.token_ids[: prompt.num_tokens - len(prompt.question_token_ids)]
+        need = len(ids) // self.blocks.block_size
+        key = (seq.cache_salt, tuple(ids))
+        if (
+            need == 0
+            or len(ids) > self.scheduler.max_num_batched_tokens
+            or key in self._exact_jobs
+            or len(self._exact_jobs) >= _MAX_EXACT_JOBS
+            or self.blocks.cached_prefix_blocks(ids, need, BlockKeys(seq.cache_salt)) >= need
+        ):
+            return
+        job = Sequence(
+            request_id=f"exact-prefix-{len(self._exact_jobs)}-{seq.request_id}",
+            prompt_token_ids=list(ids),
+            token_ids=list(ids),
+            params=_EXACT_JOB_PARAMS,
+            background=True,
+            cache_salt=seq.cache_salt,
+        )
+        job.generator = self._generator
+        self._exact_jobs[key] = job
+        self.scheduler.add(job)
 
     def _fit_kv_cache(self, params: SamplingParams, own_tokens: int, prompt_len: int) -> SamplingParams:
         """A request must fit the whole paged KV cache alone, or preemption could never let it
@@ -528,8 +583,9 @@ class LLMEngine:
                 if (
                     self.chunks is not None
                     and seq.chunk_state is not None
-                    and not self._reads_blended_prefix(seq)
+                    and not self._reads_cached_prefix(seq)
                 ):
+                    self._queue_exact_prefix(seq)
                     for job in self.chunks.admit(seq):
                         self._requests[job.request_id] = job
                         self.scheduler.add(job)
@@ -619,6 +675,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         seq.metrics.finished_time = time.time()
+        if seq.background and not seq.is_fill:  # an exact_follow_ups job: its blocks are registered
+            self._exact_jobs = {k: j for k, j in self._exact_jobs.items() if j is not seq}
+            self.exact_prefix_jobs += seq.error is None
         if self.chunks is not None:
             for job in self.chunks.on_finish(seq):
                 self._finish(job)
@@ -775,6 +834,8 @@ class LLMEngine:
             "blend_recomputed_tokens": r.blend_recomputed_tokens,
             "blend_fallbacks": r.blend_fallbacks,
             "blended_prefix_hits": self.blended_prefix_hits,
+            "exact_prefix_hits": self.exact_prefix_hits,
+            "exact_prefix_jobs": self.exact_prefix_jobs,
         }
 
     def stats(self) -> dict[str, Any]:

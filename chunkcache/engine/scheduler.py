@@ -113,6 +113,12 @@ class Scheduler:
             ):
                 self._match_prefix(seq)
             n = self._num_new_tokens(seq, budget)
+            if seq.background and not seq.is_fill and n < seq.num_tokens - seq.num_computed:
+                # An exact-prefix job (engine._queue_exact_prefix) runs in one step or waits: split,
+                # it would hold KV blocks while requests arrive.
+                self._unadmit(seq)
+                skipped.append(seq)
+                continue
             if not self._grow(seq, seq.num_computed + n):
                 # A waiting sequence holds no blocks: the prefix blocks it just matched go back
                 # (still cached), or a running sequence could starve for them while it waits.

@@ -44,7 +44,14 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # Cumulative engine counters among the chunk cache stats: exported as counters, the rest as gauges.
-_CHUNK_COUNTERS = ("hits", "misses", "evictions")
+_CHUNK_COUNTERS = (
+    "hits",
+    "misses",
+    "evictions",
+    "blended_prefix_hits",
+    "exact_prefix_hits",
+    "exact_prefix_jobs",
+)
 
 
 class _EngineStatsCollector(Collector):

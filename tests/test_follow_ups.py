@@ -1,5 +1,7 @@
-"""A blend's KV in the prefix cache: a follow-up with the same S and chunks in the same order, under
-the same blend options, reads it and computes only its question (engine._reads_blended_prefix)."""
+"""Follow-up questions: a request with the same S and chunks in the same order as an earlier one
+reads their KV from the prefix cache and computes only its question (engine._reads_cached_prefix):
+the earlier request's blended KV under the same blend options, or with `exact_follow_ups` the
+exact KV that a background job prefilled."""
 
 from __future__ import annotations
 
@@ -49,11 +51,13 @@ def _salted(llm: LLM, prompt: str, salt: str):
     engine.add_request(
         f"salted-{salt}-{len(engine._requests)}", prompt, GREEDY, chunk_options=BLEND, cache_salt=salt
     )
-    while engine.has_unfinished_requests():
+    final = None
+    while engine.has_unfinished_requests() or engine.has_background_work():  # as LLM.generate
         for out in engine.step():
             if out.finished:
-                return out
-    raise AssertionError("the request never finished")
+                final = out
+    assert final is not None, "the request never finished"
+    return final
 
 
 def _chunk_end(llm: LLM, doc_ids: list[int]) -> int:
@@ -162,3 +166,42 @@ def test_without_prefix_caching_every_request_blends(checkpoint) -> None:
         assert out.num_blend_recomputed_tokens > 0
     assert llm.chunk_cache_stats()["blended_prefix_hits"] == 0
     llm.check_integrity()
+
+
+def test_exact_follow_ups_are_answered_as_a_full_prefill(checkpoint) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path, exact_follow_ups=True)
+    baseline = _llm(path)
+    q1, q2 = "Where does Alice live?", "What is the dog called?"
+    first = llm.generate(_prompt(ORDER, q1), GREEDY, chunk_options=BLEND)[0]
+    # The first question is blended as without the option; the job ran in idle steps after it.
+    alone = baseline.generate(_prompt(ORDER, q1), GREEDY, chunk_options=BLEND)[0]
+    assert first.num_blend_recomputed_tokens > 0
+    assert first.outputs[0].token_ids == alone.outputs[0].token_ids
+    stats = llm.chunk_cache_stats()
+    assert stats["exact_prefix_jobs"] == 1 and stats["exact_prefix_hits"] == 0
+    follow = llm.generate(_prompt(ORDER, q2), GREEDY, chunk_options=BLEND)[0]
+    stats = llm.chunk_cache_stats()
+    assert stats["exact_prefix_hits"] == 1 and stats["blended_prefix_hits"] == 0
+    assert stats["exact_prefix_jobs"] == 1  # its S and chunks were cached already: no new job
+    assert follow.num_blend_recomputed_tokens == 0
+    assert follow.num_prefix_cached_tokens >= _chunk_end(llm, ORDER) // 16 * 16
+    ref = hf_first_token_logprobs(path, follow.prompt_token_ids)
+    for token, lp in follow.outputs[0].logprobs[0].items():
+        assert abs(ref[token].item() - lp) < 1e-4, (token, ref[token].item(), lp)
+    assert follow.outputs[0].token_ids == hf_greedy(path, follow.prompt_token_ids, 8)
+    # Without the option the same follow-up reads the blended KV instead, and is not exact.
+    baseline_follow = baseline.generate(_prompt(ORDER, q2), GREEDY, chunk_options=BLEND)[0]
+    assert baseline.chunk_cache_stats()["blended_prefix_hits"] == 1
+    assert baseline.chunk_cache_stats()["exact_prefix_jobs"] == 0
+    assert max(abs(ref[t].item() - lp) for t, lp in baseline_follow.outputs[0].logprobs[0].items()) > 1e-3
+    # Another tenant finds nothing of it; its own job makes its follow-up exact too.
+    _salted(llm, _prompt(ORDER, q1), "b")
+    assert llm.chunk_cache_stats()["exact_prefix_hits"] == 1
+    assert llm.chunk_cache_stats()["exact_prefix_jobs"] == 2
+    assert _salted(llm, _prompt(ORDER, q2), "b").num_blend_recomputed_tokens == 0
+    assert llm.chunk_cache_stats()["exact_prefix_hits"] == 2
+    for engine in (llm, baseline):
+        s = engine.engine.stats()
+        assert s["kv_blocks_free"] == s["kv_blocks_total"]
+        engine.check_integrity()
