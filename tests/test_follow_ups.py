@@ -195,10 +195,18 @@ def test_exact_follow_ups_are_answered_as_a_full_prefill(checkpoint) -> None:
     assert baseline.chunk_cache_stats()["blended_prefix_hits"] == 1
     assert baseline.chunk_cache_stats()["exact_prefix_jobs"] == 0
     assert max(abs(ref[t].item() - lp) for t, lp in baseline_follow.outputs[0].logprobs[0].items()) > 1e-3
+    # A queued job is the engine's own work, not a waiting request (a load-aware router reads it).
+    llm.engine.add_request("queued", _prompt([1, 0, 3], q1), GREEDY, chunk_options=BLEND)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.has_background_work()
+    assert llm.engine.stats()["num_waiting"] == llm.engine.stats()["num_running"] == 0
+    while llm.engine.has_background_work():
+        llm.engine.step()
     # Another tenant finds nothing of it; its own job makes its follow-up exact too.
     _salted(llm, _prompt(ORDER, q1), "b")
     assert llm.chunk_cache_stats()["exact_prefix_hits"] == 1
-    assert llm.chunk_cache_stats()["exact_prefix_jobs"] == 2
+    assert llm.chunk_cache_stats()["exact_prefix_jobs"] == 3
     assert _salted(llm, _prompt(ORDER, q2), "b").num_blend_recomputed_tokens == 0
     assert llm.chunk_cache_stats()["exact_prefix_hits"] == 2
     for engine in (llm, baseline):

@@ -840,8 +840,11 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "num_waiting": sum(1 for s in self.scheduler.waiting if not s.is_fill) + len(self._inbox),
-            "num_running": sum(1 for s in self.scheduler.running if not s.is_fill),
+            # Requests only: fill and exact-prefix jobs are the engine's own work (a load-aware
+            # router reads these).
+            "num_waiting": sum(1 for s in self.scheduler.waiting if not (s.is_fill or s.background))
+            + len(self._inbox),
+            "num_running": sum(1 for s in self.scheduler.running if not (s.is_fill or s.background)),
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_free": self.blocks.num_free_blocks,
             "kv_usage": self.blocks.usage(),
