@@ -213,3 +213,42 @@ def test_exact_follow_ups_are_answered_as_a_full_prefill(checkpoint) -> None:
         s = engine.engine.stats()
         assert s["kv_blocks_free"] == s["kv_blocks_total"]
         engine.check_integrity()
+
+
+def test_an_exact_prefix_job_yields_to_requests(checkpoint, monkeypatch) -> None:
+    """The job runs in short idle steps; a request arriving takes its KV blocks back, and the job
+    resumes from what it left in the prefix cache."""
+    import chunkcache.engine.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "BACKGROUND_STEP_TOKENS", 16)
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path, exact_follow_ups=True)
+    engine = llm.engine
+    engine.add_request("first", _prompt(ORDER, "Where does Alice live?"), GREEDY, chunk_options=BLEND)
+    while engine.has_unfinished_requests():
+        engine.step()
+    (job,) = engine._exact_jobs.values()
+    engine.step()
+    engine.step()
+    assert job in engine.scheduler.running and job.num_computed == len(job.block_table) * 16
+    computed = job.num_computed
+    assert computed < job.num_own_prompt_tokens
+    engine.add_request("other", "A plain prompt about something else entirely.", GREEDY)
+    engine.step()
+    assert job not in engine.scheduler.running and not job.block_table  # its blocks went back
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["num_preemptions"] == 0  # a yield is not a preemption
+    engine.step()
+    assert job.num_prefix_cached >= computed  # resumed from the prefix cache
+    while engine.has_background_work():
+        engine.step()
+    assert llm.chunk_cache_stats()["exact_prefix_jobs"] == 1
+    follow = llm.generate(_prompt(ORDER, "What is the dog called?"), GREEDY, chunk_options=BLEND)[0]
+    assert llm.chunk_cache_stats()["exact_prefix_hits"] == 1
+    ref = hf_first_token_logprobs(path, follow.prompt_token_ids)
+    for token, lp in follow.outputs[0].logprobs[0].items():
+        assert abs(ref[token].item() - lp) < 1e-4
+    s = engine.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    llm.check_integrity()

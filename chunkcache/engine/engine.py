@@ -453,9 +453,10 @@ class LLMEngine:
 
     def _queue_exact_prefix(self, seq: Sequence) -> None:
         """`exact_follow_ups`: a background job that prefills the request's S and chunks, in this
-        order, as a plain prompt, so that its follow-ups find them (`_reads_cached_prefix`). Only
-        where it runs in one step (it never holds KV blocks while a request waits) and is not
-        cached or queued already; at most `_MAX_EXACT_JOBS` wait at once."""
+        order, as a plain prompt, so that its follow-ups find them (`_reads_cached_prefix`). It
+        runs in idle steps of `BACKGROUND_STEP_TOKENS` and gives its blocks back when a request
+        comes (scheduler). Not where that prefix is cached or queued already; at most
+        `_MAX_EXACT_JOBS` wait at once."""
         prompt = seq.chunk_state
         if (
             not self.config.chunk.exact_follow_ups
@@ -469,7 +470,6 @@ class LLMEngine:
         key = (seq.cache_salt, tuple(ids))
         if (
             need == 0
-            or len(ids) > self.scheduler.max_num_batched_tokens
             or key in self._exact_jobs
             or len(self._exact_jobs) >= _MAX_EXACT_JOBS
             or self.blocks.cached_prefix_blocks(ids, need, BlockKeys(seq.cache_salt)) >= need

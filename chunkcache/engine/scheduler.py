@@ -23,6 +23,10 @@ from chunkcache.config import SchedulerConfig
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.sequence import Sequence, Status
 
+# Tokens per step of an exact-prefix job (idle work): bounds how long a request arriving during
+# one waits for it.
+BACKGROUND_STEP_TOKENS = 256
+
 
 @dataclass
 class ScheduledBatch:
@@ -70,6 +74,13 @@ class Scheduler:
         foreground = any(not s.background for s in self.running) or any(
             not s.background for s in self.waiting
         )
+        if foreground:
+            # An exact-prefix job (engine._queue_exact_prefix) gives its KV blocks back when a
+            # request comes: what it computed is in the prefix cache, where it resumes from.
+            for seq in [s for s in self.running if s.background and not s.is_fill]:
+                self.running.remove(seq)
+                self._unadmit(seq)
+                self.add(seq)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -113,12 +124,6 @@ class Scheduler:
             ):
                 self._match_prefix(seq)
             n = self._num_new_tokens(seq, budget)
-            if seq.background and not seq.is_fill and n < seq.num_tokens - seq.num_computed:
-                # An exact-prefix job (engine._queue_exact_prefix) runs in one step or waits: split,
-                # it would hold KV blocks while requests arrive.
-                self._unadmit(seq)
-                skipped.append(seq)
-                continue
             if not self._grow(seq, seq.num_computed + n):
                 # A waiting sequence holds no blocks: the prefix blocks it just matched go back
                 # (still cached), or a running sequence could starve for them while it waits.
@@ -139,7 +144,12 @@ class Scheduler:
     def _num_new_tokens(seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed
         # A blend prefill cannot be split; it computes a small share of its tokens anyway.
-        return remaining if seq.blend is not None and seq.num_computed == 0 else min(remaining, budget)
+        if seq.blend is not None and seq.num_computed == 0:
+            return remaining
+        if seq.background and not seq.is_fill:
+            # An exact-prefix job in short steps: a request arriving meanwhile waits one of them.
+            return min(remaining, budget, BACKGROUND_STEP_TOKENS)
+        return min(remaining, budget)
 
     def _match_prefix(self, seq: Sequence) -> None:
         # At least one prompt token is always computed: it yields the first token's logits.
