@@ -5,6 +5,8 @@ exact KV that a background job prefilled."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from oracle import hf_continue_over_cache, hf_first_token_logprobs, hf_greedy
 from test_blend import DOCS, SEP, SYSTEM
@@ -252,3 +254,57 @@ def test_an_exact_prefix_job_yields_to_requests(checkpoint, monkeypatch) -> None
     s = engine.stats()
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
     llm.check_integrity()
+
+
+def test_a_server_answers_a_follow_up_turn_exactly(checkpoint) -> None:
+    """Through the OpenAI server: a chat's documents, then a follow-up over the same documents.
+    The server runs the exact-prefix job while idle; the follow-up reads it (a full prefill's
+    tokens) and reports its cached tokens."""
+    import openai
+    from server_util import ServerThread
+
+    from chunkcache.chunk.parse import tokenize_parts
+    from chunkcache.config import EngineConfig
+    from chunkcache.engine.engine import LLMEngine
+    from chunkcache.server.app import build_app
+
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    options = {"device": "cpu", "kv_cache_tokens": 2048, "exact_follow_ups": True}
+    engine = LLMEngine(EngineConfig.from_options(str(path), use_env=False, **options))
+    srv = ServerThread(build_app(engine, api_key=None, max_queue=16, served_model_name="m")).start()
+    documents = [DOCS[i] for i in ORDER]
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def chat(question: str):
+            return client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": question}],
+                max_tokens=8,
+                temperature=0,
+                extra_body={"documents": documents, "ignore_eos": True},
+            )
+
+        chat("Where does Alice live?")
+        deadline = time.monotonic() + 30
+        while srv.on_engine(lambda: engine.chunk_cache_stats()["exact_prefix_jobs"]) < 1:
+            assert time.monotonic() < deadline, "the exact-prefix job never ran while the server idled"
+            time.sleep(0.05)
+        question = "What is the dog called?"
+        follow = chat(question)
+        assert srv.on_engine(lambda: engine.chunk_cache_stats()["exact_prefix_hits"]) == 1
+        parts = engine.render_chat([{"role": "user", "content": question}], documents=documents)
+        ids = tokenize_parts(
+            parts.system, parts.chunks, parts.question, engine.tokenizer, False
+        ).all_token_ids()
+        assert follow.usage.prompt_tokens == len(ids)
+        assert (
+            follow.usage.prompt_tokens_details.cached_tokens
+            >= (len(ids) - len(parts.question)) // 16 * 16 - 16
+        )
+        want = engine.tokenizer.decode(hf_greedy(path, ids, 8))
+        assert follow.choices[0].message.content == want
+        srv.wait_idle()
+        srv.on_engine(engine.check_integrity)
+    finally:
+        srv.stop()
