@@ -476,7 +476,7 @@ class LLMEngine:
         ):
             return
         job = Sequence(
-            request_id=f"exact-prefix-{len(self._exact_jobs)}-{seq.request_id}",
+            request_id=f"exact-prefix-of-{seq.request_id}",  # never in _requests: no output
             prompt_token_ids=list(ids),
             token_ids=list(ids),
             params=_EXACT_JOB_PARAMS,
