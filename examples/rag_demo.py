@@ -5,8 +5,12 @@
 The documents are real text: excerpts of the READMEs of four Python packages chunkcache installs
 (FastAPI, MessagePack, Uvicorn, tqdm), quoted from their package metadata. The second request sends
 the same documents in another order with another question, so its documents come from the chunk
-cache instead of being prefilled again. The chat puts the documents in the user turn, each after
-the separator: `# # doc # # doc ... # # question`.
+cache instead of being prefilled again. The third is a follow-up: the second's documents in the
+same order with the first question, so it reads their KV from the prefix cache and computes only
+its question; on a server started with `--exact-follow-ups` that KV is a full prefill's (computed
+while the server idled; the demo waits up to 30 s for it, as a user reading the last answer would).
+The chat puts the documents in the user turn, each after the separator:
+`# # doc # # doc ... # # question`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import httpx
 import openai
 
 SEPARATOR = " # # "
@@ -75,12 +80,30 @@ def ask(
     return text.strip(), ttft, usage.prompt_tokens if usage else 0, cached or 0
 
 
+def wait_for_exact_prefixes(
+    stats_url: str, headers: dict[str, str], count: int, timeout: float = 30.0
+) -> None:
+    """The server (`--exact-follow-ups`) prefills each request's documents while idle: wait until
+    `count` such jobs are done, as long as a user reading the last answer might take."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = httpx.get(stats_url, headers=headers, timeout=10).json()
+        if not stats.get("enabled", True) or stats.get("exact_prefix_jobs", 0) >= count:
+            return  # no chunk cache (--no-enable-chunk-cache): no job will come
+        time.sleep(0.2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--api-key", default="unused")
+    parser.add_argument(
+        "--exact-follow-ups",
+        action="store_true",
+        help="the server runs with --exact-follow-ups: wait for its idle work before the follow-up",
+    )
     args = parser.parse_args()
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0)
     model = client.models.list().data[0].id
@@ -91,10 +114,15 @@ def main() -> None:
     print(f"model: {model}\ndocuments:")
     for doc in docs:
         print("  -", doc)
+    stats_url = args.base_url.rstrip("/").removesuffix("/v1") + "/v1/chunk_cache/stats"
+    headers = {"Authorization": f"Bearer {args.api_key}"}
     for label, order, (question, expected) in (
         ("cold", docs, questions[0]),
         ("warm", list(reversed(docs)), questions[1]),
+        ("follow-up", list(reversed(docs)), questions[0]),
     ):
+        if label == "follow-up" and args.exact_follow_ups:
+            wait_for_exact_prefixes(stats_url, headers, 2)
         answer, ttft, prompt_tokens, cached = ask(client, model, system, order, question)
         print(f"\n[{label}] Q: {question}")
         print(f"[{label}] A: {answer!r} (expected {expected!r})")
