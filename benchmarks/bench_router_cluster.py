@@ -19,7 +19,9 @@ The workload shapes (`--shapes`): documents of 100-200 tokens; a number of retri
 ("topics"), each a random combination of documents (topics overlap: a document belongs to
 several); every request takes a topic's documents in a fresh random order with another question,
 `SYS # # D.. # # Q`. "recurring": 40 documents, 12 topics of 3-5, so each result recurs about ten
-times in 120 requests; "spread": 60 documents, 24 topics of 2-4, half as many recurrences. A
+times in 120 requests; "spread": 60 documents, 24 topics of 2-4, half as many recurrences;
+"conversations": as "recurring", but each topic's documents always in the same order (follow-up
+turns, which read an earlier request's blended KV on the replica that served it). A
 replica's chunk cache holds `--cache-fraction` (40%) of the documents' tokens: the three caches
 together hold the working set, one alone does not, which is the regime where placement decides the
 hit rate (with caches that hold everything, cache-blind policies only lose the first sight of each
@@ -108,7 +110,13 @@ def build_documents(tokenizer: Any, num_docs: int, lo: int, hi: int, seed: int) 
 
 
 def build_prompts(
-    docs: list[str], num_requests: int, topics: int, min_docs: int, max_docs: int, seed: int
+    docs: list[str],
+    num_requests: int,
+    topics: int,
+    min_docs: int,
+    max_docs: int,
+    seed: int,
+    shuffle: bool = True,
 ) -> list[str]:
     from tiny_checkpoint import corpus
 
@@ -118,7 +126,8 @@ def build_prompts(
     prompts = []
     for _ in range(num_requests):
         chosen = list(rng.choice(groups)) if groups else rng.sample(docs, rng.randint(min_docs, max_docs))
-        rng.shuffle(chosen)
+        if shuffle:
+            rng.shuffle(chosen)
         prompts.append(SEPARATOR.join([SYSTEM, *chosen, rng.choice(questions)]))
     return prompts
 
@@ -489,11 +498,14 @@ def print_table(results: list[PolicyResult], figs: list[dict[str, float]]) -> No
         )
 
 
-# Workload shapes: (documents, topics, documents per prompt). The lead of a cache-aware router
-# depends on the shape (how often a retrieval result recurs), so it is measured on several.
-SHAPES: dict[str, tuple[int, int, tuple[int, int]]] = {
-    "recurring": (40, 12, (3, 5)),  # 12 retrieval results, each about ten times in 120 requests
-    "spread": (60, 24, (2, 4)),  # twice the results, fewer documents each: fewer recurrences
+# Workload shapes: (documents, topics, documents per prompt, shuffled). The lead of a cache-aware
+# router depends on the shape (how often a retrieval result recurs), so it is measured on several.
+SHAPES: dict[str, tuple[int, int, tuple[int, int], bool]] = {
+    "recurring": (40, 12, (3, 5), True),  # 12 retrieval results, each about ten times in 120 requests
+    "spread": (60, 24, (2, 4), True),  # twice the results, fewer documents each: fewer recurrences
+    # RAG chat: each topic's documents always in its own order, another question each time (the
+    # follow-up turns of 12 conversations): a replica that served a topic holds its blended KV.
+    "conversations": (40, 12, (3, 5), False),
 }
 
 
@@ -503,9 +515,9 @@ def run_shape(
     """Every variant `args.repeats` times on one workload shape, interleaved in `args.rounds`
     rounds (run_interleaved), the order rotated per round and repeat so that a drift of the
     machine's load favours none. None after a failed request."""
-    num_docs, topics, per_prompt = SHAPES[shape]
+    num_docs, topics, per_prompt, shuffle = SHAPES[shape]
     docs = build_documents(tok, num_docs, *args.doc_tokens, args.seed)
-    prompts = build_prompts(docs, args.num_requests, topics, *per_prompt, args.seed)
+    prompts = build_prompts(docs, args.num_requests, topics, *per_prompt, args.seed, shuffle)
     doc_pages = sum(-(-len(tok.encode(d, add_special_tokens=False)) // PAGE) for d in docs)
     sys_pages = -(-len(tok.encode(SYSTEM)) // PAGE)
     pool_pages = round(args.cache_fraction * doc_pages) + sys_pages
