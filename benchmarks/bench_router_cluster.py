@@ -40,7 +40,7 @@ target marked met or MISSED):
     SUMMARY bench_router_cluster: recurring:cache_aware_vs_round_robin=X.XXx(rounds A-B)[target>=2: met] ...
 
 Usage:
-    python benchmarks/bench_router_cluster.py                 # ~20 minutes on 2 busy cores
+    python benchmarks/bench_router_cluster.py                 # ~30 minutes on 2 busy cores (three shapes)
     python benchmarks/bench_router_cluster.py --quick         # smoke run: 3 policies, 30 requests
     python benchmarks/bench_router_cluster.py --policies round_robin,prefix_only,cache_aware --shapes recurring
     python benchmarks/bench_router_cluster.py --server-arg=--chunk-layout=isolated   # replica options
