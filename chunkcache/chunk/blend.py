@@ -9,7 +9,8 @@ cached one and only the share `ratios[j]` of all chunk tokens with the largest d
 running (EPIC's first-k tokens of every chunk always do). The KV of a layer is the cached KV with
 the running tokens' fresh KV written over it. S is never recomputed: its cached KV is exact.
 Nor, where no check layer could choose it, is a first chunk computed right after this S: its
-fresh KV would equal the cached one (`BlendInput.num_exact`). Q always runs. Ratio 1.0 at check layer 0 is a full prefill; ratio 0 at layer 0 is pure reuse.
+fresh KV would equal the cached one (`BlendInput.num_exact`). Q always runs. Ratio 1.0 at check layer 0 is a full prefill; ratio 0 at layer 0 is pure
+reuse (but for `BlendInput.fresh_from`).
 
 Selectors rank the candidates: by K or V deviation (CacheBlend), or by the attention the
 question's tokens pay them at the check layer (`query_attention`: the question is known when the
