@@ -94,16 +94,19 @@ class BlockKeys:
     kv_key: bytes | None = None
     kv_key_from: int = 0
 
+    def _keyed(self, index: int) -> bool:
+        return self.kv_key is not None and index >= self.kv_key_from
+
     def extra(self, index: int) -> tuple[str | bytes, ...] | None:
         keys: tuple[str | bytes, ...] = ()
         if index == 0 and self.cache_salt is not None:
             keys += (self.cache_salt,)
-        if self.kv_key is not None and index >= self.kv_key_from:
+        if self._keyed(index):
             keys += (self.kv_key,)
         return keys or None
 
     def private(self, index: int) -> bool:
-        return self.cache_salt is not None or (self.kv_key is not None and index >= self.kv_key_from)
+        return self.cache_salt is not None or self._keyed(index)
 
 
 PLAIN = BlockKeys()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import torch
-from oracle import hf_continue_over_cache, hf_first_token_logprobs, hf_greedy
+from oracle import hf_continue_over_cache, hf_first_token_logprobs, hf_greedy, hf_layer_kv
 from test_blend import DOCS, SEP, SYSTEM
 
 from chunkcache import LLM, SamplingParams
@@ -98,17 +98,12 @@ def test_a_follow_up_reads_the_blended_prefix(checkpoint) -> None:
         torch.testing.assert_close(k, k2, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, v2, atol=1e-5, rtol=1e-5)
     # And it is not a full prefill's: the blend reused most chunk tokens.
-    assert (kv[-1][0] - hf_full_kv(path, follow.prompt_token_ids, need * 16)).abs().max() > 1e-3
+    full_k = hf_layer_kv(path, follow.prompt_token_ids)[-1][0][:, : need * 16]
+    assert (kv[-1][0] - full_k).abs().max() > 1e-3
     for engine in (llm, fresh):
         s = engine.engine.stats()
         assert s["kv_blocks_free"] == s["kv_blocks_total"]
         engine.check_integrity()
-
-
-def hf_full_kv(path, token_ids: list[int], length: int) -> torch.Tensor:
-    from oracle import hf_layer_kv
-
-    return hf_layer_kv(path, token_ids)[-1][0][:, :length]
 
 
 def test_only_the_same_cut_and_options_find_it(checkpoint) -> None:

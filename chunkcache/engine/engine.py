@@ -47,9 +47,9 @@ from chunkcache.threads import set_threads
 logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_GB = 0.5
-_PREWARM_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
-# An exact_follow_ups job is a plain prefill; the one token it samples is thrown away.
-_EXACT_JOB_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
+# Prewarm requests and exact_follow_ups jobs generate nothing anyone reads: a job is a plain
+# prefill, and the one token it samples is thrown away.
+_ONE_DISCARDED_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
 _MAX_EXACT_JOBS = 64
 # A step with nothing runnable while chunk entries load from the tiers waits this long at most.
 _LOAD_WAIT_S = 0.01
@@ -252,7 +252,7 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=chunked.all_token_ids(),
             token_ids=[],
-            params=_PREWARM_PARAMS,
+            params=_ONE_DISCARDED_TOKEN,
             prompt=prompt,
             is_prewarm=True,
             cache_salt=cache_salt,
@@ -426,17 +426,15 @@ class LLMEngine:
         cache: as a plain prefill's KV (an `exact_follow_ups` job's), or blended before under the
         same blend options (its `kv_key` chain). It then reads that KV as a prefix (the scheduler
         matches the chain) and computes only its question and the last chunk's tokens after its
-        last full block: no pool entries, no blend."""
+        last full block: no pool entries, no blend. Where neither is cached and `exact_follow_ups`
+        is on, the job that prefills the exact prefix is queued (`_queue_exact_prefix`)."""
         prompt = seq.chunk_state
         if seq.is_prewarm or not isinstance(prompt, ChunkedPrompt) or seq.chunk_config.layout != "offset":
             return False
-        need = (prompt.num_tokens - len(prompt.question_token_ids)) // self.blocks.block_size
-        exact = BlockKeys(seq.cache_salt)
-        if (
-            self.config.chunk.exact_follow_ups
-            and need > 0
-            and self.blocks.cached_prefix_blocks(seq.token_ids, need, exact) >= need
-        ):
+        context = prompt.num_tokens - len(prompt.question_token_ids)  # S and the chunks
+        need = context // self.blocks.block_size
+        exact = self.config.chunk.exact_follow_ups and need > 0
+        if exact and self.blocks.cached_prefix_blocks(seq.token_ids, need, BlockKeys(seq.cache_salt)) >= need:
             seq.kv_key, seq.kv_key_from = None, 0  # what it computes is exact too: plain blocks
             self.exact_prefix_hits += 1
         elif (
@@ -446,40 +444,26 @@ class LLMEngine:
         ):
             self.blended_prefix_hits += 1
         else:
+            if exact:
+                self._queue_exact_prefix(seq, seq.token_ids[:context])
             return False
         seq.chunk_state = None
         seq.prefix_cacheable = True
         return True
 
-    def _queue_exact_prefix(self, seq: Sequence) -> None:
-        """`exact_follow_ups`: a background job that prefills the request's S and chunks, in this
-        order, as a plain prompt, so that its follow-ups find them (`_reads_cached_prefix`). It
-        runs in idle steps of `BACKGROUND_STEP_TOKENS` and gives its blocks back when a request
-        comes (scheduler). Not where that prefix is cached or queued already; at most
-        `_MAX_EXACT_JOBS` wait at once."""
-        prompt = seq.chunk_state
-        if (
-            not self.config.chunk.exact_follow_ups
-            or seq.is_prewarm
-            or not isinstance(prompt, ChunkedPrompt)
-            or seq.chunk_config.layout != "offset"
-        ):
-            return
-        ids = seq.token_ids[: prompt.num_tokens - len(prompt.question_token_ids)]
-        need = len(ids) // self.blocks.block_size
+    def _queue_exact_prefix(self, seq: Sequence, ids: list[int]) -> None:
+        """A background job that prefills `ids` (the request's S and chunks, in this order, not in
+        the prefix cache) as a plain prompt, so that its follow-ups find them. It runs in idle
+        steps of `BACKGROUND_STEP_TOKENS` and gives its blocks back when a request comes
+        (scheduler). Not where one is queued already; at most `_MAX_EXACT_JOBS` wait at once."""
         key = (seq.cache_salt, tuple(ids))
-        if (
-            need == 0
-            or key in self._exact_jobs
-            or len(self._exact_jobs) >= _MAX_EXACT_JOBS
-            or self.blocks.cached_prefix_blocks(ids, need, BlockKeys(seq.cache_salt)) >= need
-        ):
+        if key in self._exact_jobs or len(self._exact_jobs) >= _MAX_EXACT_JOBS:
             return
         job = Sequence(
             request_id=f"exact-prefix-of-{seq.request_id}",  # never in _requests: no output
             prompt_token_ids=list(ids),
             token_ids=list(ids),
-            params=_EXACT_JOB_PARAMS,
+            params=_ONE_DISCARDED_TOKEN,
             background=True,
             cache_salt=seq.cache_salt,
         )
@@ -585,7 +569,6 @@ class LLMEngine:
                     and seq.chunk_state is not None
                     and not self._reads_cached_prefix(seq)
                 ):
-                    self._queue_exact_prefix(seq)
                     for job in self.chunks.admit(seq):
                         self._requests[job.request_id] = job
                         self.scheduler.add(job)
@@ -675,7 +658,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         seq.metrics.finished_time = time.time()
-        if seq.background and not seq.is_fill:  # an exact_follow_ups job: its blocks are registered
+        if seq.is_prefix_job:  # its blocks are registered: nothing else to keep
             self._exact_jobs = {k: j for k, j in self._exact_jobs.items() if j is not seq}
             self.exact_prefix_jobs += seq.error is None
         if self.chunks is not None:

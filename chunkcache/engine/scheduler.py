@@ -78,7 +78,7 @@ class Scheduler:
         if foreground:
             # An exact-prefix job (engine._queue_exact_prefix) gives its KV blocks back when a
             # request comes: what it computed is in the prefix cache, where it resumes from.
-            for seq in [s for s in self.running if s.background and not s.is_fill]:
+            for seq in [s for s in self.running if s.is_prefix_job]:
                 self.running.remove(seq)
                 self._unadmit(seq)
                 self.add(seq)
@@ -147,7 +147,7 @@ class Scheduler:
         # A blend prefill cannot be split; it computes a small share of its tokens anyway.
         if seq.blend is not None and seq.num_computed == 0:
             return remaining
-        if seq.background and not seq.is_fill:
+        if seq.is_prefix_job:
             # An exact-prefix job in short steps: a request arriving meanwhile waits one of them.
             return min(remaining, budget, BACKGROUND_STEP_TOKENS)
         return min(remaining, budget)

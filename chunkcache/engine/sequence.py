@@ -98,6 +98,12 @@ class Sequence:
             self.num_own_prompt_tokens = len(self.token_ids)
 
     @property
+    def is_prefix_job(self) -> bool:
+        """An exact_follow_ups job (engine._queue_exact_prefix): background work that is a plain
+        prefill into KV blocks, unlike a chunk entry's fill job."""
+        return self.background and not self.is_fill
+
+    @property
     def block_keys(self) -> BlockKeys:
         return BlockKeys(self.cache_salt, self.kv_key, self.kv_key_from)
 
