@@ -376,7 +376,7 @@ def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, 
     attn = llm.engine.runner.model.layers[1].self_attn
     x, where = torch.randn(7, attn.qkv_proj.in_features), torch.tensor([0, 3, 5, 8, 13, 21, 34])
     with torch.inference_mode():
-        want = attn.project(x, where)[1]
+        want = attn.project(x, attn.rotary.table(where, x.dtype))[1]
         torch.testing.assert_close(blend._project_k(attn, x, where), want)
     # ... from whichever layouts the projection holds: dense, transposed, or only oneDNN's opaque one
     served = attn.qkv_proj

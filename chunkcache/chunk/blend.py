@@ -270,7 +270,7 @@ def blend_prefill(
         if k_only:
             k = _project_k(attn, x, positions[active])
         else:
-            q, k, v = attn.project(x, positions[active])
+            q, k, v = attn.project(x, rotary.table(positions[active], x.dtype))
             v_fresh = v
         if layer_index in check:
             chunk_rows = is_chunk[active]
@@ -295,7 +295,7 @@ def blend_prefill(
             )
             if k_only:
                 active, h, x = active[keep], h[keep], x[keep]
-                q, k, v = attn.project(x, positions[active])
+                q, k, v = attn.project(x, rotary.table(positions[active], x.dtype))
             else:
                 active, h, q, k, v = active[keep], h[keep], q[keep], k[keep], v[keep]
             plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)

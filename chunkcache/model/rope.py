@@ -131,6 +131,10 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return x * cos + _rotate_half(x) * sin
 
 
+# cos and sin [T, 1, D] of one step's positions (`RotaryEmbedding.table`).
+RopeTable = tuple[torch.Tensor, torch.Tensor]
+
+
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin tables for every position up to max_position, indexed by explicit per-token positions."""
 
@@ -143,19 +147,19 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", emb.cos() * self.attention_scale, persistent=False)
         self.register_buffer("sin", emb.sin() * self.attention_scale, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hk, D] rotated to `positions` [T]."""
-        cos, sin = self._cos_sin(positions, q.dtype)
-        return _rotated(q, cos, sin), _rotated(k, cos, sin)
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
+        """cos and sin [T, 1, D] of `positions` [T]: looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(table: RopeTable, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated to the positions of `table` (any number of heads H: q and k
+        side by side rotate in one call)."""
+        return _rotated(x, *table)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """One tensor [T, H, D] rotated to `positions` [T], as `forward` rotates q and k."""
-        return _rotated(x, *self._cos_sin(positions, x.dtype))
-
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """One tensor [T, H, D] rotated to `positions` [T]."""
+        return _rotated(x, *self.table(positions, x.dtype))
 
     def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """K [T, Hk, D] computed at p, rotated to p + delta [T] (delta may be negative).
