@@ -16,6 +16,14 @@ prefill or more), so that a recovery method is only built where a probe says it 
   (`deep:0` is a full prefill; the early-layer counterpart, every token recomputed before the
   check layer and then only a share, is the engine's blend with a deep check layer, in
   bench_fidelity.)
+- `select:k1@R` / `select:oracle@R`: blend's shape (the chosen R of the document tokens
+  recomputed through every layer, the others' KV reused) with two selectors: the engine's K
+  deviation at layer 1, and an oracle that knows every layer's true KV deviation from a full
+  prefill (summed over layers, each layer normalised by its mean KV norm). The oracle is the
+  upper bound of any selector that picks tokens: if it keeps no more answers than K deviation,
+  no better selector is left to find. `select:prior@R` ranks by the same deviation measured
+  once per document in an unrelated context (after another element's document), as a chunk
+  entry could store it: what a selector with no request-time cost could reach.
 
 Greedy, as bench_fidelity. The results are written in bench_fidelity's raw format, so its
 `--merge` reports them against the engine's full prefill (kept / lost / gained, bootstrap):
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -41,6 +50,14 @@ from tqdm import tqdm
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
 
 CONTEXTS = ("none", "other", "previous")
+SCORERS = ("k1", "oracle", "prior")
+
+
+def _fraction(text: str) -> bool:
+    try:
+        return 0.0 < float(text) <= 1.0
+    except ValueError:
+        return False
 
 
 class Probe:
@@ -111,15 +128,8 @@ class Probe:
         from transformers import DynamicCache
 
         ids = p.all_token_ids()
-        total, s = len(ids), len(p.sys_token_ids)
-        causal = torch.ones(total, total, dtype=torch.bool).tril()
-        isolated = causal.clone()
-        at = s
-        for chunk in p.chunks:
-            isolated[at : at + len(chunk), s:at] = False
-            at += len(chunk)
-        low = torch.finfo(torch.float32).min
-        masks = [torch.zeros(total, total).masked_fill(~m, low)[None, None] for m in (isolated, causal)]
+        total = len(ids)
+        masks = _masks(p)
         positions = torch.arange(total)[None]
         body = self.model.model
         h = body.embed_tokens(torch.tensor([ids]))
@@ -137,6 +147,77 @@ class Probe:
         logits = self.model.lm_head(body.norm(h[:, -1:]))[0, -1]
         return self._greedy(logits, cache, total)
 
+    def _projections(
+        self, ids: list[int], mask: torch.Tensor | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the k_proj and v_proj outputs [T, Hk * D] (K before RoPE) of one pass."""
+        out: list[list[torch.Tensor]] = [[] for _ in self.model.model.layers]
+        hooks = [
+            proj.register_forward_hook(lambda _m, _i, y, i=i: out[i].append(y[0]))
+            for i, layer in enumerate(self.model.model.layers)
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj)
+        ]
+        try:
+            self.model(input_ids=torch.tensor([ids]), attention_mask=mask)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return [(k, v) for k, v in out]
+
+    def select(self, p: ChunkedPrompt, scorer: str, ratio: float, unrelated: list[int]) -> str:
+        """The chosen `ratio` of the document tokens recomputed in every layer; the others keep
+        their isolated KV (S and themselves), as blend serves them. `unrelated`: documents not in
+        the prompt, the context the "prior" scorer measures each document's sensitivity in."""
+        from transformers import DynamicCache
+
+        ids = p.all_token_ids()
+        s = len(p.sys_token_ids)
+        end = s + sum(map(len, p.chunks))
+        isolated = self._projections(ids, _masks(p)[0])
+        if scorer == "prior":
+            # What a chunk entry could store: each document's deviation measured once, in an
+            # unrelated context (the first document is exact after S, so it scores 0).
+            parts = [torch.zeros(len(p.chunks[0]))]
+            sys_ids = list(p.sys_token_ids)
+            for chunk in p.chunks[1:]:
+                n = len(chunk)
+                alone = self._projections(sys_ids + list(chunk), None)
+                within = self._projections(sys_ids + unrelated + list(chunk), None)
+                parts.append(_deviation(within, alone, (-n, None), (-n, None)))
+            score = torch.cat(parts)
+        else:
+            full = self._projections(ids, None)
+            if scorer == "k1":
+                score = (full[1][0] - isolated[1][0])[s:end].pow(2).sum(-1)
+            else:
+                score = _deviation(full, isolated, (s, end), (s, end))
+        budget = math.ceil(ratio * (end - s) - 1e-9)
+        stale = torch.ones(end - s, dtype=torch.bool)
+        stale[torch.topk(score, budget).indices] = False
+        rows = stale.nonzero().squeeze(1) + s
+
+        def reuse(i: int, which: int) -> Any:
+            def hook(_m: Any, _i: Any, y: torch.Tensor) -> torch.Tensor:
+                if y.shape[1] == len(ids):  # the prompt's pass, not a decode step
+                    y = y.clone()
+                    y[0, rows] = isolated[i][which][rows]
+                return y
+
+            return hook
+
+        hooks = [
+            proj.register_forward_hook(reuse(i, which))
+            for i, layer in enumerate(self.model.model.layers)
+            for which, proj in enumerate((layer.self_attn.k_proj, layer.self_attn.v_proj))
+        ]
+        try:
+            cache = DynamicCache(config=self.model.config)
+            out = self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return self._greedy(out.logits[0, -1], out.past_key_values, len(ids))
+
     def _greedy(self, logits: torch.Tensor, cache: Any, position: int) -> str:
         tokens = [int(logits.argmax())]
         while len(tokens) < self.max_tokens and tokens[-1] not in self.stop:
@@ -149,6 +230,36 @@ class Probe:
             cache, position = out.past_key_values, position + 1
             tokens.append(int(out.logits[0, -1].argmax()))
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _deviation(
+    fresh: list[tuple[torch.Tensor, torch.Tensor]],
+    stale: list[tuple[torch.Tensor, torch.Tensor]],
+    fresh_rows: tuple[int, int | None],
+    stale_rows: tuple[int, int | None],
+) -> torch.Tensor:
+    """Per token, the KV deviation summed over layers, each layer's normalised by the mean
+    squared norm of its fresh K and V."""
+    total = torch.zeros(())
+    for (kf, vf), (ks, vs) in zip(fresh, stale, strict=True):
+        scale = (kf.pow(2).sum(-1) + vf.pow(2).sum(-1)).mean()
+        f, t = slice(*fresh_rows), slice(*stale_rows)
+        total = total + ((kf[f] - ks[t]).pow(2).sum(-1) + (vf[f] - vs[t]).pow(2).sum(-1)) / scale
+    return total
+
+
+def _masks(p: ChunkedPrompt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive [1, 1, T, T] masks over the whole prompt: documents isolated from one another
+    (each sees S and itself; the question sees everything), and plain causal."""
+    total, s = p.num_tokens, len(p.sys_token_ids)
+    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    isolated = causal.clone()
+    at = s
+    for chunk in p.chunks:
+        isolated[at : at + len(chunk), s:at] = False
+        at += len(chunk)
+    low = torch.finfo(torch.float32).min
+    return tuple(torch.zeros(total, total).masked_fill(~m, low)[None, None] for m in (isolated, causal))
 
 
 def contexts_for(
@@ -177,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         "--probes",
         nargs="+",
         default=["context:none", "context:other", "context:previous", "deep:10", "deep:20"],
-        help="context:none|other|previous, deep:K",
+        help="context:none|other|previous, deep:K, select:k1|oracle@R",
     )
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1)
@@ -185,8 +296,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for name in args.probes:
         kind, _, arg = name.partition(":")
-        if not ((kind == "context" and arg in CONTEXTS) or (kind == "deep" and arg.isdigit())):
-            parser.error(f"unknown probe {name!r}: context:{'|'.join(CONTEXTS)} or deep:K")
+        scorer, _, ratio = arg.partition("@")
+        if not (
+            (kind == "context" and arg in CONTEXTS)
+            or (kind == "deep" and arg.isdigit())
+            or (kind == "select" and scorer in SCORERS and _fraction(ratio))
+        ):
+            parser.error(
+                f"unknown probe {name!r}: context:{'|'.join(CONTEXTS)}, deep:K or select:{'|'.join(SCORERS)}@R"
+            )
     torch.set_num_threads(args.threads)
     from chunkcache.model.loader import default_model
 
@@ -208,6 +326,10 @@ def main(argv: list[str] | None = None) -> None:
                 kind, _, arg = name.partition(":")
                 if kind == "deep":
                     reply, share = probe.deep(p, int(arg)), (num_layers - int(arg)) / num_layers
+                elif kind == "select":
+                    scorer, _, ratio = arg.partition("@")
+                    unrelated = contexts_for("other", probe, p, q, elements)[-1]
+                    reply, share = probe.select(p, scorer, float(ratio), unrelated), float(ratio)
                 else:
                     reply, share = probe.context(p, contexts_for(arg, probe, p, q, elements)), 0.0
                 res = results[f"probe:{name}"]
