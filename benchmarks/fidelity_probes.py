@@ -23,7 +23,9 @@ prefill or more), so that a recovery method is only built where a probe says it 
   upper bound of any selector that picks tokens: if it keeps no more answers than K deviation,
   no better selector is left to find. `select:prior@R` ranks by the same deviation measured
   once per document in an unrelated context (after another element's document), as a chunk
-  entry could store it: what a selector with no request-time cost could reach.
+  entry could store it: what a selector with no request-time cost could reach;
+  `select:prior-text@R` measures it after one fixed passage of another domain (CPython's
+  documentation) instead, as an engine holding one neutral context for every chunk would.
 
 Greedy, as bench_fidelity. The results are written in bench_fidelity's raw format, so its
 `--merge` reports them against the engine's full prefill (kept / lost / gained, bootstrap):
@@ -50,7 +52,7 @@ from tqdm import tqdm
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
 
 CONTEXTS = ("none", "other", "previous")
-SCORERS = ("k1", "oracle", "prior")
+SCORERS = ("k1", "oracle", "prior", "prior-text")
 
 
 def _fraction(text: str) -> bool:
@@ -174,7 +176,7 @@ class Probe:
         s = len(p.sys_token_ids)
         end = s + sum(map(len, p.chunks))
         isolated = self._projections(ids, _masks(p)[0])
-        if scorer == "prior":
+        if scorer.startswith("prior"):
             # What a chunk entry could store: each document's deviation measured once, in an
             # unrelated context (the first document is exact after S, so it scores 0).
             parts = [torch.zeros(len(p.chunks[0]))]
@@ -311,6 +313,12 @@ def main(argv: list[str] | None = None) -> None:
     probe = Probe(default_model(), args.max_tokens)
     num_layers = probe.model.config.num_hidden_layers
     elements = fidelity_set.load_elements()
+    # `prior-text`'s context: one fixed passage of another domain (CPython's documentation), the
+    # kind of neutral text an engine could hold for every chunk.
+    import pydoc_data.topics
+
+    passage = " ".join(pydoc_data.topics.topics[min(pydoc_data.topics.topics)].split()[:120])
+    foreign = list(probe.tokenizer.encode(SEP + passage, add_special_tokens=False))
     questions = fidelity_set.load()
     if args.split != "all":
         questions = [q for q in questions if q.split == args.split]
@@ -328,7 +336,9 @@ def main(argv: list[str] | None = None) -> None:
                     reply, share = probe.deep(p, int(arg)), (num_layers - int(arg)) / num_layers
                 elif kind == "select":
                     scorer, _, ratio = arg.partition("@")
-                    unrelated = contexts_for("other", probe, p, q, elements)[-1]
+                    unrelated = (
+                        contexts_for("other", probe, p, q, elements)[-1] if scorer == "prior" else foreign
+                    )
                     reply, share = probe.select(p, scorer, float(ratio), unrelated), float(ratio)
                 else:
                     reply, share = probe.context(p, contexts_for(arg, probe, p, q, elements)), 0.0
