@@ -98,10 +98,11 @@ class ModeResult:
     ttft: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
-def render(llm: LLM, docs: list[str], question: str) -> str:
+def render(tokenizer: Any, docs: list[str], question: str) -> str:
+    """The benchmark's prompt: the system turn, then `SEP doc1 ... SEP docN SEP question`."""
     user = "".join(SEP + d for d in docs) + SEP + question
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-    return llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _run(llm: LLM, prompt: str | list[int], params: SamplingParams, options: dict[str, Any] | None):
@@ -129,7 +130,7 @@ def evaluate(
     answer = SamplingParams(temperature=0, max_tokens=max_tokens)
     names = list(modes)
     for i, q in enumerate(tqdm(questions, desc="questions", unit="q")):
-        text = render(llm, [elements[n].document() for n in q.doc_ids], q.question)
+        text = render(llm.tokenizer, [elements[n].document() for n in q.doc_ids], q.question)
         parsed = parse_chunked_prompt(text, SEP, llm.tokenizer, add_special_tokens=False)
         assert parsed is not None
         doc_tokens = sum(map(len, parsed.chunks))

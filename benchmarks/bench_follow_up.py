@@ -122,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     for i, q in enumerate(tqdm(questions, desc="doc sets", unit="set")):
         docs = [elements[n].document() for n in q.doc_ids]
         text2, answers2 = follow_up(q, elements)
-        p1, p2 = render(engines["plain"], docs, q.question), render(engines["plain"], docs, text2)
+        p1, p2 = (
+            render(engines["plain"].tokenizer, docs, q.question),
+            render(engines["plain"].tokenizer, docs, text2),
+        )
         # Plain gets the chunked prompts' own token ids (each part tokenized alone): a full prefill
         # of exactly what the chunk engines read, as bench_fidelity's "full".
         prompts = {name: (p1, p2) for name in names}

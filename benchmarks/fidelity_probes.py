@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pydoc_data.topics
 import random
 import sys
 from pathlib import Path
@@ -46,7 +47,7 @@ from typing import Any
 
 import fidelity_set
 import torch
-from bench_fidelity import SEP, SYSTEM
+from bench_fidelity import SEP, render
 from tqdm import tqdm
 
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
@@ -81,9 +82,7 @@ class Probe:
         return list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
 
     def prompt(self, docs: list[str], question: str) -> ChunkedPrompt:
-        user = "".join(SEP + d for d in docs) + SEP + question
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render(self.tokenizer, docs, question)
         parsed = parse_chunked_prompt(text, SEP, self.tokenizer, add_special_tokens=False)
         assert parsed is not None
         return parsed
@@ -273,10 +272,15 @@ def contexts_for(
         return [[] for _ in p.chunks]
     if kind == "previous":
         return [[]] + [list(c) for c in p.chunks[:-1]]
+    ctx = unrelated_document(probe, q, elements)
+    return [[]] + [ctx for _ in p.chunks[1:]]
+
+
+def unrelated_document(probe: Probe, q: fidelity_set.Question, elements: dict) -> list[int]:
+    """The tokens of one element's document that is not in the question's prompt (per question)."""
     others = [n for n in elements if n not in q.doc_ids]
     other = elements[random.Random(q.qid).choice(others)].document()
-    ctx = list(probe.tokenizer.encode(SEP + other, add_special_tokens=False))
-    return [[]] + [ctx for _ in p.chunks[1:]]
+    return list(probe.tokenizer.encode(SEP + other, add_special_tokens=False))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         "--probes",
         nargs="+",
         default=["context:none", "context:other", "context:previous", "deep:10", "deep:20"],
-        help="context:none|other|previous, deep:K, select:k1|oracle@R",
+        help=f"context:{'|'.join(CONTEXTS)}, deep:K, select:{'|'.join(SCORERS)}@R",
     )
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1)
@@ -315,8 +319,6 @@ def main(argv: list[str] | None = None) -> None:
     elements = fidelity_set.load_elements()
     # `prior-text`'s context: one fixed passage of another domain (CPython's documentation), the
     # kind of neutral text an engine could hold for every chunk.
-    import pydoc_data.topics
-
     passage = " ".join(pydoc_data.topics.topics[min(pydoc_data.topics.topics)].split()[:120])
     foreign = list(probe.tokenizer.encode(SEP + passage, add_special_tokens=False))
     questions = fidelity_set.load()
@@ -336,9 +338,7 @@ def main(argv: list[str] | None = None) -> None:
                     reply, share = probe.deep(p, int(arg)), (num_layers - int(arg)) / num_layers
                 elif kind == "select":
                     scorer, _, ratio = arg.partition("@")
-                    unrelated = (
-                        contexts_for("other", probe, p, q, elements)[-1] if scorer == "prior" else foreign
-                    )
+                    unrelated = unrelated_document(probe, q, elements) if scorer == "prior" else foreign
                     reply, share = probe.select(p, scorer, float(ratio), unrelated), float(ratio)
                 else:
                     reply, share = probe.context(p, contexts_for(arg, probe, p, q, elements)), 0.0

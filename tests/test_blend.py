@@ -374,10 +374,11 @@ def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, 
         offset += len(c)
     # The K-only projection is the K of the model's own projection (bias, norm and RoPE included).
     attn = llm.engine.runner.model.layers[1].self_attn
-    x, where = torch.randn(7, attn.qkv_proj.in_features), torch.tensor([0, 3, 5, 8, 13, 21, 34])
+    x = torch.randn(7, attn.qkv_proj.in_features)
+    rope = attn.rotary.table(torch.tensor([0, 3, 5, 8, 13, 21, 34]), x.dtype)
     with torch.inference_mode():
-        want = attn.project(x, attn.rotary.table(where, x.dtype))[1]
-        torch.testing.assert_close(blend._project_k(attn, x, where), want)
+        want = attn.project(x, rope)[1]
+        torch.testing.assert_close(blend._project_k(attn, x, rope), want)
     # ... from whichever layouts the projection holds: dense, transposed, or only oneDNN's opaque one
     served = attn.qkv_proj
     weight, bias = served.dense_weight()
@@ -395,7 +396,7 @@ def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, 
         attn.qkv_proj = lin
         try:
             with torch.inference_mode():
-                torch.testing.assert_close(blend._project_k(attn, x, where), want)
+                torch.testing.assert_close(blend._project_k(attn, x, rope), want)
         finally:
             attn.qkv_proj = served
     deviation = (fresh - torch.cat(cached, dim=1)).pow(2).sum(dim=(0, 2))  # [n]

@@ -39,6 +39,7 @@ from chunkcache.config import ChunkConfig
 from chunkcache.model.calibration import ContextCalibration, calibrated_attention
 from chunkcache.model.linear import Linear
 from chunkcache.model.llama import Attention, LlamaForCausalLM
+from chunkcache.model.rope import RopeTable, RotaryEmbedding
 from chunkcache.model.row_attention import attend_rows, plan_rows
 
 
@@ -80,8 +81,8 @@ _K_WEIGHTS: weakref.WeakKeyDictionary[Linear, tuple[torch.Tensor, torch.Tensor |
 )
 
 
-def _project_k(attn: Attention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The K [T, Hk, D] that `attn.project` computes for x at `positions` (bias, k-norm, RoPE),
+def _project_k(attn: Attention, x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+    """The K [T, Hk, D] that `attn.project` computes for x (bias, k-norm, `rope`'s RoPE),
     without its Q and V: at a check layer every chunk token needs its K compared, but only the
     chosen share needs Q and V (at 0.15 this skips ~75% of that layer's q/k/v projection)."""
     proj = attn.qkv_proj
@@ -96,7 +97,7 @@ def _project_k(attn: Attention, x: torch.Tensor, positions: torch.Tensor) -> tor
     k = F.linear(x, weight, bias).view(x.shape[0], attn.num_kv_heads, attn.head_dim)
     if attn.k_norm is not None:
         k = attn.k_norm(k)
-    return attn.rotary.rotate(positions, k)
+    return RotaryEmbedding.apply(rope, k)
 
 
 def _exact_never_chosen(cfg: ChunkConfig, num_chunk_tokens: int, num_exact_chunk_tokens: int) -> bool:
@@ -257,6 +258,7 @@ def blend_prefill(
     # R(delta) is the same at every layer: its cos/sin once per request.
     cos, sin = rotary.rerotation(inp.cached_delta, k_all.dtype)
     plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)  # changes at check layers only
+    rope = rotary.table(positions[active], h.dtype)  # so does the running tokens' RoPE
     for layer_index, layer in enumerate(model.layers):
         k_cache, v_cache = kv_caches[layer_index]
         attn = layer.self_attn
@@ -268,9 +270,9 @@ def blend_prefill(
         k_only = layer_index in check and cfg.blend_selector in _K_SELECTORS and check[layer_index] < 1.0
         v_fresh: torch.Tensor | None = None
         if k_only:
-            k = _project_k(attn, x, positions[active])
+            k = _project_k(attn, x, rope)
         else:
-            q, k, v = attn.project(x, rotary.table(positions[active], x.dtype))
+            q, k, v = attn.project(x, rope)
             v_fresh = v
         if layer_index in check:
             chunk_rows = is_chunk[active]
@@ -293,11 +295,13 @@ def blend_prefill(
                 (k_old[safe], v_old[safe]),
                 attention,
             )
+            active = active[keep]
+            rope = rotary.table(positions[active], h.dtype)
             if k_only:
-                active, h, x = active[keep], h[keep], x[keep]
-                q, k, v = attn.project(x, rotary.table(positions[active], x.dtype))
+                h, x = h[keep], x[keep]
+                q, k, v = attn.project(x, rope)
             else:
-                active, h, q, k, v = active[keep], h[keep], q[keep], k[keep], v[keep]
+                h, q, k, v = h[keep], q[keep], k[keep], v[keep]
             plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)
         k_all.index_copy_(0, active, k)
         v_all.index_copy_(0, active, v)

@@ -53,17 +53,14 @@ class Attention(nn.Module):
         """q [T, Hq, D], k and v [T, Hk, D] of hidden states x, RoPE of `rope`'s positions applied."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         heads = (self.num_heads, self.num_kv_heads)
-        if self.q_norm is None or self.k_norm is None:
-            # q and k sit side by side in the merged projection: rotated in one pass.
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, sum(heads), self.head_dim)
-            q, k = RotaryEmbedding.apply(rope, qk).split(heads, dim=1)
-            return q, k, v
-        q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-        q, k = RotaryEmbedding.apply(rope, torch.cat((q, k), dim=1)).split(heads, dim=1)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, sum(heads), self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split(heads, dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k sit side by side in the merged projection: rotated in one pass.
+        q, k = RotaryEmbedding.apply(rope, qk).split(heads, dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         return q, k, v
 
     def forward(

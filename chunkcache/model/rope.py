@@ -157,10 +157,6 @@ class RotaryEmbedding(torch.nn.Module):
         side by side rotate in one call)."""
         return _rotated(x, *table)
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """One tensor [T, H, D] rotated to `positions` [T]."""
-        return _rotated(x, *self.table(positions, x.dtype))
-
     def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """K [T, Hk, D] computed at p, rotated to p + delta [T] (delta may be negative).
 
