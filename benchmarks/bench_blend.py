@@ -83,6 +83,7 @@ def blend_options(ratio: float) -> dict[str, Any]:
         "chunk_layout": "offset",
         "blend_check_layers": [CHECK_LAYER],
         "blend_recompute_ratios": [ratio],
+        "blend_selector": "k_deviation",
     }
 
 

@@ -67,7 +67,15 @@ MODES: dict[str, dict[str, Any] | None] = {
     "blend@0.6,0.3/L1,4": _offset([1, 4], [0.6, 0.3]),
     # EPIC: the first 8 tokens of every document always run, on top of the 15% by K deviation.
     "blend@0.15+b8": _offset([1], [0.15], blend_boundary_tokens=8),
+    # Ranked by the sensitivity each entry measured once (chunk/sensitivity.py), chosen before
+    # layer 0 (/L0: the others never run) or at layer 1 (every document token runs layer 0).
+    **{f"stored@{r}/L0": _offset([0], [r], blend_selector="stored_deviation") for r in (0.15, 0.3, 0.4)},
+    **{f"stored@{r}": _offset([1], [r], blend_selector="stored_deviation") for r in (0.15, 0.3)},
 }
+
+
+# A request that only makes each entry measure its sensitivity: nothing recomputed.
+_MEASURE = _offset([0], [0.0], blend_selector="stored_deviation")
 
 
 def _ape(base: str, temperature: float, scale: float) -> dict[str, Any]:
@@ -136,8 +144,12 @@ def evaluate(
         doc_tokens = sum(map(len, parsed.chunks))
         num_q = len(parsed.question_token_ids)
         full_ids = parsed.all_token_ids()
-        # Warm the pool: production reuse means the documents were seen before.
+        # Warm the pool: production reuse means the documents were seen before (and, for the
+        # modes that rank by it, each entry measured its sensitivity; here in a request of
+        # another blend key, so that no mode finds its own blended blocks).
         _run(llm, text, SamplingParams(temperature=0, max_tokens=1), {"chunk_layout": "isolated"})
+        if any(o and o.get("blend_selector") == "stored_deviation" for o in modes.values()):
+            _run(llm, text, SamplingParams(temperature=0, max_tokens=1), _MEASURE)
         timed = ttft_every > 0 and i % ttft_every == 0
         rotation = names[i % len(names) :] + names[: i % len(names)]  # interleave, rotating order
         for name in rotation:

@@ -18,8 +18,10 @@ from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT, check_documents
 from chunkcache.hashing import block_hash_fn
 
 CHUNK_LAYOUTS = ("isolated", "offset")
-BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold", "query_attention")
+BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold", "query_attention", "stored_deviation")
 BLEND_UNITS = ("token", "chunk")
+# Selectors that rank by how the fresh KV at the check layer differs from the cached KV.
+_FRESH_KV_SELECTORS = ("k_deviation", "v_deviation", "threshold")
 HASH_ALGORITHMS = ("sha256", "sha512", "blake2b", "sha3_256")
 
 
@@ -88,10 +90,15 @@ class ChunkConfig:
     # More chunks than this in one prompt is rejected: each chunk is a pool entry and a job.
     max_chunks: int = 256
     # Blend (layout "offset"): at check layer j keep the share ratios[j] of all chunk tokens
-    # with the largest deviation, chosen among the tokens kept so far.
-    blend_check_layers: tuple[int, ...] = (1,)
+    # with the largest score, chosen among the tokens kept so far. The selector scores: the
+    # deviation each chunk entry measured once and stored (`stored_deviation`, known before layer
+    # 0, so the others never run); or, measured at the check layer (>= 1), the fresh K's or V's
+    # deviation from the cached one (`k_deviation`, `v_deviation`, CacheBlend), or the
+    # attention the question pays (`query_attention`).
+    # Default by measurement (RESULTS.md, bench_fidelity): stored_deviation at 15% before layer 0.
+    blend_check_layers: tuple[int, ...] = (0,)
     blend_recompute_ratios: tuple[float, ...] = (0.15,)
-    blend_selector: str = "k_deviation"
+    blend_selector: str = "stored_deviation"
     # "token": recompute the selected tokens; "chunk": whole chunks, ranked by their summed
     # selector score, as many as fit in the same token budget (ratio x chunk tokens).
     blend_unit: str = "token"
@@ -180,6 +187,13 @@ class ChunkConfig:
             raise ValueError(f"blend_unit {self.blend_unit!r} is not one of {BLEND_UNITS}")
         if self.blend_unit == "chunk" and self.blend_selector == "threshold":
             raise ValueError("blend_unit 'chunk' needs a ranking selector, not 'threshold'")
+        chooses = self.blend_selector == "threshold" or 0.0 < ratios[0] < 1.0
+        if layers[0] == 0 and self.blend_selector in _FRESH_KV_SELECTORS and chooses:
+            raise ValueError(
+                f"blend_selector {self.blend_selector!r} compares fresh and cached KV, which at check "
+                "layer 0 differ by rounding only: give blend_check_layers from 1, or blend_selector "
+                "'stored_deviation'"
+            )
         if not math.isfinite(self.blend_threshold) or self.blend_threshold < 0:
             raise ValueError(f"blend_threshold must be a finite number >= 0, got {self.blend_threshold}")
         if self.blend_boundary_tokens < 0:

@@ -363,3 +363,85 @@ def hf_continue_over_cache(
         tokens.append(int(out.logits[0, -1].argmax()))
         position += 1
     return first, tokens
+
+
+@torch.inference_mode()
+def _projections(path: str | Path, token_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the k_proj and v_proj outputs [T, Hk * D] (K before norm and RoPE) of a plain
+    causal run of `token_ids`."""
+    model = hf_model(path)
+    out: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    hooks = [
+        proj.register_forward_hook(lambda _m, _i, y, i=i: out[i].append(y[0]))
+        for i, layer in enumerate(model.model.layers)
+        for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj)
+    ]
+    try:
+        model(input_ids=_ids(token_ids))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [(k, v) for k, v in out]
+
+
+@torch.inference_mode()
+def hf_sensitivity(
+    path: str | Path, sys_ids: Sequence[int], context_ids: Sequence[int], chunk_ids: Sequence[int]
+) -> torch.Tensor:
+    """A chunk's sensitivity (chunkcache/chunk/sensitivity.py) from transformers' projections: per
+    token, the K and V deviation between the runs of S + P + C and S + C, summed over layers,
+    each layer divided by the mean squared K and V norm over the rows of the S + P + C run. The
+    projections are taken before RoPE, so no rotation is involved (the model has no k-norm)."""
+    n = len(chunk_ids)
+    within = _projections(path, [*sys_ids, *context_ids, *chunk_ids])
+    alone = _projections(path, [*sys_ids, *chunk_ids])
+    score = torch.zeros(n)
+    for (kw, vw), (ka, va) in zip(within, alone, strict=True):
+        scale = (kw.pow(2).sum(-1) + vw.pow(2).sum(-1)).mean()
+        score += ((kw[-n:] - ka[-n:]).pow(2).sum(-1) + (vw[-n:] - va[-n:]).pow(2).sum(-1)) / scale
+    return score
+
+
+@torch.inference_mode()
+def hf_partial_reuse_logprobs(
+    path: str | Path,
+    sys_ids: Sequence[int],
+    chunks: Sequence[Sequence[int]],
+    q_ids: Sequence[int],
+    reused: torch.Tensor,
+) -> torch.Tensor:
+    """First-token log-probs of a blend whose recomputed tokens are chosen before layer 0: the
+    whole prompt runs in transformers at natural positions, but at every layer the K and V
+    projections of the chunk tokens marked in `reused` [sum len Ci] are replaced by those of the
+    run of S + their chunk alone (as computed at [s, s + len): RoPE at the natural position then
+    re-rotates it, as the engine does). Every other token is computed fresh, seeing them."""
+    model = hf_model(path)
+    ids = [*sys_ids, *(t for c in chunks for t in c), *q_ids]
+    s = len(sys_ids)
+    cached = [_projections(path, [*sys_ids, *c]) for c in chunks]
+    # Per layer, the isolated projections of every chunk token in prompt order.
+    iso = [
+        (torch.cat([c[i][0][s:] for c in cached]), torch.cat([c[i][1][s:] for c in cached]))
+        for i in range(len(model.model.layers))
+    ]
+    rows = reused.nonzero().squeeze(1) + s
+
+    def replace(i: int, which: int) -> Any:
+        def hook(_m: Any, _i: Any, y: torch.Tensor) -> torch.Tensor:
+            y = y.clone()
+            y[0, rows] = iso[i][which][rows - s]
+            return y
+
+        return hook
+
+    hooks = [
+        proj.register_forward_hook(replace(i, which))
+        for i, layer in enumerate(model.model.layers)
+        for which, proj in enumerate((layer.self_attn.k_proj, layer.self_attn.v_proj))
+    ]
+    try:
+        out = model(input_ids=_ids(ids))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.log_softmax(out.logits[0, -1].float(), dim=-1)

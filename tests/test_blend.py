@@ -143,6 +143,7 @@ def test_selectors_and_boundary_tokens(checkpoint) -> None:
         chunk_options={
             "chunk_layout": "offset",
             "blend_selector": "v_deviation",
+            "blend_check_layers": [1],
             "blend_recompute_ratios": [0.3],
         },
     )[0]
@@ -152,7 +153,12 @@ def test_selectors_and_boundary_tokens(checkpoint) -> None:
     everything = llm.generate(
         prompt,
         FIRST,
-        chunk_options={"chunk_layout": "offset", "blend_selector": "threshold", "blend_threshold": 0.0},
+        chunk_options={
+            "chunk_layout": "offset",
+            "blend_selector": "threshold",
+            "blend_check_layers": [1],
+            "blend_threshold": 0.0,
+        },
     )[0]
     assert everything.num_blend_reused_tokens <= len(chunks[0])
     _assert_logprobs_close(everything, hf_first_token_logprobs(path, everything.prompt_token_ids))
@@ -162,8 +168,9 @@ def test_selectors_and_boundary_tokens(checkpoint) -> None:
         FIRST,
         chunk_options={
             "chunk_layout": "offset",
-            "blend_check_layers": [0, 2],
+            "blend_check_layers": [1, 2],
             "blend_recompute_ratios": [0.5, 0.2],
+            "blend_selector": "k_deviation",
         },
     )[0]
     assert two.num_blend_reused_tokens == n_chunk - -(-2 * n_chunk // 10)
@@ -229,6 +236,8 @@ def test_min_tokens_gives_plain_prefill(checkpoint) -> None:
         ({"blend_recompute_ratios": [1.5]}, "[0, 1]"),
         ({"blend_check_layers": [0, 1], "blend_recompute_ratios": [0.1, 0.5]}, "must not increase"),
         ({"blend_check_layers": [0, 1]}, "one ratio per check layer"),
+        ({"blend_selector": "k_deviation"}, "at check layer 0 differ by rounding only"),
+        ({"blend_selector": "threshold", "blend_check_layers": [0]}, "give blend_check_layers from 1"),
         ({"blend_selector": "random"}, "blend_selector 'random'"),
         ({"chunk_layout": "diagonal"}, "chunk_layout 'diagonal'"),
         ({"blend_boundary_tokens": -1}, "blend_boundary_tokens"),
@@ -361,7 +370,12 @@ def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, 
     llm = _llm(path)
     results = _record(monkeypatch, runner, "blend_prefill")
     docs, ratio = [2, 3, 1], 0.3
-    options = {"chunk_layout": "offset", "blend_check_layers": [1], "blend_recompute_ratios": [ratio]}
+    options = {
+        "chunk_layout": "offset",
+        "blend_check_layers": [1],
+        "blend_recompute_ratios": [ratio],
+        "blend_selector": "k_deviation",
+    }
     out = llm.generate(_prompt(docs), FIRST, chunk_options=options)[0]
     sys_ids, chunks, q_ids = _parts(llm, docs)
     assert out.prompt_token_ids == sys_ids + [t for c in chunks for t in c] + q_ids
@@ -517,4 +531,73 @@ def test_offset_request_registers_its_exact_prefix(checkpoint) -> None:
     assert again.num_cached_tokens <= len(sys_ids)
     stats = llm.engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.check_integrity()
+
+
+def _stored(layer: int, ratio: float) -> dict:
+    return {
+        "chunk_layout": "offset",
+        "blend_check_layers": [layer],
+        "blend_recompute_ratios": [ratio],
+        "blend_selector": "stored_deviation",
+    }
+
+
+def test_stored_sensitivity_is_measured_once_as_transformers_measures_it(checkpoint, monkeypatch) -> None:
+    """Each chunk entry's sensitivity (chunk/sensitivity.py) is the K/V deviation between the runs
+    of S + P + C and S + C, layer-normalised, as transformers computes it; it is measured the first
+    time a request ranks by it and kept with the entry, not measured again."""
+    from oracle import hf_sensitivity
+
+    import chunkcache.engine.runner as runner
+
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    measured = _record(monkeypatch, runner, "measure")
+    docs = [2, 0, 4]
+    llm.generate(_prompt(docs), FIRST, chunk_options=REUSE)  # computes the entries: no measuring
+    assert measured == []
+    llm.generate(_prompt(docs), FIRST, chunk_options=_stored(0, 0.3))
+    assert len(measured) == 1 and len(measured[0]) == len(docs)  # one pass for the request
+    sys_ids, chunks, _ = _parts(llm, docs)
+    neutral = llm.engine.runner.neutral_ids
+    assert len(neutral) > 50
+    entries = {e.token_ids[-1]: e for e in llm.engine.chunks.pool.entries() if e.kind == "chunk"}
+    for chunk in chunks:
+        want = hf_sensitivity(path, sys_ids, neutral, chunk)
+        torch.testing.assert_close(entries[tuple(chunk)].sensitivity, want, rtol=1e-3, atol=1e-5)
+        assert want.max() > 2 * want.min()  # a ranking, not a constant
+    llm.generate(_prompt([4, 2], QUESTIONS[1]), FIRST, chunk_options=_stored(1, 0.5))
+    assert len(measured) == 1
+    llm.check_integrity()
+
+
+def test_stored_selector_runs_only_the_chosen_tokens(checkpoint, monkeypatch) -> None:
+    """Ranked by the stored sensitivity at check layer 0, the chosen share of the chunk tokens
+    (never the exact first chunk) runs through every layer and the others never run: the answer
+    equals transformers running the prompt with the others' K and V projections replaced by their
+    isolated ones at every layer. At ratio 1.0 it is a full prefill."""
+    from oracle import hf_partial_reuse_logprobs
+
+    import chunkcache.engine.runner as runner
+
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    results = _record(monkeypatch, runner, "blend_prefill")
+    docs, ratio = [1, 3, 2], 0.3
+    out = llm.generate(_prompt(docs), FIRST, chunk_options=_stored(0, ratio))[0]
+    sys_ids, chunks, q_ids = _parts(llm, docs)
+    s, n, first = len(sys_ids), sum(map(len, chunks)), len(chunks[0])
+    entries = {e.token_ids[-1]: e for e in llm.engine.chunks.pool.entries() if e.kind == "chunk"}
+    scores = torch.cat([entries[tuple(c)].sensitivity for c in chunks[1:]])
+    budget = -(-3 * n // 10)
+    want = torch.zeros(n, dtype=torch.bool)
+    want[first + torch.topk(scores, budget).indices] = True
+    recomputed = ~results[-1].reused[s:]
+    assert torch.equal(recomputed, want)
+    assert out.num_blend_recomputed_tokens == budget + len(q_ids)
+    ref = hf_partial_reuse_logprobs(path, sys_ids, chunks, q_ids, ~want)
+    _assert_logprobs_close(out, ref)
+    full = llm.generate(_prompt(docs), FIRST, chunk_options=_stored(0, 1.0))[0]
+    _assert_logprobs_close(full, hf_first_token_logprobs(path, full.prompt_token_ids))
     llm.check_integrity()

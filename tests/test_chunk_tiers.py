@@ -90,6 +90,11 @@ def test_entry_roundtrip_and_corruption_detected() -> None:
         decode(blob[: len(blob) - 10])
     with pytest.raises(CorruptEntry):
         decode(b"")
+    # An entry that measured its sensitivity keeps it, under the same checksum.
+    kv.sensitivity = torch.rand(kv.num_tokens)
+    back = decode(encode(kv))
+    assert back.sensitivity is not None and torch.equal(back.sensitivity, kv.sensitivity)
+    assert decode(encode(_kv())).sensitivity is None
 
 
 # ---- the disk tier -------------------------------------------------------------------------------
@@ -156,6 +161,48 @@ def test_restart_loads_documents_from_disk(checkpoint, tmp_path: Path) -> None:
         _same(cold, second.generate(_prompt([0, 1, 2]), GREEDY)[0])  # from the disk again
         assert second.chunk_cache_stats()["tiers"]["disk"]["hits"] == 8
         second.check_integrity()
+
+
+def test_a_measured_sensitivity_is_written_down_and_loaded_with_the_kv(
+    checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry measures its sensitivity after it was written down (the first request that ranks
+    by it): the tier's copy is rewritten with it, so that another engine loading the entry ranks
+    by the same scores without measuring them again."""
+    import chunkcache.engine.runner as runner
+
+    calls: list[int] = []
+    real = runner.measure
+    monkeypatch.setattr(runner, "measure", lambda *a: calls.append(1) or real(*a))
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    disk = str(tmp_path / "kv")
+    stored = {
+        "chunk_layout": "offset",
+        "blend_check_layers": [0],
+        "blend_recompute_ratios": [0.3],
+        "blend_selector": "stored_deviation",
+    }
+    with _llm(path, chunk_cache_disk_dir=disk, enable_prefix_caching=False) as first:
+        cold = first.generate(_prompt([0, 1, 2]), GREEDY, chunk_options=stored)[0]
+        assert len(calls) == 1  # one pass for the three documents
+        first.engine.flush_chunk_tiers()
+        scores = {e.key: e.sensitivity for e in first.engine.chunks.pool.entries() if e.kind == "chunk"}
+        assert first.chunk_cache_stats()["tiers"]["disk"]["stores"] == 4 + 3  # then rewritten
+    with _llm(path, chunk_cache_disk_dir=disk, enable_prefix_caching=False) as second:
+        warm = second.generate(_prompt([0, 1, 2]), GREEDY, chunk_options=stored)[0]
+        assert warm.num_chunk_cached_tokens > 0 and len(calls) == 1
+        for entry in second.engine.chunks.pool.entries():
+            if entry.kind == "chunk":
+                assert torch.equal(entry.sensitivity, scores[entry.key])
+        _same(cold, warm)
+        second.check_integrity()
+    # A prewarm under the engine's default blend measures them too: "warm" means ready to rank by.
+    with _llm(path, chunk_layout="offset", enable_prefix_caching=False) as third:
+        third.prewarm([{"prompt": _prompt([3, 4])}])
+        assert len(calls) == 2
+        third.generate(_prompt([3, 4]), GREEDY)
+        assert len(calls) == 2
+        third.check_integrity()
 
 
 def test_corrupt_and_truncated_files_are_recomputed(checkpoint, tmp_path: Path) -> None:

@@ -12,10 +12,13 @@ Nor, where no check layer could choose it, is a first chunk computed right after
 fresh KV would equal the cached one (`BlendInput.num_exact`). Q always runs. Ratio 1.0 at check layer 0 is a full prefill; ratio 0 at layer 0 is pure
 reuse (but for `BlendInput.fresh_from`).
 
-Selectors rank the candidates: by K or V deviation (CacheBlend), or by the attention the
+Selectors rank the candidates: by K or V deviation (CacheBlend), by the attention the
 question's tokens pay them at the check layer (`query_attention`: the question is known when the
-request arrives, so recompute what it reads). `blend_unit="chunk"` recomputes whole chunks, ranked
-by their summed score, as many as fit in the same token budget.
+request arrives, so recompute what it reads), or by the deviation each entry measured once and
+stored (`stored_deviation`, chunk/sensitivity.py). That one needs no fresh KV, so at a check
+layer the choice is made before the layer's projection, and the tokens not chosen skip the layer
+(at check layer 0 they never run). `blend_unit="chunk"` recomputes whole chunks, ranked by their
+summed score, as many as fit in the same token budget.
 
 The blended KV lands in the request's own blocks; the pool keeps the canonical isolated KV.
 Those blocks are registered in the prefix cache under an extra key of the blend's options and the
@@ -63,6 +66,9 @@ class BlendInput:
     # fresh; running them here too keeps a request's answer the same whether or not it found
     # an earlier request's blended blocks. None: no such tokens.
     fresh_from: int | None = None
+    # [P] float: each cached token's stored sensitivity (chunk/sensitivity.py; S rows unused),
+    # for selector "stored_deviation".
+    prior: torch.Tensor | None = None
 
 
 @dataclass
@@ -75,6 +81,8 @@ class BlendResult:
 
 # Selectors that need only the fresh K of the candidates, not their Q or V.
 _K_SELECTORS = ("k_deviation", "threshold")
+# Selectors whose scores are known before a layer runs: the choice comes before its projection.
+_EARLY_SELECTORS = ("stored_deviation",)
 # The K rows of a merged q/k/v projection, dense, per projection: (weight [Hk * D, in], bias).
 _K_WEIGHTS: weakref.WeakKeyDictionary[Linear, tuple[torch.Tensor, torch.Tensor | None]] = (
     weakref.WeakKeyDictionary()
@@ -109,16 +117,25 @@ def _exact_never_chosen(cfg: ChunkConfig, num_chunk_tokens: int, num_exact_chunk
     if cfg.blend_selector == "threshold":
         deviation_ranked = cfg.blend_threshold > 0
     else:
-        deviation_ranked = cfg.blend_selector in ("k_deviation", "v_deviation")
+        deviation_ranked = cfg.blend_selector in ("k_deviation", "v_deviation", "stored_deviation")
     first_ratio = cfg.blend_recompute_ratios[0]
     budget = math.ceil(first_ratio * num_chunk_tokens - 1e-9)
+    # A stored score is ranked below every other at any layer (`blend_prefill`'s `prior`).
+    chosen_by_noise = cfg.blend_check_layers[0] == 0 and cfg.blend_selector not in _EARLY_SELECTORS
     return (
         num_exact_chunk_tokens > 0
         and deviation_ranked
         and cfg.blend_unit == "token"
-        and (cfg.blend_check_layers[0] > 0 or budget == 0)
+        and (not chosen_by_noise or budget == 0)
         and budget <= num_chunk_tokens - num_exact_chunk_tokens
     )
+
+
+def needs_stored_scores(cfg: ChunkConfig) -> bool:
+    """Whether a blend under `cfg` ranks by the entries' stored sensitivity: selector
+    "stored_deviation" with a ratio that keeps some chunk tokens and not all (0 keeps none and 1
+    every one, whatever the scores), so that measuring them would be wasted."""
+    return cfg.blend_selector in _EARLY_SELECTORS and any(0.0 < r < 1.0 for r in cfg.blend_recompute_ratios)
 
 
 def kv_options(cfg: ChunkConfig) -> tuple[object, ...] | None:
@@ -156,23 +173,36 @@ def _query_attention(q: torch.Tensor, keys: torch.Tensor, num_query: int, scale:
     return probs.sum(dim=(0, 1))
 
 
-def _scores(
-    cfg: ChunkConfig,
-    idx: torch.Tensor,
-    fresh: tuple[torch.Tensor, torch.Tensor | None],
-    cached: tuple[torch.Tensor, torch.Tensor],
-    attention: torch.Tensor | None,
-) -> torch.Tensor:
-    """Per candidate row `idx`: how much recomputing it matters (larger = recompute first).
-    The fresh V is None where the selector does not read it (`_K_SELECTORS`)."""
-    (k_new, v_new), (k_old, v_old) = fresh, cached
+@dataclass
+class _Evidence:
+    """What the selectors rank the running rows by at a check layer; each reads its own part.
+    Fresh K/V and the cached K/V are of the running rows (cached: clamped to a cached token)."""
+
+    k_fresh: torch.Tensor | None = None
+    v_fresh: torch.Tensor | None = None  # None where the selector does not read it (`_K_SELECTORS`)
+    k_cached: torch.Tensor | None = None
+    v_cached: torch.Tensor | None = None
+    attention: torch.Tensor | None = None  # `query_attention`
+    prior: torch.Tensor | None = None  # `stored_deviation`
+
+
+def _scores(cfg: ChunkConfig, idx: torch.Tensor, ev: _Evidence) -> torch.Tensor:
+    """Per candidate row `idx`: how much recomputing it matters (larger = recompute first); for
+    "threshold", the deviation relative to the cached K's norm, compared with the threshold."""
     if cfg.blend_selector == "query_attention":
-        assert attention is not None
-        return attention[idx]
+        assert ev.attention is not None
+        return ev.attention[idx]
+    if cfg.blend_selector == "stored_deviation":
+        assert ev.prior is not None
+        return ev.prior[idx]
     if cfg.blend_selector == "v_deviation":
-        assert v_new is not None
-        return _deviation(v_new[idx], v_old[idx])
-    return _deviation(k_new[idx], k_old[idx])
+        assert ev.v_fresh is not None and ev.v_cached is not None
+        return _deviation(ev.v_fresh[idx], ev.v_cached[idx])
+    assert ev.k_fresh is not None and ev.k_cached is not None
+    deviation = _deviation(ev.k_fresh[idx], ev.k_cached[idx])
+    if cfg.blend_selector == "threshold":
+        return deviation / ev.k_cached[idx].pow(2).sum(dim=(1, 2)).clamp_min(1e-12)
+    return deviation
 
 
 def _keep(
@@ -182,21 +212,17 @@ def _keep(
     chunk_rows: torch.Tensor,
     boundary_rows: torch.Tensor,
     chunk_ids: torch.Tensor,
-    fresh: tuple[torch.Tensor, torch.Tensor | None],
-    cached: tuple[torch.Tensor, torch.Tensor],
-    attention: torch.Tensor | None,
+    evidence: _Evidence,
 ) -> torch.Tensor:
     """Rows (of the tokens still running) that keep running: Q, boundary and selected chunk tokens."""
     keep = ~chunk_rows | boundary_rows
     idx = chunk_rows.nonzero().squeeze(1)
     if idx.numel() == 0:
         return keep
-    (k_new, _), (k_old, _) = fresh, cached
+    score = _scores(cfg, idx, evidence)
     if cfg.blend_selector == "threshold":
-        relative = _deviation(k_new[idx], k_old[idx]) / k_old[idx].pow(2).sum(dim=(1, 2)).clamp_min(1e-12)
-        keep[idx[relative > cfg.blend_threshold]] = True
+        keep[idx[score > cfg.blend_threshold]] = True
         return keep
-    score = _scores(cfg, idx, fresh, cached, attention)
     budget = min(idx.numel(), math.ceil(ratio * num_chunk_tokens - 1e-9))
     if budget <= 0:
         return keep
@@ -259,6 +285,14 @@ def blend_prefill(
     cos, sin = rotary.rerotation(inp.cached_delta, k_all.dtype)
     plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)  # changes at check layers only
     rope = rotary.table(positions[active], h.dtype)  # so does the running tokens' RoPE
+    prior = None
+    if cfg.blend_selector in _EARLY_SELECTORS:
+        # Without stored scores only where no ranking is needed (`needs_stored_scores`).
+        assert inp.prior is not None or not needs_stored_scores(cfg), "no stored scores to rank by"
+        prior = torch.zeros(total, dtype=torch.float32, device=device)
+        if inp.prior is not None:
+            prior[:cached_len] = inp.prior.to(device)
+        prior[inp.num_sys : inp.num_exact] = -1.0  # exact already: chosen last (scores are >= 0)
     for layer_index, layer in enumerate(model.layers):
         k_cache, v_cache = kv_caches[layer_index]
         attn = layer.self_attn
@@ -267,15 +301,31 @@ def blend_prefill(
         torch.index_select(v_cache, 0, inp.cached_slots, out=v_old)
         rotary.rerotate_(k_old, cos, sin)
         x = layer.input_layernorm(h)
-        k_only = layer_index in check and cfg.blend_selector in _K_SELECTORS and check[layer_index] < 1.0
+        ratio = check.get(layer_index)
+        if ratio is not None and prior is not None:
+            # Ranked by what the entries stored: chosen before this layer's projection, which the
+            # others skip (at layer 0 they never run).
+            keep = _keep(
+                cfg,
+                ratio,
+                num_chunk_tokens,
+                is_chunk[active],
+                boundary[active],
+                chunk_id[active],
+                _Evidence(prior=prior[active]),
+            )
+            active, h, x = active[keep], h[keep], x[keep]
+            rope = rotary.table(positions[active], h.dtype)
+            plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)
+            ratio = None
+        k_only = ratio is not None and cfg.blend_selector in _K_SELECTORS and ratio < 1.0
         v_fresh: torch.Tensor | None = None
         if k_only:
             k = _project_k(attn, x, rope)
         else:
             q, k, v = attn.project(x, rope)
             v_fresh = v
-        if layer_index in check:
-            chunk_rows = is_chunk[active]
+        if ratio is not None:
             # Compare only the chunk rows with their cached counterparts (indices < cached_len).
             safe = active.clamp(max=cached_len - 1)
             attention = None
@@ -286,14 +336,12 @@ def blend_prefill(
                 attention = _query_attention(q, keys, total - cached_len, attn.scale)[active]
             keep = _keep(
                 cfg,
-                check[layer_index],
+                ratio,
                 num_chunk_tokens,
-                chunk_rows,
+                is_chunk[active],
                 boundary[active],
                 chunk_id[active],
-                (k, v_fresh),
-                (k_old[safe], v_old[safe]),
-                attention,
+                _Evidence(k, v_fresh, k_old[safe], v_old[safe], attention),
             )
             active = active[keep]
             rope = rotary.table(positions[active], h.dtype)

@@ -440,12 +440,20 @@ class ChunkManager:
 
     def _copy_in(self, entry: Entry, kv: StoredKV) -> None:
         scatter_kv(self.kv_caches, self._slots(entry), kv.k, kv.v)
+        entry.sensitivity = kv.sensitivity
 
     def _read_kv(self, entry: Entry) -> StoredKV:
-        """A CPU copy of a pool entry's KV, for the lower tiers."""
+        """A CPU copy of a pool entry's KV (and its sensitivity, if measured), for the lower tiers."""
         assert self.tiers is not None
         k, v = gather_kv(self.kv_caches, self._slots(entry))
-        return StoredKV(self.tiers.model, entry.key, entry.kind, entry.token_ids, k, v)
+        return StoredKV(self.tiers.model, entry.key, entry.kind, entry.token_ids, k, v, entry.sensitivity)
+
+    def sensitivity_measured(self, entry: Entry) -> None:
+        """`entry` has just measured its sensitivity (the runner does, chunk/sensitivity.py): the
+        tiers' copy, written when it was computed, is written again with it, so that a later load
+        (after an eviction, a restart, on another replica) need not measure it again."""
+        if self.tiers is not None and entry.ready and (entry.private or self.pool.holds(entry)):
+            self.tiers.store(self._read_kv(entry), replace=True)
 
     def _demote(self, entry: Entry) -> None:
         assert self.tiers is not None

@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from chunkcache.hashing import to_wire
 from chunkcache.kv_events import ChunkRemoved, ChunkStored
 
@@ -36,6 +38,9 @@ class Entry:
     private: bool = False  # computed for one request in paged KV blocks, never shared
     loading: bool = False  # being read from a lower tier (chunkcache/chunk/tiers/loader.py)
     from_tier: bool = False  # its KV was loaded from a lower tier, not computed here
+    # [num_tokens] float32 on the CPU, a chunk's sensitivity (chunk/sensitivity.py): measured the
+    # first time a request ranks by it, then kept (and written down to the tiers) with the KV.
+    sensitivity: torch.Tensor | None = None
 
 
 @dataclass
@@ -163,6 +168,8 @@ class ChunkPool:
             assert entry.key == key and not entry.private
             assert entry.pins >= 0, f"entry pinned {entry.pins} times"
             assert len(entry.pages) == self.pages_for(entry.num_tokens)
+            if entry.sensitivity is not None:
+                assert entry.sensitivity.shape == (entry.num_tokens,), "sensitivity of another length"
             for page in entry.pages:
                 assert page not in seen, f"pool page {page} is owned twice"
                 seen.add(page)

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from chunkcache.chunk.blend import kv_options
+from chunkcache.chunk.blend import kv_options, needs_stored_scores
 from chunkcache.chunk.documents import PromptParts, parse_documents, render_with_documents
 from chunkcache.chunk.manager import ChunkManager
 from chunkcache.chunk.matcher import PlainPrompt
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt, tokenize_parts
 from chunkcache.chunk.pool import ChunkPool
+from chunkcache.chunk.sensitivity import neutral_passage
 from chunkcache.chunk.tiers.disk import DiskTier
 from chunkcache.chunk.tiers.identity import model_identity
 from chunkcache.chunk.tiers.provider import TierProvider
@@ -110,7 +111,11 @@ class LLMEngine:
         pool_pages = 0
         if config.chunk.enable:
             pool_pages = int(config.chunk.cache_size_gb * 2**30) // (token_bytes * bs)
-        self.runner = ModelRunner(loaded, (num_blocks + pool_pages) * bs, bs)
+        # The passage chunk entries measure their sensitivity after, written as a document after
+        # the separator (chunk/sensitivity.py).
+        neutral = config.chunk.separator + neutral_passage()
+        neutral_ids = tuple(self.tokenizer.encode(neutral, add_special_tokens=False))
+        self.runner = ModelRunner(loaded, (num_blocks + pool_pages) * bs, bs, neutral_ids)
         self.chunks: ChunkManager | None = None
         if config.chunk.enable:
             pool = ChunkPool(num_blocks, pool_pages, bs, token_bytes * bs, config.chunk.lru_threshold, medium)
@@ -123,6 +128,7 @@ class LLMEngine:
                 self.runner.kv_caches,
                 self._lower_tiers(config.chunk, loaded),
             )
+            self.runner.on_measured = self.chunks.sensitivity_measured
         self.scheduler = Scheduler(
             config.scheduler,
             self.blocks,
@@ -609,6 +615,13 @@ class LLMEngine:
         for seq in self._prewarms:
             if not seq.is_finished and all(e.ready for e in seq.chunk_state.entries):
                 self.chunks.settle_cached(seq)  # type: ignore[union-attr]
+                cfg = seq.chunk_config
+                if cfg.layout == "offset" and needs_stored_scores(cfg):
+                    # Warm means ready to rank by: the first request need not measure them.
+                    try:
+                        self.runner.measure_sensitivity(seq.chunk_state.entries[1:])
+                    except Exception:  # the first request that ranks by them measures them then
+                        logger.exception("measuring the sensitivity of prewarmed documents failed")
                 seq.finish_reason = "stop"
                 self._finish(seq)
                 done.append(seq)

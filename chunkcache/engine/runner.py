@@ -7,10 +7,13 @@ pool's pages, so that a sequence can read pool entries in place (no copy on a ch
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
-from chunkcache.chunk.blend import BlendInput, blend_prefill
+from chunkcache.chunk.blend import BlendInput, blend_prefill, needs_stored_scores
+from chunkcache.chunk.pool import Entry
+from chunkcache.chunk.sensitivity import measure
 from chunkcache.engine.prompt_logprobs import record_prompt_logprobs
 from chunkcache.engine.scheduler import ScheduledBatch
 from chunkcache.engine.sequence import Sequence
@@ -55,8 +58,14 @@ def scatter_kv(
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_slots: int, block_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_slots: int, block_size: int, neutral_ids: tuple[int, ...] = ()
+    ) -> None:
         self.model = loaded.model
+        # The passage P after which a chunk entry measures its sensitivity (chunk/sensitivity.py),
+        # and who is told of each entry that measured it (the chunk manager, for its tiers).
+        self.neutral_ids = neutral_ids
+        self.on_measured: Callable[[Entry], None] | None = None
         self.spec = loaded.spec
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -181,6 +190,9 @@ class ModelRunner:
         first_exact = first_exact and state.entries[1].token_ids[0] == tuple(prompt.sys_token_ids)
         exact_prefix = s + (len(prompt.chunks[0]) if first_exact else 0)
         try:
+            prior = None
+            if needs_stored_scores(cfg):
+                prior = self._stored_sensitivity(s, state.entries[1:], state.slices[1:])
             result = blend_prefill(
                 self.model,
                 self.kv_caches,
@@ -194,6 +206,7 @@ class ModelRunner:
                     calibration=calibration,
                     num_exact=exact_prefix,
                     fresh_from=None if seq.kv_key is None else start // self.block_size * self.block_size,
+                    prior=prior,
                 ),
                 seq.blend,
             )
@@ -224,3 +237,32 @@ class ModelRunner:
         self.blend_reused_tokens += result.reused_tokens
         self.blend_recomputed_tokens += result.recomputed_tokens
         return result.hidden
+
+    def measure_sensitivity(self, entries: list[Entry]) -> None:
+        """Measure the sensitivity (chunk/sensitivity.py) of the chunk entries that have none yet:
+        one pass per distinct S among them (S, the passage P and their chunks)."""
+        missing: dict[tuple[int, ...], list[Entry]] = {}
+        for entry in {id(e): e for e in entries if e.sensitivity is None}.values():  # a slice twice: once
+            missing.setdefault(entry.token_ids[0], []).append(entry)
+        for sys_ids, group in missing.items():
+            chunks = [
+                (block_slots(e.pages, self.block_size, e.num_tokens, self.device), e.token_ids[-1])
+                for e in group
+            ]
+            scores = measure(self.model, self.kv_caches, sys_ids, self.neutral_ids, chunks)
+            for entry, score in zip(group, scores, strict=True):
+                entry.sensitivity = score
+                if self.on_measured is not None:
+                    self.on_measured(entry)
+
+    def _stored_sensitivity(
+        self, num_sys: int, entries: list[Entry], slices: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        """Per cached token of a request (S, then the used slice of each chunk entry), its entry's
+        stored sensitivity (S: zeros), measured now for the entries that have none yet."""
+        self.measure_sensitivity(entries)
+        parts = [torch.zeros(num_sys)]
+        for entry, (start, n) in zip(entries, slices, strict=True):
+            assert entry.sensitivity is not None
+            parts.append(entry.sensitivity[start : start + n])
+        return torch.cat(parts)

@@ -103,10 +103,9 @@ class DiskTier(TierProvider):
             )
             return False
         with self._lock:
-            if key in self._index:
+            if key in self._index:  # replaced (the entry learned its sensitivity): evicted last
                 self._index.move_to_end(key)
-                return True
-            self._evict_until(self.budget_bytes - len(blob))
+            self._evict_until(self.budget_bytes - len(blob) + self._index.get(key, 0))
         tmp = self.dir / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(tmp, "wb") as f:

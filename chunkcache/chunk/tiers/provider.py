@@ -1,8 +1,9 @@
 """The interface every lower tier implements, and the one byte format they all store.
 
 Contract of a `TierProvider` (a byte store of encoded entries, keyed by a hex string):
-- `store(key, blob)` keeps `blob` under `key`, or returns False and keeps nothing (over budget,
-  writes stopped, backend down). It never raises for an environmental failure; it logs and counts.
+- `store(key, blob)` keeps `blob` under `key` (replacing what was there), or returns False and
+  keeps nothing (over budget, writes stopped, backend down). It never raises for an
+  environmental failure; it logs and counts.
 - `load(key)` returns the bytes last stored under `key`, or None. It never raises for an
   environmental failure either; a caller that finds the bytes corrupt calls `evict(key)`.
 - `contains(key)` is a cheap membership test with the same failure rule.
@@ -15,7 +16,8 @@ Contract of a `TierProvider` (a byte store of encoded entries, keyed by a hex st
 providers guard their own state.
 
 Entry format (`encode`/`decode`): a safetensors file holding `k` and `v`, each
-[layers, tokens, kv_heads, head_dim] in the engine's dtype, with string metadata: the format tag,
+[layers, tokens, kv_heads, head_dim] in the engine's dtype, and, once the entry measured it, its
+`sensitivity` [tokens] in float32 (chunk/sensitivity.py), with string metadata: the format tag,
 the model identity, the pool key, the entry kind, the token ids it was computed from, and a
 blake2b checksum of the tensor bytes, verified on every decode.
 """
@@ -51,6 +53,7 @@ class StoredKV:
     token_ids: tuple[tuple[int, ...], ...]  # what the key was computed from, compared on load
     k: torch.Tensor  # [layers, tokens, kv_heads, head_dim], on the CPU
     v: torch.Tensor
+    sensitivity: torch.Tensor | None = None  # [tokens] float32, where the entry measured it
 
     @property
     def num_tokens(self) -> int:
@@ -58,7 +61,7 @@ class StoredKV:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes + (0 if self.sensitivity is None else self.sensitivity.nbytes)
 
 
 def tier_key(model: str, key: bytes, num_tokens: int) -> str:
@@ -88,6 +91,8 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
 
 def encode(kv: StoredKV) -> bytes:
     tensors = {"k": kv.k.contiguous(), "v": kv.v.contiguous()}
+    if kv.sensitivity is not None:
+        tensors["sensitivity"] = kv.sensitivity.contiguous()
     metadata = {
         "format": FORMAT,
         "model": kv.model,
@@ -107,7 +112,7 @@ def decode(blob: bytes) -> StoredKV:
         tensors = st_load(blob)
     except Exception as e:  # safetensors, json and struct each raise their own kind
         raise CorruptEntry(f"undecodable entry: {type(e).__name__}: {e}") from None
-    if metadata.get("format") != FORMAT or set(tensors) != {"k", "v"}:
+    if metadata.get("format") != FORMAT or set(tensors) - {"sensitivity"} != {"k", "v"}:
         raise CorruptEntry(f"not a {FORMAT} entry")
     if _checksum(tensors) != metadata.get("checksum"):
         raise CorruptEntry("checksum mismatch")
@@ -117,7 +122,13 @@ def decode(blob: bytes) -> StoredKV:
     except (KeyError, ValueError, TypeError) as e:
         raise CorruptEntry(f"bad metadata: {e}") from None
     return StoredKV(
-        metadata.get("model", ""), key, metadata.get("kind", ""), token_ids, tensors["k"], tensors["v"]
+        metadata.get("model", ""),
+        key,
+        metadata.get("kind", ""),
+        token_ids,
+        tensors["k"],
+        tensors["v"],
+        tensors.get("sensitivity"),
     )
 
 

@@ -88,7 +88,7 @@ class TierStack:
         self._lock = threading.Lock()
         self._events: list[ChunkStored | ChunkRemoved] = []
         self._pending_bytes = 0
-        self._queue: queue.Queue[tuple[StoredKV, list[TierProvider]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[StoredKV, list[TierProvider], bool] | None] = queue.Queue()
         self._closed = False
         for tier in tiers:
             tier.on_evict = self._make_on_evict(tier.medium)
@@ -136,11 +136,14 @@ class TierStack:
             return True
         layers, heads, dim, dtype = self.kv_layout
         shape = (layers, len(token_ids[-1]), heads, dim)
+        if kv.sensitivity is not None and tuple(kv.sensitivity.shape) != shape[1:2]:
+            return False
         return tuple(kv.k.shape) == shape == tuple(kv.v.shape) and kv.k.dtype == dtype == kv.v.dtype
 
-    def store(self, kv: StoredKV) -> None:
-        """Write a computed entry down to every tier, in the background."""
-        self._enqueue(kv, self.tiers)
+    def store(self, kv: StoredKV, replace: bool = False) -> None:
+        """Write a computed entry down to every tier, in the background; with `replace`, also
+        over the copies the tiers hold (the entry has learned something: its sensitivity)."""
+        self._enqueue(kv, self.tiers, replace)
 
     def holds(self, key: bytes) -> bool:
         with self._lock:
@@ -207,14 +210,14 @@ class TierStack:
 
     # ---- writer thread -----------------------------------------------------------------------
 
-    def _enqueue(self, kv: StoredKV, tiers: list[TierProvider]) -> None:
+    def _enqueue(self, kv: StoredKV, tiers: list[TierProvider], replace: bool = False) -> None:
         with self._lock:
             if self._closed or self._pending_bytes + kv.nbytes > self.max_pending_bytes:
                 self.dropped_writes += 1
                 return
             self._pending_bytes += kv.nbytes
             self._held.add(kv.key)
-        self._queue.put((kv, tiers))
+        self._queue.put((kv, tiers, replace))
 
     def _write_loop(self) -> None:
         while True:
@@ -231,13 +234,13 @@ class TierStack:
                         self._pending_bytes -= item[0].nbytes
                 self._queue.task_done()
 
-    def _write(self, kv: StoredKV, tiers: list[TierProvider]) -> None:
+    def _write(self, kv: StoredKV, tiers: list[TierProvider], replace: bool) -> None:
         name = tier_key(self.model, kv.key, kv.num_tokens)
         blob: bytes | None = None
         complete = True
         for tier in tiers:
             counters = self.counters[tier.medium]
-            if tier.contains(name):
+            if not replace and tier.contains(name):
                 continue
             blob = blob if blob is not None else encode(kv)
             if tier.store(name, blob):
