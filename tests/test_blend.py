@@ -601,3 +601,20 @@ def test_stored_selector_runs_only_the_chosen_tokens(checkpoint, monkeypatch) ->
     full = llm.generate(_prompt(docs), FIRST, chunk_options=_stored(0, 1.0))[0]
     _assert_logprobs_close(full, hf_first_token_logprobs(path, full.prompt_token_ids))
     llm.check_integrity()
+
+
+def test_a_document_near_the_longest_context_is_measured_after_less_of_the_passage(checkpoint) -> None:
+    """S, the passage and a document must fit the model's positions: a long document is measured
+    after the end of the passage that fits, and the blend ranks by that (no fallback)."""
+    path = checkpoint(arch="llama", num_hidden_layers=2, max_position_embeddings=256)
+    llm = _llm(path)
+    long_doc = " ".join(["Alice lives in Paris and drinks tea."] * 9)
+    prompt = SYSTEM + SEP + DOCS[1] + SEP + long_doc + SEP + QUESTIONS[0]
+    out = llm.generate(prompt, FIRST, chunk_options=_stored(0, 0.3))[0]
+    assert not out.blend_fallback and out.num_blend_reused_tokens > 0
+    entry = next(e for e in llm.engine.chunks.pool.entries() if e.kind == "chunk" and e.num_tokens > 150)
+    s = len(entry.token_ids[0])
+    assert s + entry.num_tokens + len(llm.engine.runner.neutral_ids) > 256  # the whole passage would not fit
+    assert entry.sensitivity is not None and entry.sensitivity.shape == (entry.num_tokens,)
+    assert bool(torch.isfinite(entry.sensitivity).all()) and float(entry.sensitivity.max()) > 0
+    llm.check_integrity()

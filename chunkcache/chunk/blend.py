@@ -205,17 +205,23 @@ def _scores(cfg: ChunkConfig, idx: torch.Tensor, ev: _Evidence) -> torch.Tensor:
     return deviation
 
 
+@dataclass(frozen=True)
+class _Tokens:
+    """What a request's tokens are, per token of the prompt [T]."""
+
+    is_chunk: torch.Tensor  # bool: a chunk token (a candidate)
+    boundary: torch.Tensor  # bool: a chunk token that always runs
+    chunk_id: torch.Tensor  # long: its chunk's index, -1 elsewhere
+    num_chunk_tokens: int
+
+
 def _keep(
-    cfg: ChunkConfig,
-    ratio: float,
-    num_chunk_tokens: int,
-    chunk_rows: torch.Tensor,
-    boundary_rows: torch.Tensor,
-    chunk_ids: torch.Tensor,
-    evidence: _Evidence,
+    cfg: ChunkConfig, ratio: float, tokens: _Tokens, active: torch.Tensor, evidence: _Evidence
 ) -> torch.Tensor:
-    """Rows (of the tokens still running) that keep running: Q, boundary and selected chunk tokens."""
-    keep = ~chunk_rows | boundary_rows
+    """Rows of the tokens still running (`active`, ascending) that keep running: Q, boundary and
+    selected chunk tokens; the evidence is per running row."""
+    chunk_rows, chunk_ids = tokens.is_chunk[active], tokens.chunk_id[active]
+    keep = ~chunk_rows | tokens.boundary[active]
     idx = chunk_rows.nonzero().squeeze(1)
     if idx.numel() == 0:
         return keep
@@ -223,7 +229,7 @@ def _keep(
     if cfg.blend_selector == "threshold":
         keep[idx[score > cfg.blend_threshold]] = True
         return keep
-    budget = min(idx.numel(), math.ceil(ratio * num_chunk_tokens - 1e-9))
+    budget = min(idx.numel(), math.ceil(ratio * tokens.num_chunk_tokens - 1e-9))
     if budget <= 0:
         return keep
     if cfg.blend_unit == "token":
@@ -263,6 +269,7 @@ def blend_prefill(
     if inp.fresh_from is not None:
         boundary[max(inp.fresh_from, inp.num_sys) : cached_len] = True
     num_chunk_tokens = cached_len - inp.num_sys
+    tokens = _Tokens(is_chunk, boundary, chunk_id, num_chunk_tokens)
     check = dict(zip(cfg.blend_check_layers, cfg.blend_recompute_ratios, strict=True))
     rotary = model.rotary
 
@@ -305,15 +312,7 @@ def blend_prefill(
         if ratio is not None and prior is not None:
             # Ranked by what the entries stored: chosen before this layer's projection, which the
             # others skip (at layer 0 they never run).
-            keep = _keep(
-                cfg,
-                ratio,
-                num_chunk_tokens,
-                is_chunk[active],
-                boundary[active],
-                chunk_id[active],
-                _Evidence(prior=prior[active]),
-            )
+            keep = _keep(cfg, ratio, tokens, active, _Evidence(prior=prior[active]))
             active, h, x = active[keep], h[keep], x[keep]
             rope = rotary.table(positions[active], h.dtype)
             plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)
@@ -334,15 +333,8 @@ def blend_prefill(
                 keys = k_all.clone()
                 keys[active] = k
                 attention = _query_attention(q, keys, total - cached_len, attn.scale)[active]
-            keep = _keep(
-                cfg,
-                ratio,
-                num_chunk_tokens,
-                is_chunk[active],
-                boundary[active],
-                chunk_id[active],
-                _Evidence(k, v_fresh, k_old[safe], v_old[safe], attention),
-            )
+            evidence = _Evidence(k, v_fresh, k_old[safe], v_old[safe], attention)
+            keep = _keep(cfg, ratio, tokens, active, evidence)
             active = active[keep]
             rope = rotary.table(positions[active], h.dtype)
             if k_only:
