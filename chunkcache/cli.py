@@ -47,9 +47,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3], help="blend recompute ratios"
     )
-    p.add_argument(
-        "--check-layer", type=int, default=0, help="the blend check layer (the engine's selector ranks there)"
-    )
+    p.add_argument("--check-layer", type=int, default=1, help="the blend check layer")
     p.add_argument("--boundary-tokens", type=int, default=4, help="k of the boundary-k (EPIC) mode")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy continuation length for exact match")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")

@@ -95,10 +95,13 @@ class ChunkConfig:
     # 0, so the others never run); or, measured at the check layer (>= 1), the fresh K's or V's
     # deviation from the cached one (`k_deviation`, `v_deviation`, CacheBlend), or the
     # attention the question pays (`query_attention`).
-    # Default by measurement (RESULTS.md, bench_fidelity): stored_deviation at 15% before layer 0.
-    blend_check_layers: tuple[int, ...] = (0,)
+    # Default by measurement (RESULTS.md, bench_fidelity): k_deviation at 15% at layer 1.
+    # stored_deviation@0.15 before layer 0 kept as many of full prefill's answers on the held-out
+    # half (97 vs 98 of 121) at 3.5x instead of 3.0x warm, but measuring a new document's score
+    # costs its first request about one more prefill of it.
+    blend_check_layers: tuple[int, ...] = (1,)
     blend_recompute_ratios: tuple[float, ...] = (0.15,)
-    blend_selector: str = "stored_deviation"
+    blend_selector: str = "k_deviation"
     # "token": recompute the selected tokens; "chunk": whole chunks, ranked by their summed
     # selector score, as many as fit in the same token budget (ratio x chunk tokens).
     blend_unit: str = "token"

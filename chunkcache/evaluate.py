@@ -30,7 +30,7 @@ class Mode:
     chunk_options: dict[str, Any] | None
 
 
-def default_modes(ratios: list[float], boundary_tokens: int, check_layer: int = 0) -> list[Mode]:
+def default_modes(ratios: list[float], boundary_tokens: int, check_layer: int = 1) -> list[Mode]:
     modes = [
         Mode("full", None),
         Mode("isolated", {"chunk_layout": "isolated"}),
