@@ -236,7 +236,10 @@ def test_min_tokens_gives_plain_prefill(checkpoint) -> None:
         ({"blend_recompute_ratios": [1.5]}, "[0, 1]"),
         ({"blend_check_layers": [0, 1], "blend_recompute_ratios": [0.1, 0.5]}, "must not increase"),
         ({"blend_check_layers": [0, 1]}, "one ratio per check layer"),
-        ({"blend_selector": "k_deviation"}, "at check layer 0 differ by rounding only"),
+        (
+            {"blend_selector": "k_deviation", "blend_check_layers": [0]},
+            "at check layer 0 differ by rounding only",
+        ),
         ({"blend_selector": "threshold", "blend_check_layers": [0]}, "give blend_check_layers from 1"),
         ({"blend_selector": "random"}, "blend_selector 'random'"),
         ({"chunk_layout": "diagonal"}, "chunk_layout 'diagonal'"),

@@ -196,8 +196,9 @@ def test_a_measured_sensitivity_is_written_down_and_loaded_with_the_kv(
                 assert torch.equal(entry.sensitivity, scores[entry.key])
         _same(cold, warm)
         second.check_integrity()
-    # A prewarm under the engine's default blend measures them too: "warm" means ready to rank by.
-    with _llm(path, chunk_layout="offset", enable_prefix_caching=False) as third:
+    # A prewarm under an engine that ranks by them measures them too: "warm" means ready to rank by.
+    engine_wide = {"blend_selector": "stored_deviation", "blend_check_layers": [0]}
+    with _llm(path, chunk_layout="offset", enable_prefix_caching=False, **engine_wide) as third:
         third.prewarm([{"prompt": _prompt([3, 4])}])
         assert len(calls) == 2
         third.generate(_prompt([3, 4]), GREEDY)

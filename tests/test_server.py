@@ -282,7 +282,12 @@ def test_chunked_prompt_is_cached_on_second_call(
 
 
 def test_per_request_chunk_options(reference: LLM, client: openai.OpenAI) -> None:
-    options = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [0.5]}
+    options = {
+        "chunk_layout": "offset",
+        "blend_check_layers": [0],
+        "blend_recompute_ratios": [0.5],
+        "blend_selector": "stored_deviation",
+    }
     want = reference.generate(
         CHUNKED, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), chunk_options=options
     )[0]
