@@ -77,19 +77,22 @@ def measure(
     meta = AttentionMetadata(slot_mapping=torch.arange(total, device=device), prefills=segments, decode=None)
     ids = [*sys_ids, *context_ids, *(t for _, c in chunks for t in c)]
     model(torch.tensor(ids, device=device), torch.cat(positions), scratch, meta)
-    scores = [torch.zeros(n, dtype=torch.float32, device=device) for n in sizes]
+    # Every chunk row moves back by the passage's length, to where its cached KV was computed:
+    # one rotation R(-p) for all rows and layers.
+    back = model.rotary.rerotation(
+        torch.full((total - head,), -len(context_ids), device=device), torch.float32
+    )
+    slots = torch.cat([s for s, _ in chunks])  # the cached KV of every chunk row, in pass order
+    lengths = torch.tensor(sizes, device=device)
+    score = torch.zeros(total - head, dtype=torch.float32, device=device)
     for (k_fresh, v_fresh), (k_cache, v_cache) in zip(scratch, kv_caches, strict=True):
         kf, vf = k_fresh.float(), v_fresh.float()
         norms = kf.pow(2).sum(dim=(1, 2)) + vf.pow(2).sum(dim=(1, 2))
-        head_norm = norms[:head].sum()
-        at = head
-        for score, (slots, _), n in zip(scores, chunks, sizes, strict=True):
-            # Each layer weighs by the mean norm over the rows of S, P and this chunk.
-            scale = ((head_norm + norms[at : at + n].sum()) / (head + n)).clamp_min(1e-12)
-            back = model.rotary.rerotation(torch.full((n,), -len(context_ids), device=device), torch.float32)
-            k_moved = model.rotary.rerotate_(kf[at : at + n].clone(), *back)
-            k_dev = (k_moved - k_cache.index_select(0, slots).float()).pow(2).sum(dim=(1, 2))
-            v_dev = (vf[at : at + n] - v_cache.index_select(0, slots).float()).pow(2).sum(dim=(1, 2))
-            score += (k_dev + v_dev) / scale
-            at += n
-    return [score.cpu() for score in scores]
+        # Each layer weighs a chunk by the mean norm over the rows of S, P and that chunk.
+        chunk_norms = torch.stack([part.sum() for part in norms[head:].split(sizes)])
+        scale = ((norms[:head].sum() + chunk_norms) / (head + lengths)).clamp_min(1e-12)
+        k_moved = model.rotary.rerotate_(kf[head:].clone(), *back)
+        k_dev = (k_moved - k_cache.index_select(0, slots).float()).pow(2).sum(dim=(1, 2))
+        v_dev = (vf[head:] - v_cache.index_select(0, slots).float()).pow(2).sum(dim=(1, 2))
+        score += (k_dev + v_dev) / scale.repeat_interleave(lengths)
+    return list(score.cpu().split(sizes))
