@@ -31,7 +31,7 @@ holds the wall-clock ratios.
 The greedy tokens of the decode run are compared between the two sides (a check that both did the
 same work; fp32 rounding may flip a near-tie late in a random model's continuation).
 
-    python benchmarks/bench_engine.py [--quick] [--model DIR|FILE.gguf|default] [--model-dir DIR] [--repeats 3] [--batch-repeats 2] [--threads N]
+    python benchmarks/bench_engine.py [--quick] [--model DIR|FILE.gguf|default] [--model-dir DIR] [--repeats 3] [--batch-repeats 2] [--threads N] [--compile-decode]
 
 The last line is `SUMMARY bench_engine: prefill=X.XXx decode=X.XXx batch16=X.XXx` followed by the
 same three as CPU-time ratios (`cpu_prefill=... cpu_decode=... cpu_batch16=...`).
@@ -135,6 +135,11 @@ def main() -> None:
         default=2,
         help="runs of the batch measurement (2 = ours, theirs, theirs, ours: cancels a linear drift)",
     )
+    parser.add_argument(
+        "--compile-decode",
+        action="store_true",
+        help="engine option compile_decode: batch-1 decode steps through torch.compile",
+    )
     args = parser.parse_args()
     setup_torch(args.threads)
     shapes = QUICK if args.quick else Shapes()
@@ -152,6 +157,7 @@ def main() -> None:
         enable_chunk_cache=False,
         max_num_batched_tokens=max(2048, shapes.prefill_len),
         max_num_seqs=max(64, shapes.batch),
+        compile_decode=args.compile_decode,
     )
     hf = hf_causal_lm(model, dtype=torch.float32, attn_implementation="sdpa").eval()
     vocab = ordinary_token_ids(llm.tokenizer, llm.engine.spec.vocab_size)

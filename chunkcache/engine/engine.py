@@ -115,7 +115,9 @@ class LLMEngine:
         # the separator (chunk/sensitivity.py).
         neutral = config.chunk.separator + neutral_passage()
         neutral_ids = tuple(self.tokenizer.encode(neutral, add_special_tokens=False))
-        self.runner = ModelRunner(loaded, (num_blocks + pool_pages) * bs, bs, neutral_ids)
+        self.runner = ModelRunner(
+            loaded, (num_blocks + pool_pages) * bs, bs, neutral_ids, compile_decode=config.compile_decode
+        )
         self.chunks: ChunkManager | None = None
         if config.chunk.enable:
             pool = ChunkPool(num_blocks, pool_pages, bs, token_bytes * bs, config.chunk.lru_threshold, medium)

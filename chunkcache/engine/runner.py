@@ -59,7 +59,12 @@ def scatter_kv(
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, num_slots: int, block_size: int, neutral_ids: tuple[int, ...] = ()
+        self,
+        loaded: LoadedModel,
+        num_slots: int,
+        block_size: int,
+        neutral_ids: tuple[int, ...] = (),
+        compile_decode: bool = False,
     ) -> None:
         self.model = loaded.model
         # The passage P after which a chunk entry measures its sensitivity (chunk/sensitivity.py),
@@ -83,6 +88,26 @@ class ModelRunner:
             )
             for _ in range(self.spec.num_layers)
         ]
+        if compile_decode:
+            self.model.compile_decode()
+            self._compile_now(min(block_size, num_slots - 1))
+
+    @torch.inference_mode()
+    def _compile_now(self, past: int) -> None:
+        """One decode step of token 0 after `past` entries, so that the compiled graph is built
+        at start-up rather than in some request's step. It writes slot `past` only; before any
+        request no slot holds anything."""
+        dev = self.device
+        slots = torch.arange(past + 1, device=dev)[None, :]
+        decode = DecodeBatch(
+            torch.zeros(1, dtype=torch.long, device=dev),
+            slots,
+            torch.ones(1, 1, 1, past + 1, dtype=torch.bool, device=dev),
+        )
+        # Fresh tensors, as `prepare` makes them: the graph guards on their storage offsets.
+        meta = AttentionMetadata(torch.tensor([past], device=dev), [], decode)
+        ids = torch.zeros(1, dtype=torch.long, device=dev)
+        self.model(ids, torch.tensor([past], device=dev), self.kv_caches, meta)
 
     def prepare(
         self, batch: ScheduledBatch

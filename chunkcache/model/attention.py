@@ -9,7 +9,7 @@ chunk computed after its system part, and a question attending to assembled chun
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,17 @@ class AttentionMetadata:
     decode: DecodeBatch | None
 
 
+def compiled_shape(input_ids: torch.Tensor, meta: AttentionMetadata) -> AttentionMetadata | None:
+    """The metadata a compiled decode step runs with, or None where the step is not of the one
+    shape compiled (`LlamaForCausalLM.compile_decode`): one sequence decoding one token, no
+    prefill beside it, no calibrated chunks. Its KV is always gathered (no `span`), so that one
+    graph serves consecutive and scattered blocks alike."""
+    d = meta.decode
+    if input_ids.shape[0] != 1 or meta.prefills or d is None or d.calibrated:
+        return None
+    return meta if d.span is None else replace(meta, decode=replace(d, span=None))
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -128,7 +139,8 @@ def attend(
             flat = d.slots.flatten()
             kd = k_cache.index_select(0, flat).view(*d.slots.shape, *k_cache.shape[1:]).permute(0, 2, 1, 3)
             vd = v_cache.index_select(0, flat).view(*d.slots.shape, *v_cache.shape[1:]).permute(0, 2, 1, 3)
-            mask = d.mask
+            # One sequence has no padding: every entry is real, and the mask adds nothing.
+            mask = d.mask if b > 1 else None
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         out[d.token_index] = o.reshape(b, q.shape[1], -1)
         for row, i, length, cal in d.calibrated:
