@@ -71,7 +71,7 @@ class AttentionMetadata:
     decode: DecodeBatch | None
 
 
-def compiled_shape(input_ids: torch.Tensor, meta: AttentionMetadata) -> AttentionMetadata | None:
+def compiled_decode_meta(input_ids: torch.Tensor, meta: AttentionMetadata) -> AttentionMetadata | None:
     """The metadata a compiled decode step runs with, or None where the step is not of the one
     shape compiled (`LlamaForCausalLM.compile_decode`): one sequence decoding one token, no
     prefill beside it, no calibrated chunks. Its KV is always gathered (no `span`), so that one

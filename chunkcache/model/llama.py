@@ -15,10 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chunkcache.model.attention import AttentionMetadata, attend, compiled_shape
+from chunkcache.model.attention import AttentionMetadata, attend, compiled_decode_meta
 from chunkcache.model.linear import Linear, packing_pays
 from chunkcache.model.rope import RopeTable, RotaryEmbedding
 from chunkcache.model.spec import ModelSpec
+
+# Per layer, the K and V cache tensors [slots, kv_heads, head_dim].
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class RMSNorm(nn.Module):
@@ -129,22 +132,18 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: KVCaches,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of this step's tokens; the KV of each layer lands in kv_caches."""
-        compiled = None if self._compiled_decode is None else compiled_shape(input_ids, meta)
+        compiled = None if self._compiled_decode is None else compiled_decode_meta(input_ids, meta)
         if compiled is not None and self._compiled_decode is not None:
             self.compiled_steps += 1
             return self._compiled_decode(input_ids, positions, kv_caches, compiled)
         return self._forward(input_ids, positions, kv_caches, meta)
 
     def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)
