@@ -57,48 +57,55 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return _ops._reorder_linear_weight(weight.contiguous(), None)
 
 
-# Per weight shape and row counts, once per process: every model of a shape then takes the same
-# path (and gives the same numbers), however noisy the machine was at a later load.
-_PACKING_PAYS: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}
+# Per projection kind (shape, gated, bias) and row counts, once per process: every model of a
+# shape then takes the same path (and gives the same numbers), however noisy a later load was.
+_PACKING_PAYS: dict[tuple[tuple[int, ...], bool, bool, tuple[int, ...]], bool] = {}
 
 
-def packing_pays(weight: torch.Tensor, rows: tuple[int, ...]) -> bool:
-    """Whether the oneDNN path beats `F.linear` for this weight's shape on this machine, summed
-    over steps of `rows` rows. It depends on the shape and the rows: packing won 1.3-2.4x at
-    4-16 rows on Qwen2.5-0.5B's (896 wide) and lost ~20% of a batch-1 decode on SmolLM2-135M's
-    (576 wide) when it also served 1-row steps; SmolLM2's 2048-token prefill was 0.89x
-    transformers' packed against 1.01x plain. So it is measured per shape and row band at the
-    first load, not assumed."""
-    if not onednn_usable(weight):
+def packing_pays(linear: Linear, rows: tuple[int, ...]) -> bool:
+    """Whether the oneDNN layout runs this projection's forward faster than the plain layout
+    on this machine, summed over steps of `rows` rows. It depends on the shape and the rows:
+    packing won 1.3-2.4x at 4-16 rows on Qwen2.5-0.5B's (896 wide) and lost ~20% of a batch-1
+    decode on SmolLM2-135M's (576 wide) when it also served 1-row steps; SmolLM2's gate/up
+    product with its SwiGLU ran 12% slower packed than plain at 2,000 rows. So it is measured
+    per projection kind and row band at the first load, not assumed."""
+    if linear.weight is None or not onednn_usable(linear.weight):
         return False
-    key = (tuple(weight.shape), rows)
+    key = (tuple(linear.weight.shape), linear.gated, linear.bias is not None, rows)
     if key not in _PACKING_PAYS:
-        _PACKING_PAYS[key] = _measure_packing(weight, rows)
+        _PACKING_PAYS[key] = _measure_packing(linear, rows)
     return _PACKING_PAYS[key]
 
 
 @torch.inference_mode()
-def _measure_packing(weight: torch.Tensor, rows: tuple[int, ...], repeats: int = 9) -> bool:
-    """The sum over `rows` of each path's fastest of `repeats` interleaved runs, in this thread's
-    CPU time: a run preempted by another process on a shared machine then costs no more."""
+def _measure_packing(linear: Linear, rows: tuple[int, ...], repeats: int = 9) -> bool:
+    """Both layouts' whole forward (a gated product's SwiGLU included, a 1-3 row step padded as
+    it would be), on copies of the weight: the sum over `rows` of each layout's fastest of
+    `repeats` interleaved runs, in this thread's CPU time, so that a run preempted by another
+    process on a shared machine costs no more."""
     import time
 
-    w = weight.detach().contiguous()
-    packed = _pack(w)
-    best = {"dense": 0.0, "packed": 0.0}
+    assert linear.weight is not None
+    candidates: dict[bool, Linear] = {}
+    for pack in (False, True):
+        m = Linear(linear.in_features, linear.out_features, linear.bias is not None, linear.gated)
+        m.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
+        if linear.bias is not None:
+            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        m.prepare(pack, narrow_copy=False)
+        candidates[pack] = m
+    best = dict.fromkeys(candidates, 0.0)
     for n in rows:
-        x = torch.randn(max(n, _MIN_ROWS), w.shape[1])
-        runs: dict[str, list[float]] = {"dense": [], "packed": []}
+        x = torch.randn(n, linear.in_features)
+        runs: dict[bool, list[float]] = {pack: [] for pack in candidates}
         for _ in range(repeats):
-            start = time.thread_time()
-            F.linear(x[:n], w)
-            runs["dense"].append(time.thread_time() - start)
-            start = time.thread_time()
-            _ops._linear_pointwise(x, packed, None, "none", [], "")
-            runs["packed"].append(time.thread_time() - start)
-        for name, times in runs.items():
-            best[name] += min(times)
-    return best["packed"] < best["dense"]
+            for pack, m in candidates.items():
+                start = time.thread_time()
+                m(x)
+                runs[pack].append(time.thread_time() - start)
+        for pack, times in runs.items():
+            best[pack] += min(times)
+    return best[True] < best[False]
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:

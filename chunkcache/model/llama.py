@@ -156,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         after the weights are loaded.
 
         Per projection shape, oneDNN's layout serves batched decode steps where packing
-        measured faster than `F.linear` at 4-64 rows on this machine (`linear.packing_pays`;
+        measured faster than the plain layout at 4-64 rows on this machine (`linear.packing_pays`;
         1-64 rows without narrow copies), and prefills too where it also measured faster at 256
         rows; the plain layout serves the rest. `narrow_weights`: packed projections keep a plain
         copy for steps of 1-3 rows and prefills (up to twice the weights' memory; the batch-1
@@ -168,11 +168,9 @@ class LlamaForCausalLM(nn.Module):
         """
         for m in self.modules():
             if isinstance(m, Linear) and m.weight is not None:
-                pack = packing_pays(m.weight, (4, 64) if narrow_weights else (1, 64))
+                pack = packing_pays(m, (4, 64) if narrow_weights else (1, 64))
                 # The lm_head's prefill rows are few (the last token of each prompt): no band.
-                pack_prefill = (
-                    m is self.lm_head or not (pack and narrow_weights) or packing_pays(m.weight, (256,))
-                )
+                pack_prefill = m is self.lm_head or not (pack and narrow_weights) or packing_pays(m, (256,))
                 m.prepare(pack, narrow_weights, pack_prefill)
 
     def compile_decode(self) -> None:
