@@ -7,6 +7,7 @@ pool's pages, so that a sequence can read pool entries in place (no copy on a ch
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -90,7 +91,10 @@ class ModelRunner:
         ]
         if compile_decode:
             self.model.compile_decode()
+            logger.info("compile_decode: compiling the one-sequence decode step (tens of seconds on a CPU)")
+            start = time.monotonic()
             self._compile_now(min(block_size, num_slots - 1))
+            logger.info("compile_decode: compiled in %.1f s", time.monotonic() - start)
 
     @torch.inference_mode()
     def _compile_now(self, past: int) -> None:
