@@ -63,6 +63,6 @@ def test_batched_and_chunked_steps_stay_eager(checkpoint) -> None:
 def test_packed_one_row_layout_is_refused(checkpoint, monkeypatch) -> None:
     """Without narrow copies a packed projection serves 1-row steps, which inductor cannot
     lower: the option is refused at start-up with a message naming the fix."""
-    monkeypatch.setattr(llama, "packing_pays", lambda weight, rows: True)
+    monkeypatch.setattr(llama, "packing_pays", lambda linear, rows: True)
     with pytest.raises(ValueError, match="compile_decode needs narrow_weights"):
         _llm(checkpoint(arch="llama"), compile_decode=True, narrow_weights=False)

@@ -349,7 +349,7 @@ def test_cpu_fp32_model_layouts_match_dense(
     path = checkpoint(arch="qwen2", tie_word_embeddings=tied)
     # Whether packing pays is measured at load; here it is forced, to check the packed path.
     # Packing is forced for decode steps, and for prefills only without narrow copies.
-    monkeypatch.setattr(llama_module, "packing_pays", lambda weight, rows: rows != (256,))
+    monkeypatch.setattr(llama_module, "packing_pays", lambda linear, rows: rows != (256,))
     packed = load_model(str(path), "cpu", "float32", narrow_weights=narrow_weights)
     linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.is_packed and m.wide == "packed" for m in linears)

@@ -80,7 +80,7 @@ def packing_pays(linear: Linear, rows: tuple[int, ...]) -> bool:
 @torch.inference_mode()
 def _measure_packing(linear: Linear, rows: tuple[int, ...], repeats: int = 9) -> bool:
     """Both layouts' whole forward (a gated product's SwiGLU included, a 1-3 row step padded as
-    it would be), on copies of the weight: the sum over `rows` of each layout's fastest of
+    it would be), built from the weight itself (`prepare` only reads it): the sum over `rows` of each layout's fastest of
     `repeats` interleaved runs, in this thread's CPU time, so that a run preempted by another
     process on a shared machine costs no more."""
     import time
@@ -89,9 +89,9 @@ def _measure_packing(linear: Linear, rows: tuple[int, ...], repeats: int = 9) ->
     candidates: dict[bool, Linear] = {}
     for pack in (False, True):
         m = Linear(linear.in_features, linear.out_features, linear.bias is not None, linear.gated)
-        m.weight = nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
+        m.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
         if linear.bias is not None:
-            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+            m.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
         m.prepare(pack, narrow_copy=False)
         candidates[pack] = m
     best = dict.fromkeys(candidates, 0.0)

@@ -136,10 +136,11 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of this step's tokens; the KV of each layer lands in kv_caches."""
-        compiled = None if self._compiled_decode is None else compiled_decode_meta(input_ids, meta)
-        if compiled is not None and self._compiled_decode is not None:
-            self.compiled_steps += 1
-            return self._compiled_decode(input_ids, positions, kv_caches, compiled)
+        if self._compiled_decode is not None:
+            compiled = compiled_decode_meta(input_ids, meta)
+            if compiled is not None:
+                self.compiled_steps += 1
+                return self._compiled_decode(input_ids, positions, kv_caches, compiled)
         return self._forward(input_ids, positions, kv_caches, meta)
 
     def _forward(
