@@ -31,6 +31,7 @@ class CacheConfig:
 
     block_size: int = 16
     # KV budget: a number of tokens wins over a memory size; neither = a default of 0.5 GiB.
+    # Committed when the engine starts (ModelRunner: its pages mapped before the first request).
     kv_cache_tokens: int | None = None
     kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True

@@ -40,6 +40,7 @@ from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import BlockKeys, blend_key
 from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher, PublisherCurve
+from chunkcache.malloc import keep_freed_memory
 from chunkcache.model.loader import load_model
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
@@ -85,6 +86,9 @@ class LLMEngine:
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.device = loaded.device
+        if self.device.type == "cpu":
+            # Activations freed by a step stay mapped for the next one (chunkcache/malloc.py).
+            keep_freed_memory()
         self.model_name = config.served_model_name or loaded.name
         self.max_model_len = self._max_model_len(config)
         config.chunk.validate(self.spec.num_layers)
@@ -116,7 +120,12 @@ class LLMEngine:
         neutral = config.chunk.separator + neutral_passage()
         neutral_ids = tuple(self.tokenizer.encode(neutral, add_special_tokens=False))
         self.runner = ModelRunner(
-            loaded, (num_blocks + pool_pages) * bs, bs, neutral_ids, compile_decode=config.compile_decode
+            loaded,
+            (num_blocks + pool_pages) * bs,
+            bs,
+            neutral_ids,
+            compile_decode=config.compile_decode,
+            committed_slots=num_blocks * bs,
         )
         self.chunks: ChunkManager | None = None
         if config.chunk.enable:

