@@ -54,7 +54,7 @@ from statistics import fmean
 
 import httpx
 from bench_serve import ServerProcess, percentile
-from common import summary
+from common import passages, summary
 from tqdm import tqdm
 
 SEPARATOR = " # # "
@@ -181,20 +181,6 @@ def complete(server: ServerProcess, client: httpx.Client, prompt: str, max_token
 
 
 # ---- workloads -----------------------------------------------------------------------------------
-
-
-def passages(tokenizer: object, min_tokens: int) -> list[tuple[str, str]]:
-    """(title, text) of the reference documentation's topics, the longest first, each cut to about
-    `min_tokens` tokens at a word boundary; shorter topics are left out."""
-    from pydoc_data.topics import topics
-
-    out = []
-    for title, text in sorted(topics.items(), key=lambda kv: -len(kv[1])):
-        ids = tokenizer.encode(" ".join(text.split()), add_special_tokens=False)  # type: ignore[attr-defined]
-        if len(ids) >= min_tokens:
-            cut = tokenizer.decode(ids[:min_tokens]).rsplit(" ", 1)[0]  # type: ignore[attr-defined]
-            out.append((title, cut))
-    return out
 
 
 def question(rng: random.Random, titles: list[str]) -> str:

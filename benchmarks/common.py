@@ -272,5 +272,19 @@ class TextMaker:
         raise RuntimeError(f"could not make a text of exactly {num_tokens} tokens")
 
 
+def passages(tokenizer: object, min_tokens: int) -> list[tuple[str, str]]:
+    """(title, text) of the reference documentation's topics, the longest first, each cut to about
+    `min_tokens` tokens at a word boundary; shorter topics are left out."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for title, text in sorted(topics.items(), key=lambda kv: -len(kv[1])):
+        ids = tokenizer.encode(" ".join(text.split()), add_special_tokens=False)  # type: ignore[attr-defined]
+        if len(ids) >= min_tokens:
+            cut = tokenizer.decode(ids[:min_tokens]).rsplit(" ", 1)[0]  # type: ignore[attr-defined]
+            out.append((title, cut))
+    return out
+
+
 def summary(name: str, **ratios: str) -> str:
     return f"SUMMARY {name}: " + " ".join(f"{k}={v}" for k, v in ratios.items())

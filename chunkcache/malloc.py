@@ -6,8 +6,8 @@ to the kernel: above its (adaptive) mmap threshold a block is its own mapping, u
 and a heap whose free top grows past twice that threshold is trimmed. The next layer's
 allocation then faults every page in again, zero-filled by the kernel: 24k-187k page faults per
 2,000-token prefill here, 0.1-0.5 s of system time, ~5% of its CPU time (benchmarks/RESULTS.md,
-bench_llamacpp "Allocator"). Serving wants the opposite trade: keep the step's peak mapped, as a
-GPU server keeps its memory.
+bench_host_memory, and bench_llamacpp "Host memory and RoPE"). Serving wants the opposite trade:
+keep the step's peak mapped, as a GPU server keeps its memory.
 
 `keep_freed_memory()` sets glibc's malloc (`mallopt`) for the whole process, once:
 - blocks up to 32 MB (glibc's largest mmap threshold on 64-bit) come from the heap, and up to

@@ -9,6 +9,7 @@ from oracle import hf_greedy, hf_model
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.model import llama
+from chunkcache.model.linear import Linear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
 PROMPTS = [
@@ -21,11 +22,21 @@ def _llm(path, **options) -> LLM:
     return LLM(str(path), device="cpu", kv_cache_tokens=4096, chunk_cache_size_gb=0.01, **options)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_compiled_decode_matches_transformers(checkpoint, arch: str) -> None:
+# The 1-row products of the compiled step: inductor's multiply-sum loops or BLAS calls. Which one
+# runs is timed at start-up (`time_one_row_products`); here each is forced once.
+@pytest.mark.parametrize(("arch", "products"), [("llama", "fused"), ("qwen3", "blas")])
+def test_compiled_decode_matches_transformers(checkpoint, monkeypatch, arch: str, products: str) -> None:
+    timings = (0.0, 1.0) if products == "fused" else (1.0, 0.0)  # (fused, BLAS) seconds
+    monkeypatch.setattr(llama, "time_one_row_products", lambda linears: timings)
     path = checkpoint(arch=arch, tie_word_embeddings=True)
     llm = _llm(path, compile_decode=True)
     model = llm.engine.runner.model
+    assert model.fused_products == (products == "fused")
+    layer_linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+    # The [out, in] copies are held only where the compiled step reads them.
+    assert all((m.fused is not None) == model.fused_products for m in [*layer_linears, model.lm_head])
+    if model.fused_products:  # the tied lm_head's fused weight is the embedding itself, no copy
+        assert model.lm_head.fused[0].data_ptr() == model.embed_tokens.weight.data_ptr()
     started = model.compiled_steps  # the start-up step that builds the graph
     assert started == 1
     hf = hf_model(path)
@@ -66,3 +77,47 @@ def test_packed_one_row_layout_is_refused(checkpoint, monkeypatch) -> None:
     monkeypatch.setattr(llama, "packing_pays", lambda linear, rows: True)
     with pytest.raises(ValueError, match="compile_decode needs narrow_weights"):
         _llm(checkpoint(arch="llama"), compile_decode=True, narrow_weights=False)
+
+
+@pytest.mark.parametrize(
+    ("n_in", "n_out", "bias", "gated", "with_residual", "narrow"),
+    [(96, 160, True, True, False, "transposed"), (160, 96, True, False, True, "dense")],
+)
+def test_fused_one_row_products_match_f_linear(
+    n_in: int, n_out: int, bias: bool, gated: bool, with_residual: bool, narrow: str
+) -> None:
+    """Under torch.compile a Linear holding its fused weight computes 1-3 rows as a multiply-sum;
+    eager, the same Linear still takes BLAS. Both against F.linear."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(n_in)
+    lin = Linear(n_in, n_out, bias=bias, gated=gated)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n_out, n_in, generator=gen) * 0.1)
+        if lin.bias is not None:
+            lin.bias.copy_(torch.randn(n_out, generator=gen))
+    weight, b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
+    assert lin.prepare(pack=False, narrow_copy=True)[0] == narrow
+    assert lin.hold_fused_weight()
+    compiled = torch.compile(lin, dynamic=True)
+    out_size = n_out // 2 if gated else n_out
+    for rows in (1, 3):
+        x = torch.randn(rows, n_in, generator=gen)
+        residual = torch.randn(rows, out_size, generator=gen) if with_residual else None
+        ref = F.linear(x, weight, b)
+        if gated:
+            ref = F.silu(ref[:, :out_size]) * ref[:, out_size:]
+        if residual is not None:
+            ref = ref + residual
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled(x, residual), ref, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lin(x, residual), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_narrow_layout_holds_no_fused_weight() -> None:
+    lin = Linear(96, 160, bias=False)
+    with torch.no_grad():
+        lin.weight.normal_()
+    if lin.prepare(pack=True, narrow_copy=False)[0] != "packed":
+        pytest.skip("torch built without oneDNN")
+    assert not lin.hold_fused_weight() and lin.fused is None

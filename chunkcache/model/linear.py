@@ -16,11 +16,18 @@ dense tensor when none needs it. Packed weights may keep a second, plain layout 
 in here, an option of the engine (`narrow_weights`). Everywhere else (CUDA, half precision) `Linear`
 is `F.linear` on the dense weight.
 
+Inside a compiled graph (the engine's `compile_decode`) a fourth form may serve 1-3 rows: the
+dense weight as a multiply-sum (`multiply_sum`), which inductor turns into one loop streaming the
+weight; BLAS keeps the eager steps. `hold_fused_weight()` opts a Linear in (a second, [out, in]
+copy where the narrow layout is transposed), after `time_one_row_products` measured it faster.
+
 Until it is prepared a `Linear` has `nn.Linear`'s parameter names and shapes, so the loader fills
 it like one, and a merged projection (q/k/v, gate/up) stays one tensor in the checkpoint mapping.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -80,9 +87,9 @@ def packing_pays(linear: Linear, rows: tuple[int, ...]) -> bool:
 @torch.inference_mode()
 def _measure_packing(linear: Linear, rows: tuple[int, ...], repeats: int = 9) -> bool:
     """Both layouts' whole forward (a gated product's SwiGLU included, a 1-3 row step padded as
-    it would be), built from the weight itself (`prepare` only reads it): the sum over `rows` of each layout's fastest of
-    `repeats` interleaved runs, in this thread's CPU time, so that a run preempted by another
-    process on a shared machine costs no more."""
+    it would be), built from the weight itself (`prepare` only reads it): the sum over `rows` of
+    each layout's fastest of `repeats` interleaved runs, in this thread's CPU time, so that a run
+    preempted by another process on a shared machine costs no more."""
     import time
 
     assert linear.weight is not None
@@ -112,6 +119,41 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     padded = x.new_zeros(_MIN_ROWS, x.shape[1])
     padded[: x.shape[0]] = x
     return padded
+
+
+def multiply_sum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x W^T + b` for a few rows of x, written so that inductor makes it one loop that streams
+    the [out, in] weight row by row, each row's dot product in vector registers. Eager, it would
+    materialise [rows, out, in]: only compiled graphs call it (`Linear.hold_fused_weight`)."""
+    y = (x[:, None, :] * weight[None]).sum(-1)
+    return y if bias is None else y + bias
+
+
+@torch.inference_mode()
+def time_one_row_products(linears: list[Linear], repeats: int = 5) -> tuple[float, float]:
+    """CPU seconds of one pass of 1-row products over `linears`, each weight read once in turn
+    as a decode step reads them (hundreds of MB, so from memory, not from cache): (compiled
+    `multiply_sum` on the held fused weights, each one's BLAS product in its narrow layout), the
+    fastest of `repeats` interleaved passes in this thread's CPU time."""
+    import time
+
+    fused = torch.compile(multiply_sum, dynamic=True)
+    xs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
+    passes: dict[str, Callable[[Linear, torch.Tensor], torch.Tensor]] = {
+        "fused": lambda m, x: fused(x, *m.fused),
+        "blas": lambda m, x: m.plain_product(x, m.narrow),
+    }
+    for run in passes.values():  # compile, and page in every weight once
+        for m in linears:
+            run(m, xs[m.in_features])
+    best = dict.fromkeys(passes, float("inf"))
+    for _ in range(repeats):
+        for name, run in passes.items():
+            start = time.thread_time()
+            for m in linears:
+                run(m, xs[m.in_features])
+            best[name] = min(best[name], time.thread_time() - start)
+    return best["fused"], best["blas"]
 
 
 def plain_cpu_fp32(weight: torch.Tensor) -> bool:
@@ -147,6 +189,9 @@ class Linear(nn.Module):
         self.weight_t: torch.Tensor | None = None
         self.plain_bias: torch.Tensor | None = None
         self.narrow = self.wide = self.prefill = "dense"
+        # `hold_fused_weight()`: the [out, in] weight (and bias) of 1-3 row products written as a
+        # multiply-sum under torch.compile; a view of `weight` where that is held, else a copy.
+        self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def is_packed(self) -> bool:
@@ -208,22 +253,46 @@ class Linear(nn.Module):
         when packed, so the sum costs no extra pass over the output)."""
         rows = x.shape[0]
         layout = self.narrow if rows < _MIN_ROWS else self.wide if rows < PREFILL_ROWS else self.prefill
-        if layout == "packed":
+        if self.fused is not None and rows < _MIN_ROWS and torch.compiler.is_compiling():
+            y = multiply_sum(x, *self.fused)
+        elif layout == "packed":
             if rows >= _MIN_ROWS:
                 return self._packed_forward(x, residual)
             res = None if residual is None else _pad_rows(residual)
             return self._packed_forward(_pad_rows(x), res)[:rows]
-        if layout == "transposed":
-            assert self.weight_t is not None
-            bias = self.plain_bias
-            y = torch.mm(x, self.weight_t) if bias is None else torch.addmm(bias, x, self.weight_t)
         else:
-            assert self.weight is not None
-            y = F.linear(x, self.weight, self.bias)
+            y = self.plain_product(x, layout)
         if self.gated:
             gate, up = y.split(self.out_features // 2, dim=-1)
             y = F.silu(gate) * up
         return y if residual is None else y + residual
+
+    def plain_product(self, x: torch.Tensor, layout: str) -> torch.Tensor:
+        """`x W^T + b` through BLAS in a plain layout ("transposed" or "dense")."""
+        if layout == "transposed":
+            assert self.weight_t is not None
+            bias = self.plain_bias
+            return torch.mm(x, self.weight_t) if bias is None else torch.addmm(bias, x, self.weight_t)
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
+
+    def hold_fused_weight(self, shared: torch.Tensor | None = None) -> bool:
+        """Hold the [out, in] weight for 1-3 row products under torch.compile (`multiply_sum`);
+        returns whether it is held. CPU float32 only, where `prepare` chose the layouts. A copy,
+        unless the dense layout is held already (a transposed narrow layout drops it) or `shared`
+        is given: a contiguous tensor equal to the weight that is kept anyway (a tied embedding's)."""
+        if self.narrow == "packed" or not self.is_prepared_cpu():
+            return False
+        weight, bias = self.dense_weight()
+        if shared is not None:
+            assert shared.shape == weight.shape and shared.is_contiguous()
+            weight = shared
+        self.fused = (weight.contiguous(), bias)
+        return True
+
+    def is_prepared_cpu(self) -> bool:
+        held = self.weight if self.weight is not None else self.weight_t
+        return held is not None and plain_cpu_fp32(held)
 
     def _packed_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         weights, biases = self.packed, self.packed_bias

@@ -9,6 +9,7 @@ packed one with the residual adds and SwiGLU fused into it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -16,9 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from chunkcache.model.attention import AttentionMetadata, attend, compiled_decode_meta
-from chunkcache.model.linear import Linear, packing_pays
+from chunkcache.model.linear import Linear, packing_pays, time_one_row_products
 from chunkcache.model.rope import RopeTable, RotaryEmbedding
 from chunkcache.model.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 # Per layer, the K and V cache tensors [slots, kv_heads, head_dim].
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -126,7 +129,10 @@ class LlamaForCausalLM(nn.Module):
         # `compile_decode()`: the compiled forward of one-sequence decode steps, and how many
         # steps it served (tests check that it did).
         self._compiled_decode: Callable[..., torch.Tensor] | None = None
+        self._compiled_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.compiled_steps = 0
+        # Whether the compiled step's 1-row products are inductor's fused loops (compile_decode).
+        self.fused_products = False
 
     def forward(
         self,
@@ -187,14 +193,52 @@ class LlamaForCausalLM(nn.Module):
         CPU, less with inductor's on-disk cache), not at the first request.
 
         Needs the plain 1-row layouts: inductor cannot lower oneDNN's packed product, which
-        serves 1-row steps when `narrow_weights` is off."""
+        serves 1-row steps when `narrow_weights` is off.
+
+        On CPU float32 the step's 1-row products may leave BLAS too: written as a multiply-sum
+        over the [out, in] weight (`linear.multiply_sum`), inductor streams each weight in one
+        loop, 17-19 GB/s from one core of an AMD EPYC against MKL's 12-15 GB/s there. Which is
+        faster depends on the CPU and its BLAS, so both are timed over the model's own weights
+        here (`linear.time_one_row_products`), once, and the faster is compiled, into the
+        layers' graph and into a second one for 1-row logits (the lm_head is the largest
+        product). The multiply-sum needs the [out, in] weight of every projection whose 1-row
+        layout is the transposed one: a second copy of those weights (+318 MB on SmolLM2-135M;
+        a tied lm_head reads the embedding's)."""
         packed = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.narrow == "packed"]
         if packed:
             raise ValueError(
                 f"compile_decode needs narrow_weights: {packed[0]} serves 1-row steps with oneDNN's "
                 "packed layout, which torch.compile cannot lower"
             )
+        linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
+        # A tied lm_head's [out, in] weight is the embedding's, held anyway for row lookups.
+        shared = self.embed_tokens.weight.detach() if self.spec.tie_word_embeddings else None
+        if all(m.hold_fused_weight() for m in linears) and self.lm_head.hold_fused_weight(shared):
+            linears.append(self.lm_head)
+            fused, blas = time_one_row_products(linears)
+            self.fused_products = fused < blas
+            logger.info(
+                "compile_decode: 1-row products as %s (one pass over the weights: %.1f ms fused, "
+                "%.1f ms BLAS)",
+                "fused multiply-sums" if self.fused_products else "BLAS calls",
+                fused * 1e3,
+                blas * 1e3,
+            )
+        if not self.fused_products:
+            for m in [*linears, self.lm_head]:
+                m.fused = None
         self._compiled_decode = torch.compile(self._forward, dynamic=True)
+        if self.fused_products:
+            # A decode step's logits (one row) stream the lm_head's weight the same way: compiled
+            # for one row only, and now, so that no request's step waits for the compiler.
+            self._compiled_logits = torch.compile(self._logits, dynamic=False)
+            with torch.inference_mode():
+                self._compiled_logits(self.embed_tokens.weight.new_zeros(1, self.spec.hidden_size))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._compiled_logits is not None and hidden.shape[0] == 1:
+            return self._compiled_logits(hidden)
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
