@@ -445,3 +445,19 @@ def hf_partial_reuse_logprobs(
         for hook in hooks:
             hook.remove()
     return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+
+
+def linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gated: bool,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """What chunkcache's `Linear` computes, from F.linear: SwiGLU over the gate and up halves
+    when gated, then the residual added."""
+    out = torch.nn.functional.linear(x, weight, bias)
+    if gated:
+        half = weight.shape[0] // 2
+        out = torch.nn.functional.silu(out[:, :half]) * out[:, half:]
+    return out if residual is None else out + residual

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import hf_greedy, hf_model
+from oracle import hf_greedy, hf_model, linear_reference
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.model import llama
@@ -88,8 +88,6 @@ def test_fused_one_row_products_match_f_linear(
 ) -> None:
     """Under torch.compile a Linear holding its fused weight computes 1-3 rows as a multiply-sum;
     eager, the same Linear still takes BLAS. Both against F.linear."""
-    import torch.nn.functional as F
-
     gen = torch.Generator().manual_seed(n_in)
     lin = Linear(n_in, n_out, bias=bias, gated=gated)
     with torch.no_grad():
@@ -104,11 +102,7 @@ def test_fused_one_row_products_match_f_linear(
     for rows in (1, 3):
         x = torch.randn(rows, n_in, generator=gen)
         residual = torch.randn(rows, out_size, generator=gen) if with_residual else None
-        ref = F.linear(x, weight, b)
-        if gated:
-            ref = F.silu(ref[:, :out_size]) * ref[:, out_size:]
-        if residual is not None:
-            ref = ref + residual
+        ref = linear_reference(x, weight, b, gated, residual)
         with torch.inference_mode():
             torch.testing.assert_close(compiled(x, residual), ref, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lin(x, residual), ref, atol=1e-5, rtol=1e-5)

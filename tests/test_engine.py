@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import hf_first_token_logprobs, hf_greedy
+from oracle import hf_first_token_logprobs, hf_greedy, linear_reference
 from safetensors.torch import load_file, save_file
 
 from chunkcache import LLM, SamplingParams
@@ -302,8 +302,6 @@ def test_every_linear_layout_matches_f_linear(
 ) -> None:
     """Every layout a Linear can be prepared in (oneDNN with row padding below 4 rows, fused
     SwiGLU and residual; transposed; dense), for narrow, wide and prefill steps, against F.linear."""
-    import torch.nn.functional as F
-
     from chunkcache.model.linear import Linear
 
     gen = torch.Generator().manual_seed(rows)
@@ -317,11 +315,7 @@ def test_every_linear_layout_matches_f_linear(
     x = torch.randn(rows, n_in, generator=gen)
     out_size = n_out // 2 if gated else n_out
     residual = torch.randn(rows, out_size, generator=gen) if with_residual else None
-    ref = F.linear(x, weight, b)
-    if gated:
-        ref = F.silu(ref[:, :out_size]) * ref[:, out_size:]
-    if residual is not None:
-        ref = ref + residual
+    ref = linear_reference(x, weight, b, gated, residual)
     assert lin.prepare(pack, narrow_copy, pack_prefill) == layouts
     assert lin.is_packed == (pack is True)
     assert (lin.weight is None) == ("dense" not in layouts)
