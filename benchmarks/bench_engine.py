@@ -159,6 +159,9 @@ def main() -> None:
         max_num_seqs=max(64, shapes.batch),
         compile_decode=args.compile_decode,
     )
+    if args.compile_decode:
+        fused = llm.engine.runner.model.fused_products
+        log(f"compile_decode: 1-row products as {'fused multiply-sums' if fused else 'BLAS calls'}")
     hf = hf_causal_lm(model, dtype=torch.float32, attn_implementation="sdpa").eval()
     vocab = ordinary_token_ids(llm.tokenizer, llm.engine.spec.vocab_size)
     pad_id = hf.generation_config.pad_token_id

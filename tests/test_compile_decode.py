@@ -23,11 +23,12 @@ def _llm(path, **options) -> LLM:
 
 
 # The 1-row products of the compiled step: inductor's multiply-sum loops or BLAS calls. Which one
-# runs is timed at start-up (`time_one_row_products`); here each is forced once.
+# runs is timed per projection kind at start-up (`time_one_row_products`); here each is forced
+# once for all kinds, and a mix is forced below.
 @pytest.mark.parametrize(("arch", "products"), [("llama", "fused"), ("qwen3", "blas")])
 def test_compiled_decode_matches_transformers(checkpoint, monkeypatch, arch: str, products: str) -> None:
     timings = (0.0, 1.0) if products == "fused" else (1.0, 0.0)  # (fused, BLAS) seconds
-    monkeypatch.setattr(llama, "time_one_row_products", lambda linears: timings)
+    monkeypatch.setattr(llama, "time_one_row_products", lambda linears: {m.kind: timings for m in linears})
     path = checkpoint(arch=arch, tie_word_embeddings=True)
     llm = _llm(path, compile_decode=True)
     model = llm.engine.runner.model
@@ -115,3 +116,27 @@ def test_packed_narrow_layout_holds_no_fused_weight() -> None:
     if lin.prepare(pack=True, narrow_copy=False)[0] != "packed":
         pytest.skip("torch built without oneDNN")
     assert not lin.hold_fused_weight() and lin.fused is None
+
+
+def test_products_chosen_per_projection_kind(checkpoint, monkeypatch) -> None:
+    """Fused where its kind measured faster, BLAS elsewhere: the lm_head and gate/up fused, the
+    rest BLAS; greedy tokens as transformers'."""
+    timings = {}
+
+    def fake_timings(linears):
+        for m in linears:
+            timings[m.kind] = (0.0, 1.0) if m.out_features > 2 * m.in_features else (1.0, 0.0)
+        return timings
+
+    monkeypatch.setattr(llama, "time_one_row_products", fake_timings)
+    path = checkpoint(arch="llama", tie_word_embeddings=True)
+    llm = _llm(path, compile_decode=True)
+    model = llm.engine.runner.model
+    linears = [*[m for m in model.layers.modules() if isinstance(m, Linear)], model.lm_head]
+    assert {m.fused is not None for m in linears} == {True, False}
+    assert all((m.fused is not None) == (timings[m.kind][0] < timings[m.kind][1]) for m in linears)
+    assert model.lm_head.fused is not None
+    out = llm.generate([PROMPTS[0]], GREEDY)[0]
+    tokens = out.outputs[0].token_ids
+    assert tokens == hf_greedy(path, out.prompt_token_ids, len(tokens))
+    llm.check_integrity()

@@ -19,7 +19,8 @@ is `F.linear` on the dense weight.
 Inside a compiled graph (the engine's `compile_decode`) a fourth form may serve 1-3 rows: the
 dense weight as a multiply-sum (`multiply_sum`), which inductor turns into one loop streaming the
 weight; BLAS keeps the eager steps. `hold_fused_weight()` opts a Linear in (a second, [out, in]
-copy where the narrow layout is transposed), after `time_one_row_products` measured it faster.
+copy where the narrow layout is transposed), where `time_one_row_products` measured it faster
+for that projection kind.
 
 Until it is prepared a `Linear` has `nn.Linear`'s parameter names and shapes, so the loader fills
 it like one, and a merged projection (q/k/v, gate/up) stays one tensor in the checkpoint mapping.
@@ -66,7 +67,7 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 # Per projection kind (shape, gated, bias) and row counts, once per process: every model of a
 # shape then takes the same path (and gives the same numbers), however noisy a later load was.
-_PACKING_PAYS: dict[tuple[tuple[int, ...], bool, bool, tuple[int, ...]], bool] = {}
+_PACKING_PAYS: dict[tuple[tuple[int, int, bool, bool], tuple[int, ...]], bool] = {}
 
 
 def packing_pays(linear: Linear, rows: tuple[int, ...]) -> bool:
@@ -78,7 +79,7 @@ def packing_pays(linear: Linear, rows: tuple[int, ...]) -> bool:
     per projection kind and row band at the first load, not assumed."""
     if linear.weight is None or not onednn_usable(linear.weight):
         return False
-    key = (tuple(linear.weight.shape), linear.gated, linear.bias is not None, rows)
+    key = (linear.kind, rows)
     if key not in _PACKING_PAYS:
         _PACKING_PAYS[key] = _measure_packing(linear, rows)
     return _PACKING_PAYS[key]
@@ -129,31 +130,45 @@ def multiply_sum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y if bias is None else y + bias
 
 
+ProjectionKind = tuple[int, int, bool, bool]  # out_features, in_features, gated, bias
+
+
 @torch.inference_mode()
-def time_one_row_products(linears: list[Linear], repeats: int = 5) -> tuple[float, float]:
-    """CPU seconds of one pass of 1-row products over `linears`, each weight read once in turn
-    as a decode step reads them (hundreds of MB, so from memory, not from cache): (compiled
-    `multiply_sum` on the held fused weights, each one's BLAS product in its narrow layout), the
-    fastest of `repeats` interleaved passes in this thread's CPU time."""
+def time_one_row_products(
+    linears: list[Linear], repeats: int = 5
+) -> dict[ProjectionKind, tuple[float, float]]:
+    """Per projection kind (`Linear.kind`), CPU seconds of one pass of 1-row products over the
+    `linears` of that kind, each weight read once in turn as a decode step reads them (tens to
+    hundreds of MB, mostly from memory, not from cache): (compiled `multiply_sum` on the held
+    fused weights, the BLAS product in each one's narrow layout), the fastest of `repeats`
+    interleaved passes in this thread's CPU time. Per kind, because the winner differs by shape:
+    on Qwen2.5-0.5B's shapes, on one AMD EPYC core, the multiply-sum read the lm_head at 24-25
+    GB/s against MKL's 10-19 but the down projection (4864 wide) at 9-10 against MKL's 18-19."""
     import time
 
     fused = torch.compile(multiply_sum, dynamic=True)
-    xs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
     passes: dict[str, Callable[[Linear, torch.Tensor], torch.Tensor]] = {
         "fused": lambda m, x: fused(x, *m.fused),
         "blas": lambda m, x: m.plain_product(x, m.narrow),
     }
-    for run in passes.values():  # compile, and page in every weight once
-        for m in linears:
-            run(m, xs[m.in_features])
-    best = dict.fromkeys(passes, float("inf"))
-    for _ in range(repeats):
-        for name, run in passes.items():
-            start = time.thread_time()
-            for m in linears:
-                run(m, xs[m.in_features])
-            best[name] = min(best[name], time.thread_time() - start)
-    return best["fused"], best["blas"]
+    kinds: dict[ProjectionKind, list[Linear]] = {}
+    for m in linears:
+        kinds.setdefault(m.kind, []).append(m)
+    out: dict[ProjectionKind, tuple[float, float]] = {}
+    for kind, group in kinds.items():
+        x = torch.randn(1, group[0].in_features)
+        for run in passes.values():  # compile, and page in every weight once
+            for m in group:
+                run(m, x)
+        best = dict.fromkeys(passes, float("inf"))
+        for _ in range(repeats):
+            for name, run in passes.items():
+                start = time.thread_time()
+                for m in group:
+                    run(m, x)
+                best[name] = min(best[name], time.thread_time() - start)
+        out[kind] = (best["fused"], best["blas"])
+    return out
 
 
 def plain_cpu_fp32(weight: torch.Tensor) -> bool:
@@ -192,6 +207,12 @@ class Linear(nn.Module):
         # `hold_fused_weight()`: the [out, in] weight (and bias) of 1-3 row products written as a
         # multiply-sum under torch.compile; a view of `weight` where that is held, else a copy.
         self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    @property
+    def kind(self) -> ProjectionKind:
+        """What a layout's speed depends on: the shape, SwiGLU, a bias."""
+        has_bias = self.bias is not None or self.plain_bias is not None
+        return (self.out_features, self.in_features, self.gated, has_bias)
 
     @property
     def is_packed(self) -> bool:

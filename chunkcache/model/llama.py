@@ -131,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self._compiled_decode: Callable[..., torch.Tensor] | None = None
         self._compiled_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.compiled_steps = 0
-        # Whether the compiled step's 1-row products are inductor's fused loops (compile_decode).
+        # Whether any of the compiled step's 1-row products are inductor's fused loops.
         self.fused_products = False
 
     def forward(
@@ -198,10 +198,10 @@ class LlamaForCausalLM(nn.Module):
         On CPU float32 the step's 1-row products may leave BLAS too: written as a multiply-sum
         over the [out, in] weight (`linear.multiply_sum`), inductor streams each weight in one
         loop, 17-19 GB/s from one core of an AMD EPYC against MKL's 12-15 GB/s there. Which is
-        faster depends on the CPU and its BLAS, so both are timed over the model's own weights
-        here (`linear.time_one_row_products`), once, and the faster is compiled, into the
-        layers' graph and into a second one for 1-row logits (the lm_head is the largest
-        product). The multiply-sum needs the [out, in] weight of every projection whose 1-row
+        faster depends on the CPU, its BLAS and the shape, so both are timed over the model's own
+        weights here, per projection kind (`linear.time_one_row_products`), once, and each kind
+        is compiled in its faster form, into the layers' graph and, where the lm_head's is the
+        fused one, into a second graph for 1-row logits (the lm_head is the largest product). The multiply-sum needs the [out, in] weight of every projection whose 1-row
         layout is the transposed one: a second copy of those weights (+318 MB on SmolLM2-135M;
         a tied lm_head reads the embedding's)."""
         packed = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.narrow == "packed"]
@@ -215,20 +215,27 @@ class LlamaForCausalLM(nn.Module):
         shared = self.embed_tokens.weight.detach() if self.spec.tie_word_embeddings else None
         if all(m.hold_fused_weight() for m in linears) and self.lm_head.hold_fused_weight(shared):
             linears.append(self.lm_head)
-            fused, blas = time_one_row_products(linears)
-            self.fused_products = fused < blas
-            logger.info(
-                "compile_decode: 1-row products as %s (one pass over the weights: %.1f ms fused, "
-                "%.1f ms BLAS)",
-                "fused multiply-sums" if self.fused_products else "BLAS calls",
-                fused * 1e3,
-                blas * 1e3,
-            )
-        if not self.fused_products:
+            timings = time_one_row_products(linears)
+            for (out_features, in_features, _, _), (fused, blas) in timings.items():
+                logger.info(
+                    "compile_decode: %dx%d 1-row products as %s (a pass over their weights: %.1f ms "
+                    "fused, %.1f ms BLAS)",
+                    in_features,
+                    out_features,
+                    "fused multiply-sums" if fused < blas else "BLAS calls",
+                    fused * 1e3,
+                    blas * 1e3,
+                )
+            for m in linears:
+                fused, blas = timings[m.kind]
+                if fused >= blas:
+                    m.fused = None
+        else:
             for m in [*linears, self.lm_head]:
                 m.fused = None
+        self.fused_products = any(m.fused is not None for m in [*linears, self.lm_head])
         self._compiled_decode = torch.compile(self._forward, dynamic=True)
-        if self.fused_products:
+        if self.lm_head.fused is not None:
             # A decode step's logits (one row) stream the lm_head's weight the same way: compiled
             # for one row only, and now, so that no request's step waits for the compiler.
             self._compiled_logits = torch.compile(self._logits, dynamic=False)
