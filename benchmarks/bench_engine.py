@@ -160,8 +160,13 @@ def main() -> None:
         compile_decode=args.compile_decode,
     )
     if args.compile_decode:
-        fused = llm.engine.runner.model.fused_products
-        log(f"compile_decode: 1-row products as {'fused multiply-sums' if fused else 'BLAS calls'}")
+        from chunkcache.model.linear import Linear
+
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+        fused = sorted({f"{m.in_features}x{m.out_features}" for m in linears if m.fused is not None})
+        log(
+            f"compile_decode: fused 1-row products for {', '.join(fused) or 'no projection'}; BLAS for the rest"
+        )
     hf = hf_causal_lm(model, dtype=torch.float32, attn_implementation="sdpa").eval()
     vocab = ordinary_token_ids(llm.tokenizer, llm.engine.spec.vocab_size)
     pad_id = hf.generation_config.pad_token_id

@@ -137,13 +137,14 @@ ProjectionKind = tuple[int, int, bool, bool]  # out_features, in_features, gated
 def time_one_row_products(
     linears: list[Linear], repeats: int = 5
 ) -> dict[ProjectionKind, tuple[float, float]]:
-    """Per projection kind (`Linear.kind`), CPU seconds of one pass of 1-row products over the
-    `linears` of that kind, each weight read once in turn as a decode step reads them (tens to
-    hundreds of MB, mostly from memory, not from cache): (compiled `multiply_sum` on the held
-    fused weights, the BLAS product in each one's narrow layout), the fastest of `repeats`
-    interleaved passes in this thread's CPU time. Per kind, because the winner differs by shape:
-    on Qwen2.5-0.5B's shapes, on one AMD EPYC core, the multiply-sum read the lm_head at 24-25
-    GB/s against MKL's 10-19 but the down projection (4864 wide) at 9-10 against MKL's 18-19."""
+    """Per projection kind (`Linear.kind`), CPU seconds of its 1-row products in one pass over
+    `linears` in their order, each weight read once in turn as a decode step reads them (hundreds
+    of MB, so from memory, not from cache, for every kind): (compiled `multiply_sum` on the held
+    fused weights, the BLAS product in each one's narrow layout). Each call is timed in this
+    thread's CPU time; per kind, the fastest of `repeats` interleaved passes. Per kind, because
+    the winner differs by shape: on Qwen2.5-0.5B's shapes, on one AMD EPYC core, the multiply-sum
+    read the lm_head at 24-25 GB/s against MKL's 10-19 but the down projection (4864 wide) at
+    9-10 against MKL's 18-19."""
     import time
 
     fused = torch.compile(multiply_sum, dynamic=True)
@@ -151,24 +152,21 @@ def time_one_row_products(
         "fused": lambda m, x: fused(x, *m.fused),
         "blas": lambda m, x: m.plain_product(x, m.narrow),
     }
-    kinds: dict[ProjectionKind, list[Linear]] = {}
-    for m in linears:
-        kinds.setdefault(m.kind, []).append(m)
-    out: dict[ProjectionKind, tuple[float, float]] = {}
-    for kind, group in kinds.items():
-        x = torch.randn(1, group[0].in_features)
-        for run in passes.values():  # compile, and page in every weight once
-            for m in group:
-                run(m, x)
-        best = dict.fromkeys(passes, float("inf"))
-        for _ in range(repeats):
-            for name, run in passes.items():
+    xs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
+    for run in passes.values():  # compile, and page in every weight once
+        for m in linears:
+            run(m, xs[m.in_features])
+    best = {name: dict.fromkeys((m.kind for m in linears), float("inf")) for name in passes}
+    for _ in range(repeats):
+        for name, run in passes.items():
+            spent = dict.fromkeys(best[name], 0.0)
+            for m in linears:
                 start = time.thread_time()
-                for m in group:
-                    run(m, x)
-                best[name] = min(best[name], time.thread_time() - start)
-        out[kind] = (best["fused"], best["blas"])
-    return out
+                run(m, xs[m.in_features])
+                spent[m.kind] += time.thread_time() - start
+            for kind, seconds in spent.items():
+                best[name][kind] = min(best[name][kind], seconds)
+    return {kind: (best["fused"][kind], best["blas"][kind]) for kind in best["fused"]}
 
 
 def plain_cpu_fp32(weight: torch.Tensor) -> bool:
@@ -312,6 +310,7 @@ class Linear(nn.Module):
         return True
 
     def is_prepared_cpu(self) -> bool:
+        """Whether the weight is held in a plain CPU float32 layout (what the fused form reads)."""
         held = self.weight if self.weight is not None else self.weight_t
         return held is not None and plain_cpu_fp32(held)
 

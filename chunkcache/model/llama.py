@@ -201,9 +201,10 @@ class LlamaForCausalLM(nn.Module):
         faster depends on the CPU, its BLAS and the shape, so both are timed over the model's own
         weights here, per projection kind (`linear.time_one_row_products`), once, and each kind
         is compiled in its faster form, into the layers' graph and, where the lm_head's is the
-        fused one, into a second graph for 1-row logits (the lm_head is the largest product). The multiply-sum needs the [out, in] weight of every projection whose 1-row
-        layout is the transposed one: a second copy of those weights (+318 MB on SmolLM2-135M;
-        a tied lm_head reads the embedding's)."""
+        fused one, into a second graph for 1-row logits (the lm_head is the largest product).
+        The multiply-sum needs the [out, in] weight of every projection whose 1-row layout is
+        the transposed one: a second copy of those weights (+318 MB on SmolLM2-135M; a tied
+        lm_head reads the embedding's)."""
         packed = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.narrow == "packed"]
         if packed:
             raise ValueError(
