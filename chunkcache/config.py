@@ -268,8 +268,11 @@ class EngineConfig:
     # 1-3 sequences, where the packed kernel is slow (model/linear.py); up to 2x weight memory.
     narrow_weights: bool = True
     # One-sequence decode steps run through torch.compile (LlamaForCausalLM.compile_decode): on
-    # CPU ~1.25x the tokens/s of eager mode at batch 1; compiled at engine start (30-50 s on
-    # two CPU cores) and needs a C++ compiler there. Off by default for that start-up cost.
+    # CPU 1.17-1.28x the tokens/s of eager mode at batch 1 on SmolLM2, and ~1.45x more where its
+    # 1-row products are fused loops (timed per projection kind at start; up to one more copy
+    # of the projections);
+    # compiled at engine start (12-50 s on two CPU cores) and needs a C++ compiler there. Off by
+    # default for that start-up cost.
     compile_decode: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

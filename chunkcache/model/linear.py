@@ -299,12 +299,11 @@ class Linear(nn.Module):
         """Hold the [out, in] weight for 1-3 row products under torch.compile (`multiply_sum`);
         returns whether it is held. CPU float32 only, where `prepare` chose the layouts. A copy,
         unless the dense layout is held already (a transposed narrow layout drops it) or `shared`
-        is given: a contiguous tensor equal to the weight that is kept anyway (a tied embedding's)."""
+        is a contiguous tensor equal to the weight that is kept anyway (a tied embedding's)."""
         if self.narrow == "packed" or not self.is_prepared_cpu():
             return False
         weight, bias = self.dense_weight()
-        if shared is not None:
-            assert shared.shape == weight.shape and shared.is_contiguous()
+        if shared is not None and shared.is_contiguous() and torch.equal(shared, weight):
             weight = shared
         self.fused = (weight.contiguous(), bias)
         return True
