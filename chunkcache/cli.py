@@ -6,8 +6,13 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
-from chunkcache.engine_args import MODEL_HELP, add_engine_arguments, engine_options
+from chunkcache.engine_args import MODEL_HELP, add_engine_arguments, engine_config, engine_options
+from chunkcache.errors import UsageError, add_debug_argument, run_command
+
+if TYPE_CHECKING:
+    from chunkcache.llm import LLM
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -67,10 +72,22 @@ def _add_prewarm(sub: argparse._SubParsersAction) -> None:
     add_engine_arguments(p)
 
 
-def run_prewarm(args: argparse.Namespace) -> int:
-    from chunkcache import LLM
+def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
+    """The command line's engine. Options are validated before the model loads; what the model
+    refuses while loading (a checkpoint it cannot read, check layers beyond its depth) is the
+    user's mistake too, so a ValueError here is a `UsageError`."""
+    from chunkcache.llm import LLM
     from chunkcache.model.loader import default_model
 
+    model = args.model or default_model()
+    engine_config(model, args, **overrides)
+    try:
+        return LLM(model, **{**overrides, **engine_options(args)})
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
+def run_prewarm(args: argparse.Namespace) -> int:
     items = []
     with open(args.documents) as f:
         for number, line in enumerate(f, 1):
@@ -79,17 +96,17 @@ def run_prewarm(args: argparse.Namespace) -> int:
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{args.documents}:{number}: not JSON: {e}") from None
+                raise UsageError(f"{args.documents}:{number}: not JSON: {e}") from None
             if not isinstance(item, dict):
-                raise SystemExit(f"{args.documents}:{number}: expected a JSON object")
+                raise UsageError(f"{args.documents}:{number}: expected a JSON object")
             items.append(item)
-    llm = LLM(args.model or default_model(), **engine_options(args))
-    chunk = llm.engine.config.chunk
+    chunk = engine_config(args.model or "default", args).chunk  # checked before the model loads
     if not (chunk.disk_dir or chunk.remote):
-        raise SystemExit(
+        raise UsageError(
             "prewarm needs a tier to fill: --chunk-cache-disk-dir and/or --chunk-cache-remote "
             "(or CHUNKCACHE_CHUNK_CACHE_DISK_DIR / CHUNKCACHE_CHUNK_CACHE_REMOTE)"
         )
+    llm = load_llm(args)
     try:
         outputs = llm.prewarm(items, use_tqdm=True, window=args.window)
         tiers = llm.chunk_cache_stats()["tiers"]  # type: ignore[index]
@@ -104,21 +121,22 @@ def run_prewarm(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from chunkcache import LLM
     from chunkcache.evaluate import default_modes, evaluate, format_table, load_prompts, results_json
-    from chunkcache.model.loader import default_model
 
-    options = {"enable_prefix_caching": False, **engine_options(args)}
-    llm = LLM(args.model or default_model(), **options)
+    # The file and the modes are checked before the model loads: a mistake is reported at once.
+    try:
+        prompts = load_prompts(args.prompts, engine_config(args.model or "default", args).chunk.separator)
+    except ValueError as e:  # not JSON, or a record without the fields it needs
+        raise UsageError(str(e)) from e
     modes = default_modes(args.ratios, args.boundary_tokens, args.check_layer)
     if args.modes:
         known = {m.name for m in modes}
         unknown = [m for m in args.modes if m not in known]
         if unknown:
-            raise SystemExit(f"unknown modes {unknown}; available: {sorted(known)}")
+            raise UsageError(f"unknown modes {unknown}; available: {sorted(known)}")
         # The reference is always computed first: every other mode is measured against it.
         modes = [m for m in modes if m.name == "full" or m.name in args.modes]
-    prompts = load_prompts(args.prompts, llm.engine.config.chunk.separator)
+    llm = load_llm(args, enable_prefix_caching=False)
     results = evaluate(llm, prompts, modes, args.max_tokens)
     print(format_table(results, args.max_tokens))
     if args.json:
@@ -128,19 +146,22 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from chunkcache import LLM, SamplingParams
-    from chunkcache.model.loader import default_model
+    from chunkcache.sampling import SamplingParams
 
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-    )
-    llm = LLM(args.model or default_model(), **engine_options(args))
+    try:
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+            logprobs=args.logprobs,
+        )
+        params.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    llm = load_llm(args)
     for prompt in args.prompt:
         start = time.perf_counter()
         if args.chat:
@@ -174,32 +195,30 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse, then dispatch. Nothing heavy is imported before dispatching: `route` runs without torch."""
     parser = argparse.ArgumentParser(prog="chunkcache", description=__doc__)
+    add_debug_argument(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_eval(sub)
     _add_prewarm(sub)
 
+    from chunkcache.router.app import add_route_arguments, run_route
     from chunkcache.server.cli import add_serve_arguments, run_serve
 
     add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
-    from chunkcache.router.app import add_route_arguments, run_route
-
     add_route_arguments(sub.add_parser("route", help="KV-cache-aware router in front of several servers"))
+    for command in sub.choices.values():
+        add_debug_argument(command, sub_command=True)
     args = parser.parse_args(argv)
-    if args.command == "generate":
-        return run_generate(args)
-    if args.command == "eval":
-        return run_eval(args)
-    if args.command == "prewarm":
-        return run_prewarm(args)
-    if args.command == "serve":
-        run_serve(args)
-        return 0
-    if args.command == "route":
-        return int(run_route(args) or 0)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    commands = {
+        "generate": run_generate,
+        "eval": run_eval,
+        "prewarm": run_prewarm,
+        "serve": run_serve,
+        "route": run_route,
+    }
+    return run_command(parser.prog, lambda: commands[args.command](args), args.debug)
 
 
 if __name__ == "__main__":

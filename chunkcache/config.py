@@ -15,7 +15,7 @@ from typing import Any
 
 from chunkcache import envs
 from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT, check_documents_format
-from chunkcache.hashing import block_hash_fn
+from chunkcache.hashing import BLOCK_HASH_ALGORITHMS, block_hash_fn
 
 CHUNK_LAYOUTS = ("isolated", "offset")
 BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold", "query_attention", "stored_deviation")
@@ -23,6 +23,7 @@ BLEND_UNITS = ("token", "chunk")
 # Selectors that rank by how the fresh KV at the check layer differs from the cached KV.
 _FRESH_KV_SELECTORS = ("k_deviation", "v_deviation", "threshold")
 HASH_ALGORITHMS = ("sha256", "sha512", "blake2b", "sha3_256")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -280,8 +281,8 @@ class EngineConfig:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     def validate(self) -> None:
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be > 0, got {self.threads}")
         self.cache.validate()
@@ -370,6 +371,18 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
 REQUEST_CHUNK_OPTIONS: dict[str, str] = {
     "chunk_layout": "layout",
     **{f.name: f.name for f in dataclasses.fields(ChunkConfig) if f.name.startswith(_REQUEST_PREFIXES)},
+}
+
+
+# Flat options whose value is one of a few names: the validators above check these same tuples, and
+# the command line offers them as choices.
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": DTYPES,
+    "prefix_caching_hash_algo": BLOCK_HASH_ALGORITHMS,
+    "chunk_cache_hash_algorithm": HASH_ALGORITHMS,
+    "chunk_layout": CHUNK_LAYOUTS,
+    "blend_selector": BLEND_SELECTORS,
+    "blend_unit": BLEND_UNITS,
 }
 
 

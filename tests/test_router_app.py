@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.testclient import TestClient
 from redis_server import RedisServer, free_port, redis_server  # noqa: F401 - the fixture
 
+from chunkcache.errors import UsageError
 from chunkcache.hashing import block_hashes, to_wire
 from chunkcache.kv_events import BlockStored, ChunkStored, KVEventPublisher
 from chunkcache.router.app import add_route_arguments, config_from_args, create_app
@@ -428,7 +429,7 @@ def test_command_line(tokenizer_dir: str) -> None:
     assert config.remote_pods is None  # every backend shares the remote tier
     args = parser.parse_args([*argv, "--remote-tier-backends", "z,http://h:2"])
     assert config_from_args(args).remote_pods == ("z", "http://h:2")
-    with pytest.raises(SystemExit, match="unknown backends"):
+    with pytest.raises(UsageError, match="unknown backends"):
         config_from_args(parser.parse_args([*argv, "--remote-tier-backends", "nope"]))
     out = subprocess.run(
         [sys.executable, "-m", "chunkcache.router", "--help"], capture_output=True, text=True, timeout=60

@@ -24,11 +24,12 @@ from starlette.concurrency import run_in_threadpool
 from chunkcache import envs
 from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT
 from chunkcache.config import HASH_ALGORITHMS
+from chunkcache.errors import UsageError, add_debug_argument, run_command
+from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from chunkcache.router.backends import BackendSpec, load_backends_file, parse_backend_list
 from chunkcache.router.policy import DEFAULT_CACHE_THRESHOLD, POLICIES
 from chunkcache.router.scorer import parse_tier_weights
 from chunkcache.router.service import NoBackendError, Router, RouterConfig
-from chunkcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ def _remote_pods(spec: str | None, backends: list[BackendSpec]) -> tuple[str, ..
     known = {b.pod_id for b in backends}
     unknown = sorted(set(names) - known)
     if unknown:
-        raise SystemExit(f"--remote-tier-backends names unknown backends {unknown}; known: {sorted(known)}")
+        raise UsageError(f"--remote-tier-backends names unknown backends {unknown}; known: {sorted(known)}")
     return names
 
 
@@ -280,7 +281,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.backends_file:
         specs += load_backends_file(args.backends_file)
     if not specs:
-        raise SystemExit("chunkcache route: give --backends or --backends-file")
+        raise UsageError("give --backends or --backends-file")
     return RouterConfig(
         backends=tuple(specs),
         model_name=args.model_name,
@@ -318,7 +319,11 @@ def run_route(args: argparse.Namespace) -> int:
     import uvicorn  # only the command line needs a server
 
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(Router(config_from_args(args)))
+    try:
+        router = Router(config_from_args(args))
+    except ValueError as e:  # a malformed backend spec or tier weight, a missing tokenizer
+        raise UsageError(str(e)) from e
+    app = create_app(router)
     uvicorn.run(app, host=args.host, port=args.port, log_level=envs.log_level().lower())
     return 0
 
@@ -326,4 +331,6 @@ def run_route(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="chunkcache route", description=__doc__.splitlines()[0])
     add_route_arguments(parser)
-    return run_route(parser.parse_args(argv))
+    add_debug_argument(parser)
+    args = parser.parse_args(argv)
+    return run_command(parser.prog, lambda: run_route(args), args.debug)

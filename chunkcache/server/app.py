@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from chunkcache.chunk.documents import PromptParts
+from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.choices import ChoiceGroup
@@ -32,7 +33,6 @@ from chunkcache.server.errors import (
     param_named_in,
     stream_error,
 )
-from chunkcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from chunkcache.server.metrics import ServerMetrics
 from chunkcache.server.protocol import (
     AssistantMessage,

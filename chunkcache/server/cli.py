@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from chunkcache.config import EngineConfig
-from chunkcache.engine_args import MODEL_HELP, add_engine_arguments, engine_options
-from chunkcache.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from chunkcache.engine_args import MODEL_HELP, add_engine_arguments, engine_config
+from chunkcache.errors import UsageError, add_debug_argument, run_command
+from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,11 @@ def run_serve(args: argparse.Namespace) -> None:
     from chunkcache.server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper() if args.log_level != "trace" else "DEBUG")
-    config = EngineConfig.from_options(args.model or default_model(), **engine_options(args))
-    engine = LLMEngine(config)
+    config = engine_config(args.model or default_model(), args)
+    try:
+        engine = LLMEngine(config)
+    except ValueError as e:  # a checkpoint it cannot load, an option the model refuses
+        raise UsageError(str(e)) from e
     app = build_app(
         engine,
         api_key=args.api_key,
@@ -114,14 +117,16 @@ def run_serve(args: argparse.Namespace) -> None:
         raise SystemExit(f"chunkcache serve: the engine died: {engine_loop.dead!r}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     """`python -m chunkcache.server.cli ...`: the same as `chunkcache serve ...`."""
     parser = argparse.ArgumentParser(
         prog="chunkcache serve", description="OpenAI-compatible chunkcache server"
     )
     add_serve_arguments(parser)
-    run_serve(parser.parse_args(argv))
+    add_debug_argument(parser)
+    args = parser.parse_args(argv)
+    return run_command(parser.prog, lambda: run_serve(args), args.debug)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

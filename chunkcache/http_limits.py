@@ -1,4 +1,5 @@
-"""A cap on request body size, enforced before anything parses the body.
+"""A cap on request body size, enforced before anything parses the body; shared by the server and
+the router, so it lives outside both packages and imports nothing heavy (the router runs without torch).
 
 A body larger than the cap is answered 413 at once when its Content-Length says so, and as soon as
 the bytes read pass the cap otherwise (chunked uploads): a 20 MB JSON body would otherwise be read,
