@@ -72,7 +72,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ChunkConfig:
-    """Chunked prompts `S SEP C1 SEP ... SEP Cn SEP Q` (DESIGN.md §2-3)."""
+    """Chunked prompts `S SEP C1 SEP ... SEP Cn SEP Q` (docs/design.md §2-3)."""
 
     enable: bool = True
     separator: str = " # # "
@@ -228,7 +228,7 @@ class ChunkConfig:
 
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """Publishing cache changes in vLLM's KV event wire format (DESIGN.md §4). Off by default."""
+    """Publishing cache changes in vLLM's KV event wire format (docs/design.md §4). Off by default."""
 
     endpoint: str | None = None
     # None = `kv@<instance>@<model>`, resolved at run time.

@@ -1,6 +1,6 @@
 """KV cache events in vLLM's wire format, shared by the engine (publisher) and the router (decoder).
 
-Wire format (DESIGN.md §4), compatible with vLLM and llm-d's indexer:
+Wire format (docs/design.md §4), compatible with vLLM and llm-d's indexer:
 - ZMQ multipart `[topic, seq as 8-byte big-endian, msgpack(batch)]` on a PUB socket;
 - batch = array `[ts, [events], data_parallel_rank]` (msgspec `array_like`, trailing defaults
   omitted as msgspec does);

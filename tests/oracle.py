@@ -113,7 +113,7 @@ def hf_greedy(
 def chunk_isolated_mask(
     sys_len: int, chunk_lens: Sequence[int], q_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask and positions of DESIGN.md §2 layout "isolated" for `S C1 ... Cn Q`.
+    """Mask and positions of docs/design.md §2 layout "isolated" for `S C1 ... Cn Q`.
 
     Returns (mask bool [T, T], True = may attend; position_ids long [T]). S is causal at
     positions 0..s-1; chunk i sits at [s, s + len_i) and sees S plus the earlier tokens of its

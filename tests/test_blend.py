@@ -1,4 +1,4 @@
-"""Layout "offset" and blend (DESIGN.md §3) against transformers."""
+"""Layout "offset" and blend (docs/design.md §3) against transformers."""
 
 from __future__ import annotations
 

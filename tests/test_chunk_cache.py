@@ -1,4 +1,4 @@
-"""Chunk cache, layout "isolated" (DESIGN.md §2), against transformers with the 4D chunk mask."""
+"""Chunk cache, layout "isolated" (docs/design.md §2), against transformers with the 4D chunk mask."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The engine against transformers on tiny random checkpoints (DESIGN.md §1)."""
+"""The engine against transformers on tiny random checkpoints (docs/design.md §1)."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def test_chunk_isolated_mask_edge_cases() -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_isolated_chunk_equals_chunk_computed_alone(checkpoint: Factory, arch: str) -> None:
-    # The property the chunk cache relies on (DESIGN.md §2): under the isolated layout a chunk's
+    # The property the chunk cache relies on (docs/design.md §2): under the isolated layout a chunk's
     # hidden states depend only on (S, Ci), so each chunk's last logits equal those of S + Ci
     # run as an ordinary prompt. This also proves the oracle honours mask *and* positions.
     path = checkpoint(arch)
@@ -120,7 +120,7 @@ def test_tokenizer_round_trip_and_bos(checkpoint: Factory) -> None:
     assert with_special == [tok.bos_token_id, *plain]
     assert tok.bos_token_id not in plain
     assert tok.decode(plain) == text
-    # Parts tokenize on their own, with no added prefix space (DESIGN.md §2).
+    # Parts tokenize on their own, with no added prefix space (docs/design.md §2).
     assert tok.decode(tok(" # # ", add_special_tokens=False)["input_ids"]) == " # # "
     gen = json.loads((checkpoint("llama") / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]

@@ -160,7 +160,7 @@ def corpus(num_lines: int = 600, seed: int = 1234) -> list[str]:
         elif kind == 3:
             lines.append(fill(rng.choice(_QUESTIONS)))
         elif kind == 4:
-            # A chunked prompt as DESIGN.md §2 writes it: S # # C1 # # C2 # # Q.
+            # A chunked prompt as docs/design.md §2 writes it: S # # C1 # # C2 # # Q.
             parts = [fill(rng.choice(_SENTENCES)) for _ in range(rng.randint(2, 4))]
             lines.append(" # # ".join(["You are a helpful assistant.", *parts, fill(rng.choice(_QUESTIONS))]))
         else:
@@ -173,7 +173,7 @@ def _train_tokenizer_json(texts: list[str], vocab_size: int, min_frequency: int)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
-    # add_prefix_space=False: a chunk must tokenize the same wherever it sits (DESIGN.md §2),
+    # add_prefix_space=False: a chunk must tokenize the same wherever it sits (docs/design.md §2),
     # and decode(encode(x)) must give x back without an extra leading space.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

@@ -1,1 +1,1 @@
-"""Chunk cache: position-independent KV reuse of documents (DESIGN.md §2-3)."""
+"""Chunk cache: position-independent KV reuse of documents (docs/design.md §2-3)."""

@@ -1,4 +1,4 @@
-"""Paged KV blocks with prefix caching (vLLM-compatible block hashes, DESIGN.md §1).
+"""Paged KV blocks with prefix caching (vLLM-compatible block hashes, docs/design.md §1).
 
 Contract:
 - A block is either in use (ref count > 0, held by one or more sequences) or free (ref 0, in the

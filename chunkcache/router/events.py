@@ -1,4 +1,4 @@
-"""KV event intake: ZMQ subscribers -> per-pod ordered workers -> the index (DESIGN.md §4).
+"""KV event intake: ZMQ subscribers -> per-pod ordered workers -> the index (docs/design.md §4).
 
 One receiver thread polls a SUB socket per pod (connected to the pod's publisher), and optionally
 one bound SUB socket that pods connect to (pod id = the topic's `kv@<pod>@<model>` middle part).

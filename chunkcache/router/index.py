@@ -1,4 +1,4 @@
-"""Where each KV block and chunk lives: the router's index (DESIGN.md §4).
+"""Where each KV block and chunk lives: the router's index (docs/design.md §4).
 
 Backends: `MemoryIndex` (default, one router) and `RedisIndex` (`redis_index.py`, several routers
 share it); `service.open_index("memory" | "redis://host:port/db")` picks one.

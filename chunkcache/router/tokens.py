@@ -253,7 +253,7 @@ class PromptKeys:
 
 
 class PromptProcessor:
-    """Tokenizes prompts exactly as an engine does (DESIGN.md §2) and turns them into index keys."""
+    """Tokenizes prompts exactly as an engine does (docs/design.md §2) and turns them into index keys."""
 
     def __init__(
         self,

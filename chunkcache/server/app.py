@@ -475,7 +475,7 @@ def build_app(
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         model = resolve_model(body.model)
         params = sampling_params(body)
-        # The rendered text goes through the same chunk parsing as any prompt (DESIGN.md §2). As in
+        # The rendered text goes through the same chunk parsing as any prompt (docs/design.md §2). As in
         # `LLM.chat` and vLLM, the template writes the special prefix (BOS) itself.
         tool_mode = body.tool_mode()
         if tool_mode == "auto" and not template_speaks_hermes(
@@ -638,7 +638,7 @@ def build_app(
 
     @api.post("/v1/chunk_cache/prewarm")
     async def prewarm(body: PrewarmRequest, request: Request) -> Response:
-        """Compute and cache a system part and its documents without generating (DESIGN.md §2)."""
+        """Compute and cache a system part and its documents without generating (docs/design.md §2)."""
         resolve_model(body.model)
         request_id = engine_loop.new_request_id("prewarm")
         stream = await engine_loop.submit_prewarm(
