@@ -24,13 +24,27 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
     p.add_argument("--chat", action="store_true", help="render each prompt as a user message first")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--stop", action="append", default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens to generate at most, > 0 (default: %(default)s)"
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default: %(default)s)")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling share, in (0, 1] (default: %(default)s)"
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=-1,
+        help="sample among the k likeliest tokens; -1 = all (default: %(default)s)",
+    )
+    p.add_argument("--stop", action="append", default=None, help="stop at this string; repeat for several")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="also return this many top log-probabilities per token, >= 0",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_arguments(p)
 
