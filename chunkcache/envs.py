@@ -44,6 +44,12 @@ _ENV_OPTIONS: dict[str, tuple[Callable[[str], Any], tuple[str, ...]]] = {
 }
 
 
+def env_names(option: str) -> tuple[str, ...]:
+    """The environment variables that set a flat engine option, in order of precedence."""
+    entry = _ENV_OPTIONS.get(option)
+    return entry[1] if entry is not None else ()
+
+
 def env_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Engine options found in the environment, parsed; a malformed value raises naming the variable."""
     environ = os.environ if environ is None else environ

@@ -47,3 +47,11 @@ def test_nothing_refers_to_the_shared_folder() -> None:
         and ("../shared" in (text := p.read_text(errors="replace")) or "DESIGN.md" in text)
     ]
     assert not offenders, f"references to the design outside the repository: {offenders}"
+
+
+def test_the_options_page_is_generated_from_the_config() -> None:
+    from chunkcache.engine_args import options_markdown
+
+    assert (ROOT / "docs" / "options.md").read_text() == options_markdown(), (
+        "docs/options.md is stale: run `python -m chunkcache.engine_args > docs/options.md`"
+    )
