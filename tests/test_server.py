@@ -518,6 +518,87 @@ def test_malformed_json_and_unknown_route(http: httpx.Client) -> None:
     _error(http.get("/v1/nothing-here"), 404)
 
 
+def _chat_with(extra: str) -> str:
+    """A small chat body (raw JSON text) with `extra` fields."""
+    return '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, ' + extra + "}"
+
+
+_DEEP = '{"a": ' * 900 + "1" + "}" * 900
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param", "needle"),
+    [
+        # Lone surrogates wherever the server tokenizes: a 400 naming the field, not the tokenizer's 500.
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
+            "messages.0.content",
+            "surrogate",
+        ),
+        ("/v1/chat/completions", _chat_with('"documents": ["a \\udfff"]'), "documents.0", "surrogate"),
+        (
+            "/v1/chat/completions",
+            _chat_with('"documents": [{"text": "a", "title": "\\ud800"}]'),
+            "documents.0.title",
+            "surrogate",
+        ),
+        ("/v1/completions", '{"prompt": ["ok", "hi \\ud800"]}', "prompt.1", "surrogate"),
+        ("/v1/chunk_cache/prewarm", '{"system": "\\ud800", "documents": ["x"]}', "system", "surrogate"),
+        ("/tokenize", '{"prompt": "hi \\ud800"}', "prompt", "surrogate"),
+        # Token ids outside the vocabulary (the tiny model has 1024 tokens).
+        ("/v1/completions", '{"prompt": "hi", "logit_bias": {"1024": 5}}', "logit_bias", "vocabulary"),
+        (
+            "/v1/completions",
+            '{"prompt": "hi", "stop_token_ids": [5, 99999999]}',
+            "stop_token_ids",
+            "vocabulary",
+        ),
+        (
+            "/v1/completions",
+            '{"prompt": "hi", "logit_bias": {"' + "9" * 5000 + '": 1}}',
+            "logit_bias",
+            "token ids",
+        ),
+        ("/v1/completions", '{"prompt": "hi", "stop_token_ids": [1e20]}', "stop_token_ids.0", "integer"),
+        # Schema errors and nesting name the field, with the depth limit stated.
+        (
+            "/v1/chat/completions",
+            _chat_with(
+                '"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "x"}}}'
+            ),
+            "response_format",
+            "invalid JSON schema",
+        ),
+        (
+            "/v1/chat/completions",
+            _chat_with('"chat_template_kwargs": ' + _DEEP),
+            "chat_template_kwargs",
+            "64 levels",
+        ),
+        (
+            "/v1/chat/completions",
+            _chat_with(
+                '"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": '
+                + _DEEP
+                + "}}"
+            ),
+            "response_format",
+            "64 levels",
+        ),
+        ("/v1/completions", "[" * 100_000 + "]" * 100_000, None, "64 levels"),
+        ("/v1/completions", b'{"prompt": "hi \xff\xfe"}', None, "not valid UTF-8"),
+    ],
+)
+def test_bad_text_and_ids_name_their_field(
+    http: httpx.Client, path: str, raw: str | bytes, param: str | None, needle: str
+) -> None:
+    content = raw if isinstance(raw, bytes) else raw.encode()
+    err = _error(http.post(path, content=content, headers={"content-type": "application/json"}), 400)
+    assert needle in err["message"] and err["param"] == param
+    assert http.post("/v1/completions", json={"prompt": "hi \U0001f600", "max_tokens": 2}).status_code == 200
+
+
 def test_internal_error_is_not_leaked(
     server: ServerThread, http: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:

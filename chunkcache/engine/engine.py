@@ -63,6 +63,17 @@ _RENDER_ARGUMENTS = frozenset(
 )  # fmt: skip
 
 
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids a request names must be in the vocabulary: an id past it would be silently
+    ignored (logit_bias) or never match (stop_token_ids), so the client would not get what it asked."""
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"{name} names token id {bad}, outside the vocabulary [0, {vocab_size})", name
+            )
+
+
 def _check_salt(cache_salt: str | None) -> None:
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
@@ -230,6 +241,7 @@ class LLMEngine:
             raise InvalidRequestError(str(e), param=str(e).split(" ", 1)[0]) from None
         if params.logprobs is not None and params.logprobs > self.spec.vocab_size:
             raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary size", "logprobs")
+        _check_token_ids(params, self.spec.vocab_size)
         chunk_config = self._chunk_config(chunk_options)
         try:
             seq = self._make_sequence(

@@ -36,21 +36,25 @@ class StructuredOutputs:
         import llguidance
 
         if not isinstance(schema, dict):
-            raise InvalidRequestError(f"a JSON schema must be an object, got {type(schema).__name__}")
+            raise InvalidRequestError(
+                f"a JSON schema must be an object, got {type(schema).__name__}", "json_schema"
+            )
         try:
             # Compact JSON (no free whitespace): a model cannot pad its output with spaces forever.
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 schema, defaults={"whitespace_flexible": False}
             )
         except ValueError as e:
-            raise InvalidRequestError(f"invalid JSON schema in response_format: {e}") from None
+            raise InvalidRequestError(f"invalid JSON schema in response_format: {e}", "json_schema") from None
         tokenizer = self._ll_tokenizer()
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
-            raise InvalidRequestError(f"invalid JSON schema in response_format: {error}")
+            raise InvalidRequestError(f"invalid JSON schema in response_format: {error}", "json_schema")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"invalid JSON schema in response_format: {matcher.get_error()}")
+            raise InvalidRequestError(
+                f"invalid JSON schema in response_format: {matcher.get_error()}", "json_schema"
+            )
         return matcher
 
 

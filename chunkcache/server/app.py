@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from chunkcache.chunk.documents import PromptParts
+from chunkcache.errors import InvalidRequestError
 from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
@@ -504,15 +505,20 @@ def build_app(
             return text, [], False
 
         n = body.num_choices
-        group = await submit_group(
-            "chatcmpl",
-            [prompt],
-            params,
-            n,
-            body.chunk_options(),
-            add_special_tokens=False,
-            cache_salt=body.cache_salt,
-        )
+        try:
+            group = await submit_group(
+                "chatcmpl",
+                [prompt],
+                params,
+                n,
+                body.chunk_options(),
+                add_special_tokens=False,
+                cache_salt=body.cache_salt,
+            )
+        except InvalidRequestError as e:
+            if e.param == "json_schema":  # the engine's name; the schema came from one of these fields
+                e.param = "tools" if tool_mode in ("required", "named") else "response_format"
+            raise
         k = (body.top_logprobs or 0) if body.logprobs else None
         reader = read_tools if tool_mode is not None else None
         if body.stream:

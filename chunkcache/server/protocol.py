@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chunkcache.config import REQUEST_CHUNK_OPTIONS
 from chunkcache.sampling import SamplingParams
@@ -28,6 +28,8 @@ MAX_TOP_LOGPROBS = 20
 # Choices per prompt (OpenAI's limit) and prompts per completions request.
 MAX_N = 128
 MAX_PROMPTS = 256
+# A token id has at most this many digits (vocabularies hold well under 10**9 tokens).
+MAX_TOKEN_ID_DIGITS = 9
 
 
 class StrictModel(BaseModel):
@@ -92,11 +94,19 @@ class _SamplingFields(StrictModel):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.store:
             raise ValueError("store=true is not supported: this server does not store completions")
-        if self.logit_bias:
-            for key in self.logit_bias:
-                if not key.lstrip("-").isdigit():
-                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        # Checked here, as a field, so that the error names it; digits are bounded before int()
+        # sees them (Python refuses to convert more than 4,300 digits, with a message naming none).
+        for key in bias or {}:
+            digits = key.lstrip("-")
+            if not digits.isdigit() or len(digits) > MAX_TOKEN_ID_DIGITS:
+                shown = key if len(key) <= 24 else f"{key[:20]}... ({len(key)} characters)"
+                raise ValueError(f"logit_bias keys must be token ids, got {shown!r}")
+        return bias
 
     @property
     def num_choices(self) -> int:
