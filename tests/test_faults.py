@@ -446,6 +446,58 @@ def test_sigterm_with_a_hung_request_exits_within_the_drain_timeout(model_dir: P
         server.stop()
 
 
+# Slows every engine step to 50 ms, so that a request is still running when the drain times out.
+_SLOW_SERVER = """
+import sys, time
+from chunkcache.engine.engine import LLMEngine
+step = LLMEngine.step
+def slow(self):
+    time.sleep(0.05)
+    return step(self)
+LLMEngine.step = slow
+from chunkcache.server.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_drain_timeout_ends_requests_with_openai_errors(model_dir: Path) -> None:
+    """Issue 35: at the drain timeout a non-streamed request got uvicorn's text/plain 500 and a
+    stream was cut with no error event and no [DONE]."""
+    server = ServerProcess(
+        ["--model", str(model_dir), *SERVE_ARGS, "--drain-timeout", "1"], script=_SLOW_SERVER
+    )
+    try:
+        server.wait_healthy()
+        body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True}
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line.removeprefix("data: "))
+                        started.set()
+
+        with ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=60)
+            streamed = pool.submit(stream)
+            assert started.wait(60)
+            server.proc.send_signal(signal.SIGTERM)
+            r = plain.result(30)
+            streamed.result(30)
+        assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+        assert r.json()["error"]["code"] == "server_shutting_down" and "drain timeout" in r.text
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable"
+        assert server.proc.wait(30) in (0, -signal.SIGTERM), server.output()
+    finally:
+        server.stop()
+
+
 # ---- defect 7: the router and failing backends -----------------------------------------------
 
 

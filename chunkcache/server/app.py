@@ -23,7 +23,12 @@ from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddlewar
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.choices import ChoiceGroup
-from chunkcache.server.engine_loop import EngineLoop, RequestFailedError, RequestStream
+from chunkcache.server.engine_loop import (
+    EngineLoop,
+    RequestFailedError,
+    RequestStream,
+    ShuttingDownError,
+)
 from chunkcache.server.errors import (
     CLIENT_CLOSED,
     ApiError,
@@ -458,6 +463,8 @@ def build_app(
                 yield _sse(chunk.model_dump_json())
         except RequestFailedError as e:
             yield _sse(stream_error(str(e), type="server_error", code="request_failed"))
+        except ShuttingDownError as e:
+            yield _sse(stream_error(str(e), code="server_shutting_down"))
         except Exception as e:  # the engine died, or a later choice was refused: say so in-stream
             yield _sse(stream_error(str(e)))
         else:
@@ -621,6 +628,8 @@ def build_app(
                 yield _sse(chunk.model_dump_json(exclude_none=False))
         except RequestFailedError as e:
             yield _sse(stream_error(str(e), type="server_error", code="request_failed"))
+        except ShuttingDownError as e:
+            yield _sse(stream_error(str(e), code="server_shutting_down"))
         except Exception as e:  # the engine died, or a later choice was refused: say so in-stream
             yield _sse(stream_error(str(e)))
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from types import FrameType
 
 from chunkcache.engine_args import MODEL_HELP, add_engine_arguments, engine_config
 from chunkcache.errors import UsageError, add_debug_argument, run_command
@@ -20,6 +21,9 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 256
 # A hung request must not keep a SIGTERMed server alive for ever (a supervisor would SIGKILL it).
 DEFAULT_DRAIN_TIMEOUT = 30.0
+# Seconds the HTTP server waits, past the drain timeout, for the error responses of the requests
+# the drain ended to be written, before it cancels them (which would send a bare 500).
+DRAIN_GRACE_S = 5.0
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -94,17 +98,25 @@ def run_serve(args: argparse.Namespace) -> None:
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
     # uvicorn's own graceful shutdown stops accepting connections and waits for open requests to
     # complete; the app's lifespan then drains the engine and closes it.
-    server = uvicorn.Server(
+    engine_loop = app.state.engine_loop
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, telling the engine loop to drain as soon as a stop signal arrives."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            engine_loop.begin_drain(args.drain_timeout)
+
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=args.drain_timeout,
+            timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S,
             access_log=args.log_level in ("debug", "trace"),
         )
     )
-    engine_loop = app.state.engine_loop
 
     def on_engine_death(error: BaseException) -> None:
         logger.critical("the engine thread died (%s): shutting the server down", type(error).__name__)

@@ -41,6 +41,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error or is shutting down; no request can run (HTTP 503)."""
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server was told to stop and its drain timeout passed before this request finished
+    (HTTP 503, or an SSE error event for a stream)."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed this one request (its batch raised); the engine itself goes on (HTTP 500)."""
 
@@ -119,6 +124,7 @@ class EngineLoop:
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._stopping = False
         self._accepting = True
+        self._drain_timer: asyncio.TimerHandle | None = None
         # Held by the thread around every step; `paused()` takes it to freeze the engine.
         self._step_lock = threading.Lock()
         self._dead: BaseException | None = None
@@ -135,6 +141,37 @@ class EngineLoop:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="chunkcache-engine", daemon=True)
         self._thread.start()
+
+    def begin_drain(self, drain_timeout: float | None) -> None:
+        """Stop admitting requests; once `drain_timeout` seconds pass, end every one still in
+        flight with ShuttingDownError, so that each gets a proper error (a JSON 503, or an SSE error
+        event and [DONE]) before the HTTP server stops waiting for it. Thread-safe (a signal
+        handler calls it); a second call changes nothing."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(self._start_drain_timer, drain_timeout)
+
+    def _start_drain_timer(self, drain_timeout: float | None) -> None:
+        self._accepting = False
+        if drain_timeout is not None and self._drain_timer is None:
+            assert self._loop is not None
+            self._drain_timer = self._loop.call_later(drain_timeout, self._end_in_flight, drain_timeout)
+
+    def _end_in_flight(self, drain_timeout: float) -> None:
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        if streams:
+            logger.warning("drain timeout: ending %d in-flight requests with an error", len(streams))
+        for stream in streams:
+            # Delivered like any output: the consumer raises it, and releasing the stream aborts
+            # the request in the engine.
+            stream._deliver(
+                ShuttingDownError(
+                    f"the server is shutting down: this request did not finish within the drain "
+                    f"timeout ({drain_timeout:g} s, --drain-timeout)"
+                )
+            )
 
     async def shutdown(self, drain_timeout: float | None = None) -> None:
         """Refuse new requests, let in-flight ones finish (up to `drain_timeout` seconds, then

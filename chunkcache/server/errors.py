@@ -18,7 +18,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
-from chunkcache.server.engine_loop import EngineDeadError, QueueFullError, RequestFailedError
+from chunkcache.server.engine_loop import (
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    ShuttingDownError,
+)
 from chunkcache.server.metrics import ServerMetrics
 from chunkcache.server.protocol import ErrorInfo, ErrorResponse
 
@@ -177,6 +182,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(503, str(exc), "service_unavailable", code="engine_unavailable")
+
+    @app.exception_handler(ShuttingDownError)
+    async def shutting_down(request: Request, exc: ShuttingDownError) -> JSONResponse:
+        return error_response(503, str(exc), "service_unavailable", code="server_shutting_down")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
