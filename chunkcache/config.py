@@ -242,6 +242,8 @@ class KVEventsConfig:
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
     curve_server_key: str | None = None
+    # Bind the endpoints on non-loopback addresses without CURVE (kv_events.guarded_bind_endpoint).
+    insecure: bool = False
 
     def validate(self) -> None:
         curve = (self.curve_authorized_keys, self.curve_server_key)
@@ -364,6 +366,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "kv_events_curve_secret_key": ("kv_events", "curve_secret_key"),
     "kv_events_curve_authorized_keys": ("kv_events", "curve_authorized_keys"),
     "kv_events_curve_server_key": ("kv_events", "curve_server_key"),
+    "kv_events_insecure": ("kv_events", "insecure"),
 }
 
 

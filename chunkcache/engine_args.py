@@ -84,6 +84,8 @@ OPTION_HELP: dict[str, str] = {
     "kv_events_curve_secret_key": "ZMQ CURVE: this engine's secret certificate file (encrypts events)",
     "kv_events_curve_authorized_keys": "ZMQ CURVE: directory of public keys (*.key) allowed to connect",
     "kv_events_curve_server_key": "ZMQ CURVE: the router's public key file, when the PUB socket connects",
+    "kv_events_insecure": "bind KV event sockets on non-loopback addresses without CURVE (anyone who reaches "
+    "them reads prompts' token ids); otherwise a wildcard host binds 127.0.0.1",
 }
 
 

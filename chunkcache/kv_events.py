@@ -351,6 +351,39 @@ def _bindable(endpoint: str) -> str:
     return endpoint[:-2] + ":*" if endpoint.startswith("tcp://") and endpoint.endswith(":0") else endpoint
 
 
+_WILDCARD_HOSTS = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
+
+
+def guarded_bind_endpoint(endpoint: str, *, secured: bool, insecure: bool, flag: str) -> str:
+    """The endpoint to bind a KV-event socket on. Without CURVE anyone who reaches such a socket
+    reads other clients' prompt token ids (PUB, replay) or forges events (a router's SUB), so a
+    wildcard host binds loopback only, and any other non-loopback address is refused, unless
+    `insecure` (the command line's `flag`) says that is meant; that case logs a warning.
+    ipc:// and inproc:// endpoints are local and kept."""
+    if not endpoint.startswith("tcp://") or secured:
+        return endpoint
+    host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not sep or host in _LOOPBACK_HOSTS or host.startswith("127."):
+        return endpoint
+    if insecure:
+        logger.warning(
+            "KV events: %s is bound on a non-loopback address without CURVE (%s): anyone who can reach "
+            "it reads cached prompts' token ids or forges events",
+            endpoint,
+            flag,
+        )
+        return endpoint
+    if host in _WILDCARD_HOSTS:
+        bound = f"tcp://{_WILDCARD_HOSTS[host]}:{port}"
+        logger.info("KV events: binding %s on loopback (no CURVE keys; %s binds every address)", bound, flag)
+        return bound
+    raise ValueError(
+        f"KV event endpoint {endpoint} binds a non-loopback address without CURVE: configure CURVE "
+        f"keys, bind 127.0.0.1, or pass {flag} to accept unauthenticated access"
+    )
+
+
 def _should_bind(endpoint: str) -> bool:
     # vLLM's convention: wildcard hosts, ipc and inproc bind; a concrete host:port connects (to a
     # router's bound SUB). A port of 0 can only mean "bind an ephemeral port".
@@ -414,6 +447,7 @@ class KVEventPublisher:
         bind: bool | None = None,
         chunk_topic: str | None = None,
         curve: PublisherCurve | None = None,
+        insecure: bool = False,
     ) -> None:
         if buffer_steps <= 0:
             raise ValueError(f"buffer_steps must be > 0, got {buffer_steps}")
@@ -434,11 +468,16 @@ class KVEventPublisher:
         self._replay: zmq.Socket | None = None
         self._pub_bound: str | None = None
         self.replay_endpoint: str | None = None
+        guard: dict[str, Any] = {
+            "secured": curve is not None,
+            "insecure": insecure,
+            "flag": "--kv-events-insecure",
+        }
         try:
             if _should_bind(endpoint) if bind is None else bind:
                 if curve is not None:
                     curve.secure_bound(self._pub, self._curve_server)
-                self._pub.bind(_bindable(endpoint))
+                self._pub.bind(_bindable(guarded_bind_endpoint(endpoint, **guard)))
                 self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
                 self._pub_bound = self.endpoint
             else:
@@ -450,7 +489,7 @@ class KVEventPublisher:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 if curve is not None:
                     curve.secure_bound(self._replay, self._curve_server)
-                self._replay.bind(_bindable(replay_endpoint))
+                self._replay.bind(_bindable(guarded_bind_endpoint(replay_endpoint, **guard)))
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
             self._close_sockets()

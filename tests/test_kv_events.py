@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import struct
 import time
 
@@ -9,6 +10,7 @@ import msgpack
 import pytest
 import zmq
 
+from chunkcache.config import EngineConfig
 from chunkcache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -22,6 +24,7 @@ from chunkcache.kv_events import (
     chunk_topic_for,
     decode_batch,
     encode_batch,
+    guarded_bind_endpoint,
     hash_to_int,
     read_replay_reply,
     replay_request,
@@ -396,3 +399,43 @@ def test_publisher_can_connect_to_a_bound_subscriber(ctx: zmq.Context) -> None:
     finally:
         pub.close()
         sub.close(linger=0)
+
+
+def test_wildcard_binds_loopback_without_curve(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 35: `tcp://*` without CURVE let anyone on the network read prompts' token ids from the
+    replay socket. A wildcard now binds loopback unless insecure binding is asked for, with a warning."""
+    pub = KVEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0")
+    try:
+        assert pub.endpoint.startswith("tcp://127.0.0.1:") and pub.replay_endpoint.startswith(
+            "tcp://127.0.0.1:"
+        )
+    finally:
+        pub.close()
+    with caplog.at_level(logging.WARNING, logger="chunkcache.kv_events"):
+        pub = KVEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0", insecure=True)
+    try:
+        assert pub.endpoint.startswith("tcp://0.0.0.0:") and pub.replay_endpoint.startswith("tcp://0.0.0.0:")
+        assert "without CURVE" in caplog.text
+    finally:
+        pub.close()
+    with pytest.raises(ValueError, match="--kv-events-insecure"):
+        guarded_bind_endpoint(
+            "tcp://10.1.2.3:5557", secured=False, insecure=False, flag="--kv-events-insecure"
+        )
+    # CURVE-secured sockets, loopback and local transports are bound as given.
+    for endpoint in ("tcp://10.1.2.3:5557", "tcp://*:5557"):
+        assert guarded_bind_endpoint(endpoint, secured=True, insecure=False, flag="-") == endpoint
+    for endpoint in ("tcp://127.0.0.1:5557", "tcp://[::1]:5557", "ipc:///tmp/x", "inproc://x"):
+        assert guarded_bind_endpoint(endpoint, secured=False, insecure=False, flag="-") == endpoint
+    assert (
+        guarded_bind_endpoint("tcp://[::]:5557", secured=False, insecure=False, flag="-")
+        == "tcp://[::1]:5557"
+    )
+
+
+def test_kv_events_insecure_is_an_engine_option() -> None:
+    config = EngineConfig.from_options(
+        "m", use_env=False, kv_events_endpoint="tcp://*:5557", kv_events_insecure=True
+    )
+    assert config.kv_events.insecure is True
+    assert EngineConfig.from_options("m", use_env=False).kv_events.insecure is False

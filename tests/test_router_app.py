@@ -435,3 +435,47 @@ def test_command_line(tokenizer_dir: str) -> None:
         [sys.executable, "-m", "chunkcache.router", "--help"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and "--backends-file" in out.stdout
+
+
+def test_errors_carry_openai_code_strings_and_docs_are_off(
+    backends: dict[str, ServerThread], tokenizer_dir: str
+) -> None:
+    """Issue 35: error bodies carried `code` as the HTTP status (an integer), and /docs and
+    /openapi.json described the deployment to anyone."""
+    config = RouterConfig(specs(backends), MODEL, tokenizer_dir, api_key="k", health_interval_s=0)
+    with make_client(config) as client:
+        err = client.post("/v1/completions", json={"prompt": "w1"}).json()["error"]
+        assert err["code"] == "invalid_api_key" and set(err) == {"message", "type", "param", "code"}
+        auth = {"Authorization": "Bearer k"}
+        err = client.post("/v1/completions", content=b"{nope", headers=auth).json()["error"]
+        assert err["code"] is None and err["type"] == "invalid_request_error"
+        # A lone surrogate is refused before the router tokenizes it, naming the field.
+        r = client.post("/v1/completions", content=b'{"prompt": "a \\ud800"}', headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        for path in ("/docs", "/openapi.json", "/redoc"):
+            assert client.get(path, headers=auth).status_code == 404
+    dead = RouterConfig((BackendSpec(f"http://127.0.0.1:{free_port()}", "dead"),), MODEL, tokenizer_dir)
+    with make_client(dead) as client:
+        err = client.post("/v1/completions", json={"prompt": "w1"}).json()["error"]
+        assert isinstance(err["code"], str), err
+    with make_client(RouterConfig(specs(backends), MODEL, tokenizer_dir, serve_docs=True)) as client:
+        assert client.get("/openapi.json").status_code == 200
+
+
+def test_router_event_socket_binds_loopback_without_curve(tokenizer_dir: str) -> None:
+    config = RouterConfig(
+        (BackendSpec("http://127.0.0.1:9", "a"),), MODEL, tokenizer_dir, events_bind="tcp://*:0"
+    )
+    router = Router(config)
+    try:
+        assert router.intake is not None and router.intake.bound_endpoint.startswith("tcp://127.0.0.1:")
+    finally:
+        router.intake.close()
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_route_arguments(parser)
+    argv = ["--backends", "http://h:1", "--tokenizer", tokenizer_dir, "--model-name", MODEL]
+    config = config_from_args(parser.parse_args([*argv, "--events-insecure", "--serve-docs"]))
+    assert config.events_insecure is True and config.serve_docs is True
+    assert config_from_args(parser.parse_args(argv)).events_insecure is False

@@ -176,7 +176,7 @@ class LLMEngine:
                     CurveKeys.load(ev.curve_secret_key), ev.curve_authorized_keys, server_key
                 )
             self.publisher = KVEventPublisher(
-                ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps, curve=curve
+                ev.endpoint, topic, ev.replay_endpoint, ev.buffer_steps, curve=curve, insecure=ev.insecure
             )
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
         # Chunked requests that read an earlier request's blended KV from the prefix cache, or an

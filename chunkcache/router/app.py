@@ -37,8 +37,12 @@ logger = logging.getLogger(__name__)
 _FORWARD_HEADERS = ("content-type", "authorization", "accept", "x-request-id", "openai-organization")
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+) -> JSONResponse:
+    """An error in OpenAI's shape: `code` is a string naming the error (or null), as OpenAI's is."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status)
 
 
 def create_app(router: Router) -> FastAPI:
@@ -50,7 +54,14 @@ def create_app(router: Router) -> FastAPI:
         finally:
             await router.close()
 
-    app = FastAPI(title="chunkcache router", lifespan=lifespan)
+    docs = router.config.serve_docs
+    app = FastAPI(
+        title="chunkcache router",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.router = router
     app.add_middleware(BodyLimitMiddleware, max_bytes=router.config.max_request_bytes)
     api_key = router.config.api_key
@@ -66,7 +77,11 @@ def create_app(router: Router) -> FastAPI:
             if scheme.lower() != "bearer" or not hmac.compare_digest(
                 token.strip().encode(), api_key.encode()
             ):
-                return _error(401, "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'")
+                return _error(
+                    401,
+                    "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
         return await call_next(request)
 
     async def proxy(request: Request, path: str, chat: bool) -> Response:
@@ -82,10 +97,12 @@ def create_app(router: Router) -> FastAPI:
         try:
             up = await router.forward(path, body, raw, headers, chat, stream=stream)
         except NoBackendError as e:
-            return _error(502, str(e), "backend_unavailable")
+            return _error(502, str(e), "backend_unavailable", "no_backend")
         except httpx.HTTPError as e:
             router.metrics.requests_failed.inc()
-            return _error(502, f"backend request failed: {type(e).__name__}: {e}", "backend_error")
+            return _error(
+                502, f"backend request failed: {type(e).__name__}: {e}", "backend_error", "backend_failed"
+            )
         out_headers = {"x-chunkcache-backend": up.backend.pod_id}
         media_type = up.resp.headers.get("content-type")
         if stream:
@@ -120,7 +137,7 @@ def create_app(router: Router) -> FastAPI:
             except httpx.HTTPError:
                 continue
             return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
-        return _error(502, "no backend answered /v1/models", "backend_unavailable")
+        return _error(502, "no backend answered /v1/models", "backend_unavailable", "no_backend")
 
     @app.post("/score")
     async def score(request: Request) -> Response:
@@ -134,7 +151,7 @@ def create_app(router: Router) -> FastAPI:
             router.score_prompt, prompt, rendered, router.lora_of(body), router.salt_of(body)
         )
         if result.scores is None:
-            return _error(503, "the index is unavailable", "index_unavailable")
+            return _error(503, "the index is unavailable", "service_unavailable", "index_unavailable")
         scores = {
             pod: {
                 "prefix_blocks": s.prefix_blocks,
@@ -209,6 +226,12 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--events-topic-filter", default="", help="ZMQ topic prefix to subscribe to, e.g. kv@")
     g.add_argument("--event-workers", type=int, default=4)
     g.add_argument(
+        "--events-insecure",
+        action="store_true",
+        help="let --events-bind bind a non-loopback address without CURVE keys (anyone who reaches "
+        "it can forge events); otherwise a wildcard binds 127.0.0.1 and other addresses are refused",
+    )
+    g.add_argument(
         "--events-curve-secret-key",
         help="ZMQ CURVE: the router's secret certificate file (zmq.auth format, '.key_secret')",
     )
@@ -261,6 +284,7 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="key for the router's own calls to backends (state re-publishing; default: --api-key)",
     )
+    g.add_argument("--serve-docs", action="store_true", help="serve /docs and /openapi.json (off by default)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8080)
 
@@ -310,6 +334,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         open_metrics=args.metrics_without_api_key,
         events_curve_secret_key=args.events_curve_secret_key,
         events_curve_backend_keys=args.events_curve_backend_keys,
+        events_insecure=args.events_insecure,
+        serve_docs=args.serve_docs,
         backend_api_key=args.backend_api_key,
         max_request_bytes=args.max_request_bytes,
     )

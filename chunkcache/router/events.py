@@ -47,6 +47,7 @@ from chunkcache.kv_events import (
     KVEventDecodeError,
     chunk_topic_for,
     decode_batch,
+    guarded_bind_endpoint,
     is_chunk_topic,
     read_replay_reply,
     replay_request,
@@ -179,6 +180,7 @@ class EventIntake:
         curve: IntakeCurve | None = None,
         tier_weights: Mapping[str, float] | None = None,
         unknown_tier_weight: float = 0.5,
+        insecure: bool = False,
     ) -> None:
         if num_workers <= 0:
             raise ValueError(f"num_workers must be > 0, got {num_workers}")
@@ -211,6 +213,9 @@ class EventIntake:
             self._bound.setsockopt(zmq.RCVHWM, 0)
             if self._curve_server is not None:
                 self._curve_server.secure(self._bound)
+            bind_endpoint = guarded_bind_endpoint(
+                bind_endpoint, secured=curve is not None, insecure=insecure, flag="--events-insecure"
+            )
             self._bound.bind(bind_endpoint[:-2] + ":*" if bind_endpoint.endswith(":0") else bind_endpoint)
             for prefix in subscriptions(topic_filter):
                 self._bound.setsockopt_string(zmq.SUBSCRIBE, prefix)

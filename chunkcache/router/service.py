@@ -76,10 +76,14 @@ class RouterConfig:
     # certificate file, and a directory of the backends' public keys named `<pod>.key`.
     events_curve_secret_key: str | None = None
     events_curve_backend_keys: str | None = None
+    # Bind `events_bind` on a non-loopback address without CURVE (anyone reaching it can forge events).
+    events_insecure: bool = False
     # Sent as 'Authorization: Bearer' on the router's own calls to backends (state re-publishing);
     # None: the router's api_key.
     backend_api_key: str | None = None
     max_request_bytes: int = 4 * 2**20  # larger bodies: HTTP 413 before they are read
+    # Serve FastAPI's /docs and /openapi.json (off: they describe the deployment to anyone).
+    serve_docs: bool = False
 
 
 @dataclass
@@ -148,6 +152,7 @@ class Router:
                 # Only configured backends may publish into the index.
                 allowed_pods=[spec.pod_id for spec in config.backends],
                 curve=curve,
+                insecure=config.events_insecure,
                 on_clear=self._on_pod_cleared,
                 tier_weights=config.tier_weights,
             )
