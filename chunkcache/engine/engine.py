@@ -267,15 +267,24 @@ class LLMEngine:
         documents: list[str] | None = None,
         cache_salt: str | None = None,
         add_special_tokens: bool = True,
+        max_tokens: int | None = None,
     ) -> None:
         """Compute and cache a system part and its documents without generating: either a chunked
         `prompt` (its question is ignored) or `system` and `documents`. The request finishes, with
         no tokens, once every entry is in the pool (and handed to the lower tiers); its output
-        counts the tokens that were already cached. Raises InvalidRequestError naming what is wrong."""
+        counts the tokens that were already cached. Raises InvalidRequestError naming what is wrong,
+        PromptTooLongError if all its parts hold more than `max_tokens` tokens (None: no limit)."""
         _check_salt(cache_salt)
         if self.chunks is None:
             raise InvalidRequestError("the chunk cache is disabled: there is nothing to prewarm")
         chunked = self._prewarm_prompt(prompt, system, documents, add_special_tokens)
+        total = len(chunked.sys_token_ids) + sum(map(len, chunked.chunks))
+        if max_tokens is not None and total > max_tokens:
+            raise PromptTooLongError(
+                f"prewarm of {total} tokens is more than this server takes at once ({max_tokens}, "
+                "--max-prewarm-tokens); split it into several calls",
+                "prompt" if prompt is not None else "documents",
+            )
         self.chunks.validate(chunked, self.max_model_len, need_question=False)
         seq = Sequence(
             request_id=request_id,

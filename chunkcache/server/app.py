@@ -68,6 +68,7 @@ from chunkcache.server.protocol import (
     TopLogprob,
     Usage,
 )
+from chunkcache.server.text_limits import DEFAULT_MAX_PREWARM_TOKENS, TextBound
 from chunkcache.server.tools import (
     HERMES_TAG,
     ToolCall,
@@ -166,6 +167,7 @@ def build_app(
     drain_timeout: float | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     metrics_without_api_key: bool = False,
+    max_prewarm_tokens: int = DEFAULT_MAX_PREWARM_TOKENS,
 ) -> FastAPI:
     """The application serving `engine`. The engine thread starts with the app's lifespan and, at
     shutdown, in-flight requests are drained (up to `drain_timeout` seconds) before the engine closes."""
@@ -179,6 +181,15 @@ def build_app(
     engine_loop = EngineLoop(engine, max_queue=max_queue, metrics=metrics)
     started = int(time.time())
     token_str = _TokenStrings(engine.tokenizer)
+    if max_prewarm_tokens <= 0:
+        raise ValueError(f"max_prewarm_tokens must be > 0, got {max_prewarm_tokens}")
+    chunk = engine.config.chunk
+    text_bound = TextBound(
+        engine.tokenizer,
+        engine.max_model_len,
+        chunk.separator if engine.chunks is not None else None,
+        chunk.max_chunks,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -355,6 +366,8 @@ def build_app(
             prompts = body.prompts()
         except ValueError as e:
             raise invalid(str(e), "prompt") from None
+        for prompt in prompts:
+            text_bound.check_prompt(prompt, "prompt")
         params = sampling_params(body)
         n = body.num_choices
         group = await submit_group(
@@ -497,6 +510,7 @@ def build_app(
             )
         messages, template_kwargs = body.template_messages(), body.template_kwargs()
         prompt = await engine_loop.run_off_loop(lambda: engine.render_chat(messages, **template_kwargs))
+        text_bound.check_prompt(prompt, "messages")
         tool_names = {t.function.name for t in body.tools or []}
 
         def read_tools(text: str) -> tuple[str | None, list[ToolCall], bool]:
@@ -655,6 +669,11 @@ def build_app(
     async def prewarm(body: PrewarmRequest, request: Request) -> Response:
         """Compute and cache a system part and its documents without generating (docs/design.md §2)."""
         resolve_model(body.model)
+        if body.prompt is not None:
+            text_bound.check_total([body.prompt], max_prewarm_tokens, "prompt", "--max-prewarm-tokens")
+        else:
+            texts = [body.system or "", *(body.documents or [])]
+            text_bound.check_total(texts, max_prewarm_tokens, "documents", "--max-prewarm-tokens")
         request_id = engine_loop.new_request_id("prewarm")
         stream = await engine_loop.submit_prewarm(
             request_id,
@@ -662,6 +681,7 @@ def build_app(
             system=body.system,
             documents=body.documents,
             cache_salt=body.cache_salt,
+            max_tokens=max_prewarm_tokens,
         )
 
         async def last_output() -> RequestOutput:

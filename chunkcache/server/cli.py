@@ -13,6 +13,7 @@ from types import FrameType
 from chunkcache.engine_args import MODEL_HELP, add_engine_arguments, engine_config
 from chunkcache.errors import UsageError, add_debug_argument, run_command
 from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES
+from chunkcache.server.text_limits import DEFAULT_MAX_PREWARM_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="larger request bodies get HTTP 413 before they are read (default: %(default)s)",
     )
     server.add_argument(
+        "--max-prewarm-tokens",
+        type=int,
+        default=DEFAULT_MAX_PREWARM_TOKENS,
+        help="tokens one POST /v1/chunk_cache/prewarm may compute (system and documents together); "
+        "larger ones get HTTP 413 (default: %(default)s)",
+    )
+    server.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]
     )
 
@@ -93,6 +101,7 @@ def run_serve(args: argparse.Namespace) -> None:
         served_model_name=config.served_model_name,
         drain_timeout=args.drain_timeout,
         max_request_bytes=args.max_request_bytes,
+        max_prewarm_tokens=args.max_prewarm_tokens,
         metrics_without_api_key=args.metrics_without_api_key,
     )
     logger.info("serving %s on http://%s:%d", engine.model_name, args.host, args.port)
