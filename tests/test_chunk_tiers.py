@@ -100,20 +100,26 @@ def test_entry_roundtrip_and_corruption_detected() -> None:
 # ---- the disk tier -------------------------------------------------------------------------------
 
 
+def _name(letter: str) -> str:
+    """A disk-tier entry name (a tier key), told apart by `letter`."""
+    return tier_key("m" * 64, letter.encode() * 32, 5)
+
+
 def test_disk_tier_lru_budget_restart_and_too_large(tmp_path: Path) -> None:
     blob = encode(_kv())
+    a, b, c, d = map(_name, "abcd")
     tier = DiskTier(str(tmp_path), budget_bytes=3 * len(blob) + 10)
-    for name in ("a", "b", "c"):
+    for name in (a, b, c):
         assert tier.store(name, blob)
-    assert tier.load("a") == blob  # "a" is now the most recently used
-    assert tier.store("d", blob)  # over budget: "b", the least recently used, goes
-    assert sorted(tier.names()) == ["a", "c", "d"] and not (tmp_path / "b.safetensors").exists()
+    assert tier.load(a) == blob  # "a" is now the most recently used
+    assert tier.store(d, blob)  # over budget: "b", the least recently used, goes
+    assert sorted(tier.names()) == sorted([a, c, d]) and not (tmp_path / f"{b}.safetensors").exists()
     tier.check_integrity()
-    assert not tier.store("huge", b"x" * (4 * len(blob)))
+    assert not tier.store(_name("h"), b"x" * (4 * len(blob)))
     assert tier.stats()["too_large"] == 1
     (tmp_path / "e.123.tmp").write_bytes(b"half a write")
     again = DiskTier(str(tmp_path), budget_bytes=2 * len(blob) + 10)  # restart with a smaller budget
-    assert len(again.names()) == 2 and "c" not in again.names()  # LRU order survived the restart
+    assert len(again.names()) == 2 and c not in again.names()  # LRU order survived the restart
     assert not (tmp_path / "e.123.tmp").exists()
     again.check_integrity()
 
@@ -128,10 +134,10 @@ def test_disk_full_stops_writing_and_says_so(
 
     monkeypatch.setattr("chunkcache.chunk.tiers.disk.os.replace", no_space)
     with caplog.at_level(logging.ERROR):
-        assert not tier.store("a", b"data")
+        assert not tier.store(_name("a"), b"data")
     assert "stops writing" in caplog.text
     monkeypatch.undo()
-    assert not tier.store("b", b"data")  # stopped, even now that there would be room
+    assert not tier.store(_name("b"), b"data")  # stopped, even now that there would be room
     assert tier.stats()["writes_stopped"] == 1 and tier.stats()["entries"] == 0
     assert list(tmp_path.iterdir()) == []  # no temporary file left behind
 
@@ -369,11 +375,93 @@ def test_a_process_that_never_closes_its_engine_still_writes_its_entries(checkpo
     assert len(list(disk.glob("*.safetensors"))) == 3
 
 
-def test_unwritable_disk_dir_is_a_clear_error(tmp_path: Path) -> None:
+def test_unreadable_disk_dir_is_a_clear_error(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    with pytest.raises(ValueError, match="is not a writable directory"):
+    with pytest.raises(ValueError, match="is not a readable directory"):
         DiskTier(str(not_a_dir / "kv"), budget_bytes=1 << 20)
+
+
+def _read_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the disk tier's directory behave as a read-only file system (EROFS on every change);
+    tests run as root, for whom permission bits do not stop writes."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    real_open = open
+
+    def open_read_only(file: object, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if any(m in mode for m in "wax+"):
+            refuse()
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("chunkcache.chunk.tiers.disk.open", open_read_only, raising=False)
+    for name in ("replace", "utime"):
+        monkeypatch.setattr(f"chunkcache.chunk.tiers.disk.os.{name}", refuse)
+    monkeypatch.setattr(Path, "unlink", refuse)
+
+
+def test_read_only_directory_is_served_read_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35: a read-only directory refused to start the server; one that turned read-only
+    failed every read (touching the file), raised out of evictions and counted nothing."""
+    kv, other = _kv(5), _kv(6)
+    stack = TierStack([DiskTier(str(tmp_path), budget_bytes=len(encode(other)) + 10)], kv.model)
+    try:
+        stack.store(kv)
+        stack.flush()
+        _read_only(monkeypatch)  # turns read-only at run time
+        stack.store(other)  # over budget: the eviction and the write both fail, and are counted
+        stack.flush()
+        stats = stack.stats()["disk"]
+        assert stats["writes_stopped"] == 1 and stats["write_errors"] == 2 and stats["store_failures"] == 1
+        assert stack.load(kv.key, kv.token_ids) is not None  # still served (its file could not go)
+        assert stack.stats()["disk"]["read_errors"] == 0
+        stack.check_integrity()
+    finally:
+        stack.close()
+    started = DiskTier(str(tmp_path), budget_bytes=1 << 20)  # read-only from start-up: it starts
+    assert started.stats()["writes_stopped"] == 1 and started.stats()["entries"] == 1
+    blob = started.load(tier_key(kv.model, kv.key, 5))
+    assert blob is not None and torch.equal(decode(blob).k, kv.k)
+    assert not started.store(_name("z"), b"data")
+
+
+def test_misnamed_entries_are_deleted_and_rewritten(tmp_path: Path) -> None:
+    kv, other = _kv(5), _kv(6)
+    stack = TierStack([DiskTier(str(tmp_path), budget_bytes=1 << 20)], kv.model)
+    try:
+        stack.store(kv)
+        stack.flush()
+        wrong = tmp_path / f"{tier_key(other.model, other.key, 6)}.safetensors"
+        wrong.write_bytes((tmp_path / f"{tier_key(kv.model, kv.key, 5)}.safetensors").read_bytes())
+        assert stack.load(other.key, other.token_ids) is None
+        assert stack.stats()["disk"]["misnamed"] == 1 and not wrong.exists()
+        stack.store(other)
+        stack.flush()
+        got = stack.load(other.key, other.token_ids)
+        assert got is not None and torch.equal(got[0].k, other.k)
+    finally:
+        stack.close()
+
+
+def test_junk_files_and_symlinks_are_not_entries(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "secret.safetensors"
+    target.write_bytes(encode(_kv()))
+    disk = tmp_path / "kv"
+    disk.mkdir()
+    (disk / "notes.txt").write_text("not an entry")
+    (disk / "junk.safetensors").write_bytes(b"junk")
+    (disk / f"{_name('d')}.safetensors").mkdir()
+    link = _name("l")
+    (disk / f"{link}.safetensors").symlink_to(target)
+    tier = DiskTier(str(disk), budget_bytes=1 << 20)
+    assert tier.stats()["entries"] == 0 and tier.names() == []
+    assert not tier.contains(link) and tier.load(link) is None  # never follows the link
+    assert tier.stats()["read_errors"] == 1
+    assert target.exists() and (disk / "notes.txt").exists()
 
 
 def test_a_failed_write_leaves_the_entry_to_be_demoted_again(tmp_path: Path) -> None:

@@ -135,12 +135,15 @@ _TIER_COUNTERS = {
     "bytes_stored": "Bytes written to this tier.",
     "evictions": "Entries this tier evicted to stay within its budget.",
     "unavailable": "Calls skipped or failed because the remote store was down.",
+    "read_errors": "Reads of an entry that failed (I/O error, permission, a symlink in its place).",
+    "write_errors": "Writes and deletions of an entry that failed.",
+    "misnamed": "Sound entries found under another entry's name, and deleted.",
 }
 _TIER_GAUGES = {
     "entries": "Entries held by this tier.",
     "bytes": "Bytes held by this tier.",
     "budget_bytes": "Byte budget of this tier.",
-    "writes_stopped": "1 when this tier stopped writing (disk full).",
+    "writes_stopped": "1 when this tier stopped writing (disk full or read-only); it still serves loads.",
     "up": "1 when the remote store answers, 0 while it is down.",
 }
 

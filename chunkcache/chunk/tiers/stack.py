@@ -4,7 +4,8 @@ Contract:
 - `load(key, token_ids)` (the loader thread, synchronous) asks each tier in turn; the first entry
   that decodes, passes its checksum, belongs to this model, holds exactly `token_ids` and has
   this engine's KV layout (`kv_layout`) is returned.
-  A corrupt entry is evicted from its tier and counted; the lookup goes on to the next tier. A hit
+  A corrupt entry, or a sound one under another entry's name, is evicted from its tier and
+  counted; the lookup goes on to the next tier. A hit
   in a farther tier is written (asynchronously) into the nearer ones that missed (promotion).
 - `store(kv)` (engine thread) hands a computed entry to the writer thread, which encodes it once
   and writes it to every tier that lacks it (write-through: a restart or another replica finds it
@@ -58,6 +59,7 @@ class TierCounters:
     corrupt: int = 0
     stores: int = 0
     store_failures: int = 0
+    misnamed: int = 0
     bytes_loaded: int = 0
     bytes_stored: int = 0
     load_seconds_sum: float = 0.0
@@ -115,6 +117,13 @@ class TierStack:
                     counters.corrupt += 1
                     logger.warning("%s tier: entry %s is corrupt (%s); deleted", tier.medium, name, e)
                     tier.evict(name)
+                if kv is not None and tier_key(kv.model, kv.key, kv.num_tokens) != name:
+                    # A sound entry under another entry's name (copied or renamed by hand) would
+                    # be a miss for ever, and never rewritten: deleted, the next fill writes it.
+                    counters.misnamed += 1
+                    logger.warning("%s tier: entry %s holds another entry; deleted", tier.medium, name)
+                    tier.evict(name)
+                    kv = None
             if kv is None or not self._belongs(kv, key, token_ids):
                 counters.misses += 1
                 continue
@@ -180,6 +189,7 @@ class TierStack:
                 "corrupt": c.corrupt,
                 "stores": c.stores,
                 "store_failures": c.store_failures,
+                "misnamed": c.misnamed,
                 "bytes_loaded": c.bytes_loaded,
                 "bytes_stored": c.bytes_stored,
                 "load_seconds_sum": c.load_seconds_sum,
