@@ -28,7 +28,9 @@ import httpx
 from bench_router_cluster import Proc, free_port
 from common import summary
 
-from chunkcache.tiny_checkpoint import build_checkpoint
+# tests/tiny_checkpoint.py builds the random checkpoint (it moved there from the package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_checkpoint import build_checkpoint
 
 MODEL = "m"
 # One tiny-model RAG prompt: the router's scores of it must come back after Redis restarts.
@@ -52,6 +54,15 @@ BAD_BODIES: list[tuple[str, bytes]] = [
         ("not json", b"{not json"),
         ("not an object", b"[1, 2]"),
         ("body over the limit", json.dumps({"prompt": "x " * 600_000}).encode()),
+        # Issue 35: each was a 500, accepted silently, or a 400 naming no field.
+        ("lone surrogate", b'{"prompt": "hi \\ud800"}'),
+        ("not UTF-8", b'{"prompt": "hi \xff"}'),
+        ("logit_bias out of vocab", {"prompt": "hi", "logit_bias": {"100000": 1}}),
+        ("logit_bias 5,000 digits", {"prompt": "hi", "logit_bias": {"9" * 5000: 1}}),
+        ("stop_token_ids out of vocab", {"prompt": "hi", "stop_token_ids": [99_999_999]}),
+        ("JSON nested 900 deep", b'{"prompt": "hi", "metadata": ' + b'{"a": ' * 900 + b"1" + b"}" * 901),
+        ("JSON nested 100k deep", b"[" * 100_000 + b"]" * 100_000),
+        ("1.8 MB prompt", {"prompt": "hello " * 300_000}),
     ]
 ]
 
@@ -111,7 +122,7 @@ def leaked_blocks(url: str, timeout: float = 30.0) -> int:
     deadline = time.monotonic() + timeout
     while True:
         text = httpx.get(f"{url}/metrics", timeout=5).text
-        held = gauge(text, "chunkcache_kv_blocks_total") - gauge(text, "chunkcache_kv_blocks_free")
+        held = gauge(text, "chunkcache_kv_blocks") - gauge(text, "chunkcache_kv_blocks_free")
         if held == 0 or time.monotonic() > deadline:
             return int(held)
         time.sleep(0.2)
