@@ -390,8 +390,8 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
     ("path", "body", "status", "needle", "param"),
     [
         ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty", None),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", None),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias", "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "logit_bias"),
         ("/v1/completions", {"prompt": "x", "store": True}, 400, "does not store", None),
         ("/v1/completions", {"prompt": "x", "service_tier": "flex"}, 400, "service_tier", "service_tier"),
         ("/v1/completions", {"prompt": CHUNKED, "echo": True, "logprobs": 1}, 400, "chunked prompts", None),
@@ -450,7 +450,7 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
             },
             400,
             "invalid JSON schema",
-            None,
+            "response_format",
         ),
         (
             "/v1/chat/completions",
