@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunkcache import envs
 from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT
@@ -63,6 +64,13 @@ def create_app(router: Router) -> FastAPI:
         openapi_url="/openapi.json" if docs else None,
     )
     app.state.router = router
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown routes and methods: OpenAI's shape too, not FastAPI's {"detail": ...}.
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), kind)
+
     app.add_middleware(BodyLimitMiddleware, max_bytes=router.config.max_request_bytes)
     api_key = router.config.api_key
 
