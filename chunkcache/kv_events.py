@@ -468,16 +468,18 @@ class KVEventPublisher:
         self._replay: zmq.Socket | None = None
         self._pub_bound: str | None = None
         self.replay_endpoint: str | None = None
-        guard: dict[str, Any] = {
-            "secured": curve is not None,
-            "insecure": insecure,
-            "flag": "--kv-events-insecure",
-        }
+
+        def bindable(endpoint: str) -> str:
+            flag = "--kv-events-insecure"
+            return _bindable(
+                guarded_bind_endpoint(endpoint, secured=curve is not None, insecure=insecure, flag=flag)
+            )
+
         try:
             if _should_bind(endpoint) if bind is None else bind:
                 if curve is not None:
                     curve.secure_bound(self._pub, self._curve_server)
-                self._pub.bind(_bindable(guarded_bind_endpoint(endpoint, **guard)))
+                self._pub.bind(bindable(endpoint))
                 self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
                 self._pub_bound = self.endpoint
             else:
@@ -489,9 +491,9 @@ class KVEventPublisher:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 if curve is not None:
                     curve.secure_bound(self._replay, self._curve_server)
-                self._replay.bind(_bindable(guarded_bind_endpoint(replay_endpoint, **guard)))
+                self._replay.bind(bindable(replay_endpoint))
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, ValueError):  # ValueError: a refused endpoint or CURVE setting
             self._close_sockets()
             raise
         self._closed = False
