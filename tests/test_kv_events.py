@@ -439,3 +439,21 @@ def test_kv_events_insecure_is_an_engine_option() -> None:
     )
     assert config.kv_events.insecure is True
     assert EngineConfig.from_options("m", use_env=False).kv_events.insecure is False
+
+
+def test_engine_passes_kv_events_insecure_to_its_publisher(checkpoint) -> None:
+    from chunkcache.engine.engine import LLMEngine
+
+    model = str(checkpoint("llama"))
+    for insecure, host in ((False, "127.0.0.1"), (True, "0.0.0.0")):
+        options = {"device": "cpu", "kv_cache_tokens": 256, "kv_events_endpoint": "tcp://*:0"}
+        engine = LLMEngine(
+            EngineConfig.from_options(model, use_env=False, kv_events_insecure=insecure, **options)
+        )
+        try:
+            assert engine.publisher is not None and engine.publisher.endpoint.startswith(f"tcp://{host}:")
+        finally:
+            engine.close()
+    with pytest.raises(ValueError, match="--kv-events-insecure"):
+        options = {"device": "cpu", "kv_cache_tokens": 256, "kv_events_endpoint": "tcp://192.0.2.1:0"}
+        LLMEngine(EngineConfig.from_options(model, use_env=False, **options))
