@@ -161,9 +161,9 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from chunkcache.model.loader import default_model
+    from chunkcache.model.loader import model_path
 
-    gguf = Path(default_model())
+    gguf = Path(model_path("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # Fresh text per prompt: five ~420-token topics, cut to the prompt length.
     pool = [text for _, text in passages(tokenizer, 420)]

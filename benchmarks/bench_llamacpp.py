@@ -90,10 +90,10 @@ def f32_gguf(cache_dir: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from chunkcache.model.loader import default_model
+    from chunkcache.model.loader import model_path
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    src = Path(default_model())
+    src = Path(model_path("smollm2"))
     hf_dir = cache_dir / "hf-export"
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)

