@@ -49,7 +49,7 @@ def _llm(path, **options) -> LLM:
     options.setdefault("enable_prefix_caching", False)
     options.setdefault("kv_cache_tokens", 2048)
     options.setdefault("chunk_cache_size_gb", 0.001)
-    return LLM(str(path), device="cpu", **options)
+    return LLM(str(path), device="cpu", dtype="float32", **options)
 
 
 def _assert_logprobs_close(out, ref: torch.Tensor, tol: float = 1e-4) -> None:

@@ -51,5 +51,5 @@ def test_set_threads(restore_threads: None, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_engine_applies_threads(checkpoint, restore_threads: None) -> None:
     torch.set_num_threads(2)
-    LLM(str(checkpoint()), device="cpu", kv_cache_tokens=256, threads=1)
+    LLM(str(checkpoint()), device="cpu", dtype="float32", kv_cache_tokens=256, threads=1)
     assert torch.get_num_threads() == 1
