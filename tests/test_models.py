@@ -151,7 +151,7 @@ def test_disk_full_while_joining(tmp_path: Path, models: Setup, monkeypatch: pyt
 def test_short_names_and_unknown_names(tmp_path: Path, models: Setup) -> None:
     if catalog.candidate_path(catalog.SMOLLM2) is not None:
         assert resolve_model_path("smollm2") == catalog.candidate_path(catalog.SMOLLM2)
-    with pytest.raises(ModelLoadError, match=r"not a known model name \(qwen2\.5-coder-1\.5b, smollm2\)"):
+    with pytest.raises(ModelLoadError, match=r"nor a known model name \(qwen2\.5-coder-1\.5b, smollm2\)"):
         resolve_model_path("smollm3")
     # The default model is the 1.5B one; in an empty model folder it says how to install it.
     with pytest.raises(ModelLoadError, match=re.escape("chunkcache models --install qwen2.5-coder-1.5b")):

@@ -72,8 +72,8 @@ def resolve_model_path(model: str) -> Path:
     # Hub ids look like "org/name"; anything else that is not a directory is a bad local path.
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise ModelLoadError(
-            f"model {model!r} is not a known model name ({', '.join(catalog.KNOWN_MODELS)}), "
-            f"a directory with a checkpoint, nor a .gguf file"
+            f"model {model!r} is not a directory with a checkpoint, nor a .gguf file, nor a "
+            f"known model name ({', '.join(catalog.KNOWN_MODELS)})"
         )
     from huggingface_hub import snapshot_download
 
