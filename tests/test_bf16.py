@@ -22,6 +22,7 @@ import torch
 from oracle import hf_teacher_forced_logprobs
 
 from chunkcache import LLM, SamplingParams
+from chunkcache.model import llama
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog near the river bank",
@@ -36,14 +37,15 @@ def _gaps(steps: list[dict[int, float]], ref: torch.Tensor) -> list[float]:
     return [abs(ref[i, t].item() - lp) for i, step in enumerate(steps) for t, lp in step.items()]
 
 
-def _check(path: str, mean_bound: float, max_bound: float) -> None:
-    llm = LLM(path, device="cpu", dtype="bfloat16", kv_cache_tokens=4096, chunk_cache_size_gb=0.01)
+def _check(path: str, mean_bound: float, max_bound: float, **options: bool) -> LLM:
+    llm = LLM(path, device="cpu", dtype="bfloat16", kv_cache_tokens=4096, chunk_cache_size_gb=0.01, **options)
     assert llm.engine.runner.dtype == torch.bfloat16
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
     vs_bf16: list[float] = []
     vs_fp32: list[float] = []
     hf_vs_fp32: list[float] = []
-    for out in llm.generate(PROMPTS, params):
+    for prompt in PROMPTS:  # one at a time: a compiled decode serves one-sequence steps only
+        out = llm.generate([prompt], params)[0]
         steps, gen = out.outputs[0].logprobs, out.outputs[0].token_ids
         bf16 = hf_teacher_forced_logprobs(path, out.prompt_token_ids, gen, torch.bfloat16)
         fp32 = hf_teacher_forced_logprobs(path, out.prompt_token_ids, gen, torch.float32)
@@ -54,11 +56,26 @@ def _check(path: str, mean_bound: float, max_bound: float) -> None:
     mean = sum(vs_bf16) / len(vs_bf16)
     assert mean < mean_bound and max(vs_bf16) < max_bound, (mean, max(vs_bf16))
     assert sum(vs_fp32) <= 1.5 * sum(hf_vs_fp32), (sum(vs_fp32), sum(hf_vs_fp32))
+    return llm
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tiny_bf16_matches_transformers_bf16(checkpoint, arch: str) -> None:
     _check(str(checkpoint(arch=arch)), mean_bound=0.07, max_bound=0.3)
+
+
+@pytest.mark.parametrize("products", ["fused", "blas"])
+def test_compiled_decode_in_bf16(checkpoint, monkeypatch: pytest.MonkeyPatch, products: str) -> None:
+    """compile_decode in bfloat16, with each 1-row product form forced: the multiply-sum reads the
+    dense bf16 weight itself (no copy), BLAS runs bf16 GEMV; both within the bf16 bounds."""
+    timings = (0.0, 1.0) if products == "fused" else (1.0, 0.0)  # (fused, BLAS) seconds
+    monkeypatch.setattr(llama, "time_one_row_products", lambda linears: {m.kind: timings for m in linears})
+    llm = _check(str(checkpoint(arch="llama")), mean_bound=0.07, max_bound=0.3, compile_decode=True)
+    model = llm.engine.runner.model
+    assert model.fused_products == (products == "fused")
+    assert model.compiled_steps > len(PROMPTS) * (STEPS - 1)  # every decode step, and the start-up one
+    if model.fused_products:
+        assert model.lm_head.fused[0].data_ptr() == model.lm_head.weight.data_ptr()
 
 
 @pytest.mark.skipif(
