@@ -339,7 +339,16 @@ def test_cli_prewarm_fills_the_disk_tier(checkpoint, tmp_path: Path, capsys: pyt
         + json.dumps({"prompt": _prompt([3, 4])})
     )
     disk = str(tmp_path / "kv")
-    options = ["--device", "cpu", "--chunk-layout", "isolated", "--kv-cache-tokens", "1024"]
+    options = [
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--chunk-layout",
+        "isolated",
+        "--kv-cache-tokens",
+        "1024",
+    ]
     argv = ["prewarm", "--model", str(path), "--documents", str(items), *options]
     assert cli_main([*argv, "--chunk-cache-disk-dir", disk]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
