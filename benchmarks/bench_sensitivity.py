@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from chunkcache.model.loader import model_path
 
-    llm = LLM(str(model_path("smollm2")), threads=args.threads, enable_prefix_caching=False)
+    llm = LLM(str(model_path("smollm2")), dtype="float32", threads=args.threads, enable_prefix_caching=False)
     elements = fidelity_set.load_elements()
     questions = [q for q in fidelity_set.load() if q.split == "tune"][: args.questions]
     names = list(MODES)

@@ -76,6 +76,7 @@ def main() -> None:
     url = redis_server.url
     options = {
         "device": "cpu",
+        "dtype": "float32",  # as documented above; auto would be bfloat16 on bf16 CPUs
         "chunk_layout": "isolated",
         "chunk_cache_size_gb": 1.0,
         "kv_cache_tokens": 8192,
