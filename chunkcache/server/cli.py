@@ -11,6 +11,7 @@ import logging
 
 from chunkcache.config import EngineConfig
 from chunkcache.engine_args import MODEL_HELP, add_engine_arguments, engine_options
+from chunkcache.errors import ModelLoadError
 from chunkcache.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,10 @@ def main(argv: list[str] | None = None) -> None:
         prog="chunkcache serve", description="OpenAI-compatible chunkcache server"
     )
     add_serve_arguments(parser)
-    run_serve(parser.parse_args(argv))
+    try:
+        run_serve(parser.parse_args(argv))
+    except ModelLoadError as e:  # a missing or bad model: one line, no traceback
+        raise SystemExit(f"chunkcache serve: error: {e}") from None
 
 
 if __name__ == "__main__":
