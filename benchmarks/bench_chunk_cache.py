@@ -1,6 +1,6 @@
 """Time to first token of a chunked RAG prompt `S # # C1 # # ... # # Cn # # Q`: plain, cold, warm, floor.
 
-Checkpoint: `--model` (a directory or .gguf file; `--model default` = SmolLM2-135M-Instruct), else
+Checkpoint: `--model` (a directory or .gguf file; `--model smollm2` = SmolLM2-135M-Instruct), else
 the random Qwen2.5-0.5B-shaped one of bench_engine (built on first use); fp32, CPU.
 Shapes: S = 128 tokens (BOS included), n = 4 chunks of 1024 tokens, Q = 64 tokens, 16 new tokens
 (greedy, EOS ignored). Texts are random words of exactly those token counts (each part tokenized on

@@ -1,7 +1,7 @@
 """The engine against transformers, side by side in one process, on the same checkpoint.
 
-Checkpoint: `--model` (a directory or a .gguf file; `--model default` = SmolLM2-135M-Instruct, the
-default model), else random weights shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads,
+Checkpoint: `--model` (a directory or a .gguf file; `--model smollm2` = SmolLM2-135M-Instruct,
+`--model default` = the default model), else random weights shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads,
 2 KV heads, vocab 151936, tied embeddings), built by `tests/tiny_checkpoint.py` on first use.
 fp32, CPU. transformers runs `AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32)`
 (for a GGUF: with `gguf_file=`, its own dequantization) with `attn_implementation="sdpa"`, under

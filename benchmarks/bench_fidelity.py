@@ -382,9 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.limit:
         questions = questions[: args.limit]
     if args.model is None:
-        from chunkcache.model.loader import default_model
+        from chunkcache.model.loader import model_path
 
-        args.model = str(default_model())
+        args.model = str(model_path("smollm2"))
     if args.merge:
         results = _load(args.merge)
         if args.timing:

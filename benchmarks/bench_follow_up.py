@@ -26,7 +26,7 @@ engine, and whether chain's replies equal those of a twin engine (chain's option
 the first question and blends the follow-up itself: they should, the same KV found or computed.
 Blend's replies may differ where the last document's tail (run fresh under chain) tips them.
 
-    python benchmarks/bench_follow_up.py --threads 1 [--sets 24] [--model default]
+    python benchmarks/bench_follow_up.py --threads 1 [--sets 24] [--model smollm2]
 
 Last line: `SUMMARY bench_follow_up: follow_chain_vs_blend=..x follow_chain_vs_plain=..x
 first_chain_vs_blend=..x follow_exact_vs_blend=..x cpu_... same_replies=K/N
@@ -98,9 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_torch(args.threads)
     if args.model is None:
-        from chunkcache.model.loader import default_model
+        from chunkcache.model.loader import model_path
 
-        args.model = str(default_model())
+        args.model = str(model_path("smollm2"))
     common: dict[str, Any] = {"device": "cpu", "dtype": "float32", "threads": args.threads}
     engines = {
         "plain": LLM(args.model, enable_chunk_cache=False, **common),

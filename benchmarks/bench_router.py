@@ -204,9 +204,9 @@ def load_processor(tokenizer: str | None) -> tuple[PromptProcessor, str]:
     if tokenizer is None:
         try:
             from chunkcache.model.gguf_file import load_gguf_tokenizer
-            from chunkcache.model.loader import default_model
+            from chunkcache.model.loader import model_path
 
-            path = Path(default_model())
+            path = Path(model_path("smollm2"))
             return PromptProcessor(load_gguf_tokenizer(path), MODEL), f"{path.name} (GGUF metadata)"
         except Exception as e:  # the default model is an optional install
             print(f"default model's tokenizer unavailable ({e}); using the tiny BPE")

@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--questions", type=int, default=12, help="tune questions, from the first")
     args = parser.parse_args(argv)
-    from chunkcache.model.loader import default_model
+    from chunkcache.model.loader import model_path
 
-    llm = LLM(str(default_model()), threads=args.threads, enable_prefix_caching=False)
+    llm = LLM(str(model_path("smollm2")), dtype="float32", threads=args.threads, enable_prefix_caching=False)
     elements = fidelity_set.load_elements()
     questions = [q for q in fidelity_set.load() if q.split == "tune"][: args.questions]
     names = list(MODES)

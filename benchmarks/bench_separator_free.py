@@ -248,9 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "separator_free.json")
     args = parser.parse_args(argv)
     if args.model is None:
-        from chunkcache.model.loader import default_model
+        from chunkcache.model.loader import model_path
 
-        args.model = str(default_model())
+        args.model = str(model_path("smollm2"))
     elements = fidelity_set.load_elements()
     options = {"device": "cpu", "dtype": "float32", "threads": args.threads, "kv_cache_tokens": 16384}
     llm_sf = LLM(args.model, **options)

@@ -1,6 +1,6 @@
 """Time to first token of a chunked prompt whose documents come from each chunk tier, or are recomputed.
 
-Checkpoint: `--model` (a directory or .gguf file; `--model default` = SmolLM2-135M-Instruct), else
+Checkpoint: `--model` (a directory or .gguf file; `--model smollm2` = SmolLM2-135M-Instruct), else
 the random Qwen2.5-0.5B-shaped one of bench_engine (built on first use); fp32, CPU.
 Shapes: S = 128 tokens, 4 chunks of 1024 tokens, Q = 64 tokens, 16 new tokens (`--quick`: 32,
 4 x 128, 16, 4). Layout "isolated", so a request with every entry cached computes only Q.
@@ -76,6 +76,7 @@ def main() -> None:
     url = redis_server.url
     options = {
         "device": "cpu",
+        "dtype": "float32",  # as documented above; auto would be bfloat16 on bf16 CPUs
         "chunk_layout": "isolated",
         "chunk_cache_size_gb": 1.0,
         "kv_cache_tokens": 8192,

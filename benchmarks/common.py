@@ -57,8 +57,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="a checkpoint directory or .gguf file to measure, or 'default' for chunkcache's default "
-        "model (SmolLM2-135M-Instruct); without it, the random Qwen2.5-0.5B-shaped checkpoint of --model-dir",
+        help="a checkpoint directory or .gguf file to measure, a known model's short name (smollm2, "
+        "qwen2.5-coder-1.5b), or 'default' for chunkcache's default model (qwen2.5-coder-1.5b; "
+        "SmolLM2-135M-Instruct before issue 33); without it, the random Qwen2.5-0.5B-shaped checkpoint "
+        "of --model-dir",
     )
     parser.add_argument(
         "--model-dir",
@@ -85,12 +87,15 @@ def ensure_checkpoint(model_dir: Path) -> Path:
 
 
 def bench_model(args: argparse.Namespace) -> str:
-    """The model a benchmark measures: --model (`default` = chunkcache's default model), else the
-    random Qwen2.5-0.5B-shaped checkpoint, built on first use."""
-    if args.model == "default":
-        from chunkcache.model.loader import default_model
+    """The model a benchmark measures: --model (`default` = chunkcache's default model, a short name
+    = that model's file), else the random Qwen2.5-0.5B-shaped checkpoint, built on first use."""
+    from chunkcache.model import catalog
+    from chunkcache.model.loader import model_path
 
-        return default_model()
+    if args.model == "default":
+        return model_path(catalog.DEFAULT_MODEL)
+    if args.model is not None and catalog.known(args.model) is not None:
+        return model_path(args.model)
     return args.model or str(ensure_checkpoint(args.model_dir))
 
 

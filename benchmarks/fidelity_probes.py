@@ -312,9 +312,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"unknown probe {name!r}: context:{'|'.join(CONTEXTS)}, deep:K or select:{'|'.join(SCORERS)}@R"
             )
     torch.set_num_threads(args.threads)
-    from chunkcache.model.loader import default_model
+    from chunkcache.model.loader import model_path
 
-    probe = Probe(default_model(), args.max_tokens)
+    probe = Probe(model_path("smollm2"), args.max_tokens)
     num_layers = probe.model.config.num_hidden_layers
     elements = fidelity_set.load_elements()
     # `prior-text`'s context: one fixed passage of another domain (CPython's documentation), the

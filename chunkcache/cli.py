@@ -1,4 +1,4 @@
-"""`chunkcache serve | route | generate | eval | prewarm`: one entry point, one sub-command per job."""
+"""`chunkcache serve | route | generate | eval | prewarm | models`: one entry point, one sub-command per job."""
 
 from __future__ import annotations
 
@@ -84,6 +84,35 @@ def _add_prewarm(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--window", type=int, default=8, help="items in flight at once (default: %(default)s)")
     add_engine_arguments(p)
+
+
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the models known by a short name; install one")
+    p.add_argument("--install", metavar="NAME", default=None, help="download, join and verify this model")
+
+
+def run_models(args: argparse.Namespace) -> int:
+    import logging
+
+    from chunkcache.model import catalog, fetch
+
+    if args.install is not None:
+        model = catalog.known(args.install)
+        if model is None:
+            raise UsageError(f"unknown model {args.install!r}; known: {', '.join(catalog.KNOWN_MODELS)}")
+        logging.basicConfig(level="INFO", format="%(message)s")
+        print(fetch.install(model))
+        return 0
+    for model in catalog.KNOWN_MODELS.values():
+        path = catalog.candidate_path(model)
+        installed = path is not None and path.is_file()
+        if installed and model.source is catalog.Source.PART_PACKAGES:
+            installed = fetch.is_verified(model, path)
+        default = " (default)" if model.name == catalog.DEFAULT_MODEL else ""
+        print(f"{model.name}{default}: {model.title}, {model.size_bytes / 1e9:.2f} GB, {model.license}")
+        print(f"  source: {model.publisher}; sha256 {model.sha256}")
+        print(f"  {'installed: ' + str(path) if installed else 'not installed: ' + model.install_hint()}")
+    return 0
 
 
 def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
@@ -216,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_eval(sub)
     _add_prewarm(sub)
+    _add_models(sub)
 
     from chunkcache.router.app import add_route_arguments, run_route
     from chunkcache.server.cli import add_serve_arguments, run_serve
@@ -226,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         add_debug_argument(command, sub_command=True)
     args = parser.parse_args(argv)
     commands = {
+        "models": run_models,
         "generate": run_generate,
         "eval": run_eval,
         "prewarm": run_prewarm,

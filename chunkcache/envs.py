@@ -77,5 +77,10 @@ def omp_num_threads() -> str | None:
     return os.environ.get("OMP_NUM_THREADS") or None
 
 
+def model_dir() -> str:
+    """Where known models' joined files are kept (chunkcache.model.catalog)."""
+    return os.environ.get("CHUNKCACHE_MODEL_DIR") or os.path.join("~", ".cache", "chunkcache", "models")
+
+
 def log_level() -> str:
     return os.environ.get("CHUNKCACHE_LOG_LEVEL", "INFO").upper()

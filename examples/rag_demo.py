@@ -10,7 +10,12 @@ same order with the first question, so it reads their KV from the prefix cache a
 its question; on a server started with `--exact-follow-ups` that KV is a full prefill's (computed
 while the server idled; the demo waits up to 30 s for it, as a user reading the last answer would).
 The chat puts the documents in the user turn, each after the separator:
-`# # doc # # doc ... # # question`.
+`# # doc # # doc ... # # question`. Each answer is checked against the words it must contain, and
+`--full-prefill` asks each question once more with the documents recomputed in full (a blend that
+recomputes every token at layer 0: exact) under a fresh cache salt (so that no cached KV, not even
+an exact prefix, is read), to show what reuse is measured against.
+
+The server's own options (model, dtype, reuse mode) are set in one place, scripts/demo.sh.
 """
 
 from __future__ import annotations
@@ -42,10 +47,17 @@ DOCS = [
     'for "I love you so much" in Spanish (te quiero demasiado). Instantly make your loops show a '
     "smart progress meter - just wrap any iterable with tqdm(iterable), and you're done!",
 ]
+# (question, words a right answer contains)
 QUESTIONS = [
-    ("Which Arabic word does the name tqdm derive from?", "taqaddum"),
-    ("Which protocols does Uvicorn support?", "HTTP/1.1, HTTP/2 and WebSockets"),
+    ("Which Arabic word does the name tqdm derive from?", ("taqaddum",)),
+    ("Which protocols does Uvicorn support?", ("HTTP/1.1", "HTTP/2", "WebSockets")),
 ]
+# Per-request chunk options of the full-prefill check (the server's ChunkConfig fields).
+FULL_PREFILL = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [1.0]}
+
+
+def is_right(answer: str, words: tuple[str, ...]) -> bool:
+    return all(w.lower() in answer.lower() for w in words)
 
 
 def chat_messages(system: str, docs: list[str], question: str) -> list[dict[str, str]]:
@@ -54,9 +66,15 @@ def chat_messages(system: str, docs: list[str], question: str) -> list[dict[str,
 
 
 def ask(
-    client: openai.OpenAI, model: str, system: str, docs: list[str], question: str
+    client: openai.OpenAI,
+    model: str,
+    system: str,
+    docs: list[str],
+    question: str,
+    chunk_options: dict[str, object] | None = None,
 ) -> tuple[str, float, int, int]:
-    """(answer, TTFT seconds, prompt tokens, cached prompt tokens) of one streamed chat request."""
+    """(answer, TTFT seconds, prompt tokens, cached prompt tokens) of one streamed chat request;
+    `chunk_options` (chunkcache's request extension) override the server's for this request."""
     start = time.perf_counter()
     ttft = 0.0
     text = ""
@@ -68,6 +86,7 @@ def ask(
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body=chunk_options,
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -104,6 +123,9 @@ def main() -> None:
         action="store_true",
         help="the server runs with --exact-follow-ups: wait for its idle work before the follow-up",
     )
+    parser.add_argument(
+        "--full-prefill", action="store_true", help="also ask each question with a full prefill"
+    )
     args = parser.parse_args()
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0)
     model = client.models.list().data[0].id
@@ -116,17 +138,25 @@ def main() -> None:
         print("  -", doc)
     stats_url = args.base_url.rstrip("/").removesuffix("/v1") + "/v1/chunk_cache/stats"
     headers = {"Authorization": f"Bearer {args.api_key}"}
-    for label, order, (question, expected) in (
-        ("cold", docs, questions[0]),
-        ("warm", list(reversed(docs)), questions[1]),
-        ("follow-up", list(reversed(docs)), questions[0]),
-    ):
+    runs = [
+        ("cold", docs, questions[0], None),
+        ("warm", list(reversed(docs)), questions[1], None),
+        ("follow-up", list(reversed(docs)), questions[0], None),
+    ]
+    if args.full_prefill:
+        salted = [{**FULL_PREFILL, "cache_salt": f"full-prefill-{time.time_ns()}-{i}"} for i in range(2)]
+        runs += [("full prefill", docs, q, options) for q, options in zip(questions, salted, strict=True)]
+    right = 0
+    for label, order, (question, words), options in runs:
         if label == "follow-up" and args.exact_follow_ups:
             wait_for_exact_prefixes(stats_url, headers, 2)
-        answer, ttft, prompt_tokens, cached = ask(client, model, system, order, question)
+        answer, ttft, prompt_tokens, cached = ask(client, model, system, order, question, options)
+        verdict = "right" if is_right(answer, words) else f"WRONG (expected {', '.join(words)})"
+        right += verdict == "right"
         print(f"\n[{label}] Q: {question}")
-        print(f"[{label}] A: {answer!r} (expected {expected!r})")
+        print(f"[{label}] A: {answer!r}: {verdict}")
         print(f"[{label}] TTFT {ttft * 1000:.1f} ms, {cached} of {prompt_tokens} prompt tokens cached")
+    print(f"\n{right} of {len(runs)} answers right")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # Set up (scripts/setup.sh), install redis-server for the router's Redis tests, lint, run the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+# SmolLM2 and tiny random checkpoints are all the tests load: no 1.1 GB default model here.
+bash scripts/setup.sh smollm2
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq redis-server >/dev/null

@@ -32,31 +32,34 @@ __all__ = [
     "hf_logits_with_mask",
     "hf_logprobs_with_mask",
     "hf_model",
+    "hf_teacher_forced_logprobs",
     "register_ape_attention",
 ]
 
 
 @functools.lru_cache(maxsize=16)
-def _load(path: str, attn_implementation: str) -> torch.nn.Module:
+def _load(path: str, attn_implementation: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     kwargs = {}
     if path.endswith(".gguf"):  # transformers' own GGUF reader (gguf's dequantize + its renaming)
         path, kwargs["gguf_file"] = str(Path(path).parent), Path(path).name
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation, **kwargs
+        path, dtype=dtype, attn_implementation=attn_implementation, **kwargs
     )
     return model.eval()
 
 
-def hf_model(path: str | Path, attn_implementation: str = "eager") -> torch.nn.Module:
-    """The checkpoint at `path` (a directory, or a .gguf file) loaded by transformers: float32,
-    eval mode, cached per path.
+def hf_model(
+    path: str | Path, attn_implementation: str = "eager", dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The checkpoint at `path` (a directory, or a .gguf file) loaded by transformers: float32
+    unless `dtype` says otherwise, eval mode, cached per path.
 
     "eager" is the default because it is plain PyTorch math (the most literal reference);
     "sdpa" gives the same numbers to ~1e-6.
     """
-    return _load(str(Path(path).resolve()), attn_implementation)
+    return _load(str(Path(path).resolve()), attn_implementation, dtype)
 
 
 def _ids(token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -68,10 +71,13 @@ def _ids(token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def hf_first_token_logprobs(
-    path: str | Path, token_ids: Sequence[int], attn_implementation: str = "eager"
+    path: str | Path,
+    token_ids: Sequence[int],
+    attn_implementation: str = "eager",
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """log_softmax of the logits at the last prompt position (ordinary causal prompt), [vocab]."""
-    logits = hf_model(path, attn_implementation)(input_ids=_ids(token_ids)).logits
+    logits = hf_model(path, attn_implementation, dtype)(input_ids=_ids(token_ids)).logits
     return torch.log_softmax(logits[0, -1].float(), dim=-1)
 
 
@@ -99,6 +105,16 @@ def hf_generate(
         **generate_kwargs,
     )
     return out[0, ids.shape[1] :].tolist()
+
+
+@torch.inference_mode()
+def hf_teacher_forced_logprobs(
+    path: str | Path, prompt: Sequence[int], generated: Sequence[int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """log_softmax at every step that produced `generated` after `prompt` (one forward over
+    both), [len(generated), vocab]: a decode compared step by step without its greedy path."""
+    logits = hf_model(path, "eager", dtype)(input_ids=_ids([*prompt, *generated])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
 
 
 def hf_greedy(

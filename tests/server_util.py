@@ -104,7 +104,9 @@ class ServerProcess:
         # `script` replaces `-m chunkcache.server.cli` (tests inject faults through it); it gets
         # the same argv.
         head = ["-c", script] if script is not None else ["-m", "chunkcache.server.cli"]
-        cmd = [sys.executable, *head, *args, "--host", "127.0.0.1", "--port", str(self.port)]
+        # float32 unless a test asks otherwise: auto is bfloat16 on CPUs with native bf16 matmuls.
+        dtype = [] if "--dtype" in args else ["--dtype", "float32"]
+        cmd = [sys.executable, *head, *args, *dtype, "--host", "127.0.0.1", "--port", str(self.port)]
         full_env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1", **(env or {})}
         # A file, not a pipe: a pipe nobody reads would block a chatty server.
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())

@@ -51,7 +51,7 @@ def adapted(checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFa
 
 def test_merged_adapter_matches_peft(adapted) -> None:
     path, adapter_dir, model = adapted
-    llm = LLM(str(path), adapter=str(adapter_dir), enable_chunk_cache=False)
+    llm = LLM(str(path), dtype="float32", adapter=str(adapter_dir), enable_chunk_cache=False)
     ids = llm.tokenizer.encode(PROMPT)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     out = llm.generate([ids], params)[0]
@@ -69,7 +69,7 @@ def test_merged_adapter_matches_peft(adapted) -> None:
         assert abs(ref[token].item() - lp) < 1e-4, (token, ref[token].item(), lp)
     assert out.outputs[0].token_ids == new
     # The adapter changes the model: without it the first step's log-probs differ.
-    plain = LLM(str(path), enable_chunk_cache=False).generate([ids], params)[0]
+    plain = LLM(str(path), dtype="float32", enable_chunk_cache=False).generate([ids], params)[0]
     top = max(plain.outputs[0].logprobs[0], key=plain.outputs[0].logprobs[0].get)
     assert abs(plain.outputs[0].logprobs[0][top] - ref[top].item()) > 1e-3
 

@@ -49,7 +49,7 @@ def _llm(path, **options) -> LLM:
     options.setdefault("enable_prefix_caching", False)
     options.setdefault("kv_cache_tokens", 2048)
     options.setdefault("chunk_cache_size_gb", 0.001)
-    return LLM(str(path), device="cpu", **options)
+    return LLM(str(path), device="cpu", dtype="float32", **options)
 
 
 def _assert_logprobs_close(out, ref: torch.Tensor, tol: float = 1e-4) -> None:
@@ -282,7 +282,8 @@ def test_eval_cli_runs_every_mode(checkpoint, tmp_path, capsys) -> None:
     )
     out_json = tmp_path / "eval.json"
     args = ["eval", "--model", str(path), "--prompts", str(prompts), "--max-tokens", "4"]
-    args += ["--kv-cache-tokens", "1024", "--chunk-cache-size-gb", "0.001", "--json", str(out_json)]
+    args += ["--dtype", "float32", "--kv-cache-tokens", "1024", "--chunk-cache-size-gb", "0.001"]
+    args += ["--json", str(out_json)]
     assert main(args) == 0
     table = capsys.readouterr().out
     names = ["full", "isolated", "offset", "blend@0.05", "blend@0.15", "blend@0.3", "boundary-4"]

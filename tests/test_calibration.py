@@ -27,7 +27,9 @@ APE = {"calibration_temperature": 0.5, "calibration_scale": 1.5}
 
 
 def _llm(path, **options) -> LLM:
-    return LLM(str(path), device="cpu", kv_cache_tokens=2048, chunk_cache_size_gb=0.001, **options)
+    return LLM(
+        str(path), device="cpu", dtype="float32", kv_cache_tokens=2048, chunk_cache_size_gb=0.001, **options
+    )
 
 
 def _parts(llm: LLM, doc_ids: list[int]) -> tuple[str, list[int], list[list[int]], list[int]]:

@@ -37,7 +37,7 @@ def _llm(path, **options) -> LLM:
     options.setdefault("chunk_layout", "isolated")
     options.setdefault("kv_cache_tokens", 2048)
     options.setdefault("chunk_cache_size_gb", 0.001)
-    return LLM(str(path), device="cpu", **options)
+    return LLM(str(path), device="cpu", dtype="float32", **options)
 
 
 def _oracle(path, llm: LLM, doc_ids: list[int], question: str = QUESTION):
@@ -116,7 +116,9 @@ def test_plain_and_chunked_requests_in_one_batch(checkpoint) -> None:
     plain = "A plain prompt without any separator at all"
     outs = llm.generate([_prompt([3, 6]), plain, _prompt([6, 3])], GREEDY)
     _assert_matches_oracle(path, llm, [3, 6], outs[0])
-    reference = LLM(str(path), enable_chunk_cache=False, kv_cache_tokens=1024).generate([plain], GREEDY)[0]
+    reference = LLM(str(path), dtype="float32", enable_chunk_cache=False, kv_cache_tokens=1024).generate(
+        [plain], GREEDY
+    )[0]
     assert outs[1].outputs[0].token_ids == reference.outputs[0].token_ids
     assert outs[1].num_chunk_cached_tokens == 0
     llm.check_integrity()

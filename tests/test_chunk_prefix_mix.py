@@ -35,7 +35,9 @@ ISOLATED = {"chunk_layout": "isolated"}
 
 
 def _llm(path, **options) -> LLM:
-    return LLM(str(path), device="cpu", kv_cache_tokens=2048, chunk_cache_size_gb=0.001, **options)
+    return LLM(
+        str(path), device="cpu", dtype="float32", kv_cache_tokens=2048, chunk_cache_size_gb=0.001, **options
+    )
 
 
 def _reference(path, llm: LLM, layout: str, prefix_caching: bool = True) -> torch.Tensor:

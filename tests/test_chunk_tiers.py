@@ -46,7 +46,7 @@ def _llm(path: Path, **options) -> LLM:
     options.setdefault("chunk_layout", "isolated")
     options.setdefault("kv_cache_tokens", 1024)
     options.setdefault("chunk_cache_size_gb", 0.001)
-    return LLM(str(path), device="cpu", **options)
+    return LLM(str(path), device="cpu", dtype="float32", **options)
 
 
 def _chunk_tokens(llm: LLM, doc_ids: list[int]) -> int:
@@ -345,7 +345,16 @@ def test_cli_prewarm_fills_the_disk_tier(checkpoint, tmp_path: Path, capsys: pyt
         + json.dumps({"prompt": _prompt([3, 4])})
     )
     disk = str(tmp_path / "kv")
-    options = ["--device", "cpu", "--chunk-layout", "isolated", "--kv-cache-tokens", "1024"]
+    options = [
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--chunk-layout",
+        "isolated",
+        "--kv-cache-tokens",
+        "1024",
+    ]
     argv = ["prewarm", "--model", str(path), "--documents", str(items), *options]
     assert cli_main([*argv, "--chunk-cache-disk-dir", disk]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -366,7 +375,7 @@ def test_a_process_that_never_closes_its_engine_still_writes_its_entries(checkpo
         "from chunkcache.chunk.tiers.disk import DiskTier\n"
         "store = DiskTier.store\n"  # a slow disk: the writes are still pending at exit
         "DiskTier.store = lambda self, key, blob: time.sleep(0.3) or store(self, key, blob)\n"
-        "llm = LLM(sys.argv[1], device='cpu', chunk_layout='isolated', kv_cache_tokens=1024,\n"
+        "llm = LLM(sys.argv[1], device='cpu', dtype='float32', chunk_layout='isolated', kv_cache_tokens=1024,\n"
         "          chunk_cache_size_gb=0.001, chunk_cache_disk_dir=sys.argv[2])\n"
         "llm.generate(sys.argv[3], SamplingParams(max_tokens=1))\n"  # and exit, no close()
     )

@@ -85,7 +85,13 @@ def server_tokens(server: ServerProcess, text: str) -> list[int]:
 
 
 def test_prewarm_endpoint_and_tier_metrics(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
-    options = {"device": "cpu", "kv_cache_tokens": 1024, "max_model_len": 256, "chunk_layout": "isolated"}
+    options = {
+        "device": "cpu",
+        "dtype": "float32",
+        "kv_cache_tokens": 1024,
+        "max_model_len": 256,
+        "chunk_layout": "isolated",
+    }
     options["chunk_cache_disk_dir"] = str(tmp_path)
     engine = LLMEngine(EngineConfig.from_options(str(checkpoint("qwen3")), use_env=False, **options))
     server = ServerThread(build_app(engine, api_key=None, max_queue=8, served_model_name="m")).start()

@@ -19,7 +19,9 @@ PROMPTS = [
 
 
 def _llm(path, **options) -> LLM:
-    return LLM(str(path), device="cpu", kv_cache_tokens=4096, chunk_cache_size_gb=0.01, **options)
+    return LLM(
+        str(path), device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_cache_size_gb=0.01, **options
+    )
 
 
 # The 1-row products of the compiled step: inductor's multiply-sum loops or BLAS calls. Which one

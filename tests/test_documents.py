@@ -50,7 +50,7 @@ DOC_TEMPLATE = (
 def _llm(path: Path, **options: Any) -> LLM:
     options.setdefault("kv_cache_tokens", 2048)
     options.setdefault("chunk_cache_size_gb", 0.001)
-    return LLM(str(path), device="cpu", **options)
+    return LLM(str(path), device="cpu", dtype="float32", **options)
 
 
 def _render(tokenizer: Any, template: str | None = None) -> Callable[..., str]:
@@ -160,6 +160,7 @@ def test_documents_without_chunk_cache_are_one_plain_prompt(checkpoint) -> None:
 @pytest.fixture(scope="module")
 def client(checkpoint) -> Iterator[tuple[openai.OpenAI, ServerThread]]:
     options = {"kv_cache_tokens": 4096, "chunk_cache_size_gb": 0.01, "max_chunks": 4, "device": "cpu"}
+    options["dtype"] = "float32"
     engine = LLMEngine(EngineConfig.from_options(str(checkpoint()), use_env=False, **options))
     srv = ServerThread(build_app(engine, api_key=None, max_queue=16, served_model_name=MODEL)).start()
     yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60), srv

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import pickle
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from chunkcache import LLM, SamplingParams
 from chunkcache.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from chunkcache.hashing import block_hashes
+from chunkcache.model import loader
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
 PROMPTS = [
@@ -41,6 +43,7 @@ CASES = [
 def _small_llm(path: Path, **options) -> LLM:
     options.setdefault("kv_cache_tokens", 4096)
     options.setdefault("chunk_cache_size_gb", 0.01)
+    options.setdefault("dtype", "float32")  # the oracles' 1e-4; auto is bfloat16 on bf16 CPUs
     return LLM(str(path), device="cpu", **options)
 
 
@@ -263,11 +266,33 @@ def test_load_errors_name_the_problem(checkpoint, tmp_path: Path) -> None:
         LLM(str(src), no_such_option=1)
 
 
-def test_device_and_dtype_auto(checkpoint) -> None:
-    llm = LLM(str(checkpoint(arch="llama", dtype="bfloat16")), kv_cache_tokens=256)
+@pytest.mark.parametrize(("native", "expected"), [("AVX512-BF16", torch.bfloat16), (None, torch.float32)])
+def test_device_and_dtype_auto(
+    checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, native, expected
+) -> None:
+    """auto on CPU: bfloat16 where the CPU has native bf16 matrix instructions, else float32;
+    the choice and its reason in the load log line; an explicit dtype wins."""
+    monkeypatch.setattr(loader, "native_bf16_matmul", lambda: native)
+    with caplog.at_level(logging.INFO, logger="chunkcache.model.loader"):
+        llm = LLM(str(checkpoint(arch="llama", dtype="float16")), kv_cache_tokens=256)
     assert llm.engine.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
-    if llm.engine.device.type == "cpu":
-        assert llm.engine.runner.dtype == torch.float32
+    if llm.engine.device.type != "cpu":
+        return
+    assert llm.engine.runner.dtype == expected
+    name = str(expected).removeprefix("torch.")
+    reason = "has native bf16 matrix instructions (AVX512-BF16)" if native else "has no native bf16"
+    assert any(f"{name} on cpu (auto: the CPU {reason}" in r.getMessage() for r in caplog.records)
+    pinned = LLM(str(checkpoint(arch="llama")), device="cpu", dtype="float32", kv_cache_tokens=256)
+    assert pinned.engine.runner.dtype == torch.float32
+
+
+def test_native_bf16_detection_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader.platform, "machine", lambda: "x86_64")
+    for amx, avx in ((True, True), (False, True), (True, False), (False, False)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda a=amx: a)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx: v)
+        names = [n for n, on in (("AMX", amx), ("AVX512-BF16", avx)) if on]
+        assert loader.native_bf16_matmul() == (" and ".join(names) or None)
 
 
 # (pack, narrow_copy, pack_prefill, in, out) -> expected (narrow, wide, prefill) layouts

@@ -135,7 +135,8 @@ def test_sampling_params_validation_units() -> None:
 
 @pytest.fixture(scope="module")
 def inproc(model_dir: Path) -> Iterator[ServerThread]:
-    options = {"device": "cpu", "kv_cache_tokens": 2048, "max_model_len": 512, "chunk_cache_size_gb": 0.01}
+    options = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "max_model_len": 512}
+    options["chunk_cache_size_gb"] = 0.01
     engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, **options))
     srv = ServerThread(build_app(engine, api_key=None, max_queue=64, served_model_name=None)).start()
     yield srv
@@ -202,7 +203,9 @@ def test_failing_fill_job_fails_the_requests_waiting_for_it(
 
 def test_engine_thread_death_makes_health_503(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = LLMEngine(
-        EngineConfig.from_options(str(model_dir), use_env=False, device="cpu", kv_cache_tokens=512)
+        EngineConfig.from_options(
+            str(model_dir), use_env=False, device="cpu", dtype="float32", kv_cache_tokens=512
+        )
     )
     srv = ServerThread(build_app(engine, api_key=None, max_queue=8, served_model_name=None)).start()
     deaths: list[BaseException] = []
@@ -327,7 +330,9 @@ def test_request_larger_than_the_kv_cache_is_refused(http: httpx.Client) -> None
 
 def test_open_max_tokens_is_capped_at_the_kv_cache(model_dir: Path) -> None:
     engine = LLMEngine(
-        EngineConfig.from_options(str(model_dir), use_env=False, device="cpu", kv_cache_tokens=256)
+        EngineConfig.from_options(
+            str(model_dir), use_env=False, device="cpu", dtype="float32", kv_cache_tokens=256
+        )
     )
     try:
         with pytest.raises(InvalidRequestError) as info:
@@ -911,7 +916,7 @@ def test_router_index_recovers_after_a_redis_restart(model_dir: Path) -> None:
     redis = RedisServer(redis_dir)
     redis.start()
     argv = [
-        "--model", str(model_dir), "--device", "cpu", "--kv-cache-tokens", "2048", "--chunk-cache-size-gb", "0.01",
+        "--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "--kv-cache-tokens", "2048", "--chunk-cache-size-gb", "0.01",
         "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0",
         "--kv-events-topic", "kv@b1@m", "--served-model-name", "m",
     ]  # fmt: skip

@@ -25,7 +25,7 @@ def _prompt(doc_ids: list[int], question: str) -> str:
 
 def _llm(path, **options) -> LLM:
     options.setdefault("kv_cache_tokens", 2048)
-    return LLM(str(path), device="cpu", **options)
+    return LLM(str(path), device="cpu", dtype="float32", **options)
 
 
 def _blended_kv(llm: LLM, prompt: str, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -264,7 +264,7 @@ def test_a_server_answers_a_follow_up_turn_exactly(checkpoint) -> None:
     from chunkcache.server.app import build_app
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    options = {"device": "cpu", "kv_cache_tokens": 2048, "exact_follow_ups": True}
+    options = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "exact_follow_ups": True}
     engine = LLMEngine(EngineConfig.from_options(str(path), use_env=False, **options))
     srv = ServerThread(build_app(engine, api_key=None, max_queue=16, served_model_name="m")).start()
     documents = [DOCS[i] for i in ORDER]

@@ -186,8 +186,10 @@ def test_gguf_equals_the_same_weights_from_safetensors(
     assert loaded.name == "model"
     if qtype in (Q.Q8_0, Q.Q4_1):  # end to end, once per file layout: same tokens, same logprobs
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
-        a = LLM(str(tmp_path), tokenizer=str(src), kv_cache_tokens=512).generate(PROMPT, params)[0]
-        b = LLM(str(reference), kv_cache_tokens=512).generate(PROMPT, params)[0]
+        a = LLM(str(tmp_path), tokenizer=str(src), dtype="float32", kv_cache_tokens=512).generate(
+            PROMPT, params
+        )[0]
+        b = LLM(str(reference), dtype="float32", kv_cache_tokens=512).generate(PROMPT, params)[0]
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         # Equal weights; dense GEMMs may round differently by the buffers' memory alignment.
         for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):

@@ -78,7 +78,7 @@ def _resident_share(t: torch.Tensor, start: int, end: int) -> float:
 def test_paged_kv_mapped_at_start_pool_on_demand(checkpoint) -> None:
     # A pool large enough that each layer's cache is a fresh mapping of its own (over malloc's
     # mmap threshold), never heap memory an earlier test freed and that is mapped already.
-    llm = LLM(str(checkpoint()), device="cpu", kv_cache_tokens=8192, chunk_cache_size_gb=1.0)
+    llm = LLM(str(checkpoint()), device="cpu", dtype="float32", kv_cache_tokens=8192, chunk_cache_size_gb=1.0)
     engine = llm.engine
     paged = engine.blocks.num_blocks * engine.blocks.block_size
     for k_layer, v_layer in engine.runner.kv_caches:

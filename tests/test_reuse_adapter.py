@@ -34,7 +34,12 @@ def test_student_forward_is_the_engines_offset_reuse(checkpoint) -> None:
     # Prefix caching off: pure offset reuse (with it on, the last document's tokens after its
     # last full block run fresh, so that follow-ups can read the blocks; see test_blended_prefix).
     llm = LLM(
-        str(path), device="cpu", kv_cache_tokens=4096, chunk_cache_size_gb=0.01, enable_prefix_caching=False
+        str(path),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=4096,
+        chunk_cache_size_gb=0.01,
+        enable_prefix_caching=False,
     )
     for sample in reuse_corpus.samples(tokenizer, 2, seed=1):
         prompt = sample.text
@@ -56,8 +61,8 @@ def test_recipe_writes_an_adapter_the_engine_loads(checkpoint, tmp_path: Path) -
     )  # fmt: skip
     log = json.loads((out / "training_log.json").read_text())
     assert len(log["loss"]) == 4 and [v["seen"] for v in log["val"]] == [0, 2, 4]
-    llm = LLM(str(path), device="cpu", adapter=str(out), enable_chunk_cache=False)
-    plain = LLM(str(path), device="cpu", enable_chunk_cache=False)
+    llm = LLM(str(path), device="cpu", dtype="float32", adapter=str(out), enable_chunk_cache=False)
+    plain = LLM(str(path), device="cpu", dtype="float32", enable_chunk_cache=False)
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=3)
     a, b = (x.generate(["Where does Alice live?"], params)[0].outputs[0].logprobs[0] for x in (llm, plain))
     assert a != b  # one pass at this learning rate moves the weights

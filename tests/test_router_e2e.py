@@ -59,7 +59,7 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float
 def serve_replica(model: Path, name: str) -> ServerThread:
     """What `chunkcache serve --model M --served-model-name ... --kv-events-endpoint ...` runs."""
     argv = [
-        "--model", str(model), "--served-model-name", MODEL, "--device", "cpu",
+        "--model", str(model), "--served-model-name", MODEL, "--device", "cpu", "--dtype", "float32",
         "--kv-cache-tokens", "4096", "--chunk-cache-size-gb", "0.01", "--chunk-layout", "isolated",
         "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:0",
         "--kv-events-topic", f"kv@{name}@{MODEL}",

@@ -19,7 +19,7 @@ PROMPT = [5, 17, 17, 40, 9, 63, 17, 2, 88, 31]
 @pytest.fixture(scope="module")
 def llm(checkpoint):
     path = checkpoint(arch="llama")
-    engine = LLM(str(path), device="cpu", kv_cache_tokens=2048, chunk_cache_size_gb=0.01)
+    engine = LLM(str(path), device="cpu", dtype="float32", kv_cache_tokens=2048, chunk_cache_size_gb=0.01)
     return path, engine
 
 

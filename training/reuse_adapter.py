@@ -206,9 +206,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.model is None:
-        from chunkcache.model.loader import default_model
+        from chunkcache.model.loader import model_path
 
-        args.model = default_model()
+        args.model = model_path("smollm2")
     model, tokenizer = load(args.model, args)
     train = reuse_corpus.samples(tokenizer, args.samples, seed=args.seed)
     val_samples = reuse_corpus.samples(tokenizer, args.val, seed=args.seed + 10_000)

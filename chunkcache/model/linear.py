@@ -152,7 +152,7 @@ def time_one_row_products(
         "fused": lambda m, x: fused(x, *m.fused),
         "blas": lambda m, x: m.plain_product(x, m.narrow),
     }
-    xs = {m.in_features: torch.randn(1, m.in_features) for m in linears}
+    xs = {m.in_features: torch.randn(1, m.in_features, dtype=m.fused[0].dtype) for m in linears if m.fused}
     for run in passes.values():  # compile, and page in every weight once
         for m in linears:
             run(m, xs[m.in_features])
@@ -297,9 +297,10 @@ class Linear(nn.Module):
 
     def hold_fused_weight(self, shared: torch.Tensor | None = None) -> bool:
         """Hold the [out, in] weight for 1-3 row products under torch.compile (`multiply_sum`);
-        returns whether it is held. CPU float32 only, where `prepare` chose the layouts. A copy,
-        unless the dense layout is held already (a transposed narrow layout drops it) or `shared`
-        is a contiguous tensor equal to the weight that is kept anyway (a tied embedding's)."""
+        returns whether it is held. CPU float32, where `prepare` chose the layouts, and bfloat16.
+        A copy, unless the dense layout is held already (a transposed narrow layout drops it; in
+        bfloat16 it is the only one) or `shared` is a contiguous tensor equal to the weight that is
+        kept anyway (a tied embedding's)."""
         if self.narrow == "packed" or not self.is_prepared_cpu():
             return False
         weight, bias = self.dense_weight()
@@ -309,8 +310,11 @@ class Linear(nn.Module):
         return True
 
     def is_prepared_cpu(self) -> bool:
-        """Whether the weight is held in a plain CPU float32 layout (what the fused form reads)."""
+        """Whether the weight is held in a plain CPU layout the fused form reads: float32 (after
+        `prepare`), or bfloat16, whose dense weight is the [out, in] form itself (no copy)."""
         held = self.weight if self.weight is not None else self.weight_t
+        if held is not None and held.device.type == "cpu" and held.dtype == torch.bfloat16:
+            return True
         return held is not None and plain_cpu_fp32(held)
 
     def _packed_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
