@@ -73,9 +73,10 @@ def _reference_combine(rule: str, lp: torch.Tensor, relevance: torch.Tensor) -> 
 
 
 def _reference_decode(
-    path: Any, contexts: list[list[int]], q: list[int], rule: str
+    path: Any, contexts: list[list[int]], q: list[int], rule: str, bias: dict[int, float] | None = None
 ) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens of the rule over transformers' streams, and the first step's combined log-probs."""
+    """Greedy tokens of the rule over transformers' streams (`bias` added to the combined
+    distribution), and the first step's combined log-probs."""
     relevance = []
     for ctx in contexts:
         lp = _hf_stream_logprobs(path, ctx + q)
@@ -87,7 +88,10 @@ def _reference_decode(
         lp = torch.stack([_hf_stream_logprobs(path, ctx + q + tokens)[-1] for ctx in contexts])
         combined = _reference_combine(rule, lp, torch.tensor(relevance))
         first = combined if first is None else first
-        tokens.append(int(combined.argmax()))
+        biased = combined.clone()
+        for token, value in (bias or {}).items():
+            biased[token] += value
+        tokens.append(int(biased.argmax()))
     assert first is not None
     return tokens, first
 
@@ -136,6 +140,51 @@ def test_rules_match_a_reference_over_transformers_streams(checkpoint, rule: str
     for token, lp in out.outputs[0].logprobs[0].items():
         assert abs(first[token].item() - lp) < 1e-4, (token, first[token].item(), lp)
     llm.check_integrity()
+
+
+def test_sampling_options_apply_to_the_combined_distribution(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    llm = _llm(path)
+    doc_ids = [0, 2]
+    contexts, q = _streams(llm, doc_ids, False)
+    plain, first = _reference_decode(path, contexts, q, "max_confidence")
+    # A bias that flips the first step's choice: onto its second most likely token.
+    top2 = torch.topk(first, 2)
+    bias = {int(top2.indices[1]): float(top2.values[0] - top2.values[1]) + 0.5}
+    expected, _ = _reference_decode(path, contexts, q, "max_confidence", bias)
+    assert expected != plain
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logit_bias=bias)
+    out = llm.generate(_prompt(doc_ids), params)[0]
+    assert out.outputs[0].token_ids == expected
+    # Stop strings end the one reply; the text is the combined tokens' text.
+    text = llm.tokenizer.decode(expected)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, stop=[stop], logit_bias=bias)
+    stopped = llm.generate(_prompt(doc_ids), params)[0]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].text == text[: text.index(stop)]
+    llm.check_integrity()
+
+
+def test_a_failed_step_fails_the_request_and_frees_its_streams(checkpoint, monkeypatch) -> None:
+    llm = _llm(checkpoint(arch="llama"))
+    engine = llm.engine
+    run = engine.runner.run
+    calls = {"n": 0}
+
+    def failing(batch: Any) -> Any:
+        if any(s.fusion is not None for s in batch.seqs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected fault")
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", failing)
+    out = llm.generate([_prompt([0, 1, 3]), "A plain prompt"], GREEDY)
+    assert out[0].outputs[0].finish_reason == "error" and "injected fault" in out[0].error
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 for e in engine.chunks.pool.entries())
+    engine.check_integrity()
+    assert llm.generate([_prompt([0, 1, 3])], GREEDY)[0].outputs[0].finish_reason == "length"
 
 
 def test_usage_counts_the_prompt_once_and_cached_chunks(checkpoint) -> None:
