@@ -3,6 +3,7 @@ transformers over each stream's own prompt S + Ci + Q."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -162,6 +163,13 @@ def test_sampling_options_apply_to_the_combined_distribution(checkpoint) -> None
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, stop=[stop], logit_bias=bias)
     stopped = llm.generate(_prompt(doc_ids), params)[0]
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].text == text[: text.index(stop)]
+    # Structured output and sampling with a seed: on the one combined distribution.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for seed in range(3):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, json_schema=schema)
+        reply = llm.generate(_prompt([0, 1, 2]), params, chunk_options={"fusion_rule": "product"})[0]
+        assert reply.outputs[0].finish_reason == "stop", reply.outputs[0].text
+        assert isinstance(json.loads(reply.outputs[0].text)["ok"], bool)
     llm.check_integrity()
 
 
