@@ -268,6 +268,20 @@ def test_abort_mid_stream_gives_everything_back(checkpoint) -> None:
     engine.check_integrity()
 
 
+def test_abort_while_documents_are_computed(checkpoint) -> None:
+    llm = _llm(checkpoint(arch="llama"), max_num_batched_tokens=16)
+    engine = llm.engine
+    engine.add_request("b", _prompt([3, 2, 1]), GREEDY, chunk_options={"fusion_amateur": True})
+    engine.step()  # its fill jobs have started; its streams wait for them
+    assert engine.chunks.stats()["jobs_running"] > 0
+    engine.abort_request("b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
 def test_groups_preempted_and_resumed_answer_as_alone(checkpoint) -> None:
     path = checkpoint(arch="llama")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
