@@ -429,7 +429,7 @@ class LLMEngine:
             )
         copies = 1
         if chunked is not None and chunk_config.layout == "fusion":
-            copies = self._check_streams(num_streams(chunked, chunk_config))
+            copies = num_streams(chunked, chunk_config, self.config.scheduler)
         if copies * self.blocks.blocks_for(len(own) + 1) > self.blocks.num_blocks:
             raise PromptTooLongError(
                 f"prompt needs {copies} x {self.blocks.blocks_for(len(own) + 1)} KV blocks (one share per "
@@ -515,18 +515,6 @@ class LLMEngine:
         job.generator = self._generator
         self._exact_jobs[key] = job
         self.scheduler.add(job)
-
-    def _check_streams(self, streams: int) -> int:
-        """A fusion request's streams run in one batch: they must fit one (returns their number)."""
-        limits = self.config.scheduler
-        if streams > min(limits.max_num_seqs, limits.max_num_batched_tokens):
-            raise InvalidRequestError(
-                f"layout fusion decodes {streams} streams (one per document) in one batch, more than "
-                f"max_num_seqs {limits.max_num_seqs} or max_num_batched_tokens "
-                f"{limits.max_num_batched_tokens}",
-                "prompt",
-            )
-        return streams
 
     def _fit_kv_cache(
         self, params: SamplingParams, own_tokens: int, prompt_len: int, copies: int = 1

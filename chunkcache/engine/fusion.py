@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from chunkcache.chunk.parse import ChunkedPrompt
-from chunkcache.config import ChunkConfig
+from chunkcache.config import ChunkConfig, SchedulerConfig
 from chunkcache.engine.sequence import Sequence, Status
+from chunkcache.errors import InvalidRequestError
 
 
 class FusionRule(enum.Enum):
@@ -87,8 +88,16 @@ def combiner_for(config: ChunkConfig) -> Combiner:
     return Contrastive(config.fusion_contrast_weight, config.fusion_relevance_weight)
 
 
-def num_streams(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
-    return len(prompt.chunks) + int(config.fusion_amateur)
+def num_streams(prompt: ChunkedPrompt, config: ChunkConfig, limits: SchedulerConfig) -> int:
+    """How many streams a fusion request decodes; they run in one batch, so they must fit one."""
+    streams = len(prompt.chunks) + int(config.fusion_amateur)
+    if streams > min(limits.max_num_seqs, limits.max_num_batched_tokens):
+        raise InvalidRequestError(
+            f"layout fusion decodes {streams} streams (one per document) in one batch, more than "
+            f"max_num_seqs {limits.max_num_seqs} or max_num_batched_tokens {limits.max_num_batched_tokens}",
+            "prompt",
+        )
+    return streams
 
 
 @dataclass(eq=False)
