@@ -218,6 +218,6 @@ def record_question_logprobs(
             logprobs = torch.log_softmax(compute_logits(hidden[start : start + m]).float(), -1).cpu()
             targets = torch.tensor(seq.token_ids[c + 1 : c + 1 + m], dtype=torch.long)
             picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-            values = group.question_logprobs[group.streams.index(seq)]
+            values = group.question_logprobs[next(i for i, s in enumerate(group.streams) if s is seq)]
             values[c : c + m] = picked
         start += n
