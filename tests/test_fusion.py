@@ -258,6 +258,7 @@ def test_abort_mid_stream_gives_everything_back(checkpoint) -> None:
     produced = 0
     while produced < 3:
         produced = max([produced, *(len(o.outputs[0].token_ids) for o in engine.step())])
+    assert engine.stats()["num_running"] == 1  # one request, four streams
     assert engine.blocks.num_free_blocks < engine.blocks.num_blocks
     engine.abort_request("a")
     final = engine.step()

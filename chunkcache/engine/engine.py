@@ -74,6 +74,14 @@ def _request_of(seq: Sequence) -> Sequence:
     return seq.fusion.request if seq.fusion is not None else seq
 
 
+def _counts_as_request(seq: Sequence) -> bool:
+    """Whether a scheduled sequence is a request of its own in the load stats (a fusion request
+    counts once, by its first stream)."""
+    if seq.is_fill or seq.background:
+        return False
+    return seq.fusion is None or seq is seq.fusion.streams[0]
+
+
 def _prompt_text(prompt: str | list[int] | PromptParts) -> str | None:
     """The prompt as text, as reported back (None for token ids)."""
     if isinstance(prompt, PromptParts):
@@ -889,11 +897,10 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         return {
-            # Requests only: fill and exact-prefix jobs are the engine's own work (a load-aware
-            # router reads these).
-            "num_waiting": sum(1 for s in self.scheduler.waiting if not (s.is_fill or s.background))
-            + len(self._inbox),
-            "num_running": sum(1 for s in self.scheduler.running if not (s.is_fill or s.background)),
+            # Requests only: fill and exact-prefix jobs are the engine's own work, a fusion
+            # request's streams one request (a load-aware router reads these).
+            "num_waiting": sum(map(_counts_as_request, self.scheduler.waiting)) + len(self._inbox),
+            "num_running": sum(map(_counts_as_request, self.scheduler.running)),
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_free": self.blocks.num_free_blocks,
             "kv_usage": self.blocks.usage(),
