@@ -31,7 +31,7 @@ DOCS = [
 QUESTION = "Where does Alice live and what does she drink?"
 STEPS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3)
-BETA, GAMMA = 0.5, 2.5
+BETA, GAMMA = 0.1, 2.5  # the engine's defaults
 
 
 def _prompt(doc_ids: list[int], question: str = QUESTION) -> str:
