@@ -32,6 +32,7 @@ QUESTION = "Where does Alice live and what does she drink?"
 STEPS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3)
 BETA, GAMMA = 0.1, 2.5  # the engine's defaults
+MAX_CONFIDENCE = {"fusion_rule": "max_confidence", "fusion_amateur": False}
 
 
 def _prompt(doc_ids: list[int], question: str = QUESTION) -> str:
@@ -111,7 +112,8 @@ def test_every_stream_is_exactly_its_own_prompt(checkpoint, arch: str, monkeypat
     monkeypatch.setattr(FusionGroup, "combine", spy)
     for doc_ids, amateur in (([0, 2, 1], True), ([3, 0], False)):
         seen.clear()
-        out = llm.generate(_prompt(doc_ids), GREEDY, chunk_options={"fusion_amateur": amateur})[0]
+        options = {"fusion_amateur": amateur, "fusion_rule": "contrastive" if amateur else "product"}
+        out = llm.generate(_prompt(doc_ids), GREEDY, chunk_options=options)[0]
         contexts, q = _streams(llm, doc_ids, amateur)
         # The whole prompt is reported, once, whatever the number of streams.
         sys_ids = llm.tokenizer.encode(SYSTEM, add_special_tokens=True)
@@ -155,13 +157,13 @@ def test_sampling_options_apply_to_the_combined_distribution(checkpoint) -> None
     expected, _ = _reference_decode(path, contexts, q, "max_confidence", bias)
     assert expected != plain
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logit_bias=bias)
-    out = llm.generate(_prompt(doc_ids), params)[0]
+    out = llm.generate(_prompt(doc_ids), params, chunk_options=MAX_CONFIDENCE)[0]
     assert out.outputs[0].token_ids == expected
     # Stop strings end the one reply; the text is the combined tokens' text.
     text = llm.tokenizer.decode(expected)
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, stop=[stop], logit_bias=bias)
-    stopped = llm.generate(_prompt(doc_ids), params)[0]
+    stopped = llm.generate(_prompt(doc_ids), params, chunk_options=MAX_CONFIDENCE)[0]
     assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].text == text[: text.index(stop)]
     # Structured output and sampling with a seed: on the one combined distribution.
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
@@ -302,7 +304,7 @@ def test_groups_preempted_and_resumed_answer_as_alone(checkpoint) -> None:
     ("options", "field"),
     [
         ({"fusion_rule": "vote"}, "fusion_rule"),
-        ({"fusion_rule": "contrastive"}, "fusion_amateur"),
+        ({"fusion_rule": "contrastive", "fusion_amateur": False}, "fusion_amateur"),
         ({"fusion_contrast_weight": -1.0}, "fusion_contrast_weight"),
         ({"fusion_relevance_weight": float("nan")}, "fusion_relevance_weight"),
         ({"fusion_amateur": "yes"}, "fusion_amateur"),
@@ -372,7 +374,7 @@ def test_server_documents_with_fusion_streaming_and_not(client) -> None:
     ("extra", "field"),
     [
         ({"fusion_rule": "vote"}, "fusion_rule"),
-        ({"fusion_rule": "contrastive"}, "fusion_amateur"),
+        ({"fusion_amateur": False}, "fusion_amateur"),
         ({"fusion_contrast_weight": -2}, "fusion_contrast_weight"),
     ],
 )
