@@ -422,6 +422,7 @@ OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "chunk_layout": CHUNK_LAYOUTS,
     "blend_selector": BLEND_SELECTORS,
     "blend_unit": BLEND_UNITS,
+    "fusion_rule": FUSION_RULES,
 }
 
 

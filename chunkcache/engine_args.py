@@ -26,7 +26,8 @@ MODEL_HELP = (
 # choices. docs/chunk-cache.md and docs/operations.md explain the costs behind them.
 OPTION_HELP: dict[str, str] = {
     "device": "torch device to run on: auto (CUDA, else Ascend NPU, else CPU), cpu, cuda, cuda:N, npu",
-    "dtype": "weights and KV dtype; auto = float32 on CPU, the checkpoint's dtype elsewhere",
+    "dtype": "weights and KV dtype; auto = bfloat16 on CPUs with native bf16 matrix instructions, "
+    "float32 on other CPUs, the checkpoint's dtype elsewhere",
     "seed": "seed of the sampler's random generator (requests may set their own)",
     "served_model_name": "model name reported by /v1/models and accepted in requests (default: the path)",
     "tokenizer": "tokenizer directory or hub id used instead of the checkpoint's own",
@@ -53,7 +54,8 @@ OPTION_HELP: dict[str, str] = {
     "chunk_cache_lru_threshold": "pool usage share in (0, 1] above which LRU eviction starts",
     "chunk_cache_hash_algorithm": "hash of a chunk's key (model, system part, chunk tokens)",
     "chunk_layout": "isolated: chunks share one position range, exact reuse without recompute; "
-    "offset: chunks at their natural positions, cached K re-rotated, then blend",
+    "offset: chunks at their natural positions, cached K re-rotated, then blend; "
+    "fusion: one exact stream per chunk (S + Ci + Q), their next-token distributions combined each step",
     "max_chunks": "chunks allowed in one prompt, > 0; more is a 400",
     "chunk_cache_disk_dir": "directory of a disk tier under the pool (one safetensors file per chunk)",
     "chunk_cache_disk_gb": "size of the disk tier in GiB, > 0",
@@ -77,6 +79,13 @@ OPTION_HELP: dict[str, str] = {
     "must contain {text}, may contain {title}",
     "exact_follow_ups": "layout offset: prefill each new document order in idle time so that a follow-up "
     "question on the same documents is answered exactly",
+    "fusion_rule": "layout fusion: how the streams' distributions combine: contrastive (PCED, against the "
+    "no-document stream), max_confidence (the surest stream decides), product (relevance-weighted experts)",
+    "fusion_amateur": "layout fusion: add the no-document stream S + Q (required by contrastive)",
+    "fusion_contrast_weight": "layout fusion, contrastive: beta, how far each document stream is pushed away "
+    "from the no-document stream, in [0, 100]",
+    "fusion_relevance_weight": "layout fusion, contrastive: gamma, weight of each stream's relevance (its "
+    "log-likelihood of the question) when choosing the stream, in [0, 100]",
     "kv_events_endpoint": "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 (default: off)",
     "kv_events_topic": "KV event topic (default: kv@<instance>@<model>)",
     "kv_events_replay_endpoint": "ZMQ ROUTER endpoint serving missed event batches by sequence number",
