@@ -332,9 +332,12 @@ class EngineConfig:
     def from_options(cls, model: str, use_env: bool = True, **options: Any) -> EngineConfig:
         """Build the tree from flat option names (`LLM(model, max_num_seqs=8, ...)`, CLI flags).
 
-        The environment (envs.py) fills options not given explicitly; an unknown option is an error.
+        The environment (envs.py) fills options not given explicitly, and a known model's own
+        chunk defaults (model/catalog.py) those the environment does not; an unknown option is
+        an error.
         """
-        merged: dict[str, Any] = envs.env_options() if use_env else {}
+        merged: dict[str, Any] = dict(_model_chunk_defaults(model))
+        merged.update(envs.env_options() if use_env else {})
         merged.update(
             {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
         )
@@ -351,6 +354,14 @@ class EngineConfig:
         config = cls(model=model, **top, **{s: _SECTIONS[s](**kw) for s, kw in parts.items()})
         config.validate()
         return config
+
+
+def _model_chunk_defaults(model: str) -> tuple[tuple[str, Any], ...]:
+    """The chunk options measured best for a known model (by short name or file), else none."""
+    from chunkcache.model.catalog import identify  # pure data; model/ loads no torch for it
+
+    known = identify(model)
+    return known.chunk_defaults if known is not None else ()
 
 
 _SECTIONS: dict[str, type] = {

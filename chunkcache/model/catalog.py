@@ -11,6 +11,7 @@ import enum
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from chunkcache import envs
 from chunkcache.errors import ModelLoadError
@@ -36,6 +37,9 @@ class KnownModel:
     sha256: str
     license: str
     publisher: str  # who publishes the packages on PyPI
+    # Chunk options this model is served with unless the user sets them (flat engine option names):
+    # the reuse configuration chosen for it by bench_fidelity's rule (benchmarks/RESULTS.md).
+    chunk_defaults: tuple[tuple[str, Any], ...] = ()
 
     @property
     def module(self) -> str:
@@ -110,3 +114,8 @@ def locate(model: KnownModel) -> Path:
 
 def known(name: str) -> KnownModel | None:
     return KNOWN_MODELS.get(name.strip().lower())
+
+
+def identify(model: str) -> KnownModel | None:
+    """The known model `model` names: its short name, or a path to its file."""
+    return known(model) or next((m for m in KNOWN_MODELS.values() if Path(model).name == m.file_name), None)
