@@ -17,7 +17,9 @@ from chunkcache import envs
 from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT, check_documents_format
 from chunkcache.hashing import block_hash_fn
 
-CHUNK_LAYOUTS = ("isolated", "offset")
+CHUNK_LAYOUTS = ("isolated", "offset", "fusion")
+# How layout "fusion" combines its streams' next-token distributions (engine/fusion.py).
+FUSION_RULES = ("max_confidence", "product", "contrastive")
 BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold", "query_attention", "stored_deviation")
 BLEND_UNITS = ("token", "chunk")
 # Selectors that rank by how the fresh KV at the check layer differs from the cached KV.
@@ -83,6 +85,21 @@ class ChunkConfig:
     # Default by measurement (benchmarks/RESULTS.md, bench_fidelity): offset + blend@0.15 at layer 1
     # kept 76% of full prefill's correct answers at 4.1x its TTFT; isolated kept 61% (19x).
     layout: str = "offset"
+    # "fusion": one stream per chunk, S + Ci + Q, each exactly the KV the pool holds (only Q is
+    # computed), decoded together; each step their next-token distributions are combined into
+    # one by `fusion_rule` (engine/fusion.py) and the token chosen is appended to every stream.
+    # "max_confidence": the stream with the highest top probability decides; "product": a
+    # product of experts weighted by each stream's relevance (softmax over the streams of the
+    # mean log-likelihood it gives Q's tokens); "contrastive": PCED (arXiv 2601.08670): each
+    # stream contrasted with the no-document stream, (1 + beta) log p_i - beta log p_0, the
+    # stream with the highest top score plus gamma x relevance decides.
+    fusion_rule: str = "max_confidence"
+    # Add the no-document stream S + Q (PCED's amateur): the contrast of "contrastive" (which
+    # needs it), one more expert (the model's own knowledge) under the other rules.
+    fusion_amateur: bool = False
+    # "contrastive": beta (the contrast's strength) and gamma (the relevance's weight).
+    fusion_contrast_weight: float = 0.5
+    fusion_relevance_weight: float = 2.5
     # Lower tiers under the pool (chunkcache/chunk/tiers/): a local directory of safetensors files
     # within `disk_gb`, and a Redis shared by replicas (`redis://host:port/db`). None = no tier.
     disk_dir: str | None = None
@@ -159,9 +176,22 @@ class ChunkConfig:
         if self.remote is not None and not self.remote.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"chunk_cache_remote must be a redis://host:port/db URL, got {self.remote!r}")
         check_documents_format(self.documents_format)
+        self._validate_fusion()
         if self.separator_free_min_tokens < 1:
             raise ValueError(f"separator_free_min_tokens must be >= 1, got {self.separator_free_min_tokens}")
         self._validate_blend(num_layers)
+
+    def _validate_fusion(self) -> None:
+        if self.fusion_rule not in FUSION_RULES:
+            raise ValueError(f"fusion_rule {self.fusion_rule!r} is not one of {FUSION_RULES}")
+        if not isinstance(self.fusion_amateur, bool):
+            raise ValueError(f"fusion_amateur must be true or false, got {self.fusion_amateur!r}")
+        if self.fusion_rule == "contrastive" and not self.fusion_amateur:
+            raise ValueError("fusion_amateur must be true for fusion_rule 'contrastive' (its contrast)")
+        for name in ("fusion_contrast_weight", "fusion_relevance_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
+                raise ValueError(f"{name} must be a number in [0, 100], got {value!r}")
 
     def _validate_blend(self, num_layers: int | None) -> None:
         layers, ratios = tuple(self.blend_check_layers), tuple(self.blend_recompute_ratios)
@@ -331,8 +361,8 @@ _TOP_LEVEL = (
     "narrow_weights",
     "compile_decode",
 )
-# ChunkConfig fields a request may set too, named as they are (blend and calibration options).
-_REQUEST_PREFIXES = ("blend_", "calibration_", "separator_free")
+# ChunkConfig fields a request may set too, named as they are (blend, calibration, fusion options).
+_REQUEST_PREFIXES = ("blend_", "calibration_", "separator_free", "fusion_")
 
 # Flat option name -> (section, field). Chunk and event options carry a prefix so that the flat
 # names read well on a command line (`--chunk-cache-size-gb`, `--kv-events-endpoint`).

@@ -84,6 +84,9 @@ class RequestChunks:
     # Layout "offset": where the cached KV of S and the chunks is, and how far to re-rotate it.
     cached_slots: torch.Tensor | None = None
     cached_delta: torch.Tensor | None = None
+    # Layout "fusion": per stream, its borrowed KV list (S and its chunk; S alone for the
+    # no-document stream), in the request's stream order (engine/fusion.py).
+    stream_slots: list[torch.Tensor] | None = None
     # Per entry: whether it was already computed when the request arrived, or loaded from a
     # lower tier (a cache hit), so that tokens computed for this very request are never reported
     # as cached. None while its load is pending; settled in `settle_cached`.
@@ -515,10 +518,15 @@ class ChunkManager:
                 return False
             if not state.assembled:
                 self.settle_cached(seq)
-                slots = torch.cat(
-                    [self._slots(e)[a : a + n] for e, (a, n) in zip(state.entries, state.slices, strict=True)]
-                )
-                if seq.chunk_config.layout == "offset":
+                parts = [
+                    self._slots(e)[a : a + n] for e, (a, n) in zip(state.entries, state.slices, strict=True)
+                ]
+                slots = torch.cat(parts)
+                if seq.chunk_config.layout == "fusion":
+                    state.stream_slots = [torch.cat((parts[0], p)) for p in parts[1:]]
+                    if seq.chunk_config.fusion_amateur:
+                        state.stream_slots.append(parts[0])
+                elif seq.chunk_config.layout == "offset":
                     state.cached_slots = slots
                     state.cached_delta = self._offset_deltas(state)
                 else:

@@ -31,6 +31,7 @@ from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig, EngineConfig
 from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.detokenizer import Detokenizer
+from chunkcache.engine.fusion import FusionGroup, fuse_rows, num_streams
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
 from chunkcache.engine.sampler import History, sample
@@ -66,6 +67,11 @@ _RENDER_ARGUMENTS = frozenset(
 def _check_salt(cache_salt: str | None) -> None:
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
+
+
+def _request_of(seq: Sequence) -> Sequence:
+    """The request a sequence answers: a fusion stream's group's request, else itself."""
+    return seq.fusion.request if seq.fusion is not None else seq
 
 
 def _prompt_text(prompt: str | list[int] | PromptParts) -> str | None:
@@ -143,7 +149,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler,
             self.blocks,
-            is_ready=self.chunks.is_ready if self.chunks else (lambda seq: True),
+            is_ready=self._is_ready,
         )
         self.detokenizer = Detokenizer(self.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, self.spec.vocab_size)
@@ -174,6 +180,15 @@ class LLMEngine:
         self.exact_prefix_hits = 0
         self.exact_prefix_jobs = 0
         self._exact_jobs: dict[tuple[str | None, tuple[int, ...]], Sequence] = {}
+
+    def _is_ready(self, seq: Sequence) -> bool:
+        """Whether the scheduler may run `seq`: its borrowed KV is computed (a fusion stream's
+        is its request's)."""
+        if self.chunks is None:
+            return True
+        if seq.fusion is not None:
+            return seq.fusion.ready(self.chunks.is_ready)
+        return self.chunks.is_ready(seq)
 
     def _lower_tiers(self, chunk: ChunkConfig, loaded: Any) -> TierStack | None:
         """The chunk pool's lower tiers, nearest first; None without any. On a CPU the device pool
@@ -363,6 +378,8 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequestError("prompt is empty (no tokens)", "prompt")
         offset = chunk_config.layout == "offset"
+        if chunked is not None and chunk_config.layout == "fusion" and len(chunked.chunks) < 2:
+            chunked = None  # one document: its one stream is the plain prompt, exact as it is
         if (
             chunked is not None
             and offset
@@ -410,7 +427,15 @@ class LLMEngine:
                 f"prompt needs {self.blocks.blocks_for(len(own) + 1)} KV blocks, "
                 f"the cache has {self.blocks.num_blocks}"
             )
-        params = self._fit_kv_cache(params, len(own), prompt_len)
+        copies = 1
+        if chunked is not None and chunk_config.layout == "fusion":
+            copies = self._check_streams(num_streams(chunked, chunk_config))
+        if copies * self.blocks.blocks_for(len(own) + 1) > self.blocks.num_blocks:
+            raise PromptTooLongError(
+                f"prompt needs {copies} x {self.blocks.blocks_for(len(own) + 1)} KV blocks (one share per "
+                f"stream), the cache has {self.blocks.num_blocks}"
+            )
+        params = self._fit_kv_cache(params, len(own), prompt_len, copies)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -428,6 +453,9 @@ class LLMEngine:
             seq.chunk_state = chunked if chunked is not None else plain
             seq.chunk_config = chunk_config
             seq.prefix_cacheable = False
+        if copies > 1:
+            assert chunked is not None
+            FusionGroup.create(seq, chunked, chunk_config)
         if chunked is not None and offset and chunked.chunks and self.blocks.enable_prefix_caching:
             options = kv_options(chunk_config)
             if options is not None:
@@ -488,11 +516,26 @@ class LLMEngine:
         self._exact_jobs[key] = job
         self.scheduler.add(job)
 
-    def _fit_kv_cache(self, params: SamplingParams, own_tokens: int, prompt_len: int) -> SamplingParams:
+    def _check_streams(self, streams: int) -> int:
+        """A fusion request's streams run in one batch: they must fit one (returns their number)."""
+        limits = self.config.scheduler
+        if streams > min(limits.max_num_seqs, limits.max_num_batched_tokens):
+            raise InvalidRequestError(
+                f"layout fusion decodes {streams} streams (one per document) in one batch, more than "
+                f"max_num_seqs {limits.max_num_seqs} or max_num_batched_tokens "
+                f"{limits.max_num_batched_tokens}",
+                "prompt",
+            )
+        return streams
+
+    def _fit_kv_cache(
+        self, params: SamplingParams, own_tokens: int, prompt_len: int, copies: int = 1
+    ) -> SamplingParams:
         """A request must fit the whole paged KV cache alone, or preemption could never let it
         finish: an explicit max_tokens beyond that is refused; an open one (None) is capped there,
-        as it is capped at max_model_len otherwise."""
-        capacity = self.blocks.num_blocks * self.blocks.block_size
+        as it is capped at max_model_len otherwise. A fusion request's `copies` streams each get
+        an equal share of it."""
+        capacity = self.blocks.num_blocks // copies * self.blocks.block_size
         room = capacity - own_tokens
         if params.max_tokens is not None:
             if params.max_tokens > room:
@@ -555,7 +598,8 @@ class LLMEngine:
 
     def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[Sequence]:
         """Fail every request of `batch`, and every request waiting for a fill job of it."""
-        failed = [s for s in batch.seqs if not s.is_fill]
+        # A fusion stream's failure is its request's (which finishes all its streams).
+        failed = list({id(r): r for r in (_request_of(s) for s in batch.seqs if not s.is_fill)}.values())
         jobs = [s for s in batch.seqs if s.is_fill]
         entries = [job.chunk_state.entry for job in jobs]
         for seq in list(self._requests.values()):
@@ -596,6 +640,9 @@ class LLMEngine:
                 continue
             if seq.is_prewarm:
                 self._prewarms.append(seq)
+            elif seq.fusion is not None:
+                for stream in seq.fusion.streams:
+                    self.scheduler.add(stream)
             else:
                 self.scheduler.add(seq)
         aborted = failed
@@ -656,7 +703,8 @@ class LLMEngine:
                 self._finish(seq)
         if not rows:
             return
-        seqs = [batch.seqs[r] for r in rows]
+        # A fusion request's streams' rows become one row, its combined distribution.
+        logits, seqs = fuse_rows(logits, [batch.seqs[r] for r in rows])
         histories = [History(s.prompt_token_ids, s.output_token_ids, s.grammar) for s in seqs]
         sampled = sample(
             logits,
@@ -671,6 +719,8 @@ class LLMEngine:
                 self._fail(seq, s.error)
                 continue
             seq.token_ids.append(s.token_id)
+            if seq.fusion is not None:
+                seq.fusion.append(s.token_id)
             if s.logprobs is not None:
                 seq.output_logprobs.append(s.logprobs)
             if seq.metrics.first_token_time is None:
@@ -681,6 +731,9 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        if seq.fusion is not None:  # a fusion request: its streams' blocks go back with it
+            for stream in seq.fusion.streams:
+                self.scheduler.finish(stream)
         seq.metrics.finished_time = time.time()
         if seq.is_prefix_job:  # its blocks are registered: nothing else to keep
             self._exact_jobs = {k: j for k, j in self._exact_jobs.items() if j is not seq}
@@ -693,7 +746,8 @@ class LLMEngine:
 
     def _collect_outputs(self, batch: ScheduledBatch, finished_now: list[Sequence]) -> list[RequestOutput]:
         outputs = []
-        for seq in [*batch.seqs, *finished_now]:
+        # A fusion request's streams stand for it; each request once.
+        for seq in {id(r): r for r in map(_request_of, [*batch.seqs, *finished_now])}.values():
             if seq.is_fill or self._requests.get(seq.request_id) is not seq:
                 continue
             new_tokens = seq.output_token_ids[seq.num_sent_tokens :]
@@ -867,6 +921,9 @@ class LLMEngine:
             self.chunks.check_integrity()
         for seq in self.scheduler.running:
             assert seq.status == Status.RUNNING, f"{seq.request_id} in running with status {seq.status}"
+        for seq in self._requests.values():
+            if seq.fusion is not None:
+                seq.fusion.check_integrity()
 
     def flush_chunk_tiers(self) -> None:
         """Wait until every entry computed so far is written to the lower tiers."""

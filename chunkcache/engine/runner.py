@@ -15,6 +15,7 @@ import torch
 from chunkcache.chunk.blend import BlendInput, blend_prefill, needs_stored_scores
 from chunkcache.chunk.pool import Entry
 from chunkcache.chunk.sensitivity import measure
+from chunkcache.engine.fusion import record_question_logprobs
 from chunkcache.engine.prompt_logprobs import record_prompt_logprobs
 from chunkcache.engine.scheduler import ScheduledBatch
 from chunkcache.engine.sequence import Sequence
@@ -199,6 +200,8 @@ class ModelRunner:
             out = self.model(input_ids, positions, self.kv_caches, meta)
             if any(s.params.prompt_logprobs is not None for s in regular.seqs):
                 record_prompt_logprobs(self.model.compute_logits, out, regular.seqs, regular.num_new_tokens)
+            if any(s.fusion is not None for s in regular.seqs):
+                record_question_logprobs(self.model.compute_logits, out, regular.seqs, regular.num_new_tokens)
             for row, i in zip(regular_rows, sample_index, strict=True):
                 if i >= 0:
                     hidden[row] = out[i : i + 1]

@@ -2,7 +2,8 @@
 
 Each step gives every running sequence its next tokens (one for a decode, a slice of the prompt
 for a prefill, so long prompts are prefilled in chunks), then admits waiting sequences first come
-first served while the budget, `max_num_seqs` and free KV blocks allow. When a running sequence
+first served while the budget, `max_num_seqs` and free KV blocks allow. A fusion request's
+streams are one unit throughout: each gets the same number of tokens in the same step. When a running sequence
 needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
 freed and it is recomputed later (its prefix-cached blocks usually survive).
 
@@ -37,6 +38,12 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+
+def _unit(seq: Sequence) -> list[Sequence]:
+    """What is scheduled together with `seq`: a fusion request's streams (engine/fusion.py) are
+    admitted, given tokens and preempted as one, so that they stay in step; else `seq` alone."""
+    return seq.fusion.streams if seq.fusion is not None else [seq]
 
 
 class Scheduler:
@@ -82,35 +89,42 @@ class Scheduler:
                 self.running.remove(seq)
                 self._unadmit(seq)
                 self.add(seq)
+        done: set[int] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = 0 if seq.background and foreground else self._num_new_tokens(seq, budget)
-            if n <= 0:
-                i += 1
+            i += 1
+            if id(seq) in done:
                 continue
-            if not self._grow(seq, seq.num_computed + n):
-                # Free blocks by preempting from the back; possibly this very sequence.
-                while not self._grow(seq, seq.num_computed + n):
+            unit = _unit(seq)
+            done.update(map(id, unit))
+            n = 0 if seq.background and foreground else self._num_new_tokens(seq, budget // len(unit))
+            if n <= 0:
+                continue
+            if not self._grow_all(unit, seq.num_computed + n):
+                # Free blocks by preempting from the back; possibly this very unit.
+                while not self._grow_all(unit, seq.num_computed + n):
                     # Fill jobs hold pool pages, not blocks: preempting one frees nothing.
                     victim = next(s for s in reversed(self.running) if not s.is_fill or s is seq)
-                    self._preempt(victim, batch)
+                    for member in reversed(_unit(victim)):
+                        self._preempt(member, batch)
                     preempted_any = True
-                    if victim is seq:
+                    if seq.status != Status.RUNNING:
                         break
                 if seq.status != Status.RUNNING:
                     break
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
-            i += 1
+            self._add_to_batch(batch, unit, n)
+            budget -= n * len(unit)
         if preempted_any:
             return batch
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
+            unit = _unit(seq)
+            for member in unit[1:]:  # a group waits as a whole, its first stream first
+                self.waiting.remove(member)
             if (seq.background and foreground) or not self.is_ready(seq):
-                skipped.append(seq)
+                skipped.extend(unit)
                 continue
             # Only prefix-cacheable requests match the prefix cache: a chunked request's KV comes
             # from the chunk pool (an "offset" one has no borrowed slots, yet its blend must start
@@ -124,22 +138,35 @@ class Scheduler:
                 and seq.params.prompt_logprobs is None
             ):
                 self._match_prefix(seq)
-            n = self._num_new_tokens(seq, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            n = self._num_new_tokens(seq, budget // len(unit))
+            fits = n > 0 and len(self.running) + len(unit) <= self.max_num_seqs
+            if not fits or not self._grow_all(unit, seq.num_computed + n):
                 # A waiting sequence holds no blocks: the prefix blocks it just matched go back
                 # (still cached), or a running sequence could starve for them while it waits.
-                self._unadmit(seq)
-                self.waiting.appendleft(seq)
+                for member in reversed(unit):
+                    self._unadmit(member)
+                    self.waiting.appendleft(member)
                 break
-            seq.status = Status.RUNNING
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.time()
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            for member in unit:
+                member.status = Status.RUNNING
+                if member.metrics.first_scheduled_time is None:
+                    member.metrics.first_scheduled_time = time.time()
+                self.running.append(member)
+            if seq.fusion is not None and seq.fusion.request.metrics.first_scheduled_time is None:
+                seq.fusion.request.metrics.first_scheduled_time = time.time()
+            self._add_to_batch(batch, unit, n)
+            budget -= n * len(unit)
         self.waiting.extendleft(reversed(skipped))
         return batch
+
+    @staticmethod
+    def _add_to_batch(batch: ScheduledBatch, unit: list[Sequence], n: int) -> None:
+        for member in unit:
+            batch.seqs.append(member)
+            batch.num_new_tokens.append(n)
+
+    def _grow_all(self, unit: list[Sequence], num_tokens: int) -> bool:
+        return all(self._grow(member, num_tokens) for member in unit)
 
     @staticmethod
     def _num_new_tokens(seq: Sequence, budget: int) -> int:

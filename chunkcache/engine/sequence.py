@@ -10,13 +10,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chunkcache.hashing import BlockKeys
 from chunkcache.outputs import RequestMetrics
 from chunkcache.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from chunkcache.engine.fusion import FusionGroup
 
 
 class Status(enum.Enum):
@@ -92,6 +95,9 @@ class Sequence:
     # found, under this extra key. None: a plain chain.
     kv_key: bytes | None = None
     kv_key_from: int = 0
+    # Layout "fusion" (engine/fusion.py): the group this sequence belongs to, as the request (its
+    # reply; never scheduled) or as one of its streams (scheduled, preempted and freed together).
+    fusion: FusionGroup | None = None
 
     def __post_init__(self) -> None:
         if not self.num_own_prompt_tokens:

@@ -72,7 +72,7 @@ class _SamplingFields(StrictModel):
     skip_special_tokens: bool | None = None
     # vLLM's: requests share cached KV only with requests of the same salt (tenant isolation).
     cache_salt: str | None = Field(default=None, min_length=1)
-    # chunkcache's extensions: this request's chunk layout and blend options (ChunkConfig).
+    # chunkcache's extensions: this request's chunk layout, blend and fusion options (ChunkConfig).
     chunk_layout: str | None = None
     blend_check_layers: list[int] | None = None
     blend_recompute_ratios: list[float] | None = None
@@ -85,6 +85,10 @@ class _SamplingFields(StrictModel):
     calibration_scale: float | None = None
     separator_free: bool | None = None
     separator_free_min_tokens: int | None = None
+    fusion_rule: str | None = None
+    fusion_amateur: bool | None = None
+    fusion_contrast_weight: float | None = None
+    fusion_relevance_weight: float | None = None
 
     @model_validator(mode="after")
     def _check_openai_rules(self) -> _SamplingFields:

@@ -1,0 +1,384 @@
+"""Layout "fusion" (engine/fusion.py): one exact stream per document, combined per token, against
+transformers over each stream's own prompt S + Ci + Q."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import torch
+from oracle import hf_first_token_logprobs, hf_model
+from server_util import ServerThread
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.config import EngineConfig
+from chunkcache.engine.engine import LLMEngine
+from chunkcache.engine.fusion import FusionGroup
+from chunkcache.errors import InvalidRequestError
+from chunkcache.server.app import build_app
+
+SEP = " # # "
+SYSTEM = "You answer questions about the documents."
+DOCS = [
+    "Alice lives in Paris and drinks tea every morning.",
+    "The red box holds 42 coins",
+    "Bob was born in 1990 in Rome, the capital of Italy, and he works as a baker.",
+    "Carol keeps three cats and a dog named Rex in her small flat by the sea.",
+]
+QUESTION = "Where does Alice live and what does she drink?"
+STEPS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3)
+BETA, GAMMA = 0.5, 2.5
+
+
+def _prompt(doc_ids: list[int], question: str = QUESTION) -> str:
+    return SYSTEM + SEP + SEP.join(DOCS[i] for i in doc_ids) + SEP + question
+
+
+def _llm(path: Any, **options: Any) -> LLM:
+    options.setdefault("chunk_layout", "fusion")
+    options.setdefault("kv_cache_tokens", 2048)
+    options.setdefault("chunk_cache_size_gb", 0.001)
+    return LLM(str(path), device="cpu", **options)
+
+
+def _streams(llm: LLM, doc_ids: list[int], amateur: bool) -> tuple[list[list[int]], list[int]]:
+    """Each stream's context (S + Ci; S alone for the amateur, last) and Q, as the engine cuts them."""
+    tok = llm.tokenizer
+    sys_ids = tok.encode(SYSTEM, add_special_tokens=True)
+    contexts = [sys_ids + tok.encode(DOCS[i], add_special_tokens=False) for i in doc_ids]
+    if amateur:
+        contexts.append(list(sys_ids))
+    return contexts, tok.encode(QUESTION, add_special_tokens=False)
+
+
+@torch.inference_mode()
+def _hf_stream_logprobs(path: Any, ids: list[int]) -> torch.Tensor:
+    return torch.log_softmax(hf_model(path)(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+
+
+def _reference_combine(rule: str, lp: torch.Tensor, relevance: torch.Tensor) -> torch.Tensor:
+    """The rules as the README states them, over transformers' per-stream log-probs."""
+    if rule == "max_confidence":
+        return lp[int(lp.exp().max(-1).values.argmax())]
+    if rule == "product":
+        w = torch.exp(relevance) / torch.exp(relevance).sum()
+        return torch.log_softmax((w[:, None] * lp).sum(0), -1)
+    assert rule == "contrastive"
+    scores = (1 + BETA) * lp[:-1] - BETA * lp[-1]
+    r = torch.exp(relevance[:-1]) / torch.exp(relevance[:-1]).sum()
+    return torch.log_softmax(scores[int((scores.max(-1).values + GAMMA * r).argmax())], -1)
+
+
+def _reference_decode(
+    path: Any, contexts: list[list[int]], q: list[int], rule: str, bias: dict[int, float] | None = None
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens of the rule over transformers' streams (`bias` added to the combined
+    distribution), and the first step's combined log-probs."""
+    relevance = []
+    for ctx in contexts:
+        lp = _hf_stream_logprobs(path, ctx + q)
+        picked = [float(lp[len(ctx) + j - 1, q[j]]) for j in range(1, len(q))]
+        relevance.append(sum(picked) / len(picked))
+    tokens: list[int] = []
+    first = None
+    for _ in range(STEPS):
+        lp = torch.stack([_hf_stream_logprobs(path, ctx + q + tokens)[-1] for ctx in contexts])
+        combined = _reference_combine(rule, lp, torch.tensor(relevance))
+        first = combined if first is None else first
+        biased = combined.clone()
+        for token, value in (bias or {}).items():
+            biased[token] += value
+        tokens.append(int(biased.argmax()))
+    assert first is not None
+    return tokens, first
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_every_stream_is_exactly_its_own_prompt(checkpoint, arch: str, monkeypatch) -> None:
+    path = checkpoint(arch=arch)
+    llm = _llm(path)
+    seen: list[torch.Tensor] = []
+    original = FusionGroup.combine
+
+    def spy(self: FusionGroup, stream_logits: torch.Tensor) -> torch.Tensor:
+        seen.append(stream_logits.clone())
+        return original(self, stream_logits)
+
+    monkeypatch.setattr(FusionGroup, "combine", spy)
+    for doc_ids, amateur in (([0, 2, 1], True), ([3, 0], False)):
+        seen.clear()
+        out = llm.generate(_prompt(doc_ids), GREEDY, chunk_options={"fusion_amateur": amateur})[0]
+        contexts, q = _streams(llm, doc_ids, amateur)
+        # The whole prompt is reported, once, whatever the number of streams.
+        sys_ids = llm.tokenizer.encode(SYSTEM, add_special_tokens=True)
+        docs = [t for i in doc_ids for t in llm.tokenizer.encode(DOCS[i], add_special_tokens=False)]
+        assert out.prompt_token_ids == sys_ids + docs + q
+        assert len(seen) == STEPS and seen[0].shape[0] == len(contexts)
+        for row, ctx in zip(seen[0], contexts, strict=True):
+            ref = hf_first_token_logprobs(path, ctx + q)
+            assert (torch.log_softmax(row.float(), -1) - ref).abs().max() < 1e-4
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("rule", "amateur"),
+    [("max_confidence", False), ("product", False), ("product", True), ("contrastive", True)],
+)
+def test_rules_match_a_reference_over_transformers_streams(checkpoint, rule: str, amateur: bool) -> None:
+    path = checkpoint(arch="llama")
+    llm = _llm(path)
+    doc_ids = [1, 0, 3]
+    options = {"fusion_rule": rule, "fusion_amateur": amateur}
+    out = llm.generate(_prompt(doc_ids), GREEDY, chunk_options=options)[0]
+    contexts, q = _streams(llm, doc_ids, amateur)
+    tokens, first = _reference_decode(path, contexts, q, rule)
+    assert out.outputs[0].token_ids == tokens
+    # The reported logprobs are the combined distribution's.
+    for token, lp in out.outputs[0].logprobs[0].items():
+        assert abs(first[token].item() - lp) < 1e-4, (token, first[token].item(), lp)
+    llm.check_integrity()
+
+
+def test_sampling_options_apply_to_the_combined_distribution(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    llm = _llm(path)
+    doc_ids = [0, 2]
+    contexts, q = _streams(llm, doc_ids, False)
+    plain, first = _reference_decode(path, contexts, q, "max_confidence")
+    # A bias that flips the first step's choice: onto its second most likely token.
+    top2 = torch.topk(first, 2)
+    bias = {int(top2.indices[1]): float(top2.values[0] - top2.values[1]) + 0.5}
+    expected, _ = _reference_decode(path, contexts, q, "max_confidence", bias)
+    assert expected != plain
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logit_bias=bias)
+    out = llm.generate(_prompt(doc_ids), params)[0]
+    assert out.outputs[0].token_ids == expected
+    # Stop strings end the one reply; the text is the combined tokens' text.
+    text = llm.tokenizer.decode(expected)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, stop=[stop], logit_bias=bias)
+    stopped = llm.generate(_prompt(doc_ids), params)[0]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].text == text[: text.index(stop)]
+    # Structured output and sampling with a seed: on the one combined distribution.
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for seed in range(3):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=40, json_schema=schema)
+        reply = llm.generate(_prompt([0, 1, 2]), params, chunk_options={"fusion_rule": "product"})[0]
+        assert reply.outputs[0].finish_reason == "stop", reply.outputs[0].text
+        assert isinstance(json.loads(reply.outputs[0].text)["ok"], bool)
+    llm.check_integrity()
+
+
+def test_a_failed_step_fails_the_request_and_frees_its_streams(checkpoint, monkeypatch) -> None:
+    llm = _llm(checkpoint(arch="llama"))
+    engine = llm.engine
+    run = engine.runner.run
+    calls = {"n": 0}
+
+    def failing(batch: Any) -> Any:
+        if any(s.fusion is not None for s in batch.seqs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected fault")
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", failing)
+    out = llm.generate([_prompt([0, 1, 3]), "A plain prompt"], GREEDY)
+    assert out[0].outputs[0].finish_reason == "error" and "injected fault" in out[0].error
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 for e in engine.chunks.pool.entries())
+    engine.check_integrity()
+    assert llm.generate([_prompt([0, 1, 3])], GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_usage_counts_the_prompt_once_and_cached_chunks(checkpoint) -> None:
+    llm = _llm(checkpoint(arch="llama"))
+    tok = llm.tokenizer
+    cold = llm.generate(_prompt([0, 1]), GREEDY)[0]
+    assert cold.num_cached_tokens == 0
+    warm = llm.generate(_prompt([1, 0]), GREEDY)[0]
+    _, q = _streams(llm, [1, 0], False)
+    assert len(warm.prompt_token_ids) == len(tok.encode(SYSTEM)) + sum(
+        len(tok.encode(DOCS[i], add_special_tokens=False)) for i in (0, 1)
+    ) + len(q)
+    assert warm.num_prefix_cached_tokens == len(tok.encode(SYSTEM))
+    assert warm.num_computed_tokens == len(q)  # Q, computed per stream, counted once
+    # Streams do not depend on the documents' order (each reads its own), so neither does the reply.
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    llm.check_integrity()
+
+
+def test_one_document_runs_as_the_plain_prompt(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    llm = _llm(path)
+    out = llm.generate(_prompt([2]), GREEDY)[0]
+    plain = _llm(path, enable_chunk_cache=False).generate([out.prompt_token_ids], GREEDY)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert out.num_chunk_cached_tokens == 0
+
+
+def test_batched_with_plain_and_blend_requests(checkpoint) -> None:
+    path = checkpoint(arch="qwen2")
+    llm = _llm(path, max_num_batched_tokens=40)
+    engine = llm.engine
+    requests = {
+        "fusion": (_prompt([0, 1, 2]), None),
+        "plain": ("A plain prompt without any separator at all", None),
+        "blend": (_prompt([2, 3]), {"chunk_layout": "offset"}),
+        "fusion2": (_prompt([3, 1]), {"fusion_rule": "product"}),
+    }
+    for rid, (prompt, options) in requests.items():
+        engine.add_request(rid, prompt, GREEDY, chunk_options=options)
+    outs: dict[str, Any] = {}
+    mixed = 0
+    while engine.has_unfinished_requests():
+        batch_ids = set()
+        for out in engine.step():
+            batch_ids.add(out.request_id)
+            if out.finished:
+                outs[out.request_id] = out
+        mixed += len(batch_ids & {"fusion", "fusion2"}) > 0 and len(batch_ids - {"fusion", "fusion2"}) > 0
+        engine.check_integrity()
+    assert mixed > 0, "fusion requests never shared a step with others"
+    for rid, (prompt, options) in requests.items():
+        alone = _llm(path).generate([prompt], GREEDY, chunk_options=options)[0]
+        assert outs[rid].outputs[0].token_ids == alone.outputs[0].token_ids, rid
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_abort_mid_stream_gives_everything_back(checkpoint) -> None:
+    llm = _llm(checkpoint(arch="llama"))
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request("a", _prompt([0, 1, 2]), params, chunk_options={"fusion_amateur": True})
+    produced = 0
+    while produced < 3:
+        produced = max([produced, *(len(o.outputs[0].token_ids) for o in engine.step())])
+    assert engine.blocks.num_free_blocks < engine.blocks.num_blocks
+    engine.abort_request("a")
+    final = engine.step()
+    assert final[0].finished and final[0].outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 for e in engine.chunks.pool.entries())
+    engine.check_integrity()
+
+
+def test_abort_while_documents_are_computed(checkpoint) -> None:
+    llm = _llm(checkpoint(arch="llama"), max_num_batched_tokens=16)
+    engine = llm.engine
+    engine.add_request("b", _prompt([3, 2, 1]), GREEDY, chunk_options={"fusion_amateur": True})
+    engine.step()  # its fill jobs have started; its streams wait for them
+    assert engine.chunks.stats()["jobs_running"] > 0
+    engine.abort_request("b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
+def test_groups_preempted_and_resumed_answer_as_alone(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [_prompt([0, 1, 2]), _prompt([3, 2]), _prompt([1, 3, 0]), "A plain prompt to share the cache"]
+    small = _llm(path, kv_cache_tokens=16 * 20)
+    outs = small.generate(prompts, params, chunk_options={"fusion_amateur": True})
+    assert small.engine.scheduler.num_preemptions > 0
+    small.check_integrity()
+    assert small.engine.blocks.num_free_blocks == small.engine.blocks.num_blocks
+    roomy = _llm(path)
+    for prompt, out in zip(prompts, outs, strict=True):
+        alone = roomy.generate([prompt], params, chunk_options={"fusion_amateur": True})[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"fusion_rule": "vote"}, "fusion_rule"),
+        ({"fusion_rule": "contrastive"}, "fusion_amateur"),
+        ({"fusion_contrast_weight": -1.0}, "fusion_contrast_weight"),
+        ({"fusion_relevance_weight": float("nan")}, "fusion_relevance_weight"),
+        ({"fusion_amateur": "yes"}, "fusion_amateur"),
+        ({"chunk_layout": "fused"}, "chunk_layout"),
+    ],
+)
+def test_bad_fusion_options_are_refused_naming_the_field(checkpoint, options: dict, field: str) -> None:
+    llm = _llm(checkpoint(arch="llama"))
+    with pytest.raises(InvalidRequestError) as e:
+        llm.engine.add_request("x", _prompt([0, 1]), GREEDY, chunk_options=options)
+    assert field in str(e.value)
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.from_options(str(checkpoint(arch="llama")), use_env=False, **options)
+
+
+def test_more_streams_than_a_batch_holds_is_refused(checkpoint) -> None:
+    llm = _llm(checkpoint(arch="llama"), max_num_seqs=2)
+    with pytest.raises(InvalidRequestError, match="streams"):
+        llm.engine.add_request("x", _prompt([0, 1, 2]), GREEDY)
+
+
+# ---- through the server ----------------------------------------------------------------------
+
+MODEL = "tiny-fusion"
+
+
+@pytest.fixture(scope="module")
+def client(checkpoint) -> Iterator[tuple[openai.OpenAI, ServerThread]]:
+    options = {"kv_cache_tokens": 4096, "chunk_cache_size_gb": 0.01, "max_chunks": 4, "device": "cpu"}
+    engine = LLMEngine(EngineConfig.from_options(str(checkpoint()), use_env=False, **options))
+    srv = ServerThread(build_app(engine, api_key=None, max_queue=16, served_model_name=MODEL)).start()
+    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60), srv
+    srv.stop()
+
+
+def _chat(cl: openai.OpenAI, stream: bool, **extra: Any) -> Any:
+    return cl.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Where does Alice live?"}],
+        max_tokens=5,
+        temperature=0,
+        stream=stream,
+        extra_body={"documents": DOCS[:3], "ignore_eos": True, "chunk_layout": "fusion", **extra},
+    )
+
+
+def test_server_documents_with_fusion_streaming_and_not(client) -> None:
+    cl, srv = client
+    engine = srv.engine_loop.engine
+    whole = _chat(cl, False, fusion_rule="product")
+    assert whole.choices[0].finish_reason == "length"
+    parts = engine.render_chat([{"role": "user", "content": "Where does Alice live?"}], documents=DOCS[:3])
+    assert whole.usage.completion_tokens == 5
+    assert whole.usage.prompt_tokens > len(engine.tokenizer.encode(parts.question, add_special_tokens=False))
+    chunks = list(_chat(cl, True, fusion_rule="product"))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    again = _chat(cl, False, fusion_rule="product")
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    srv.wait_idle()
+    assert srv.on_engine(lambda: engine.blocks.num_free_blocks) == engine.blocks.num_blocks
+    srv.on_engine(engine.check_integrity)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"fusion_rule": "vote"}, "fusion_rule"),
+        ({"fusion_rule": "contrastive"}, "fusion_amateur"),
+        ({"fusion_contrast_weight": -2}, "fusion_contrast_weight"),
+    ],
+)
+def test_server_refuses_bad_fusion_options_with_400(client, extra: dict, field: str) -> None:
+    cl, srv = client
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(cl, False, **extra)
+    assert field in e.value.message
+    assert e.value.body["param"] == field
+    srv.wait_idle()
