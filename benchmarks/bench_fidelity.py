@@ -384,7 +384,7 @@ def report_set(
         if split == "heldout" or not summary_rows:
             summary_rows, summary_split = rows, split
         if split == "tune" or not choice_rows:
-            choice_rows = rows
+            choice_rows, choice_split = rows, split
     if plot_path:
         plot(summary_rows, plot_path, f"bench_fidelity: {summary_split} questions, {title}")
     full = next(r for r in summary_rows if r["mode"] == "full")
@@ -400,7 +400,7 @@ def report_set(
     )
     shown = {r["mode"]: r for r in summary_rows}
     best_text = (
-        f"default {best['mode']} (chosen on tune) keeps {100 * shown[best['mode']]['kept_share']:.0f}% "
+        f"default {best['mode']} (chosen on {choice_split}) keeps {100 * shown[best['mode']]['kept_share']:.0f}% "
         f"of full's answers at {best['speedup_wall']:.2f}x"
         if best
         else "no mode >= 2x"
