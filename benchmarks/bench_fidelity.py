@@ -227,7 +227,9 @@ def bootstrap(values: list[bool], rounds: int = 2000, seed: int = 0) -> tuple[fl
 def summarize(results: dict[str, ModeResult], questions: list[fidelity_set.Question]) -> list[dict[str, Any]]:
     full = results["full"]
     qids = [q.qid for q in questions]
-    timed = [qid for qid in qids if qid in full.ttft]
+    # TTFT on the questions every timed mode timed (merged runs may have timed different ones).
+    timing = [r for r in results.values() if any(qid in r.ttft for qid in qids)]
+    timed = [qid for qid in qids if timing and all(qid in r.ttft for r in timing)]
     full_wall = sum(full.ttft[qid][0] for qid in timed)
     full_cpu = sum(full.ttft[qid][1] for qid in timed)
     rows = []
