@@ -1,18 +1,23 @@
 """What reuse costs in answers: correct answers per reuse mode on real text with a real model.
 
 Each question of `fidelity_set` (real encyclopedic texts, 3-5 documents, the answer in one or two
-of them) is rendered with the model's chat template as a chunked prompt:
+of them; `--set`: those "original" questions, the "counterfactual" ones of `counterfactual_set`,
+whose answer fact was replaced in its document so that no model knows it, or both) is rendered with the model's chat template as a chunked prompt:
 system turn, then the user turn `SEP doc1 SEP ... SEP docN SEP question`, split by the engine.
 "full" is a full prefill of exactly the same tokens (the chunked prompt's token ids as a plain
-prompt); every other mode is a chunked request over a warm chunk pool (the documents were seen
-before, as in production). Greedy answers; correct = every expected answer in the reply.
+prompt); "closed" is the same question with no documents at all (a plain prompt: what the model
+answers from memory); every other mode is a chunked request over a warm chunk pool (the documents
+were seen before, as in production). Greedy answers; correct = every expected answer in the reply.
 
 Per mode: accuracy with a 95% bootstrap interval, answers kept / lost / gained against full
-(paired, per question), and the warm TTFT of a one-token request, wall and CPU time, as a ratio
-against full on the same prompts, modes interleaved per question (rotating order). Prints a table,
-writes JSON, a PNG (accuracy against TTFT speedup), and one SUMMARY line.
+(paired, per question), the warm TTFT of a one-token request, wall and CPU time, as a ratio
+against full on the same prompts, modes interleaved per question (rotating order), and decode
+tokens/s of the answer runs (the engine's first-token to finish time). Everything is reported per
+set; with "closed" run, also on the document-dependent questions alone (those the model misses
+closed-book), where the documents, not memory, must supply the answer. Prints tables, writes JSON,
+a PNG per set (accuracy against TTFT speedup), and one SUMMARY line per set.
 
-    python benchmarks/bench_fidelity.py --threads 1 [--split heldout] [--limit N] [--modes ...]
+    python benchmarks/bench_fidelity.py --threads 1 [--set both] [--split heldout] [--limit N] [--modes ...]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import counterfactual_set
 import fidelity_set
 from tqdm import tqdm
 
@@ -36,6 +42,8 @@ from chunkcache.chunk.parse import parse_chunked_prompt
 SEP = " # # "
 LABEL_MARK = "~"  # MODE~LABEL: a mode run on another model variant (an adapter, a dtype, a device)
 SYSTEM = "Answer the question using the documents. Reply with a short answer."
+CLOSED = "closed"  # the mode that asks the question without the documents
+SETS = ("original", "counterfactual")
 
 
 def _offset(layers: list[int], ratios: list[float], **extra: Any) -> dict[str, Any]:
@@ -46,9 +54,19 @@ def _query(layer: int, ratio: float, unit: str = "token") -> dict[str, Any]:
     return _offset([layer], [ratio], blend_selector="query_attention", blend_unit=unit)
 
 
-# name -> chunk options (None = full prefill). Recovery methods are options of the same blend.
+def _fusion(rule: str, **extra: Any) -> dict[str, Any]:
+    return {"chunk_layout": "fusion", "fusion_rule": rule, **extra}
+
+
+# name -> chunk options (None = a plain prompt: full prefill, or for "closed" the question alone).
+# Recovery methods are options of the same blend.
 MODES: dict[str, dict[str, Any] | None] = {
     "full": None,
+    CLOSED: None,
+    # Fusion (issue 32): one exact stream per document (S + Ci + Q), combined every decode step.
+    "fusion/max_confidence": _fusion("max_confidence"),
+    "fusion/product": _fusion("product"),
+    "fusion/contrastive": _fusion("contrastive", fusion_amateur=True),
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
     "blend@0.15": _offset([1], [0.15]),
@@ -97,13 +115,15 @@ for _base, _points in (
 
 @dataclass
 class ModeResult:
-    """Per question id: correct or not, the reply, the share of document tokens recomputed, and
-    (for the timed questions) the warm TTFT as (wall, cpu) seconds."""
+    """Per question id: correct or not, the reply, the share of document tokens recomputed,
+    (for the timed questions) the warm TTFT as (wall, cpu) seconds, and the answer run's decode
+    as (tokens after the first, seconds from the first token to the last)."""
 
     correct: dict[str, bool] = field(default_factory=dict)
     replies: dict[str, str] = field(default_factory=dict)
     recomputed: dict[str, float] = field(default_factory=dict)
     ttft: dict[str, tuple[float, float]] = field(default_factory=dict)
+    decode: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 def render(tokenizer: Any, docs: list[str], question: str) -> str:
@@ -113,15 +133,30 @@ def render(tokenizer: Any, docs: list[str], question: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def render_closed(tokenizer: Any, question: str) -> list[int]:
+    """The closed-book prompt: the same system turn and question, no documents (token ids, so that
+    the engine takes it as a plain prompt)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _decode(out: Any) -> tuple[int, float]:
+    metrics = out.metrics
+    return len(out.outputs[0].token_ids) - 1, metrics.finished_time - metrics.first_token_time
+
+
 def _run(llm: LLM, prompt: str | list[int], params: SamplingParams, options: dict[str, Any] | None):
     # options None: the engine's own (a token-id prompt takes the plain path anyway).
     return llm.generate([prompt], params, add_special_tokens=False, chunk_options=options)[0]
 
 
-def _ttft(llm: LLM, prompt: str | list[int], options: dict[str, Any] | None) -> tuple[float, float]:
+def _ttft(llm: LLM, prompt: str | list[int], options: dict[str, Any] | None) -> tuple[float, float, int]:
+    """(wall, cpu) seconds of a one-token request, and the tokens it blended (the answer run that
+    follows finds the blended blocks in the prefix cache and recomputes none)."""
     wall, cpu = time.perf_counter(), time.process_time()
-    _run(llm, prompt, SamplingParams(temperature=0, max_tokens=1), options)
-    return time.perf_counter() - wall, time.process_time() - cpu
+    out = _run(llm, prompt, SamplingParams(temperature=0, max_tokens=1), options)
+    return time.perf_counter() - wall, time.process_time() - cpu, out.num_blend_recomputed_tokens
 
 
 def evaluate(
@@ -138,12 +173,13 @@ def evaluate(
     answer = SamplingParams(temperature=0, max_tokens=max_tokens)
     names = list(modes)
     for i, q in enumerate(tqdm(questions, desc="questions", unit="q")):
-        text = render(llm.tokenizer, [elements[n].document() for n in q.doc_ids], q.question)
+        text = render(llm.tokenizer, q.documents(elements), q.question)
         parsed = parse_chunked_prompt(text, SEP, llm.tokenizer, add_special_tokens=False)
         assert parsed is not None
         doc_tokens = sum(map(len, parsed.chunks))
         num_q = len(parsed.question_token_ids)
         full_ids = parsed.all_token_ids()
+        closed_ids = render_closed(llm.tokenizer, q.question)
         # Warm the pool: production reuse means the documents were seen before (and, for the
         # modes that rank by it, each entry measured its sensitivity; here in a request of
         # another blend key, so that no mode finds its own blended blocks).
@@ -154,20 +190,26 @@ def evaluate(
         rotation = names[i % len(names) :] + names[: i % len(names)]  # interleave, rotating order
         for name in rotation:
             options = modes[name]
-            prompt: str | list[int] = full_ids if options is None else text
+            prompt: str | list[int] = closed_ids if name == CLOSED else full_ids if options is None else text
             res = results[name]
+            blended = 0
             if timed:
                 # Timed before the answer run: a full prefill must not hit its own prompt's
                 # blocks in the prefix cache (only a shared system part, as in production).
-                res.ttft[q.qid] = _ttft(llm, prompt, options)
+                wall, cpu, blended = _ttft(llm, prompt, options)
+                res.ttft[q.qid] = (wall, cpu)
             out = _run(llm, prompt, answer, options)
             reply = out.outputs[0].text
             res.replies[q.qid] = reply
             res.correct[q.qid] = fidelity_set.correct(reply, q.answers)
-            if options is None:
+            res.decode[q.qid] = _decode(out)
+            if name == CLOSED:
+                res.recomputed[q.qid] = 0.0
+            elif options is None:
                 res.recomputed[q.qid] = 1.0
             elif options.get("chunk_layout") == "offset":
-                res.recomputed[q.qid] = (out.num_blend_recomputed_tokens - num_q) / doc_tokens
+                blended = max(blended, out.num_blend_recomputed_tokens)
+                res.recomputed[q.qid] = (blended - num_q) / doc_tokens
             else:
                 res.recomputed[q.qid] = 0.0
         if checkpoint is not None:
@@ -185,7 +227,9 @@ def bootstrap(values: list[bool], rounds: int = 2000, seed: int = 0) -> tuple[fl
 def summarize(results: dict[str, ModeResult], questions: list[fidelity_set.Question]) -> list[dict[str, Any]]:
     full = results["full"]
     qids = [q.qid for q in questions]
-    timed = [qid for qid in qids if qid in full.ttft]
+    # TTFT on the questions every timed mode timed (merged runs may have timed different ones).
+    timing = [r for r in results.values() if any(qid in r.ttft for qid in qids)]
+    timed = [qid for qid in qids if timing and all(qid in r.ttft for r in timing)]
     full_wall = sum(full.ttft[qid][0] for qid in timed)
     full_cpu = sum(full.ttft[qid][1] for qid in timed)
     rows = []
@@ -211,7 +255,16 @@ def summarize(results: dict[str, ModeResult], questions: list[fidelity_set.Quest
             "full_correct": sum(full.correct[q] for q in qids),
             "kept_share": kept / max(1, sum(full.correct[q] for q in qids)),
             "recomputed_share": sum(res.recomputed[q] for q in qids) / len(qids),
+            # Counterfactual questions: replies that give the real value the document no longer holds.
+            "memory": sum(
+                fidelity_set.correct(res.replies[q.qid], memory)
+                for q in questions
+                if (memory := getattr(q, "memory", None))
+            ),
         }
+        steps = [res.decode[qid] for qid in qids if qid in res.decode and res.decode[qid][0] > 0]
+        if steps:
+            row["decode_tps"] = sum(n for n, _ in steps) / max(1e-9, sum(t for _, t in steps))
         if timed and all(qid in res.ttft for qid in timed):
             wall = sum(res.ttft[qid][0] for qid in timed)
             row["ttft_ms"] = 1000 * wall / len(timed)
@@ -224,15 +277,16 @@ def summarize(results: dict[str, ModeResult], questions: list[fidelity_set.Quest
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'mode':<22}{'acc':>7}{'95% CI':>16}{'1-doc':>7}{'2-doc':>7}{'kept':>9}{'lost':>6}"
-        f"{'gained':>8}{'recomp':>8}{'TTFT ms':>9}{'x wall':>8}{'x cpu':>7}"
+        f"{'gained':>8}{'mem':>5}{'recomp':>8}{'TTFT ms':>9}{'x wall':>8}{'x cpu':>7}{'dec t/s':>8}"
     )
     for r in rows:
         ci = f"{100 * r['ci95'][0]:.1f}-{100 * r['ci95'][1]:.1f}"
         print(
             f"{r['mode']:<22}{100 * r['accuracy']:>6.1f}%{ci:>16}{100 * r['single']:>6.1f}%"
             f"{100 * r['double']:>6.1f}%{r['kept']:>5}/{r['full_correct']:<3}{r['lost']:>6}{r['gained']:>8}"
-            f"{100 * r['recomputed_share']:>7.1f}%{r.get('ttft_ms', float('nan')):>9.1f}"
+            f"{r['memory']:>5}{100 * r['recomputed_share']:>7.1f}%{r.get('ttft_ms', float('nan')):>9.1f}"
             f"{r.get('speedup_wall', float('nan')):>8.2f}{r.get('speedup_cpu', float('nan')):>7.2f}"
+            f"{r.get('decode_tps', float('nan')):>8.1f}"
         )
 
 
@@ -244,7 +298,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        if "speedup_wall" not in r:
+        if "speedup_wall" not in r or r["mode"] == CLOSED:
             continue
         is_full = r["mode"] == "full"
         ax.errorbar(
@@ -270,8 +324,44 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def question_set(q: fidelity_set.Question) -> str:
+    return "counterfactual" if isinstance(q, counterfactual_set.CounterfactualQuestion) else "original"
+
+
+def load_questions(which: str) -> list[fidelity_set.Question]:
+    """The frozen questions of `which` set ("original", "counterfactual" or "both")."""
+    original = fidelity_set.load() if which in ("original", "both") else []
+    counterfactual = counterfactual_set.load() if which in ("counterfactual", "both") else []
+    return [*original, *counterfactual]
+
+
 def report(results: dict[str, ModeResult], questions: list[fidelity_set.Question], args: Any) -> None:
-    """Tables for every split, the plot and the SUMMARY line (held-out part)."""
+    """Everything apart per question set: the two sets measure different things."""
+    for name in SETS:
+        qs = [q for q in questions if question_set(q) == name]
+        if qs:
+            print(f"\n=== {name} set ===")
+            plot_path: Path | None = args.plot
+            if plot_path is not None and name != "original":
+                plot_path = plot_path.with_stem(f"{plot_path.stem}_{name}")
+            report_set(results, qs, plot_path, f"{name}, {Path(args.model).name}", name)
+
+
+def _document_dependent(results: dict[str, ModeResult], qs: list[fidelity_set.Question]):
+    """The questions the model misses closed-book (empty when "closed" was not run)."""
+    closed = results.get(CLOSED)
+    return [q for q in qs if closed is not None and not closed.correct[q.qid]]
+
+
+def report_set(
+    results: dict[str, ModeResult],
+    questions: list[fidelity_set.Question],
+    plot_path: Path | None,
+    title: str,
+    name: str,
+) -> None:
+    """Tables for every split and for its document-dependent questions, the plot and the SUMMARY
+    line (held-out part)."""
     splits = {"tune": [], "heldout": []}
     for q in questions:
         splits[q.split].append(q)
@@ -280,7 +370,11 @@ def report(results: dict[str, ModeResult], questions: list[fidelity_set.Question
     # TTFT is a property of the prompts' shape: a split without timed questions shows the
     # speedups measured on the timed questions of the whole set.
     overall = {r["mode"]: r for r in summarize(results, questions)}
-    for split, qs in [("all", questions), *splits.items()]:
+    parts = [("all", questions), *splits.items()]
+    parts += [
+        (f"{split}, document-dependent", _document_dependent(results, qs)) for split, qs in splits.items()
+    ]
+    for split, qs in parts:
         if not qs:
             continue
         rows = summarize(results, qs)
@@ -292,13 +386,14 @@ def report(results: dict[str, ModeResult], questions: list[fidelity_set.Question
         if split == "heldout" or not summary_rows:
             summary_rows, summary_split = rows, split
         if split == "tune" or not choice_rows:
-            choice_rows = rows
-    if args.plot:
-        plot(summary_rows, args.plot, f"bench_fidelity: {summary_split} questions, {Path(args.model).name}")
+            choice_rows, choice_split = rows, split
+    if plot_path:
+        plot(summary_rows, plot_path, f"bench_fidelity: {summary_split} questions, {title}")
     full = next(r for r in summary_rows if r["mode"] == "full")
     # The default rule (issue 15): the fastest mode keeping >= 95% of full's correct answers, else
     # the one keeping most among those >= 2x faster; chosen on "tune", reported on "heldout".
-    fast = [r for r in choice_rows if r["mode"] != "full" and r.get("speedup_wall", 0) >= 2.0]
+    # "closed" reads no document: never a candidate.
+    fast = [r for r in choice_rows if r["mode"] not in ("full", CLOSED) and r.get("speedup_wall", 0) >= 2.0]
     keeping = [r for r in fast if r["kept_share"] >= 0.95]
     best = (
         max(keeping, key=lambda r: r["speedup_wall"])
@@ -307,13 +402,13 @@ def report(results: dict[str, ModeResult], questions: list[fidelity_set.Question
     )
     shown = {r["mode"]: r for r in summary_rows}
     best_text = (
-        f"default {best['mode']} (chosen on tune) keeps {100 * shown[best['mode']]['kept_share']:.0f}% "
+        f"default {best['mode']} (chosen on {choice_split}) keeps {100 * shown[best['mode']]['kept_share']:.0f}% "
         f"of full's answers at {best['speedup_wall']:.2f}x"
         if best
         else "no mode >= 2x"
     )
     print(
-        f"SUMMARY bench_fidelity n={full['n']} split={summary_split} full={100 * full['accuracy']:.1f}% "
+        f"SUMMARY bench_fidelity set={name} n={full['n']} split={summary_split} full={100 * full['accuracy']:.1f}% "
         + " ".join(f"{r['mode']}={100 * r['accuracy']:.1f}%" for r in summary_rows if r["mode"] != "full")
         + f" | {best_text}"
     )
@@ -332,6 +427,7 @@ def _load(paths: list[Path]) -> dict[str, ModeResult]:
             res.replies.update(raw["replies"])
             res.recomputed.update(raw["recomputed"])
             res.ttft.update({k: tuple(v) for k, v in raw["ttft"].items()})
+            res.decode.update({k: tuple(v) for k, v in raw.get("decode", {}).items()})
     return merged
 
 
@@ -343,8 +439,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--set", choices=[*SETS, "both"], default="original", help="which questions")
     parser.add_argument("--split", choices=["all", "tune", "heldout"], default="all")
-    parser.add_argument("--limit", type=int, default=0, help="first N questions of the split (0 = all)")
+    parser.add_argument(
+        "--limit", type=int, default=0, help="first N questions of each set's split (0 = all)"
+    )
     parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"from {list(MODES)}")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--ttft-every", type=int, default=4, help="time the TTFT of every k-th question")
@@ -376,11 +475,13 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown modes {unknown}; known: {list(MODES)}")
     modes = {m: MODES[m] for m in dict.fromkeys(["full", *args.modes])}
-    questions = fidelity_set.load()
+    questions = load_questions(args.set)
     if args.split != "all":
         questions = [q for q in questions if q.split == args.split]
-    if args.limit:
-        questions = questions[: args.limit]
+    if args.limit:  # the first N of each set
+        questions = [
+            q for name in SETS for q in [q for q in questions if question_set(q) == name][: args.limit]
+        ]
     if args.model is None:
         from chunkcache.model.loader import model_path
 

@@ -56,6 +56,10 @@ class Question:
     def hops(self) -> int:
         return 2 if self.kind.startswith("two_") else 1
 
+    def documents(self, elements: dict[int, Element]) -> list[str]:
+        """The prompt's documents, in order (a counterfactual question edits one or two)."""
+        return [elements[n].document() for n in self.doc_ids]
+
 
 def load_elements(export: Path | None = None) -> dict[int, Element]:
     """The elements from the `mendeleev` package, or from a JSON `export` of them (written by

@@ -1,0 +1,219 @@
+"""Counterfactual questions: answers a model cannot know from memory, only read in a document.
+
+A model that knows the elements answers most of `fidelity_set`'s questions without the documents,
+so those questions measure memory as much as reuse. Here the answer's document is a real
+`mendeleev` document with one fact replaced by another real value of its kind, taken from another
+element, and the question asks for that fact:
+
+- symbol / number: the title line's symbol or atomic number (the symbol's every occurrence in the
+  text too, e.g. "SnO2"; an element whose atomic number appears in its text is not used);
+- year: every occurrence of the discovery year in the text (only where the text holds it);
+- discoverer: every occurrence of the discoverer's surname in the text (only where the text names
+  exactly one of the discoverers);
+- two_symbols / two_numbers / two_years: the same edit in two documents, both asked for.
+
+The new value appears in no document of the prompt before the edit (so only the edited document
+can supply it) and the old value in none of the edited document after it. The other 2-4 documents
+are of the same kind (for year and discoverer questions, elements whose own text states a year, or
+a discoverer), as a retriever returns alike documents. Drawn once with a fixed seed and frozen in
+`counterfactual_questions.json` (with the replaced values and their counts, checked when the
+documents are built) before any mode ran on it; half tune, half held-out, as `fidelity_set`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from fidelity_set import Element, Question, fingerprint, load_elements
+
+FROZEN = Path(__file__).with_name("counterfactual_questions.json")
+SEED = 32
+# Symbols that are also English words (a capitalised "In" or "As" starts sentences): never edited.
+# One-letter symbols ("S" in "U.S.", "C" in "CFC") neither.
+_WORDLIKE = {"In", "As", "At", "Be", "No", "He", "Am", "Es", "Pa", "Ac"}
+# kind -> how many questions to draw (about 120, half held out)
+COUNTS = {
+    "symbol": 20,
+    "number": 20,
+    "year": 20,
+    "discoverer": 16,
+    "two_symbols": 14,
+    "two_numbers": 15,
+    "two_years": 15,
+}
+
+
+@dataclass(frozen=True)
+class Edit:
+    """In document `doc_id`, fact `field` changed from `old` to `new` at `count` places."""
+
+    doc_id: int
+    field: str  # symbol | number | year | discoverer
+    old: str
+    new: str
+    count: int
+
+
+def _pattern(field: str, value: str) -> str:
+    if field == "symbol":  # "Sn" in "SnO2" and "33%Sn" too, not in "Snow"
+        return rf"(?<![A-Za-z]){re.escape(value)}(?![a-z])"
+    if field in ("number", "year"):
+        return rf"(?<!\d){re.escape(value)}(?!\d)"
+    return rf"(?<!\w){re.escape(value)}(?!\w)"
+
+
+def occurrences(field: str, value: str, text: str) -> int:
+    return len(re.findall(_pattern(field, value), text))
+
+
+def apply(el: Element, edit: Edit) -> Element:
+    """`el` with the edit made everywhere in its document; raises if the package's text no longer
+    matches the frozen edit (another count of the old value, or a leftover)."""
+    text, n = re.subn(_pattern(edit.field, edit.old), edit.new, el.text)
+    if edit.field == "symbol":
+        new = dataclasses.replace(el, symbol=edit.new, text=text)
+        n += 1  # the title line
+    elif edit.field == "number":
+        new = dataclasses.replace(el, number=int(edit.new), text=text)
+        n += 1
+    elif edit.field == "year":
+        new = dataclasses.replace(el, year=int(edit.new), text=text)
+    elif edit.field == "discoverer":
+        new = dataclasses.replace(el, discoverers=edit.new, text=text)
+    else:
+        raise ValueError(f"edit of {el.name}: unknown field {edit.field!r}")
+    if n == 0 or n != edit.count or occurrences(edit.field, edit.old, new.document()):
+        raise ValueError(f"edit {edit} does not apply to {el.name}'s text ({n} replaced)")
+    return new
+
+
+@dataclass(frozen=True)
+class CounterfactualQuestion(Question):
+    edits: list[Edit]
+    memory: list[list[str]]  # the real values: a reply holding them answered from memory
+
+    def documents(self, elements: dict[int, Element]) -> list[str]:
+        edited = dict(elements)
+        for e in self.edits:
+            edited[e.doc_id] = apply(edited[e.doc_id], e)
+        return [edited[n].document() for n in self.doc_ids]
+
+
+def _surname(el: Element) -> str | None:
+    """The one discoverer's name in the element's text, if exactly one of them is there."""
+    if not el.discoverers or "ancient" in el.discoverers.lower():
+        return None
+    names = {w for w in re.findall(r"[A-Z][a-z]{2,}", el.discoverers) if w != "Sir"}
+    present = [n for n in names if occurrences("discoverer", n, el.text)]
+    return present[0] if len(present) == 1 else None
+
+
+def _value(el: Element, field: str) -> str | None:
+    """The element's value of `field` if it can be edited consistently, else None."""
+    if field == "symbol":
+        return None if el.symbol in _WORDLIKE or len(el.symbol) == 1 else el.symbol
+    if field == "number":
+        return None if occurrences("number", str(el.number), el.text) else str(el.number)
+    if field == "year":
+        return str(el.year) if el.year and occurrences("year", str(el.year), el.text) else None
+    return _surname(el)
+
+
+def _count(el: Element, field: str, value: str) -> int:
+    return occurrences(field, value, el.text) + (field in ("symbol", "number"))
+
+
+_QUESTION = {
+    "symbol": ("What is the chemical symbol of {}?", "What are the chemical symbols of {} and {}?"),
+    "number": ("What is the atomic number of {}?", "What are the atomic numbers of {} and {}?"),
+    "year": ("In what year was {} discovered?", "In what years were {} and {} discovered?"),
+    "discoverer": ("Who discovered {}?", None),
+}
+
+
+def _field(kind: str) -> str:
+    return kind.removeprefix("two_").removesuffix("s")  # two_years -> year
+
+
+def _draft(rng: random.Random, elements: dict[int, Element], kind: str, used: set[tuple[int, str]]):
+    """One question of `kind`: (question, answers, memory, doc ids, edits), or None."""
+    field = _field(kind)
+    hops = 2 if kind.startswith("two_") else 1
+    editable = [n for n in sorted(elements) if _value(elements[n], field) and (n, field) not in used]
+    alike = (
+        [n for n in sorted(elements) if _value(elements[n], field)]
+        if field in ("year", "discoverer")
+        else None
+    )
+    targets = rng.sample(editable, hops)
+    pool = [n for n in (alike or sorted(elements)) if n not in targets]
+    docs = targets + rng.sample(pool, rng.randint(3, 5) - hops)
+    rng.shuffle(docs)
+    texts = " ".join(elements[n].document() for n in docs)
+    values = sorted({_value(elements[n], field) for n in elements if _value(elements[n], field)} - {None})
+    edits = []
+    for n in targets:
+        old = _value(elements[n], field)
+        fresh = [v for v in values if v != old and not occurrences(field, v, texts)]
+        fresh = [v for v in fresh if v not in {e.new for e in edits} and v not in _WORDLIKE]
+        if not fresh:
+            return None
+        edits.append(Edit(n, field, old, rng.choice(fresh), _count(elements[n], field, old)))
+    names = [elements[n].name for n in targets]
+    question = _QUESTION[field][hops - 1].format(*names)
+    return question, [[e.new] for e in edits], [[e.old] for e in edits], docs, edits, targets
+
+
+def build(seed: int = SEED) -> list[CounterfactualQuestion]:
+    elements = load_elements()
+    rng = random.Random(seed)
+    drafts = []
+    for kind, count in COUNTS.items():
+        used: set[tuple[int, str]] = set()  # an element's fact is edited in one question only
+        while sum(d[0] == kind for d in drafts) < count:
+            draft = _draft(rng, elements, kind, used)
+            if draft is None:
+                continue
+            used.update((n, _field(kind)) for n in draft[5])
+            drafts.append((kind, *draft[:5]))
+    rng.shuffle(drafts)
+    return [
+        CounterfactualQuestion(
+            f"c{i:04d}", kind, text, answers, docs, "heldout" if i % 2 else "tune", edits, memory
+        )
+        for i, (kind, text, answers, memory, docs, edits) in enumerate(drafts)
+    ]
+
+
+def load(path: Path = FROZEN) -> list[CounterfactualQuestion]:
+    data = json.loads(path.read_text())
+    questions = [
+        CounterfactualQuestion(**{**q, "edits": [Edit(**e) for e in q["edits"]]}) for q in data["questions"]
+    ]
+    if fingerprint(questions) != data["fingerprint"]:
+        raise ValueError(f"{path} was edited after it was frozen (fingerprint mismatch)")
+    return questions
+
+
+def freeze(path: Path = FROZEN, seed: int = SEED) -> None:
+    questions = build(seed)
+    payload = {
+        "seed": seed,
+        "fingerprint": fingerprint(questions),
+        "questions": [asdict(q) for q in questions],
+    }
+    path.write_text(json.dumps(payload, indent=0))
+
+
+if __name__ == "__main__":
+    freeze()
+    qs = load()
+    kinds: dict[str, int] = {}
+    for q in qs:
+        kinds[q.kind] = kinds.get(q.kind, 0) + 1
+    print(f"{len(qs)} questions, fingerprint {fingerprint(qs)}: {kinds}")
