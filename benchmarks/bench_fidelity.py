@@ -64,9 +64,16 @@ MODES: dict[str, dict[str, Any] | None] = {
     "full": None,
     CLOSED: None,
     # Fusion (issue 32): one exact stream per document (S + Ci + Q), combined every decode step.
-    "fusion/max_confidence": _fusion("max_confidence"),
-    "fusion/product": _fusion("product"),
+    "fusion/max_confidence": _fusion("max_confidence", fusion_amateur=False),
+    "fusion/product": _fusion("product", fusion_amateur=False),
     "fusion/contrastive": _fusion("contrastive", fusion_amateur=True),
+    # The relevance bonus (gamma) decides which stream speaks when the streams' own contrast
+    # is close; gamma 0 lets a second document's stream take over for the second half of a
+    # two-document answer.
+    **{
+        f"fusion/contrastive/g{g}": _fusion("contrastive", fusion_amateur=True, fusion_relevance_weight=g)
+        for g in (0.0, 0.5)
+    },
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
     "blend@0.15": _offset([1], [0.15]),
