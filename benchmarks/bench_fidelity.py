@@ -74,6 +74,11 @@ MODES: dict[str, dict[str, Any] | None] = {
         f"fusion/contrastive/g{g}": _fusion("contrastive", fusion_amateur=True, fusion_relevance_weight=g)
         for g in (0.0, 0.5)
     },
+    # A stronger contrast (beta) pushes a stream away from what the model says without documents.
+    **{
+        f"fusion/contrastive/b{b}": _fusion("contrastive", fusion_amateur=True, fusion_contrast_weight=b)
+        for b in (0.25, 0.5, 1.0)
+    },
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
     "blend@0.15": _offset([1], [0.15]),
