@@ -26,10 +26,10 @@ import dataclasses
 import json
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from fidelity_set import Element, Question, fingerprint, load_elements
+from fidelity_set import Element, Question, checked, describe, load_elements, write_frozen
 
 FROZEN = Path(__file__).with_name("counterfactual_questions.json")
 SEED = 32
@@ -195,25 +195,13 @@ def load(path: Path = FROZEN) -> list[CounterfactualQuestion]:
     questions = [
         CounterfactualQuestion(**{**q, "edits": [Edit(**e) for e in q["edits"]]}) for q in data["questions"]
     ]
-    if fingerprint(questions) != data["fingerprint"]:
-        raise ValueError(f"{path} was edited after it was frozen (fingerprint mismatch)")
-    return questions
+    return checked(path, data, questions)
 
 
 def freeze(path: Path = FROZEN, seed: int = SEED) -> None:
-    questions = build(seed)
-    payload = {
-        "seed": seed,
-        "fingerprint": fingerprint(questions),
-        "questions": [asdict(q) for q in questions],
-    }
-    path.write_text(json.dumps(payload, indent=0))
+    write_frozen(path, seed, build(seed))
 
 
 if __name__ == "__main__":
     freeze()
-    qs = load()
-    kinds: dict[str, int] = {}
-    for q in qs:
-        kinds[q.kind] = kinds.get(q.kind, 0) + 1
-    print(f"{len(qs)} questions, fingerprint {fingerprint(qs)}: {kinds}")
+    print(describe(load()))

@@ -23,6 +23,7 @@ import json
 import random
 import re
 import sqlite3
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -153,30 +154,36 @@ def fingerprint(questions: list[Question]) -> str:
 
 def load(path: Path = FROZEN) -> list[Question]:
     data = json.loads(path.read_text())
-    questions = [Question(**q) for q in data["questions"]]
+    return checked(path, data, [Question(**q) for q in data["questions"]])
+
+
+def checked(path: Path, data: dict, questions: list) -> list:
+    """`questions` read from the frozen file `path` (its JSON `data`), refused if they are not
+    what was frozen."""
     if fingerprint(questions) != data["fingerprint"]:
         raise ValueError(f"{path} was edited after it was frozen (fingerprint mismatch)")
     return questions
 
 
 def freeze(path: Path = FROZEN, seed: int = 15) -> None:
-    questions = build(seed)
-    path.write_text(
-        json.dumps(
-            {
-                "seed": seed,
-                "fingerprint": fingerprint(questions),
-                "questions": [asdict(q) for q in questions],
-            },
-            indent=0,
-        )
-    )
+    write_frozen(path, seed, build(seed))
+
+
+def write_frozen(path: Path, seed: int, questions: list) -> None:
+    """Freeze a drawn question set: its seed, its fingerprint and the questions, as JSON."""
+    payload = {
+        "seed": seed,
+        "fingerprint": fingerprint(questions),
+        "questions": [asdict(q) for q in questions],
+    }
+    path.write_text(json.dumps(payload, indent=0))
+
+
+def describe(questions: list) -> str:
+    kinds = Counter(q.kind for q in questions)
+    return f"{len(questions)} questions, fingerprint {fingerprint(questions)}: {dict(kinds)}"
 
 
 if __name__ == "__main__":
     freeze()
-    qs = load()
-    kinds: dict[str, int] = {}
-    for q in qs:
-        kinds[q.kind] = kinds.get(q.kind, 0) + 1
-    print(f"{len(qs)} questions, fingerprint {fingerprint(qs)}: {kinds}")
+    print(describe(load()))
