@@ -25,6 +25,7 @@ import torch
 
 from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.config import ChunkConfig, SchedulerConfig
+from chunkcache.engine.prompt_logprobs import prompt_slices
 from chunkcache.engine.sequence import Sequence, Status
 from chunkcache.errors import InvalidRequestError
 
@@ -208,16 +209,9 @@ def record_question_logprobs(
 ) -> None:
     """Each stream's log-likelihood of Q's tokens as its prefill computes them (`hidden`
     [tokens, hidden] of one forward over `seqs`' new tokens, in order): its relevance."""
-    start = 0
-    for seq, n in zip(seqs, num_new_tokens, strict=True):
-        group, c = seq.fusion, seq.num_computed
-        q_len = seq.num_own_prompt_tokens
-        if group is not None and c < q_len - 1:
-            # Positions c .. c+m-1 predict Q's tokens c+1 .. c+m.
-            m = min(n, q_len - 1 - c)
-            logprobs = torch.log_softmax(compute_logits(hidden[start : start + m]).float(), -1).cpu()
-            targets = torch.tensor(seq.token_ids[c + 1 : c + 1 + m], dtype=torch.long)
-            picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-            values = group.question_logprobs[next(i for i, s in enumerate(group.streams) if s is seq)]
-            values[c : c + m] = picked
-        start += n
+    for part in prompt_slices(compute_logits, hidden, seqs, num_new_tokens, lambda s: s.fusion is not None):
+        group = part.seq.fusion
+        assert group is not None
+        values = group.question_logprobs[next(i for i, s in enumerate(group.streams) if s is part.seq)]
+        picked = part.picked()
+        values[part.start : part.start + len(picked)] = picked

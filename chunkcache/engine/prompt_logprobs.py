@@ -10,12 +10,51 @@ preempted request that prefills again overwrites rather than appends.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from chunkcache.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PromptSlice:
+    """What one forward computed of a sequence's own prompt tokens' log-probabilities: positions
+    `start` .. `start + m - 1` predict own prompt tokens `start + 1` .. `start + m` (`targets`)."""
+
+    seq: Sequence
+    start: int
+    logprobs: torch.Tensor  # [m, vocab], float32, on the CPU
+    targets: torch.Tensor  # [m]
+
+    def picked(self) -> list[float]:
+        """log p of each target token."""
+        return self.logprobs.gather(1, self.targets[:, None])[:, 0].tolist()
+
+
+def prompt_slices(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    seqs: Seq[Sequence],
+    num_new_tokens: Seq[int],
+    wanted: Callable[[Sequence], bool],
+) -> Iterator[PromptSlice]:
+    """For each of `seqs` that is `wanted`, the log-probs its new tokens give the prompt tokens
+    after them. `hidden` [tokens, hidden] is one forward whose tokens are those of `seqs` in order
+    (`num_new_tokens[i]` each, the first `num_computed` of each already done)."""
+    start = 0
+    for seq, n in zip(seqs, num_new_tokens, strict=True):
+        c = seq.num_computed
+        prompt_len = seq.num_own_prompt_tokens
+        if wanted(seq) and c < prompt_len - 1:
+            # Positions c .. c+n-1 predict tokens c+1 .. c+n; only those still in the prompt count.
+            m = min(n, prompt_len - 1 - c)
+            logprobs = torch.log_softmax(compute_logits(hidden[start : start + m]).float(), dim=-1).cpu()
+            targets = torch.tensor(seq.token_ids[c + 1 : c + 1 + m], dtype=torch.long)
+            yield PromptSlice(seq, c, logprobs, targets)
+        start += n
 
 
 def record_prompt_logprobs(
@@ -24,26 +63,20 @@ def record_prompt_logprobs(
     seqs: Seq[Sequence],
     num_new_tokens: Seq[int],
 ) -> None:
-    """`hidden` [tokens, hidden] of one forward whose tokens are those of `seqs` in order
-    (`num_new_tokens[i]` each, the first `num_computed` of each already done)."""
-    start = 0
-    for seq, n in zip(seqs, num_new_tokens, strict=True):
-        k = seq.params.prompt_logprobs
-        c = seq.num_computed
-        prompt_len = seq.num_own_prompt_tokens
-        if k is not None and c < prompt_len - 1:
-            # Positions c .. c+n-1 predict tokens c+1 .. c+n; only those still in the prompt count.
-            m = min(n, prompt_len - 1 - c)
-            logprobs = torch.log_softmax(compute_logits(hidden[start : start + m]).float(), dim=-1).cpu()
-            if seq.prompt_logprobs is None:
-                seq.prompt_logprobs = [None] * prompt_len
-            targets = torch.tensor(seq.token_ids[c + 1 : c + 1 + m], dtype=torch.long)
-            picked = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-            top = torch.topk(logprobs, min(k, logprobs.shape[-1])) if k > 0 else None
-            for j in range(m):
-                entry: dict[int, float] = {}
-                if top is not None:
-                    entry = dict(zip(top.indices[j].tolist(), top.values[j].tolist(), strict=True))
-                entry[int(targets[j])] = picked[j]
-                seq.prompt_logprobs[c + 1 + j] = entry
-        start += n
+    """Each requesting sequence's prompt log-probs and their top-k, as its prefill computes them."""
+    parts = prompt_slices(
+        compute_logits, hidden, seqs, num_new_tokens, lambda s: s.params.prompt_logprobs is not None
+    )
+    for part in parts:
+        seq, c, k = part.seq, part.start, part.seq.params.prompt_logprobs
+        assert k is not None
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] * seq.num_own_prompt_tokens
+        picked = part.picked()
+        top = torch.topk(part.logprobs, min(k, part.logprobs.shape[-1])) if k > 0 else None
+        for j in range(len(picked)):
+            entry: dict[int, float] = {}
+            if top is not None:
+                entry = dict(zip(top.indices[j].tolist(), top.values[j].tolist(), strict=True))
+            entry[int(part.targets[j])] = picked[j]
+            seq.prompt_logprobs[c + 1 + j] = entry
