@@ -79,6 +79,10 @@ MODES: dict[str, dict[str, Any] | None] = {
         f"fusion/contrastive/b{b}": _fusion("contrastive", fusion_amateur=True, fusion_contrast_weight=b)
         for b in (0.25, 0.5, 1.0)
     },
+    # A third kind of stream for two-document questions: S + Ci + Cj + Q, exact, over the two
+    # documents sharing most of Q's rare tokens; one more expert, or the only document stream read.
+    "fusion/contrastive/pair": _fusion("contrastive", fusion_amateur=True, fusion_pair="expert"),
+    "fusion/contrastive/pairlead": _fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
     "blend@0.15": _offset([1], [0.15]),
@@ -457,6 +461,18 @@ def main(argv: list[str] | None = None) -> None:
         "--limit", type=int, default=0, help="first N questions of each set's split (0 = all)"
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"from {list(MODES)}")
+    parser.add_argument(
+        "--docs",
+        type=int,
+        choices=[1, 2],
+        default=None,
+        help="only the questions needing this many documents",
+    )
+    parser.add_argument(
+        "--without-full",
+        action="store_true",
+        help="do not run full prefill (--merge the --raw file with a run that did)",
+    )
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--ttft-every", type=int, default=4, help="time the TTFT of every k-th question")
     parser.add_argument("--elements", type=Path, default=None, help="element texts exported as JSON")
@@ -486,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; known: {list(MODES)}")
-    modes = {m: MODES[m] for m in dict.fromkeys(["full", *args.modes])}
+    modes = {m: MODES[m] for m in dict.fromkeys([*([] if args.without_full else ["full"]), *args.modes])}
     questions = load_questions(args.set)
     if args.split != "all":
         questions = [q for q in questions if q.split == args.split]
@@ -494,6 +510,8 @@ def main(argv: list[str] | None = None) -> None:
         questions = [
             q for name in SETS for q in [q for q in questions if question_set(q) == name][: args.limit]
         ]
+    if args.docs:  # after --limit: the first N's two-document questions, which earlier runs hold
+        questions = [q for q in questions if q.hops == args.docs]
     if args.model is None:
         from chunkcache.model.loader import model_path
 

@@ -20,6 +20,9 @@ from chunkcache.hashing import BLOCK_HASH_ALGORITHMS, block_hash_fn
 CHUNK_LAYOUTS = ("isolated", "offset", "fusion")
 # How layout "fusion" combines its streams' next-token distributions (engine/fusion.py).
 FUSION_RULES = ("max_confidence", "product", "contrastive")
+# Layout "fusion"'s pair stream S + Ci + Cj + Q over the two documents that share most of Q's rare
+# tokens: none, one more expert under the rule, or the only document stream (engine/fusion.py).
+FUSION_PAIRS = ("none", "expert", "lead")
 BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold", "query_attention", "stored_deviation")
 BLEND_UNITS = ("token", "chunk")
 # Selectors that rank by how the fresh KV at the check layer differs from the cached KV.
@@ -107,6 +110,11 @@ class ChunkConfig:
     # 0.5 (full prefill 21); with gamma 0 (no relevance), 19.
     fusion_contrast_weight: float = 0.1
     fusion_relevance_weight: float = 2.5
+    # A question that needs two documents has no stream that sees both: "expert" adds the exact
+    # stream S + Ci + Cj + Q over the two documents sharing most of Q's rare tokens (Ci read from
+    # the pool, Cj + Q computed: |Cj| more prefill tokens) as one more expert of the rule; "lead"
+    # makes it the only document stream the rule reads (the others still run, unread).
+    fusion_pair: str = "none"
     # Lower tiers under the pool (chunkcache/chunk/tiers/): a local directory of safetensors files
     # within `disk_gb`, and a Redis shared by replicas (`redis://host:port/db`). None = no tier.
     disk_dir: str | None = None
@@ -193,6 +201,8 @@ class ChunkConfig:
             raise ValueError(f"fusion_rule {self.fusion_rule!r} is not one of {FUSION_RULES}")
         if not isinstance(self.fusion_amateur, bool):
             raise ValueError(f"fusion_amateur must be true or false, got {self.fusion_amateur!r}")
+        if self.fusion_pair not in FUSION_PAIRS:
+            raise ValueError(f"fusion_pair {self.fusion_pair!r} is not one of {FUSION_PAIRS}")
         if self.fusion_rule == "contrastive" and not self.fusion_amateur:
             raise ValueError("fusion_amateur must be true for fusion_rule 'contrastive' (its contrast)")
         for name in ("fusion_contrast_weight", "fusion_relevance_weight"):
@@ -434,6 +444,7 @@ OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "blend_selector": BLEND_SELECTORS,
     "blend_unit": BLEND_UNITS,
     "fusion_rule": FUSION_RULES,
+    "fusion_pair": FUSION_PAIRS,
 }
 
 

@@ -15,9 +15,10 @@ from oracle import hf_first_token_logprobs, hf_model
 from server_util import ServerThread
 
 from chunkcache import LLM, SamplingParams
+from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
-from chunkcache.engine.fusion import FusionGroup
+from chunkcache.engine.fusion import FusionGroup, pick_pair
 from chunkcache.errors import InvalidRequestError
 from chunkcache.server.app import build_app
 
@@ -302,6 +303,126 @@ def test_groups_preempted_and_resumed_answer_as_alone(checkpoint) -> None:
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
+# ---- the pair stream (fusion_pair): S + Ci + Cj + Q over the two documents Q points at ---------
+
+PAIR_QUESTION = "How many coins does the red box hold, and where was Bob born?"  # documents 1 and 2
+
+
+def test_the_pair_is_the_two_documents_sharing_most_rare_question_tokens() -> None:
+    # Token 7 is in every document (no weight); 5 only in document 2, 6 in 0 and 3, 9 nowhere.
+    prompt = ChunkedPrompt((1,), ((7, 6, 10), (7, 11), (7, 5, 12), (7, 6)), (7, 5, 6, 9))
+    assert pick_pair(prompt) == (0, 2)  # 2 holds the rarest; 0 and 3 tie on 6: the first
+    assert pick_pair(ChunkedPrompt((1,), ((4,), (5,)), (9,))) == (0, 1)  # no evidence: document order
+
+
+def _pair_contexts(
+    llm: LLM, doc_ids: list[int], question: str
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """Per stream its context as the engine builds it (S + Ci per document, the pair's S + Ci + Cj,
+    S for the no-document stream, in that order), Q, and the pair's indices into `doc_ids`."""
+    tok = llm.tokenizer
+    sys_ids = tok.encode(SYSTEM, add_special_tokens=True)
+    docs = [tok.encode(DOCS[i], add_special_tokens=False) for i in doc_ids]
+    q = tok.encode(question, add_special_tokens=False)
+    i, j = pick_pair(ChunkedPrompt(tuple(sys_ids), tuple(map(tuple, docs)), tuple(q)))
+    contexts = [sys_ids + d for d in docs] + [sys_ids + docs[i] + docs[j], list(sys_ids)]
+    return contexts, q, [i, j]
+
+
+def _reference_greedy(path: Any, contexts: list[list[int]], q: list[int]) -> list[int]:
+    """Greedy tokens of the contrastive rule over transformers' streams (the last one the
+    no-document stream), relevance from each stream's log-likelihood of Q[1:]."""
+    relevance = []
+    for ctx in contexts:
+        lp = _hf_stream_logprobs(path, ctx + q)
+        relevance.append(sum(float(lp[len(ctx) + j - 1, q[j]]) for j in range(1, len(q))) / (len(q) - 1))
+    tokens: list[int] = []
+    for _ in range(STEPS):
+        lp = torch.stack([_hf_stream_logprobs(path, ctx + q + tokens)[-1] for ctx in contexts])
+        tokens.append(int(_reference_combine("contrastive", lp, torch.tensor(relevance)).argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_pair_stream_is_exactly_its_own_prompt(checkpoint, arch: str, monkeypatch) -> None:
+    path = checkpoint(arch=arch)
+    llm = _llm(path, max_num_batched_tokens=24)  # the pair's document takes several steps
+    seen: list[torch.Tensor] = []
+    original = FusionGroup.combine
+
+    def spy(self: FusionGroup, stream_logits: torch.Tensor) -> torch.Tensor:
+        seen.append(stream_logits.clone())
+        return original(self, stream_logits)
+
+    monkeypatch.setattr(FusionGroup, "combine", spy)
+    doc_ids = [0, 1, 3, 2]
+    out = llm.generate(_prompt(doc_ids, PAIR_QUESTION), GREEDY, chunk_options={"fusion_pair": "expert"})[0]
+    contexts, q, pair = _pair_contexts(llm, doc_ids, PAIR_QUESTION)
+    assert [doc_ids[k] for k in pair] == [1, 2]
+    assert len(seen) == STEPS and seen[0].shape[0] == len(contexts)
+    for row, ctx in zip(seen[0], contexts, strict=True):
+        ref = hf_first_token_logprobs(path, ctx + q)
+        assert (torch.log_softmax(row.float(), -1) - ref).abs().max() < 1e-4
+    # The prompt is reported once, the pair's document computed but not counted twice.
+    assert len(out.prompt_token_ids) == len(contexts[0]) + sum(
+        len(c) - len(contexts[-1]) for c in contexts[1:4]
+    ) + len(q)
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("pair", ["expert", "lead"])
+def test_the_pair_under_the_rule_matches_a_reference_over_transformers(checkpoint, pair: str) -> None:
+    path = checkpoint(arch="llama")
+    llm = _llm(path)
+    doc_ids = [2, 0, 1]
+    out = llm.generate(_prompt(doc_ids, PAIR_QUESTION), GREEDY, chunk_options={"fusion_pair": pair})[0]
+    contexts, q, _ = _pair_contexts(llm, doc_ids, PAIR_QUESTION)
+    # "lead": the rule reads the pair stream and the no-document stream only.
+    read = contexts if pair == "expert" else contexts[-2:]
+    assert out.outputs[0].token_ids == _reference_greedy(path, read, q)
+    llm.check_integrity()
+
+
+def test_pair_groups_batched_preempted_and_aborted_give_everything_back(checkpoint) -> None:
+    path = checkpoint(arch="llama")
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    options = {"fusion_pair": "expert"}
+    prompts = [
+        _prompt([0, 1, 2], PAIR_QUESTION),
+        _prompt([3, 2]),
+        _prompt([2, 3, 1], PAIR_QUESTION),
+        "A plain one",
+    ]
+    small = _llm(path, kv_cache_tokens=16 * 24, max_num_batched_tokens=32)
+    engine = small.engine
+    for k, prompt in enumerate(prompts):
+        engine.add_request(str(k), prompt, params, chunk_options=options)
+    outs: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        engine.check_integrity()
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    roomy = _llm(path)
+    for k, prompt in enumerate(prompts):
+        alone = roomy.generate([prompt], params, chunk_options=options)[0]
+        assert outs[str(k)].outputs[0].token_ids == alone.outputs[0].token_ids, k
+    # Aborted while the pair stream computes its document (the other streams wait for it).
+    engine.add_request("a", _prompt([1, 3, 0], PAIR_QUESTION), params, chunk_options=options)
+    while not any(s.fusion is not None and s.fusion.pair is not None for s in engine.scheduler.running):
+        engine.step()
+    group = next(s.fusion for s in engine.scheduler.running if s.fusion is not None)
+    assert group.pair is not None and 0 < group.streams[group.pair].num_computed < group.skip[group.pair]
+    engine.abort_request("a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 for e in engine.chunks.pool.entries())
+
+
 @pytest.mark.parametrize(
     ("options", "field"),
     [
@@ -310,6 +431,7 @@ def test_groups_preempted_and_resumed_answer_as_alone(checkpoint) -> None:
         ({"fusion_contrast_weight": -1.0}, "fusion_contrast_weight"),
         ({"fusion_relevance_weight": float("nan")}, "fusion_relevance_weight"),
         ({"fusion_amateur": "yes"}, "fusion_amateur"),
+        ({"fusion_pair": "triple"}, "fusion_pair"),
         ({"chunk_layout": "fused"}, "chunk_layout"),
     ],
 )
@@ -384,6 +506,7 @@ def test_server_documents_with_fusion_streaming_and_not(client) -> None:
         ({"fusion_rule": "vote"}, "fusion_rule"),
         ({"fusion_amateur": False}, "fusion_amateur"),
         ({"fusion_contrast_weight": -2}, "fusion_contrast_weight"),
+        ({"fusion_pair": "all"}, "fusion_pair"),
     ],
 )
 def test_server_refuses_bad_fusion_options_with_400(client, extra: dict, field: str) -> None:

@@ -31,7 +31,7 @@ from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig, EngineConfig
 from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.detokenizer import Detokenizer
-from chunkcache.engine.fusion import FusionGroup, fuse_rows, num_streams
+from chunkcache.engine.fusion import FusionGroup, extra_stream_tokens, fuse_rows, num_streams
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
 from chunkcache.engine.sampler import History, sample
@@ -97,7 +97,8 @@ def _reuse_summary(chunk: ChunkConfig) -> str:
     """What a chunked prompt's reuse will do, for the load log line."""
     if chunk.layout == "fusion":
         amateur = " with the no-document stream" if chunk.fusion_amateur else ""
-        return f"one exact stream per document, rule {chunk.fusion_rule}{amateur}"
+        pair = f", pair stream {chunk.fusion_pair}" if chunk.fusion_pair != "none" else ""
+        return f"one exact stream per document, rule {chunk.fusion_rule}{amateur}{pair}"
     if chunk.layout == "offset":
         ratios = ", ".join(map(str, chunk.blend_recompute_ratios))
         return (
@@ -471,15 +472,16 @@ class LLMEngine:
                 f"prompt needs {self.blocks.blocks_for(len(own) + 1)} KV blocks, "
                 f"the cache has {self.blocks.num_blocks}"
             )
-        copies = 1
+        copies, extra = 1, 0
         if chunked is not None and chunk_config.layout == "fusion":
             copies = num_streams(chunked, chunk_config, self.config.scheduler)
-        if copies * self.blocks.blocks_for(len(own) + 1) > self.blocks.num_blocks:
+            extra = extra_stream_tokens(chunked, chunk_config)  # a pair stream's document
+        if self._blocks_needed(len(own), 1, copies, extra) > self.blocks.num_blocks:
             raise PromptTooLongError(
-                f"prompt needs {copies} x {self.blocks.blocks_for(len(own) + 1)} KV blocks (one share per "
+                f"prompt needs {self._blocks_needed(len(own), 1, copies, extra)} KV blocks (a share per "
                 f"stream), the cache has {self.blocks.num_blocks}"
             )
-        params = self._fit_kv_cache(params, len(own), prompt_len, copies)
+        params = self._fit_kv_cache(params, len(own), prompt_len, copies, extra)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -560,15 +562,26 @@ class LLMEngine:
         self._exact_jobs[key] = job
         self.scheduler.add(job)
 
+    def _blocks_needed(self, own_tokens: int, outputs: int, copies: int = 1, extra: int = 0) -> int:
+        """KV blocks of a request's `copies` streams (one for a plain request), each holding its
+        own tokens and `outputs`; one of them (a fusion pair stream) `extra` more."""
+        per_stream = self.blocks.blocks_for(own_tokens + outputs)
+        return (copies - 1) * per_stream + self.blocks.blocks_for(own_tokens + extra + outputs)
+
     def _fit_kv_cache(
-        self, params: SamplingParams, own_tokens: int, prompt_len: int, copies: int = 1
+        self, params: SamplingParams, own_tokens: int, prompt_len: int, copies: int = 1, extra: int = 0
     ) -> SamplingParams:
         """A request must fit the whole paged KV cache alone, or preemption could never let it
         finish: an explicit max_tokens beyond that is refused; an open one (None) is capped there,
-        as it is capped at max_model_len otherwise. A fusion request's `copies` streams each get
-        an equal share of it."""
+        as it is capped at max_model_len otherwise. A fusion request's `copies` streams share it
+        (its pair stream holding `extra` tokens more)."""
         capacity = self.blocks.num_blocks // copies * self.blocks.block_size
-        room = capacity - own_tokens
+        lo, hi = -1, self.blocks.num_blocks * self.blocks.block_size  # room: the most outputs that fit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            fits = self._blocks_needed(own_tokens, mid, copies, extra) <= self.blocks.num_blocks
+            lo, hi = (mid, hi) if fits else (lo, mid - 1)
+        room = lo
         if params.max_tokens is not None:
             if params.max_tokens > room:
                 raise InvalidRequestError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -34,6 +35,12 @@ class FusionRule(enum.Enum):
     MAX_CONFIDENCE = "max_confidence"
     PRODUCT = "product"
     CONTRASTIVE = "contrastive"
+
+
+class FusionPair(enum.Enum):
+    NONE = "none"
+    EXPERT = "expert"
+    LEAD = "lead"
 
 
 class Combiner(abc.ABC):
@@ -89,9 +96,33 @@ def combiner_for(config: ChunkConfig) -> Combiner:
     return Contrastive(config.fusion_contrast_weight, config.fusion_relevance_weight)
 
 
+def pick_pair(prompt: ChunkedPrompt) -> tuple[int, int]:
+    """The two documents (in prompt order) that share most of Q's rare tokens: each distinct token
+    of Q found in document i adds log(N / df), df the number of the N documents holding it (a
+    token in every document tells none apart). A retriever's lexical score, computed before any
+    forward, so that the pair stream is prefilled in the same steps as the others' Q."""
+    held = [set(c) for c in prompt.chunks]
+    n = len(held)
+    weight = {
+        t: math.log(n / df) for t in set(prompt.question_token_ids) if (df := sum(t in h for h in held))
+    }
+    scores = [sum(w for t, w in weight.items() if t in h) for h in held]
+    first, second = sorted(range(n), key=lambda i: (-scores[i], i))[:2]
+    return min(first, second), max(first, second)
+
+
+def _with_pair(prompt: ChunkedPrompt, config: ChunkConfig) -> bool:
+    return FusionPair(config.fusion_pair) is not FusionPair.NONE and len(prompt.chunks) >= 2
+
+
+def extra_stream_tokens(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
+    """Own tokens the longest stream computes beyond Q: the pair stream's second document."""
+    return len(prompt.chunks[pick_pair(prompt)[1]]) if _with_pair(prompt, config) else 0
+
+
 def num_streams(prompt: ChunkedPrompt, config: ChunkConfig, limits: SchedulerConfig) -> int:
     """How many streams a fusion request decodes; they run in one batch, so they must fit one."""
-    streams = len(prompt.chunks) + int(config.fusion_amateur)
+    streams = len(prompt.chunks) + int(_with_pair(prompt, config)) + int(config.fusion_amateur)
     if streams > min(limits.max_num_seqs, limits.max_num_batched_tokens):
         raise InvalidRequestError(
             f"layout fusion decodes {streams} streams (one per document) in one batch, more than "
@@ -106,32 +137,59 @@ class FusionGroup:
     request: Sequence
     streams: list[Sequence]
     combiner: Combiner
-    # Per stream, log p(Q[j] | its S, Ci, Q[:j]) for j >= 1 by position (a stream recomputed after
+    # Per stream, which of the chunk manager's stream slots (S + Ci, or S for the no-document
+    # stream) it borrows: the pair stream borrows its first document's.
+    slot_of: list[int] = field(default_factory=list)
+    # Per stream, own tokens before Q (the pair stream's second document; 0 for the others).
+    skip: list[int] = field(default_factory=list)
+    # The pair stream's index in `streams` (before the no-document stream) and whether the rule
+    # reads it alone among the document streams ("lead"); None without one.
+    pair: int | None = None
+    pair_leads: bool = False
+    # Per stream, log p(Q[j] | its context, Q[:j]) for j >= 1 by position (a stream recomputed after
     # a preemption overwrites, never appends): the stream's relevance is their mean.
     question_logprobs: list[list[float | None]] = field(default_factory=list)
 
     @classmethod
     def create(cls, request: Sequence, prompt: ChunkedPrompt, config: ChunkConfig) -> FusionGroup:
         """The group of a request whose own tokens are Q: one stream per chunk (S + Ci + Q, Q at
-        position len(S) + len(Ci), as the fill job left Ci), then S + Q where `fusion_amateur`."""
+        position len(S) + len(Ci), as the fill job left Ci), the pair stream S + Ci + Cj + Q (Cj
+        and Q computed after the borrowed S + Ci) where `fusion_pair`, then S + Q where
+        `fusion_amateur`."""
         s = len(prompt.sys_token_ids)
-        contexts = [(prompt.sys_token_ids + c, s + len(c)) for c in prompt.chunks]
-        if config.fusion_amateur:
-            contexts.append((prompt.sys_token_ids, s))
         q = list(prompt.question_token_ids)
+        # (context tokens, own tokens before Q, the stream slots it borrows, position base)
+        specs = [(prompt.sys_token_ids + c, (), i, s + len(c)) for i, c in enumerate(prompt.chunks)]
+        pair = None
+        if _with_pair(prompt, config):
+            i, j = pick_pair(prompt)
+            pair = len(specs)
+            first = prompt.sys_token_ids + prompt.chunks[i]
+            specs.append((first + prompt.chunks[j], prompt.chunks[j], i, len(first)))
+        if config.fusion_amateur:
+            specs.append((prompt.sys_token_ids, (), len(prompt.chunks), s))
         streams = [
             Sequence(
-                request_id=f"{request.request_id}/stream-{i}",
+                request_id=f"{request.request_id}/stream-{k}",
                 prompt_token_ids=[*context, *q],
-                token_ids=list(q),
+                token_ids=[*before, *q],
                 params=request.params,
                 position_base=base,
                 prefix_cacheable=False,
                 cache_salt=request.cache_salt,
             )
-            for i, (context, base) in enumerate(contexts)
+            for k, (context, before, _, base) in enumerate(specs)
         ]
-        group = cls(request, streams, combiner_for(config), [[None] * max(len(q) - 1, 0) for _ in streams])
+        group = cls(
+            request,
+            streams,
+            combiner_for(config),
+            slot_of=[slot for _, _, slot, _ in specs],
+            skip=[len(before) for _, before, _, _ in specs],
+            pair=pair,
+            pair_leads=pair is not None and FusionPair(config.fusion_pair) is FusionPair.LEAD,
+            question_logprobs=[[None] * max(len(q) - 1, 0) for _ in specs],
+        )
         for seq in (request, *streams):
             seq.fusion = group
         return group
@@ -143,8 +201,8 @@ class FusionGroup:
             return False
         if self.streams[0].borrowed_slots is None:
             slots = self.request.chunk_state.stream_slots
-            for stream, stream_slots in zip(self.streams, slots, strict=True):
-                stream.borrowed_slots = stream_slots
+            for stream, k in zip(self.streams, self.slot_of, strict=True):
+                stream.borrowed_slots = slots[k]
         return True
 
     def relevance(self) -> torch.Tensor:
@@ -156,9 +214,15 @@ class FusionGroup:
         return torch.tensor(means, dtype=torch.float32)
 
     def combine(self, stream_logits: torch.Tensor) -> torch.Tensor:
-        """The streams' raw logits [streams, vocab] (stream order) -> combined log-probs [vocab]."""
+        """The streams' raw logits [streams, vocab] (stream order) -> combined log-probs [vocab].
+        A leading pair stream is the only document stream the rule reads."""
         logprobs = torch.log_softmax(stream_logits.float(), -1)
-        return self.combiner.combine(logprobs, self.relevance())
+        relevance = self.relevance()
+        if self.pair_leads:
+            assert self.pair is not None
+            read = [self.pair, *range(self.pair + 1, len(self.streams))]  # and the no-document one
+            logprobs, relevance = logprobs[read], relevance[read]
+        return self.combiner.combine(logprobs, relevance)
 
     def append(self, token_id: int) -> None:
         for stream in self.streams:
@@ -166,10 +230,14 @@ class FusionGroup:
 
     def check_integrity(self) -> None:
         first = self.streams[0]
-        for stream in self.streams:
+        done = [s.num_computed >= s.num_own_prompt_tokens for s in self.streams]
+        for stream, skip, prompt_done in zip(self.streams, self.skip, done, strict=True):
             assert stream.status == first.status, f"{stream.request_id}: streams scheduled apart"
-            assert stream.num_computed == first.num_computed, f"{stream.request_id}: streams out of step"
-            assert stream.token_ids == self.request.token_ids, f"{stream.request_id}: tokens differ"
+            if any(done):  # out of prefill together, then one token each per step
+                assert prompt_done, f"{stream.request_id}: streams out of step"
+                left = stream.num_tokens - stream.num_computed
+                assert left == first.num_tokens - first.num_computed, f"{stream.request_id}: out of step"
+            assert stream.token_ids[skip:] == self.request.token_ids, f"{stream.request_id}: tokens differ"
         if self.request.is_finished:
             assert all(s.status == Status.FINISHED and not s.block_table for s in self.streams)
 
@@ -209,9 +277,21 @@ def record_question_logprobs(
 ) -> None:
     """Each stream's log-likelihood of Q's tokens as its prefill computes them (`hidden`
     [tokens, hidden] of one forward over `seqs`' new tokens, in order): its relevance."""
-    for part in prompt_slices(compute_logits, hidden, seqs, num_new_tokens, lambda s: s.fusion is not None):
+
+    def index(seq: Sequence) -> int:
+        assert seq.fusion is not None
+        return next(i for i, s in enumerate(seq.fusion.streams) if s is seq)
+
+    def first(seq: Sequence) -> int:
+        assert seq.fusion is not None
+        return seq.fusion.skip[index(seq)]
+
+    wanted = lambda s: s.fusion is not None  # noqa: E731
+    for part in prompt_slices(compute_logits, hidden, seqs, num_new_tokens, wanted, first):
         group = part.seq.fusion
         assert group is not None
-        values = group.question_logprobs[next(i for i, s in enumerate(group.streams) if s is part.seq)]
+        k = index(part.seq)
+        values = group.question_logprobs[k]
         picked = part.picked()
-        values[part.start : part.start + len(picked)] = picked
+        at = part.start - group.skip[k]
+        values[at : at + len(picked)] = picked

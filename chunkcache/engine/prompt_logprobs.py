@@ -40,20 +40,25 @@ def prompt_slices(
     seqs: Seq[Sequence],
     num_new_tokens: Seq[int],
     wanted: Callable[[Sequence], bool],
+    first: Callable[[Sequence], int] = lambda seq: 0,
 ) -> Iterator[PromptSlice]:
     """For each of `seqs` that is `wanted`, the log-probs its new tokens give the prompt tokens
-    after them. `hidden` [tokens, hidden] is one forward whose tokens are those of `seqs` in order
-    (`num_new_tokens[i]` each, the first `num_computed` of each already done)."""
+    after them, from own position `first(seq)` on (a fusion pair stream computes a document before
+    its question: only the question's are wanted, and logits over a document would cost a vocab
+    row per token). `hidden` [tokens, hidden] is one forward whose tokens are those of `seqs` in
+    order (`num_new_tokens[i]` each, the first `num_computed` of each already done)."""
     start = 0
     for seq, n in zip(seqs, num_new_tokens, strict=True):
         c = seq.num_computed
         prompt_len = seq.num_own_prompt_tokens
-        if wanted(seq) and c < prompt_len - 1:
-            # Positions c .. c+n-1 predict tokens c+1 .. c+n; only those still in the prompt count.
-            m = min(n, prompt_len - 1 - c)
-            logprobs = torch.log_softmax(compute_logits(hidden[start : start + m]).float(), dim=-1).cpu()
-            targets = torch.tensor(seq.token_ids[c + 1 : c + 1 + m], dtype=torch.long)
-            yield PromptSlice(seq, c, logprobs, targets)
+        lo = max(c, first(seq)) if wanted(seq) else prompt_len
+        # Positions lo .. c+n-1 predict tokens lo+1 .. c+n; only those still in the prompt count.
+        hi = min(c + n, prompt_len - 1)
+        if lo < hi:
+            rows = hidden[start + lo - c : start + hi - c]
+            logprobs = torch.log_softmax(compute_logits(rows).float(), dim=-1).cpu()
+            targets = torch.tensor(seq.token_ids[lo + 1 : hi + 1], dtype=torch.long)
+            yield PromptSlice(seq, lo, logprobs, targets)
         start += n
 
 

@@ -3,7 +3,8 @@
 Each step gives every running sequence its next tokens (one for a decode, a slice of the prompt
 for a prefill, so long prompts are prefilled in chunks), then admits waiting sequences first come
 first served while the budget, `max_num_seqs` and free KV blocks allow. A fusion request's
-streams are one unit throughout: each gets the same number of tokens in the same step. When a running sequence
+streams are one unit throughout: admitted, preempted and finished together, their prompts ending
+in the same step and each then decoding one token per step. When a running sequence
 needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
 freed and it is recomputed later (its prefix-cached blocks usually survive).
 
@@ -98,12 +99,13 @@ class Scheduler:
                 continue
             unit = _unit(seq)
             done.update(map(id, unit))
-            n = 0 if seq.background and foreground else self._num_new_tokens(seq, budget // len(unit))
+            counts = [0] if seq.background and foreground else self._unit_tokens(unit, budget)
+            n = sum(counts)
             if n <= 0:
                 continue
-            if not self._grow_all(unit, seq.num_computed + n):
+            if not self._grow_all(unit, counts):
                 # Free blocks by preempting from the back; possibly this very unit.
-                while not self._grow_all(unit, seq.num_computed + n):
+                while not self._grow_all(unit, counts):
                     # Fill jobs hold pool pages, not blocks: preempting one frees nothing.
                     victim = next(s for s in reversed(self.running) if not s.is_fill or s is seq)
                     for member in reversed(_unit(victim)):
@@ -113,8 +115,8 @@ class Scheduler:
                         break
                 if seq.status != Status.RUNNING:
                     break
-            self._add_to_batch(batch, unit, n)
-            budget -= n * len(unit)
+            self._add_to_batch(batch, unit, counts)
+            budget -= n
         if preempted_any:
             return batch
         skipped: list[Sequence] = []
@@ -138,9 +140,10 @@ class Scheduler:
                 and seq.params.prompt_logprobs is None
             ):
                 self._match_prefix(seq)
-            n = self._num_new_tokens(seq, budget // len(unit))
+            counts = self._unit_tokens(unit, budget)
+            n = sum(counts)
             fits = n > 0 and len(self.running) + len(unit) <= self.max_num_seqs
-            if not fits or not self._grow_all(unit, seq.num_computed + n):
+            if not fits or not self._grow_all(unit, counts):
                 # A waiting sequence holds no blocks: the prefix blocks it just matched go back
                 # (still cached), or a running sequence could starve for them while it waits.
                 for member in reversed(unit):
@@ -154,19 +157,39 @@ class Scheduler:
                 self.running.append(member)
             if seq.fusion is not None and seq.fusion.request.metrics.first_scheduled_time is None:
                 seq.fusion.request.metrics.first_scheduled_time = time.time()
-            self._add_to_batch(batch, unit, n)
-            budget -= n * len(unit)
+            self._add_to_batch(batch, unit, counts)
+            budget -= n
         self.waiting.extendleft(reversed(skipped))
         return batch
 
-    @staticmethod
-    def _add_to_batch(batch: ScheduledBatch, unit: list[Sequence], n: int) -> None:
-        for member in unit:
-            batch.seqs.append(member)
-            batch.num_new_tokens.append(n)
+    def _unit_tokens(self, unit: list[Sequence], budget: int) -> list[int]:
+        """Tokens per member this step, within `budget` together. A fusion pair stream has a
+        document to compute before its Q (engine/fusion.py): the others wait (0 tokens) until
+        their Q ends in the same step as its, so every stream yields its first logits in one
+        step; lag = how many more tokens a member has left than the unit's longest."""
+        if len(unit) == 1:
+            return [self._num_new_tokens(unit[0], budget)]
+        left = [m.num_tokens - m.num_computed for m in unit]
+        most = max(left)
 
-    def _grow_all(self, unit: list[Sequence], num_tokens: int) -> bool:
-        return all(self._grow(member, num_tokens) for member in unit)
+        def counts(lead: int) -> list[int]:
+            return [max(0, lead - (most - r)) for r in left]
+
+        lo, hi = 0, min(most, budget)  # the longest's count: the largest whose total fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if sum(counts(mid)) <= budget else (lo, mid - 1)
+        return counts(lo)
+
+    @staticmethod
+    def _add_to_batch(batch: ScheduledBatch, unit: list[Sequence], counts: list[int]) -> None:
+        for member, n in zip(unit, counts, strict=True):
+            if n > 0:  # a stream waiting for the pair stream's document sits this step out
+                batch.seqs.append(member)
+                batch.num_new_tokens.append(n)
+
+    def _grow_all(self, unit: list[Sequence], counts: list[int]) -> bool:
+        return all(self._grow(m, m.num_computed + n) for m, n in zip(unit, counts, strict=True))
 
     @staticmethod
     def _num_new_tokens(seq: Sequence, budget: int) -> int:

@@ -91,6 +91,7 @@ class _SamplingFields(StrictModel):
     fusion_amateur: bool | None = None
     fusion_contrast_weight: float | None = None
     fusion_relevance_weight: float | None = None
+    fusion_pair: str | None = None
 
     @model_validator(mode="after")
     def _check_openai_rules(self) -> _SamplingFields:
