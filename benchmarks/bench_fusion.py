@@ -10,11 +10,12 @@ Modes, one engine (prefix caching on, the baseline at its best: its system turn 
 prefix cache), interleaved in a rotating order within each repetition:
 - full: the same text as token ids, a plain prompt, computed in full (but for the cached prefix);
 - isolated, blend@0.15 (offset, k_deviation at layer 1), fusion (contrastive, with the no-document
-  stream: the default rule): the chunked prompt with those per-request chunk options.
+  stream: the default rule), fusion+pair (the same with the pair stream S + Ci + Cj + Q, which
+  computes one document more): the chunked prompt with those per-request chunk options.
 
 TTFT: wall and process CPU time from just before `add_request` to the first token (max_tokens 1),
 median of `--repeats`. Decode: tokens/s of a 32-token greedy reply (EOS ignored) after its first
-token, full against fusion (a fusion step decodes all 5 streams in one batch). With `--threads 1`
+token, full against fusion (a fusion step decodes all 5 streams in one batch; 6 with the pair). With `--threads 1`
 the CPU-time ratios hardly depend on other load on the machine; the wall ones do.
 
     python benchmarks/bench_fusion.py --model qwen2.5-coder-1.5b --threads 1
@@ -46,6 +47,13 @@ MODES: dict[str, dict[str, Any] | None] = {
     "isolated": {"chunk_layout": "isolated"},
     "blend@0.15": {"chunk_layout": "offset", "blend_check_layers": [1], "blend_recompute_ratios": [0.15]},
     "fusion": {"chunk_layout": "fusion", "fusion_rule": "contrastive", "fusion_amateur": True},
+    # With the pair stream (S + Ci + Cj + Q, Cj and Q computed): one document's prefill more.
+    "fusion+pair": {
+        "chunk_layout": "fusion",
+        "fusion_rule": "contrastive",
+        "fusion_amateur": True,
+        "fusion_pair": "expert",
+    },
 }
 
 
@@ -116,9 +124,11 @@ def main(argv: list[str] | None = None) -> None:
         if mode != "full":
             ratios[f"{mode}_ttft"] = f"{full_wall / wall:.2f}x"
             ratios[f"{mode}_ttft_cpu"] = f"{full_cpu / cpu:.2f}x"
-    plain, fused = decode_rate(llm, docs, "full"), decode_rate(llm, docs, "fusion")
-    print(f"decode: full {plain:.2f} tok/s, fusion {fused:.2f} tok/s ({fused / plain:.2f}x)")
-    ratios["fusion_decode"] = f"{fused / plain:.2f}x"
+    plain = decode_rate(llm, docs, "full")
+    for mode in ("fusion", "fusion+pair"):
+        fused = decode_rate(llm, docs, mode)
+        print(f"decode: full {plain:.2f} tok/s, {mode} {fused:.2f} tok/s ({fused / plain:.2f}x)")
+        ratios[f"{mode}_decode"] = f"{fused / plain:.2f}x"
     print(summary(f"bench_fusion model={args.model}", **ratios))
 
 

@@ -31,7 +31,7 @@ from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig, EngineConfig
 from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.detokenizer import Detokenizer
-from chunkcache.engine.fusion import FusionGroup, extra_stream_tokens, fuse_rows, num_streams
+from chunkcache.engine.fusion import FusionGroup, fuse_rows, num_streams, pair_tokens
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
 from chunkcache.engine.sampler import History, sample
@@ -475,7 +475,7 @@ class LLMEngine:
         copies, extra = 1, 0
         if chunked is not None and chunk_config.layout == "fusion":
             copies = num_streams(chunked, chunk_config, self.config.scheduler)
-            extra = extra_stream_tokens(chunked, chunk_config)  # a pair stream's document
+            extra = pair_tokens(chunked, chunk_config)  # a pair stream's second document
         if self._blocks_needed(len(own), 1, copies, extra) > self.blocks.num_blocks:
             raise PromptTooLongError(
                 f"prompt needs {self._blocks_needed(len(own), 1, copies, extra)} KV blocks (a share per "
@@ -749,7 +749,11 @@ class LLMEngine:
         if not rows:
             return
         # A fusion request's streams' rows become one row, its combined distribution.
-        logits, seqs = fuse_rows(logits, [batch.seqs[r] for r in rows])
+        logits, seqs, added = fuse_rows(logits, [batch.seqs[r] for r in rows])
+        for stream in added:  # a pair stream joins its group's running streams
+            self.scheduler.join(stream)
+        if not seqs:
+            return
         histories = [History(s.prompt_token_ids, s.output_token_ids, s.grammar) for s in seqs]
         sampled = sample(
             logits,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import abc
 import enum
-import math
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -96,33 +95,19 @@ def combiner_for(config: ChunkConfig) -> Combiner:
     return Contrastive(config.fusion_contrast_weight, config.fusion_relevance_weight)
 
 
-def pick_pair(prompt: ChunkedPrompt) -> tuple[int, int]:
-    """The two documents (in prompt order) that share most of Q's rare tokens: each distinct token
-    of Q found in document i adds log(N / df), df the number of the N documents holding it (a
-    token in every document tells none apart). A retriever's lexical score, computed before any
-    forward, so that the pair stream is prefilled in the same steps as the others' Q."""
-    held = [set(c) for c in prompt.chunks]
-    n = len(held)
-    weight = {
-        t: math.log(n / df) for t in set(prompt.question_token_ids) if (df := sum(t in h for h in held))
-    }
-    scores = [sum(w for t, w in weight.items() if t in h) for h in held]
-    first, second = sorted(range(n), key=lambda i: (-scores[i], i))[:2]
-    return min(first, second), max(first, second)
-
-
-def _with_pair(prompt: ChunkedPrompt, config: ChunkConfig) -> bool:
+def wants_pair(prompt: ChunkedPrompt, config: ChunkConfig) -> bool:
     return FusionPair(config.fusion_pair) is not FusionPair.NONE and len(prompt.chunks) >= 2
 
 
-def extra_stream_tokens(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
-    """Own tokens the longest stream computes beyond Q: the pair stream's second document."""
-    return len(prompt.chunks[pick_pair(prompt)[1]]) if _with_pair(prompt, config) else 0
+def pair_tokens(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
+    """Own tokens the pair stream computes beyond Q (its second document, not known before the
+    streams' relevance: the longest), for the KV fit."""
+    return max(map(len, prompt.chunks)) if wants_pair(prompt, config) else 0
 
 
 def num_streams(prompt: ChunkedPrompt, config: ChunkConfig, limits: SchedulerConfig) -> int:
     """How many streams a fusion request decodes; they run in one batch, so they must fit one."""
-    streams = len(prompt.chunks) + int(_with_pair(prompt, config)) + int(config.fusion_amateur)
+    streams = len(prompt.chunks) + int(wants_pair(prompt, config)) + int(config.fusion_amateur)
     if streams > min(limits.max_num_seqs, limits.max_num_batched_tokens):
         raise InvalidRequestError(
             f"layout fusion decodes {streams} streams (one per document) in one batch, more than "
@@ -137,15 +122,18 @@ class FusionGroup:
     request: Sequence
     streams: list[Sequence]
     combiner: Combiner
+    prompt: ChunkedPrompt
     # Per stream, which of the chunk manager's stream slots (S + Ci, or S for the no-document
     # stream) it borrows: the pair stream borrows its first document's.
     slot_of: list[int] = field(default_factory=list)
     # Per stream, own tokens before Q (the pair stream's second document; 0 for the others).
     skip: list[int] = field(default_factory=list)
-    # The pair stream's index in `streams` (before the no-document stream) and whether the rule
-    # reads it alone among the document streams ("lead"); None without one.
+    # `fusion_pair`: the pair stream joins after the first step (`add_pair`); `pair` is its index
+    # in `streams` (after the document streams, before the no-document one) once it exists, and
+    # `first_rows` the other streams' first logits, kept until the pair stream yields its own.
+    pair_mode: FusionPair = FusionPair.NONE
     pair: int | None = None
-    pair_leads: bool = False
+    first_rows: torch.Tensor | None = None
     # Per stream, log p(Q[j] | its context, Q[:j]) for j >= 1 by position (a stream recomputed after
     # a preemption overwrites, never appends): the stream's relevance is their mean.
     question_logprobs: list[list[float | None]] = field(default_factory=list)
@@ -153,46 +141,58 @@ class FusionGroup:
     @classmethod
     def create(cls, request: Sequence, prompt: ChunkedPrompt, config: ChunkConfig) -> FusionGroup:
         """The group of a request whose own tokens are Q: one stream per chunk (S + Ci + Q, Q at
-        position len(S) + len(Ci), as the fill job left Ci), the pair stream S + Ci + Cj + Q (Cj
-        and Q computed after the borrowed S + Ci) where `fusion_pair`, then S + Q where
-        `fusion_amateur`."""
+        position len(S) + len(Ci), as the fill job left Ci), then S + Q where `fusion_amateur`."""
         s = len(prompt.sys_token_ids)
-        q = list(prompt.question_token_ids)
-        # (context tokens, own tokens before Q, the stream slots it borrows, position base)
-        specs = [(prompt.sys_token_ids + c, (), i, s + len(c)) for i, c in enumerate(prompt.chunks)]
-        pair = None
-        if _with_pair(prompt, config):
-            i, j = pick_pair(prompt)
-            pair = len(specs)
-            first = prompt.sys_token_ids + prompt.chunks[i]
-            specs.append((first + prompt.chunks[j], prompt.chunks[j], i, len(first)))
+        contexts = [(prompt.sys_token_ids + c, s + len(c)) for c in prompt.chunks]
         if config.fusion_amateur:
-            specs.append((prompt.sys_token_ids, (), len(prompt.chunks), s))
-        streams = [
-            Sequence(
-                request_id=f"{request.request_id}/stream-{k}",
-                prompt_token_ids=[*context, *q],
-                token_ids=[*before, *q],
-                params=request.params,
-                position_base=base,
-                prefix_cacheable=False,
-                cache_salt=request.cache_salt,
-            )
-            for k, (context, before, _, base) in enumerate(specs)
-        ]
+            contexts.append((prompt.sys_token_ids, s))
+        q = list(prompt.question_token_ids)
         group = cls(
             request,
-            streams,
+            [],
             combiner_for(config),
-            slot_of=[slot for _, _, slot, _ in specs],
-            skip=[len(before) for _, before, _, _ in specs],
-            pair=pair,
-            pair_leads=pair is not None and FusionPair(config.fusion_pair) is FusionPair.LEAD,
-            question_logprobs=[[None] * max(len(q) - 1, 0) for _ in specs],
+            prompt,
+            pair_mode=FusionPair(config.fusion_pair) if wants_pair(prompt, config) else FusionPair.NONE,
         )
-        for seq in (request, *streams):
-            seq.fusion = group
+        for k, (context, base) in enumerate(contexts):
+            group._add_stream(k, [*context, *q], [], base, k)
+        request.fusion = group
         return group
+
+    def _add_stream(self, at: int, prompt_ids: list[int], before: Seq[int], base: int, slot: int) -> Sequence:
+        """A stream computing `before` + Q (+ the reply so far) after its borrowed slots."""
+        stream = Sequence(
+            request_id=f"{self.request.request_id}/stream-{len(self.streams)}",
+            prompt_token_ids=prompt_ids,
+            token_ids=[*before, *self.request.token_ids],
+            params=self.request.params,
+            position_base=base,
+            prefix_cacheable=False,
+            cache_salt=self.request.cache_salt,
+        )
+        stream.num_own_prompt_tokens = len(before) + len(self.prompt.question_token_ids)
+        stream.fusion = self
+        self.streams.insert(at, stream)
+        self.slot_of.insert(at, slot)
+        self.skip.insert(at, len(before))
+        self.question_logprobs.insert(at, [None] * max(len(self.prompt.question_token_ids) - 1, 0))
+        return stream
+
+    def add_pair(self, rows: torch.Tensor) -> Sequence:
+        """After the first step (every stream's Q computed, so their relevance known): keep their
+        logits `rows` and add the exact stream S + Ci + Cj + Q over the two most relevant
+        documents, in prompt order, Ci borrowed (its stream's slots), Cj and Q computed."""
+        prompt = self.prompt
+        n = len(prompt.chunks)
+        relevance = self.relevance()[:n].tolist()
+        i, j = sorted(sorted(range(n), key=lambda k: (-relevance[k], k))[:2])
+        first = prompt.sys_token_ids + prompt.chunks[i]
+        ids = [*first, *prompt.chunks[j], *prompt.question_token_ids]
+        stream = self._add_stream(n, ids, prompt.chunks[j], len(first), i)
+        stream.borrowed_slots = self.streams[i].borrowed_slots
+        stream.status = self.streams[0].status
+        self.pair, self.first_rows = n, rows
+        return stream
 
     def ready(self, request_ready: Callable[[Sequence], bool]) -> bool:
         """Whether the streams may run: the request's entries are computed (then each stream
@@ -218,7 +218,7 @@ class FusionGroup:
         A leading pair stream is the only document stream the rule reads."""
         logprobs = torch.log_softmax(stream_logits.float(), -1)
         relevance = self.relevance()
-        if self.pair_leads:
+        if self.pair_mode is FusionPair.LEAD:
             assert self.pair is not None
             read = [self.pair, *range(self.pair + 1, len(self.streams))]  # and the no-document one
             logprobs, relevance = logprobs[read], relevance[read]
@@ -231,28 +231,33 @@ class FusionGroup:
     def check_integrity(self) -> None:
         first = self.streams[0]
         done = [s.num_computed >= s.num_own_prompt_tokens for s in self.streams]
-        for stream, skip, prompt_done in zip(self.streams, self.skip, done, strict=True):
+        left = [s.num_tokens - s.num_computed for s in self.streams]
+        for k, stream in enumerate(self.streams):
             assert stream.status == first.status, f"{stream.request_id}: streams scheduled apart"
-            if any(done):  # out of prefill together, then one token each per step
-                assert prompt_done, f"{stream.request_id}: streams out of step"
-                left = stream.num_tokens - stream.num_computed
-                assert left == first.num_tokens - first.num_computed, f"{stream.request_id}: out of step"
-            assert stream.token_ids[skip:] == self.request.token_ids, f"{stream.request_id}: tokens differ"
+            if self.first_rows is not None:  # the others wait for the pair stream's first row
+                assert k == self.pair or left[k] == 0, f"{stream.request_id}: ran ahead of the pair stream"
+            elif any(done):  # out of prefill together, then one token each per step
+                assert done[k] and left[k] == left[self.pair or 0], f"{stream.request_id}: out of step"
+            assert stream.token_ids[self.skip[k] :] == self.request.token_ids, f"{stream.request_id}: tokens"
         if self.request.is_finished:
             assert all(s.status == Status.FINISHED and not s.block_table for s in self.streams)
 
 
-def fuse_rows(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+def fuse_rows(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[torch.Tensor, list[Sequence], list[Sequence]]:
     """Sampling rows of a step with each group's stream rows replaced by one combined row, at
-    its first stream's place, owned by the group's request."""
+    its first stream's place, owned by the group's request; and the pair streams added this step
+    (their groups sample nothing until the pair stream's first row, `FusionGroup.add_pair`)."""
     if all(s.fusion is None for s in seqs):
-        return logits, seqs
+        return logits, seqs, []
     rows_of: dict[int, dict[int, int]] = {}
     for row, seq in enumerate(seqs):
         if seq.fusion is not None:
             rows_of.setdefault(id(seq.fusion), {})[id(seq)] = row
     out_rows: list[torch.Tensor] = []
     out_seqs: list[Sequence] = []
+    added: list[Sequence] = []
     for row, seq in enumerate(seqs):
         group = seq.fusion
         if group is None:
@@ -262,11 +267,24 @@ def fuse_rows(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor,
         rows = rows_of.pop(id(group), None)
         if rows is None:
             continue  # combined at its first stream
-        if len(rows) != len(group.streams):
+        if len(rows) == len(group.streams):
+            stream_rows = logits[[rows[id(s)] for s in group.streams]]
+            if group.pair_mode is not FusionPair.NONE and group.pair is None:
+                added.append(group.add_pair(stream_rows))
+                continue
+        elif group.first_rows is not None and list(rows) == [id(group.streams[group.pair or 0])]:
+            pair_row = logits[rows[id(group.streams[group.pair or 0])]][None]
+            stream_rows = torch.cat(
+                (group.first_rows[: group.pair], pair_row, group.first_rows[group.pair :])
+            )
+        else:
             raise RuntimeError(f"{group.request.request_id}: its streams reached a token in different steps")
-        out_rows.append(group.combine(logits[[rows[id(s)] for s in group.streams]]))
+        group.first_rows = None
+        out_rows.append(group.combine(stream_rows))
         out_seqs.append(group.request)
-    return torch.stack(out_rows), out_seqs
+    if not out_rows:
+        return logits[:0], out_seqs, added
+    return torch.stack(out_rows), out_seqs, added
 
 
 def record_question_logprobs(

@@ -223,8 +223,15 @@ class Scheduler:
         seq.block_table.extend(self.blocks.allocate(need))
         return True
 
+    def join(self, seq: Sequence) -> None:
+        """A stream added to a running fusion group (its pair stream): it runs with the group."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
+        if seq.fusion is not None:  # recomputed, its streams will all yield their first rows again
+            seq.fusion.first_rows = None
         if seq in batch.seqs:
             k = batch.seqs.index(seq)
             del batch.seqs[k], batch.num_new_tokens[k]
