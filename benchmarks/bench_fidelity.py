@@ -80,7 +80,7 @@ MODES: dict[str, dict[str, Any] | None] = {
         for b in (0.25, 0.5, 1.0)
     },
     # A third kind of stream for two-document questions: S + Ci + Cj + Q, exact, over the two
-    # documents sharing most of Q's rare tokens; one more expert, or the only document stream read.
+    # documents whose streams find Q most likely; one more expert, or the only document stream read.
     "fusion/contrastive/pair": _fusion("contrastive", fusion_amateur=True, fusion_pair="expert"),
     "fusion/contrastive/pairlead": _fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
     "isolated": {"chunk_layout": "isolated"},

@@ -20,8 +20,8 @@ from chunkcache.hashing import BLOCK_HASH_ALGORITHMS, block_hash_fn
 CHUNK_LAYOUTS = ("isolated", "offset", "fusion")
 # How layout "fusion" combines its streams' next-token distributions (engine/fusion.py).
 FUSION_RULES = ("max_confidence", "product", "contrastive")
-# Layout "fusion"'s pair stream S + Ci + Cj + Q over the two documents that share most of Q's rare
-# tokens: none, one more expert under the rule, or the only document stream (engine/fusion.py).
+# Layout "fusion"'s pair stream S + Ci + Cj + Q over the two documents whose streams find Q most
+# likely: none, one more expert under the rule, or the only document stream (engine/fusion.py).
 FUSION_PAIRS = ("none", "expert", "lead")
 BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold", "query_attention", "stored_deviation")
 BLEND_UNITS = ("token", "chunk")
@@ -110,10 +110,11 @@ class ChunkConfig:
     # 0.5 (full prefill 21); with gamma 0 (no relevance), 19.
     fusion_contrast_weight: float = 0.1
     fusion_relevance_weight: float = 2.5
-    # A question that needs two documents has no stream that sees both: "expert" adds the exact
-    # stream S + Ci + Cj + Q over the two documents sharing most of Q's rare tokens (Ci read from
-    # the pool, Cj + Q computed: |Cj| more prefill tokens) as one more expert of the rule; "lead"
-    # makes it the only document stream the rule reads (the others still run, unread).
+    # A question that needs two documents has no stream that sees both: after the first step
+    # (every stream's Q computed, so its relevance known) "expert" adds the exact stream
+    # S + Ci + Cj + Q over the two most relevant documents (Ci read from the pool, Cj + Q
+    # computed: |Cj| more prefill tokens, before the first token) as one more expert of the rule;
+    # "lead" makes it the only document stream the rule reads (the others still run, unread).
     fusion_pair: str = "none"
     # Lower tiers under the pool (chunkcache/chunk/tiers/): a local directory of safetensors files
     # within `disk_gb`, and a Redis shared by replicas (`redis://host:port/db`). None = no tier.

@@ -86,9 +86,9 @@ OPTION_HELP: dict[str, str] = {
     "from the no-document stream, in [0, 100]",
     "fusion_relevance_weight": "layout fusion, contrastive: gamma, weight of each stream's relevance (its "
     "log-likelihood of the question) when choosing the stream, in [0, 100]",
-    "fusion_pair": "layout fusion: add the exact stream S + Ci + Cj + Q over the two documents sharing most of "
-    "the question's rare tokens: none, expert (one more stream under the rule), lead (the only document "
-    "stream the rule reads)",
+    "fusion_pair": "layout fusion: add the exact stream S + Ci + Cj + Q over the two documents whose streams "
+    "find the question most likely (one document more prefilled): none, expert (one more stream under the "
+    "rule), lead (the only document stream the rule reads)",
     "kv_events_endpoint": "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 (default: off)",
     "kv_events_topic": "KV event topic (default: kv@<instance>@<model>)",
     "kv_events_replay_endpoint": "ZMQ ROUTER endpoint serving missed event batches by sequence number",

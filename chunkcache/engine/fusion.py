@@ -7,10 +7,17 @@ The documents' evidence is combined at decode time instead (PCED, arXiv 2601.086
 the streams' next-token distributions become one distribution (a `Combiner`), the request's
 sampling options apply to that one, and the token chosen is appended to every stream.
 
+A question that joins facts of two documents has no stream that sees both, and a token-level
+combination then mixes streams inside one value ("39 and 8" for "39 and 88") or lets a stream
+without the second document answer it from memory. `fusion_pair` adds the exact stream
+S + Ci + Cj + Q over the two documents whose streams find Q most likely (known after the first
+step: the pair stream joins then, borrowing Ci's slots and computing Cj + Q; the others wait,
+their first rows kept, until its first row), as one more expert or as the only document stream.
+
 The request's own Sequence holds the reply (text, stop conditions, logprobs, usage) and pins the
 pool entries; it is never scheduled. Its streams are sequences that the scheduler moves as one
 unit (admitted, preempted and finished together), so they always hold the same tokens and all
-yield their logits in the same step.
+yield their logits in the same step (but for the pair stream's first, above).
 """
 
 from __future__ import annotations
