@@ -67,15 +67,17 @@ def _prompt(llm: LLM, mode: str, text: str) -> str | list[int]:
     return llm.tokenizer.encode(text, add_special_tokens=False) if MODES[mode] is None else text
 
 
-def measure_ttft(llm: LLM, docs: list[str], repeats: int) -> dict[str, list[tuple[float, float]]]:
+def measure_ttft(
+    llm: LLM, docs: list[str], repeats: int, modes: list[str]
+) -> dict[str, list[tuple[float, float]]]:
     engine, rng = llm.engine, random.Random(0)
     one = SamplingParams(temperature=0, max_tokens=1)
-    for mode in MODES:  # every mode's untimed first request: the pool holds the documents
+    for mode in modes:  # every mode's untimed first request: the pool holds the documents
         first_token_time(
             engine, f"warm-{mode}", _prompt(llm, mode, render(llm.tokenizer, docs, "Hi?")), one, MODES[mode]
         )
-    times: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
-    names = list(MODES)
+    times: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+    names = list(modes)
     for rep in range(repeats):
         order = rng.sample(docs, len(docs))
         text = render(llm.tokenizer, order, QUESTIONS[rep % len(QUESTIONS)] + f" ({rep})")
@@ -107,12 +109,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--doc-tokens", type=int, default=1000)
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="full always runs"
+    )
     args = parser.parse_args(argv)
     setup_torch(args.threads)
     llm = LLM(args.model, dtype=args.dtype, threads=args.threads, kv_cache_tokens=32768)
     docs = [text for _, text in passages(llm.tokenizer, args.doc_tokens)[:4]]
     print(describe_machine(), f"model {args.model}, dtype {llm.engine.config.dtype}, threads {args.threads}")
-    times = measure_ttft(llm, docs, args.repeats)
+    modes = list(dict.fromkeys(["full", *args.modes]))
+    times = measure_ttft(llm, docs, args.repeats, modes)
     full_wall = statistics.median(w for w, _ in times["full"])
     full_cpu = statistics.median(c for _, c in times["full"])
     ratios = {}
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
             ratios[f"{mode}_ttft"] = f"{full_wall / wall:.2f}x"
             ratios[f"{mode}_ttft_cpu"] = f"{full_cpu / cpu:.2f}x"
     plain = decode_rate(llm, docs, "full")
-    for mode in ("fusion", "fusion+pair"):
+    for mode in [m for m in ("fusion", "fusion+pair") if m in modes]:
         fused = decode_rate(llm, docs, mode)
         print(f"decode: full {plain:.2f} tok/s, {mode} {fused:.2f} tok/s ({fused / plain:.2f}x)")
         ratios[f"{mode}_decode"] = f"{fused / plain:.2f}x"
