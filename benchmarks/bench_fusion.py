@@ -52,7 +52,7 @@ MODES: dict[str, dict[str, Any] | None] = {
         "chunk_layout": "fusion",
         "fusion_rule": "contrastive",
         "fusion_amateur": True,
-        "fusion_pair": "expert",
+        "fusion_pair": "lead",
     },
 }
 
