@@ -50,10 +50,10 @@ from common import (
     setup_torch,
     summary,
 )
-from redis_server import REDIS_BIN, RedisServer
 
 from chunkcache import SamplingParams
 from chunkcache.engine.engine import LLMEngine
+from tests.support.redis_server import REDIS_BIN, RedisServer
 
 SOURCES = ("recompute", "pool", "disk", "remote")
 
