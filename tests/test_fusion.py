@@ -55,7 +55,7 @@ def _hf_stream_logprobs(path: Any, ids: list[int]) -> torch.Tensor:
 
 
 def _reference_combine(rule: str, lp: torch.Tensor, relevance: torch.Tensor) -> torch.Tensor:
-    """The rules as the README states them, over transformers' per-stream log-probs."""
+    """The rules as docs/chunk-cache.md states them, over transformers' per-stream log-probs."""
     if rule == "max_confidence":
         return lp[int(lp.exp().max(-1).values.argmax())]
     if rule == "product":
