@@ -10,6 +10,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,20 +247,67 @@ class ChunkConfig:
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
-    def with_request_options(self, options: dict[str, Any], num_layers: int) -> ChunkConfig:
-        """This config with a request's own chunk options (flat names), validated for the model."""
-        fields: dict[str, Any] = {}
-        for name, value in options.items():
-            if name not in REQUEST_CHUNK_OPTIONS:
-                raise ValueError(
-                    f"unknown per-request chunk option {name!r}; known: {sorted(REQUEST_CHUNK_OPTIONS)}"
-                )
-            if name in ("blend_check_layers", "blend_recompute_ratios") and isinstance(value, list):
-                value = tuple(value)
-            fields[REQUEST_CHUNK_OPTIONS[name]] = value
+    def with_request_options(self, options: ReuseOptions, num_layers: int) -> ChunkConfig:
+        """This config with a request's own chunk options, validated for the model."""
+        fields = {REQUEST_CHUNK_OPTIONS[name]: value for name, value in options.given().items()}
         merged = dataclasses.replace(self, **fields)
         merged.validate(num_layers)
         return merged
+
+
+@dataclass(frozen=True)
+class ReuseOptions:
+    """The chunk options one request may set for itself; None = the engine's (ChunkConfig's).
+
+    Declared once, here: the server's protocol derives its extension fields from these (same
+    names, same types), `LLM.generate(chunk_options=...)` and `LLMEngine.add_request` take them,
+    and `ChunkConfig.with_request_options` merges them into the ChunkConfig that the chunk
+    manager, the runner's blend and fusion read. Values are checked there, by ChunkConfig.validate,
+    whose messages start with the option's name (the field a 400 names).
+    """
+
+    chunk_layout: str | None = None
+    blend_check_layers: tuple[int, ...] | None = None
+    blend_recompute_ratios: tuple[float, ...] | None = None
+    blend_selector: str | None = None
+    blend_unit: str | None = None
+    blend_threshold: float | None = None
+    blend_boundary_tokens: int | None = None
+    blend_min_tokens: int | None = None
+    calibration_temperature: float | None = None
+    calibration_scale: float | None = None
+    separator_free: bool | None = None
+    separator_free_min_tokens: int | None = None
+    fusion_rule: str | None = None
+    fusion_amateur: bool | None = None
+    fusion_contrast_weight: float | None = None
+    fusion_relevance_weight: float | None = None
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, object]) -> ReuseOptions:
+        """From flat names (a dict of the offline API, a benchmark's mode); lists become tuples.
+        An unknown name is a ValueError naming it."""
+        unknown = sorted(set(options) - set(REQUEST_CHUNK_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"unknown per-request chunk option {unknown[0]!r}; known: {sorted(REQUEST_CHUNK_OPTIONS)}"
+            )
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+        return cls(**values)  # type: ignore[arg-type]
+
+    def given(self) -> dict[str, object]:
+        """The options this request sets (not None), by name."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+
+# ReuseOptions name -> the ChunkConfig field it overrides (the same name, but for the layout).
+REQUEST_CHUNK_OPTIONS: dict[str, str] = {
+    f.name: "layout" if f.name == "chunk_layout" else f.name for f in dataclasses.fields(ReuseOptions)
+}
 
 
 @dataclass(frozen=True)
@@ -381,8 +429,8 @@ _TOP_LEVEL = (
     "narrow_weights",
     "compile_decode",
 )
-# ChunkConfig fields a request may set too, named as they are (blend, calibration, fusion options).
-_REQUEST_PREFIXES = ("blend_", "calibration_", "separator_free", "fusion_")
+# ChunkConfig fields whose flat option name is the field's own (blend, calibration, fusion options).
+_SAME_NAME_PREFIXES = ("blend_", "calibration_", "separator_free", "fusion_")
 
 # Flat option name -> (section, field). Chunk and event options carry a prefix so that the flat
 # names read well on a command line (`--chunk-cache-size-gb`, `--kv-events-endpoint`).
@@ -402,7 +450,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     **{
         f.name: ("chunk", f.name)
         for f in dataclasses.fields(ChunkConfig)
-        if f.name.startswith(_REQUEST_PREFIXES)
+        if f.name.startswith(_SAME_NAME_PREFIXES)
     },
     "documents_format": ("chunk", "documents_format"),
     "exact_follow_ups": ("chunk", "exact_follow_ups"),
@@ -414,13 +462,6 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "kv_events_curve_authorized_keys": ("kv_events", "curve_authorized_keys"),
     "kv_events_curve_server_key": ("kv_events", "curve_server_key"),
     "kv_events_insecure": ("kv_events", "insecure"),
-}
-
-
-# Chunk options a single request may set (the server's extension fields), flat name -> field.
-REQUEST_CHUNK_OPTIONS: dict[str, str] = {
-    "chunk_layout": "layout",
-    **{f.name: f.name for f in dataclasses.fields(ChunkConfig) if f.name.startswith(_REQUEST_PREFIXES)},
 }
 
 

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from chunkcache.chunk.documents import PromptParts
+from chunkcache.config import ReuseOptions
 from chunkcache.errors import InvalidRequestError
 from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from chunkcache.outputs import CompletionOutput, RequestOutput
@@ -243,7 +244,7 @@ def build_app(
         prefix: str,
         prompt: str | list[int] | PromptParts,
         params: SamplingParams,
-        chunk_options: dict[str, Any] | None,
+        chunk_options: ReuseOptions | None,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
     ) -> RequestStream:
@@ -266,7 +267,7 @@ def build_app(
         prompts: list[str | list[int] | PromptParts],
         params: SamplingParams,
         n: int,
-        chunk_options: dict[str, Any] | None,
+        chunk_options: ReuseOptions | None,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
     ) -> ChoiceGroup:
