@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
