@@ -248,3 +248,22 @@ def test_calibrate_resumes_where_it_stopped(
 def test_dataclass_round_trip() -> None:
     p = _profile(_measured("a", 1.0, 2.0))
     assert profiles.parse(p.to_json(), "x") == dataclasses.replace(p)
+
+
+def test_command_line_mistakes_are_one_line_errors(
+    calibrated: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, prompts, _ = calibrated
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    generate = ["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "1", *TINY]
+    for argv, message in (
+        ([*generate, "--fidelity-target", "0.9", "--fidelity-profile", str(bad)], f"fidelity_profile {bad}"),
+        ([*generate, "--fidelity-target", "1.5"], "fidelity_target must be a fraction in (0, 1]"),
+        (["calibrate", "--model", str(model), "--prompts", str(prompts), "--target", "0", *TINY], "--target"),
+        (["calibrate", "--model", str(model), "--chunk-layout", "isolated", *TINY], "chunk_layout"),
+        (["calibrate", "--model", str(model), "--configs", "nope", *TINY], "unknown configurations"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and message in err, err
