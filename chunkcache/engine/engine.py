@@ -41,6 +41,7 @@ from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
 from chunkcache.engine.sequence import Sequence, SequenceKind, Status
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
+from chunkcache.fidelity.gate import resolve as resolve_fidelity
 from chunkcache.hashing import BlockKeys, blend_key
 from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher, PublisherCurve
 from chunkcache.malloc import keep_freed_memory
@@ -134,6 +135,8 @@ class LLMEngine:
             # Activations freed by a step stay mapped for the next one (chunkcache/malloc.py).
             keep_freed_memory()
         self.model_name = config.served_model_name or loaded.name
+        # With fidelity_target, the reuse configuration the model's profile chooses (fidelity/gate.py).
+        config = self.config = resolve_fidelity(config, loaded)
         self.max_model_len = self._max_model_len(config)
         config.chunk.validate(self.spec.num_layers)
         if config.chunk.enable:
