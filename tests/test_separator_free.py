@@ -361,7 +361,7 @@ def test_background_jobs_never_share_a_step_with_a_request(checkpoint) -> None:
     run = engine.runner.run
 
     def recording(batch: Any) -> Any:
-        batches.append([s.background for s in batch.seqs])
+        batches.append([s.kind.is_background for s in batch.seqs])
         return run(batch)
 
     engine.runner.run = recording  # type: ignore[method-assign]
@@ -406,7 +406,7 @@ def test_resources_return_after_a_cancelled_or_failed_request_and_job(checkpoint
         run = engine.runner.run
 
         def failing(batch: Any) -> Any:
-            if any(s.background for s in batch.seqs):
+            if any(s.kind.is_background for s in batch.seqs):
                 raise RuntimeError("injected")
             return run(batch)
 
@@ -438,6 +438,7 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     """A request whose chunk is a canonical entry still queued in the background does not wait for
     the engine to be idle (it would wait forever under load): the job becomes an ordinary one."""
     from chunkcache.chunk.parse import ChunkedPrompt
+    from chunkcache.chunk.plan import ChunkPlan
     from chunkcache.engine.sequence import Sequence
 
     llm = _llm(checkpoint())
@@ -458,7 +459,7 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     chunked = ChunkedPrompt(tuple(ids[:s]), (tuple(ids[a:b]),), tuple(q))
     tokens = chunked.all_token_ids()
     seq = Sequence(
-        "needs", list(tokens), list(tokens), FIRST, chunk_state=chunked, chunk_config=engine.config.chunk
+        "needs", list(tokens), list(tokens), FIRST, chunk_plan=ChunkPlan(chunked, engine.config.chunk)
     )
     seq.prefix_cacheable = False
     seq.generator = torch.Generator().manual_seed(0)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import hmac
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
+from chunkcache.config import ReuseOptions
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.choices import ChoiceGroup, Prompt
 from chunkcache.server.engine_loop import EngineLoop, RequestStream
@@ -74,7 +75,7 @@ class ServerContext:
         prompts: list[Prompt],
         params: SamplingParams,
         n: int,
-        chunk_options: dict[str, Any] | None,
+        chunk_options: ReuseOptions | None,
         add_special_tokens: bool = True,
         cache_salt: str | None = None,
     ) -> ChoiceGroup:
