@@ -338,6 +338,30 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class FidelityConfig:
+    """The fidelity gate (chunkcache/fidelity/gate.py): with a target, the engine reads the model's
+    profile (written by `chunkcache calibrate`) at start and serves chunked prompts with the
+    fastest reuse configuration that kept at least `target` of full prefill's replies/answers."""
+
+    # Share of full prefill's replies/answers to keep, in (0, 1]; None = the gate is off.
+    target: float | None = None
+    # A profile file, or a folder of profiles named by model identity; None = envs.fidelity_dir().
+    profile: str | None = None
+
+    def validate(self) -> None:
+        t = self.target
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 < t <= 1
+        ):
+            raise ValueError(f"fidelity_target must be a fraction in (0, 1], got {t!r}")
+        if self.profile is not None and t is None:
+            raise ValueError(
+                "fidelity_profile is read only with fidelity_target (the share of full prefill's "
+                "answers to keep, e.g. 0.95)"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     device: str = "auto"
@@ -365,6 +389,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    fidelity: FidelityConfig = field(default_factory=FidelityConfig)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -375,6 +400,7 @@ class EngineConfig:
         self.scheduler.validate()
         self.chunk.validate()
         self.kv_events.validate()
+        self.fidelity.validate()
 
     @classmethod
     def from_options(cls, model: str, use_env: bool = True, **options: Any) -> EngineConfig:
@@ -385,10 +411,10 @@ class EngineConfig:
         an error.
         """
         merged: dict[str, Any] = dict(_model_chunk_defaults(model))
-        merged.update(envs.env_options() if use_env else {})
-        merged.update(
-            {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
-        )
+        given = envs.env_options() if use_env else {}
+        given.update({k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None})
+        _check_gate_conflicts(given)
+        merged.update(given)
         top: dict[str, Any] = {}
         parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         for name, value in merged.items():
@@ -404,6 +430,18 @@ class EngineConfig:
         return config
 
 
+def _check_gate_conflicts(given: dict[str, Any]) -> None:
+    """With fidelity_target the profile chooses the reuse options: setting them too is ambiguous."""
+    if given.get("fidelity_target") is None:
+        return
+    chosen = sorted(k for k in given if k in REQUEST_CHUNK_OPTIONS and not k.startswith("separator_free"))
+    if chosen:
+        raise ValueError(
+            f"fidelity_target chooses the reuse configuration from the model's profile: do not also "
+            f"set {', '.join(chosen)} (requests may still set them per request)"
+        )
+
+
 def _model_chunk_defaults(model: str) -> tuple[tuple[str, Any], ...]:
     """The chunk options measured best for a known model (by short name or file), else none."""
     from chunkcache.model.catalog import identify  # pure data; model/ loads no torch for it
@@ -417,6 +455,7 @@ _SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "chunk": ChunkConfig,
     "kv_events": KVEventsConfig,
+    "fidelity": FidelityConfig,
 }
 _TOP_LEVEL = (
     "device",
@@ -462,6 +501,8 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "kv_events_curve_authorized_keys": ("kv_events", "curve_authorized_keys"),
     "kv_events_curve_server_key": ("kv_events", "curve_server_key"),
     "kv_events_insecure": ("kv_events", "insecure"),
+    "fidelity_target": ("fidelity", "target"),
+    "fidelity_profile": ("fidelity", "profile"),
 }
 
 

@@ -27,6 +27,7 @@ from chunkcache.config import ChunkConfig, EngineConfig, KVEventsConfig
 from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
+from chunkcache.fidelity.gate import resolve as resolve_fidelity
 from chunkcache.kv_events import KVEventPublisher, PublisherCurve
 from chunkcache.malloc import keep_freed_memory
 from chunkcache.model.loader import LoadedModel, load_model
@@ -45,6 +46,8 @@ _MEDIUM = "GPU"
 class EngineParts:
     """What an engine is built of; fixed once built."""
 
+    # The config it was built from, with the reuse configuration the fidelity gate chose.
+    config: EngineConfig
     loaded: LoadedModel
     model_name: str
     max_model_len: int
@@ -73,6 +76,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         # Activations freed by a step stay mapped for the next one (chunkcache/malloc.py).
         keep_freed_memory()
     model_name = config.served_model_name or loaded.name
+    # With fidelity_target, the reuse configuration the model's profile chooses (fidelity/gate.py).
+    config = resolve_fidelity(config, loaded)
     max_model_len = _max_model_len(config, loaded.spec)
     config.chunk.validate(loaded.spec.num_layers)
     if config.chunk.enable:
@@ -108,7 +113,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         chunks = ChunkManager(config.chunk, model_name, blocks, pool, loaded.device, runner.kv_caches, tiers)
         runner.on_measured = chunks.sensitivity_measured
     publisher = _publisher(config.kv_events, model_name)
-    return EngineParts(loaded, model_name, max_model_len, blocks, runner, chunks, publisher)
+    return EngineParts(config, loaded, model_name, max_model_len, blocks, runner, chunks, publisher)
 
 
 def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

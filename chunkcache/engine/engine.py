@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         parts = build_engine(config)
-        self.config = config
+        config = self.config = parts.config  # the fidelity gate may have chosen its chunk options
         self.spec, self.tokenizer, self.device = parts.spec, parts.tokenizer, parts.loaded.device
         self.model_name, self.max_model_len = parts.model_name, parts.max_model_len
         self.blocks, self.runner, self.chunks = parts.blocks, parts.runner, parts.chunks
