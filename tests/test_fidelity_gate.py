@@ -174,8 +174,9 @@ def test_calibrate_writes_a_profile_the_engine_loads(
         llm = LLM(str(model), fidelity_target=0.5, fidelity_profile=str(out), **ENGINE)
     try:
         chosen = profiles.choose(profile, 0.5).chosen
-        options = ReuseOptions.from_mapping(chosen.options)
-        expected = llm.engine.config.chunk.with_request_options(options, llm.engine.spec.num_layers)
+        expected = llm.engine.config.chunk.with_request_options(
+            ReuseOptions.from_mapping(chosen.options), llm.engine.spec.num_layers
+        )
         assert llm.engine.config.chunk == expected
         assert f"use {chosen.name}" in caplog.text
     finally:

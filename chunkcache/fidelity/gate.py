@@ -57,8 +57,9 @@ def resolve(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
     profile = profiles.load(path, ident)
     choice = profiles.choose(profile, target)
     try:
-        options = ReuseOptions.from_mapping(choice.chosen.options)
-        chunk = config.chunk.with_request_options(options, loaded.spec.num_layers)
+        chunk = config.chunk.with_request_options(
+            ReuseOptions.from_mapping(choice.chosen.options), loaded.spec.num_layers
+        )
     except ValueError as e:
         raise profiles.ProfileError(f"fidelity_profile {path}: {choice.chosen.name}: {e}") from None
     logger.log(
