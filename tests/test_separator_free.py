@@ -3,16 +3,18 @@ against transformers with the KV slices assembled by hand."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
-from oracle import hf_first_token_logprobs, hf_slices_reuse_logprobs
-from tiny_checkpoint import corpus
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.matcher import WINDOW, SpanIndex, anchors
 from chunkcache.chunk.pool import Entry
+from tests.support.engines import tiny_llm
+from tests.support.oracle import hf_first_token_logprobs, hf_slices_reuse_logprobs
+from tests.support.tiny_checkpoint import corpus
 
 FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
 # Pure reuse: what is borrowed is used as it is, so the oracle can assemble the same KV.
@@ -37,11 +39,7 @@ def _stuff(docs: list[str], order: list[int], question: str, preamble: str = PRE
     return preamble + "\n\n".join(docs[i] for i in order) + "\n\nQuestion: " + question
 
 
-def _llm(path: Any, **options: Any) -> LLM:
-    options.setdefault("kv_cache_tokens", 4096)
-    options.setdefault("chunk_cache_size_gb", 0.01)
-    options.setdefault("separator_free", True)
-    return LLM(str(path), device="cpu", dtype="float32", **options)
+_llm = partial(tiny_llm, kv_cache_tokens=4096, chunk_cache_size_gb=0.01, separator_free=True)
 
 
 def _close(out: Any, ref: torch.Tensor) -> None:
@@ -305,9 +303,8 @@ def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None
     computed in the background as its own entry right after S: its KV equals transformers' KV of
     S + the run, and a third prompt (another order) borrows those entries, exact against
     transformers with the cache assembled from them."""
-    from oracle import hf_layer_kv
-
     from chunkcache.engine.runner import gather_kv
+    from tests.support.oracle import hf_layer_kv
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path)
@@ -364,7 +361,7 @@ def test_background_jobs_never_share_a_step_with_a_request(checkpoint) -> None:
     run = engine.runner.run
 
     def recording(batch: Any) -> Any:
-        batches.append([s.background for s in batch.seqs])
+        batches.append([s.kind.is_background for s in batch.seqs])
         return run(batch)
 
     engine.runner.run = recording  # type: ignore[method-assign]
@@ -409,7 +406,7 @@ def test_resources_return_after_a_cancelled_or_failed_request_and_job(checkpoint
         run = engine.runner.run
 
         def failing(batch: Any) -> Any:
-            if any(s.background for s in batch.seqs):
+            if any(s.kind.is_background for s in batch.seqs):
                 raise RuntimeError("injected")
             return run(batch)
 
@@ -441,6 +438,7 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     """A request whose chunk is a canonical entry still queued in the background does not wait for
     the engine to be idle (it would wait forever under load): the job becomes an ordinary one."""
     from chunkcache.chunk.parse import ChunkedPrompt
+    from chunkcache.chunk.plan import ChunkPlan
     from chunkcache.engine.sequence import Sequence
 
     llm = _llm(checkpoint())
@@ -461,7 +459,7 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     chunked = ChunkedPrompt(tuple(ids[:s]), (tuple(ids[a:b]),), tuple(q))
     tokens = chunked.all_token_ids()
     seq = Sequence(
-        "needs", list(tokens), list(tokens), FIRST, chunk_state=chunked, chunk_config=engine.config.chunk
+        "needs", list(tokens), list(tokens), FIRST, chunk_plan=ChunkPlan(chunked, engine.config.chunk)
     )
     seq.prefix_cacheable = False
     seq.generator = torch.Generator().manual_seed(0)

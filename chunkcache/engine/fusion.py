@@ -33,7 +33,7 @@ import torch
 from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.config import ChunkConfig, SchedulerConfig
 from chunkcache.engine.prompt_logprobs import prompt_slices
-from chunkcache.engine.sequence import Sequence, Status
+from chunkcache.engine.sequence import Sequence, SequenceKind, Status
 from chunkcache.errors import InvalidRequestError
 
 
@@ -174,6 +174,7 @@ class FusionGroup:
             token_ids=[*before, *self.request.token_ids],
             params=self.request.params,
             position_base=base,
+            kind=SequenceKind.FUSION_STREAM,
             prefix_cacheable=False,
             cache_salt=self.request.cache_salt,
         )
@@ -207,7 +208,8 @@ class FusionGroup:
         if not request_ready(self.request):
             return False
         if self.streams[0].borrowed_slots is None:
-            slots = self.request.chunk_state.stream_slots
+            assert self.request.chunks is not None and self.request.chunks.stream_slots is not None
+            slots = self.request.chunks.stream_slots
             for stream, k in zip(self.streams, self.slot_of, strict=True):
                 stream.borrowed_slots = slots[k]
         return True

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from chunkcache.config import SchedulerConfig
 from chunkcache.engine.kv_blocks import BlockManager
-from chunkcache.engine.sequence import Sequence, Status
+from chunkcache.engine.sequence import Sequence, SequenceKind, Status
 
 # Tokens per step of an exact-prefix job (idle work): bounds how long a request arriving during
 # one waits for it: 32 tokens of SmolLM2 take ~0.13 s on one CPU thread (steps of 256 delayed the
@@ -74,19 +74,21 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_background_work(self) -> bool:
-        return any(s.background for s in self.running) or any(s.background for s in self.waiting)
+        return any(s.kind.is_background for s in self.running) or any(
+            s.kind.is_background for s in self.waiting
+        )
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted_any = False
-        foreground = any(not s.background for s in self.running) or any(
-            not s.background for s in self.waiting
+        foreground = any(not s.kind.is_background for s in self.running) or any(
+            not s.kind.is_background for s in self.waiting
         )
         if foreground:
             # An exact-prefix job (engine._queue_exact_prefix) gives its KV blocks back when a
             # request comes: what it computed is in the prefix cache, where it resumes from.
-            for seq in [s for s in self.running if s.is_prefix_job]:
+            for seq in [s for s in self.running if s.kind is SequenceKind.PREFIX_JOB]:
                 self.running.remove(seq)
                 self._unadmit(seq)
                 self.add(seq)
@@ -99,7 +101,7 @@ class Scheduler:
                 continue
             unit = _unit(seq)
             done.update(map(id, unit))
-            counts = [0] if seq.background and foreground else self._unit_tokens(unit, budget)
+            counts = [0] if seq.kind.is_background and foreground else self._unit_tokens(unit, budget)
             n = sum(counts)
             if n <= 0:
                 continue
@@ -107,7 +109,7 @@ class Scheduler:
                 # Free blocks by preempting from the back; possibly this very unit.
                 while not self._grow_all(unit, counts):
                     # Fill jobs hold pool pages, not blocks: preempting one frees nothing.
-                    victim = next(s for s in reversed(self.running) if not s.is_fill or s is seq)
+                    victim = next(s for s in reversed(self.running) if not s.kind.is_fill or s is seq)
                     for member in reversed(_unit(victim)):
                         self._preempt(member, batch)
                     preempted_any = True
@@ -125,7 +127,7 @@ class Scheduler:
             unit = _unit(seq)
             for member in unit[1:]:  # a group waits as a whole, its first stream first
                 self.waiting.remove(member)
-            if (seq.background and foreground) or not self.is_ready(seq):
+            if (seq.kind.is_background and foreground) or not self.is_ready(seq):
                 skipped.extend(unit)
                 continue
             # Only prefix-cacheable requests match the prefix cache: a chunked request's KV comes
@@ -136,7 +138,7 @@ class Scheduler:
                 not seq.block_table
                 and seq.num_computed == 0
                 and seq.prefix_cacheable
-                and not seq.is_fill
+                and not seq.kind.is_fill
                 and seq.params.prompt_logprobs is None
             ):
                 self._match_prefix(seq)
@@ -197,7 +199,7 @@ class Scheduler:
         # A blend prefill cannot be split; it computes a small share of its tokens anyway.
         if seq.blend is not None and seq.num_computed == 0:
             return remaining
-        if seq.is_prefix_job:
+        if seq.kind is SequenceKind.PREFIX_JOB:
             # An exact-prefix job in short steps: a request arriving meanwhile waits one of them.
             return min(remaining, budget, BACKGROUND_STEP_TOKENS)
         return min(remaining, budget)
@@ -213,7 +215,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make the sequence own enough blocks for `num_tokens` own tokens."""
-        if seq.is_fill:
+        if seq.kind.is_fill:
             return True  # its pages were assigned when the job was made
         need = self.blocks.blocks_for(num_tokens) - len(seq.block_table)
         if need <= 0:
@@ -248,7 +250,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _unadmit(self, seq: Sequence) -> None:
-        if seq.is_fill:
+        if seq.kind.is_fill:
             return  # a fill job's pages were assigned with the job, not taken here
         self.release(seq)
         seq.num_computed = 0
@@ -257,9 +259,9 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """Give back the blocks a sequence owns (finish, abort, preemption)."""
-        if not seq.is_fill and seq.block_table:
+        if not seq.kind.is_fill and seq.block_table:
             self.blocks.free(seq.block_table)
-        if not seq.is_fill:
+        if not seq.kind.is_fill:
             seq.block_table = []
             seq.block_hashes = []
 
