@@ -369,10 +369,11 @@ def test_the_pair_under_the_rule_matches_a_reference_over_transformers(checkpoin
     llm.check_integrity()
 
 
-def test_pair_groups_batched_preempted_and_aborted_give_everything_back(checkpoint) -> None:
+@pytest.mark.parametrize("pair", ["expert", "lead"])
+def test_pair_groups_batched_preempted_and_aborted_give_everything_back(checkpoint, pair: str) -> None:
     path = checkpoint(arch="llama")
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    options = {"fusion_pair": "expert"}
+    options = {"fusion_pair": pair}
     prompts = [
         _prompt([0, 1, 2], PAIR_QUESTION),
         _prompt([3, 2]),
@@ -384,11 +385,15 @@ def test_pair_groups_batched_preempted_and_aborted_give_everything_back(checkpoi
     for k, prompt in enumerate(prompts):
         engine.add_request(str(k), prompt, params, chunk_options=options)
     outs: dict[str, Any] = {}
+    sizes: set[int] = set()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 outs[out.request_id] = out
         engine.check_integrity()
+        sizes |= {len(s.fusion.streams) for s in engine.scheduler.running if s.fusion is not None}
+    # "lead": once the pair stream speaks, only it and the no-document stream decode on.
+    assert (2 in sizes) == (pair == "lead")
     assert engine.scheduler.num_preemptions > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     roomy = _llm(path)

@@ -237,7 +237,8 @@ class LLMEngine:
             self._computed(seq, n)
         now = time.time()
         eos = self.detokenizer.eos_token_ids
-        for seq, s in sample_batch(batch, logits, rows, eos, self.scheduler.join) if rows else []:
+        joined, dropped = self.scheduler.join, self.scheduler.finish
+        for seq, s in sample_batch(batch, logits, rows, eos, joined, dropped) if rows else []:
             if s.error is not None:
                 self._fail(seq, s.error)
                 continue

@@ -202,6 +202,20 @@ class FusionGroup:
         self.pair, self.first_rows = n, rows
         return stream
 
+    def drop_unread(self) -> list[Sequence]:
+        """Under "lead", once the pair stream has spoken, the document streams the rule does not
+        read leave the group (their KV blocks and decode rows are freed): the streams it takes out."""
+        if self.pair_mode is not FusionPair.LEAD or not self.pair:
+            return []
+        keep = range(self.pair, len(self.streams))
+        dropped = self.streams[: self.pair]
+        self.streams = [self.streams[k] for k in keep]
+        self.slot_of = [self.slot_of[k] for k in keep]
+        self.skip = [self.skip[k] for k in keep]
+        self.question_logprobs = [self.question_logprobs[k] for k in keep]
+        self.pair = 0
+        return dropped  # still pointing at the group: the request they answered
+
     def ready(self, request_ready: Callable[[Sequence], bool]) -> bool:
         """Whether the streams may run: the request's entries are computed (then each stream
         borrows S and its chunk, as the chunk manager laid them out)."""
@@ -252,21 +266,30 @@ class FusionGroup:
             assert all(s.status == Status.FINISHED and not s.block_table for s in self.streams)
 
 
+@dataclass
+class StreamChanges:
+    """Streams a step added to their groups (pair streams, to be scheduled with them) and took out
+    of them (under "lead", the document streams nobody reads once the pair stream speaks)."""
+
+    joined: list[Sequence] = field(default_factory=list)
+    dropped: list[Sequence] = field(default_factory=list)
+
+
 def fuse_rows(
     logits: torch.Tensor, seqs: list[Sequence]
-) -> tuple[torch.Tensor, list[Sequence], list[Sequence]]:
+) -> tuple[torch.Tensor, list[Sequence], StreamChanges]:
     """Sampling rows of a step with each group's stream rows replaced by one combined row, at
-    its first stream's place, owned by the group's request; and the pair streams added this step
-    (their groups sample nothing until the pair stream's first row, `FusionGroup.add_pair`)."""
+    its first stream's place, owned by the group's request; and the streams that joined or left a
+    group (a group samples nothing the step its pair stream joins, `FusionGroup.add_pair`)."""
+    changes = StreamChanges()
     if all(s.fusion is None for s in seqs):
-        return logits, seqs, []
+        return logits, seqs, changes
     rows_of: dict[int, dict[int, int]] = {}
     for row, seq in enumerate(seqs):
         if seq.fusion is not None:
             rows_of.setdefault(id(seq.fusion), {})[id(seq)] = row
     out_rows: list[torch.Tensor] = []
     out_seqs: list[Sequence] = []
-    added: list[Sequence] = []
     for row, seq in enumerate(seqs):
         group = seq.fusion
         if group is None:
@@ -279,7 +302,7 @@ def fuse_rows(
         if len(rows) == len(group.streams):
             stream_rows = logits[[rows[id(s)] for s in group.streams]]
             if group.pair_mode is not FusionPair.NONE and group.pair is None:
-                added.append(group.add_pair(stream_rows))
+                changes.joined.append(group.add_pair(stream_rows))
                 continue
         elif group.first_rows is not None and list(rows) == [id(group.streams[group.pair or 0])]:
             pair_row = logits[rows[id(group.streams[group.pair or 0])]][None]
@@ -291,9 +314,10 @@ def fuse_rows(
         group.first_rows = None
         out_rows.append(group.combine(stream_rows))
         out_seqs.append(group.request)
+        changes.dropped.extend(group.drop_unread())
     if not out_rows:
-        return logits[:0], out_seqs, added
-    return torch.stack(out_rows), out_seqs, added
+        return logits[:0], out_seqs, changes
+    return torch.stack(out_rows), out_seqs, changes
 
 
 def record_question_logprobs(

@@ -22,13 +22,17 @@ def sample_batch(
     rows: list[int],
     eos_token_ids: frozenset[int],
     join: Callable[[Sequence], None],
+    drop: Callable[[Sequence], None],
 ) -> list[tuple[Sequence, Sampled]]:
     """One token for each sequence of `batch` that samples (`rows`); a fusion request's streams'
     rows become one row, its combined distribution, sampled for the request (none the step its
-    pair stream is added: `join` schedules that stream with its group)."""
-    logits, seqs, added = fuse_rows(logits, [batch.seqs[r] for r in rows])
-    for stream in added:
+    pair stream is added: `join` schedules that stream with its group; `drop` finishes a stream
+    that left its group)."""
+    logits, seqs, changes = fuse_rows(logits, [batch.seqs[r] for r in rows])
+    for stream in changes.joined:
         join(stream)
+    for stream in changes.dropped:
+        drop(stream)
     if not seqs:
         return []
     histories = [History(s.prompt_token_ids, s.output_token_ids, s.grammar) for s in seqs]
