@@ -1,7 +1,7 @@
 """The one frozen configuration tree of an engine.
 
 Values discovered at run time (the model's shape, the number of KV blocks that fit) live in state
-objects (`model.loader.ModelSpec`, `engine.kv_blocks.BlockManager`), never in a mutated config.
+objects (`model.loader.ModelSpec`, `core.kv_blocks.BlockManager`), never in a mutated config.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chunkcache import envs
-from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT, check_documents_format
 from chunkcache.hashing import BLOCK_HASH_ALGORITHMS, block_hash_fn
 
 CHUNK_LAYOUTS = ("isolated", "offset", "fusion")
@@ -27,6 +26,21 @@ BLEND_UNITS = ("token", "chunk")
 _FRESH_KV_SELECTORS = ("k_deviation", "v_deviation", "threshold")
 HASH_ALGORITHMS = ("sha256", "sha512", "blake2b", "sha3_256")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# How a chat request's documents are written into the conversation (chunk/documents.py).
+# `{title}` is the document's title and a newline, or nothing for a document without a title.
+DEFAULT_DOCUMENTS_FORMAT = "{title}{text}\n\n"
+
+
+def check_documents_format(documents_format: str) -> None:
+    """ValueError unless the format names {text} and only {title} and {text}."""
+    if "{text}" not in documents_format:
+        raise ValueError(f"documents_format must contain {{text}}, got {documents_format!r}")
+    try:
+        documents_format.format(title="", text="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"documents_format {documents_format!r} may only use {{title}} and {{text}}: {e}"
+        ) from None
 
 
 @dataclass(frozen=True)

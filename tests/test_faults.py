@@ -26,10 +26,10 @@ from server_util import ServerProcess, ServerThread
 from test_router_app import ServerThread as BackendThread
 
 from chunkcache.config import ChunkConfig, EngineConfig, SchedulerConfig
+from chunkcache.core.kv_blocks import BlockManager
+from chunkcache.core.sequence import Sequence
 from chunkcache.engine.engine import LLMEngine
-from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.scheduler import Scheduler
-from chunkcache.engine.sequence import Sequence
 from chunkcache.errors import InvalidRequestError
 from chunkcache.hashing import BlockKeys
 from chunkcache.router.app import create_app

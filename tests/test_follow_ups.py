@@ -12,7 +12,7 @@ from oracle import hf_continue_over_cache, hf_first_token_logprobs, hf_greedy, h
 from test_blend import DOCS, SEP, SYSTEM
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.engine.runner import block_slots
+from chunkcache.core.kv_slots import block_slots
 
 ORDER = [2, 3, 0, 1]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)

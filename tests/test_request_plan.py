@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 from chunkcache.config import REQUEST_CHUNK_OPTIONS, ChunkConfig, ReuseOptions
-from chunkcache.engine.sequence import Sequence, SequenceKind
+from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.server.protocol import ChatCompletionRequest, CompletionRequest
 
 

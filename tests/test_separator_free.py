@@ -12,7 +12,7 @@ from tiny_checkpoint import corpus
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.matcher import WINDOW, SpanIndex, anchors
-from chunkcache.chunk.pool import Entry
+from chunkcache.core.plan import Entry
 
 FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
 # Pure reuse: what is borrowed is used as it is, so the oracle can assemble the same KV.
@@ -307,7 +307,7 @@ def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None
     transformers with the cache assembled from them."""
     from oracle import hf_layer_kv
 
-    from chunkcache.engine.runner import gather_kv
+    from chunkcache.core.kv_slots import gather_kv
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path)
@@ -440,9 +440,8 @@ def test_resources_return_after_a_cancelled_or_failed_request_and_job(checkpoint
 def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> None:
     """A request whose chunk is a canonical entry still queued in the background does not wait for
     the engine to be idle (it would wait forever under load): the job becomes an ordinary one."""
-    from chunkcache.chunk.parse import ChunkedPrompt
-    from chunkcache.chunk.plan import ChunkPlan
-    from chunkcache.engine.sequence import Sequence
+    from chunkcache.core.plan import ChunkedPrompt, ChunkPlan
+    from chunkcache.core.sequence import Sequence
 
     llm = _llm(checkpoint())
     docs = _docs(llm.tokenizer, 3)

@@ -43,17 +43,16 @@ from typing import Any
 
 import torch
 
-from chunkcache.chunk.matcher import PlainPrompt, Plan, Run, SpanIndex, plan
-from chunkcache.chunk.parse import ChunkedPrompt
-from chunkcache.chunk.plan import ChunkPlan, FillJob, RequestChunks
-from chunkcache.chunk.pool import ChunkPool, Entry
+from chunkcache.chunk.matcher import Plan, Run, SpanIndex, plan
+from chunkcache.chunk.pool import ChunkPool
 from chunkcache.chunk.tiers.loader import TierLoader
 from chunkcache.chunk.tiers.provider import StoredKV
 from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
-from chunkcache.engine.kv_blocks import BlockManager
-from chunkcache.engine.runner import block_slots, gather_kv, scatter_kv
-from chunkcache.engine.sequence import Sequence, SequenceKind
+from chunkcache.core.kv_blocks import BlockManager
+from chunkcache.core.kv_slots import block_slots, gather_kv, scatter_kv
+from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, Entry, FillJob, PlainPrompt, RequestChunks
+from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import chunk_hash, system_hash
 from chunkcache.model.calibration import calibration_for
@@ -426,7 +425,7 @@ class ChunkManager:
         return StoredKV(self.tiers.model, entry.key, entry.kind, entry.token_ids, k, v, entry.sensitivity)
 
     def sensitivity_measured(self, entry: Entry) -> None:
-        """`entry` has just measured its sensitivity (the runner does, chunk/sensitivity.py): the
+        """`entry` has just measured its sensitivity (the runner does, engine/sensitivity.py): the
         tiers' copy, written when it was computed, is written again with it, so that a later load
         (after an eviction, a restart, on another replica) need not measure it again."""
         if self.tiers is not None and entry.ready and (entry.private or self.pool.holds(entry)):

@@ -17,13 +17,13 @@ import torch
 
 from chunkcache.chunk.documents import PromptParts
 from chunkcache.config import EngineConfig, ReuseOptions
+from chunkcache.core.sequence import Sequence, SequenceKind, Status
 from chunkcache.engine.build import build_engine
 from chunkcache.engine.chunk_steps import ChunkSteps
 from chunkcache.engine.detokenizer import Detokenizer
 from chunkcache.engine.intake import Prompt, RequestIntake
 from chunkcache.engine.postprocess import append_token, make_output, sample_batch
 from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
-from chunkcache.engine.sequence import Sequence, SequenceKind, Status
 from chunkcache.errors import InvalidRequestError
 from chunkcache.kv_events import AllBlocksCleared
 from chunkcache.outputs import RequestOutput

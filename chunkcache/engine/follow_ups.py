@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.config import ChunkConfig
+from chunkcache.core.kv_blocks import BlockManager
+from chunkcache.core.plan import ChunkedPrompt
+from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.engine.intake import ONE_DISCARDED_TOKEN
-from chunkcache.engine.kv_blocks import BlockManager
-from chunkcache.engine.sequence import Sequence, SequenceKind
 from chunkcache.hashing import BlockKeys
 
 _MAX_EXACT_JOBS = 64

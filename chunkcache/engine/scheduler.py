@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chunkcache.config import SchedulerConfig
-from chunkcache.engine.kv_blocks import BlockManager
-from chunkcache.engine.sequence import Sequence, SequenceKind, Status
+from chunkcache.core.kv_blocks import BlockManager
+from chunkcache.core.sequence import Sequence, SequenceKind, Status
 
 # Tokens per step of an exact-prefix job (idle work): bounds how long a request arriving during
 # one waits for it: 32 tokens of SmolLM2 take ~0.13 s on one CPU thread (steps of 256 delayed the

@@ -26,9 +26,8 @@ from chunkcache.sampling import SamplingParams
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from chunkcache.chunk.parse import ChunkedPrompt
-    from chunkcache.chunk.plan import ChunkPlan, FillJob, RequestChunks
     from chunkcache.config import ChunkConfig
+    from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, FillJob, RequestChunks
     from chunkcache.engine.fusion import FusionGroup
     from chunkcache.model.calibration import ContextCalibration
 
