@@ -542,9 +542,8 @@ class LLMEngine:
 
     def _queue_exact_prefix(self, seq: Sequence, ids: list[int]) -> None:
         """A background job that prefills `ids` (the request's S and chunks, in this order, not in
-        the prefix cache) as a plain prompt, so that its follow-ups find them. It runs in idle
-        steps of `BACKGROUND_STEP_TOKENS` and gives its blocks back when a request comes
-        (scheduler). Not where one is queued already; at most `_MAX_EXACT_JOBS` wait at once."""
+        the prefix cache) as a plain prompt, so that its follow-ups find them. It runs on the budget
+        requests leave and gives its blocks back when a request needs them (scheduler). Not where one is queued already; at most `_MAX_EXACT_JOBS` wait at once."""
         key = (seq.cache_salt, tuple(ids))
         if key in self._exact_jobs or len(self._exact_jobs) >= _MAX_EXACT_JOBS:
             return
@@ -595,8 +594,9 @@ class LLMEngine:
         return pending or loading or any(not s.is_fill for s in list(self._requests.values()))
 
     def has_background_work(self) -> bool:
-        """Whether work nobody waits for is queued (canonical chunk entries, chunk/manager.py):
-        steps run it while no request is waiting or running. Call from the stepping thread."""
+        """Whether work nobody waits for is queued (canonical chunk entries, chunk/manager.py;
+        exact-prefix jobs): steps run it on the budget requests leave. Call from the stepping
+        thread."""
         return self.scheduler.has_background_work()
 
     # ---- the step ----------------------------------------------------------------------------

@@ -39,8 +39,8 @@ class Sequence:
     borrowed_slots: torch.Tensor | None = None
     # Fill jobs compute a chunk-cache entry into pre-assigned pages and sample nothing.
     is_fill: bool = False
-    # Background work (a canonical chunk entry nobody waits for): scheduled only while no other
-    # sequence is waiting or running, so it never delays a request.
+    # Background work (a canonical chunk entry or a prewarm's entry nobody else waits for, an
+    # exact-prefix job): scheduled on the token budget requests leave (engine/scheduler.py).
     background: bool = False
     # Prewarm requests (LLMEngine.add_prewarm) hold a chunked prompt's entries until they are all
     # computed, then finish: they never reach the scheduler and generate nothing.
