@@ -12,6 +12,7 @@ from chunkcache.engine import scheduler as scheduler_module
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.scheduler import Scheduler
 from chunkcache.engine.sequence import Sequence
+from chunkcache.outputs import RequestOutput
 
 MAX_OUT = 4
 
@@ -170,4 +171,52 @@ def test_a_long_prompt_prefilled_in_pieces_matches_transformers(checkpoint) -> N
         for token, lp in out.outputs[0].logprobs[0].items():
             assert abs(ref[token].item() - lp) < 1e-4, (name, token)
         assert out.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 8)
+    llm.check_integrity()
+
+
+def test_a_prewarm_is_background_work_that_yields_to_requests(checkpoint) -> None:
+    """A prewarm's fill jobs run on what requests leave: a request arriving meanwhile is answered
+    by the step after it arrives; one that needs a document the prewarm is still computing
+    promotes that job to an ordinary one; the prewarm completes and everything comes back."""
+    path = checkpoint(arch="llama")
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=1024,
+        chunk_cache_size_gb=0.01,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=16,
+    )
+    engine = llm.engine
+    finished: dict[str, RequestOutput] = {}
+
+    def step() -> list[RequestOutput]:
+        outputs = engine.step()
+        finished.update({o.request_id: o for o in outputs if o.finished})
+        return outputs
+
+    docs = [" ".join(f"fact {i} number {j} is here." for j in range(12)) for i in range(6)]
+    engine.add_prewarm("warm", system="Answer from the documents.", documents=docs)
+    step()
+    jobs = [s for s in [*engine.scheduler.running, *engine.scheduler.waiting] if s.is_fill]
+    assert len(jobs) >= 6 and all(j.background for j in jobs)  # S may be done already
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("short", "Alice", greedy)
+    firsts = [o for o in step() if o.request_id == "short"]
+    assert firsts and firsts[0].outputs[0].token_ids  # the first step after it arrived
+    last = jobs[-1]
+    assert last.background and last.num_computed == 0
+    doc = next(d for d in docs if llm.tokenizer.encode(d, add_special_tokens=False) == last.token_ids)
+    llm_prompt = "Answer from the documents. # # " + doc + " # # Which?"
+    engine.add_request("needs", llm_prompt, greedy)
+    step()
+    assert not last.background  # a request waits for it now
+    while engine.has_unfinished_requests():
+        step()
+    assert set(finished) == {"warm", "short", "needs"}
+    assert all(o.outputs[0].finish_reason != "error" for o in finished.values())
+    assert llm.chunk_cache_stats()["entries"] == 7
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     llm.check_integrity()

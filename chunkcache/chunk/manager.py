@@ -219,6 +219,7 @@ class ChunkManager:
             jobs,
             None,
             0,
+            urgent=not seq.is_prewarm,
         )
         state.entries.append(sys_entry)
         state.slices.append((0, len(sys_ids)))
@@ -236,7 +237,15 @@ class ChunkManager:
                 key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
                 # Salted entries stay out of the index: it is shared by content, across tenants.
                 entry, hit = self._acquire(
-                    key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids), salt is None
+                    key,
+                    "chunk",
+                    (sys_ids, chunk),
+                    len(chunk),
+                    jobs,
+                    sys_entry,
+                    len(sys_ids),
+                    indexed=salt is None,
+                    urgent=not seq.is_prewarm,
                 )
                 state.slices.append((0, len(chunk)))
                 if runs is not None and hit is False:
@@ -334,15 +343,18 @@ class ChunkManager:
         sys_entry: Entry | None,
         position_base: int,
         indexed: bool = False,
+        urgent: bool = True,
     ) -> tuple[Entry, bool | None]:
         """A pinned entry for `key`, and whether it was found in the pool (ready, being computed
         or being loaded); None when it is being loaded for this request (found or not is known
-        when the load ends). A new entry comes with a fill job appended to `jobs`. A new
+        when the load ends). A new entry comes with a fill job appended to `jobs`: background
+        work unless some `urgent` acquirer (a request, not a prewarm) waits for it. A new
         `indexed` chunk entry of the pool registers its anchors for separator-free matching."""
         entry = self.pool.get(key, token_ids)
         found: bool | None = entry is not None
         job = None if entry is None or entry.ready else self._jobs.get(id(entry))
-        if job is not None and job.background:
+        if job is not None and entry is not None and urgent:
+            entry.urgent = True
             job.background = False  # a request waits for it now: an ordinary fill job
         if entry is None and self.loader is not None:
             # Pages first: an entry that cannot enter the pool is computed privately, not loaded.
@@ -358,7 +370,9 @@ class ChunkManager:
             if entry is None:
                 self.pool.stats.uncacheable += 1
                 entry = Entry(key, kind, token_ids, num_tokens, private=True)
+            entry.urgent = urgent
             jobs.append(self._fill_job(entry, sys_entry, position_base))
+        entry.urgent = entry.urgent or urgent
         if not found and indexed and kind == "chunk" and not entry.private:
             self.index.add(entry)
         entry.pins += 1
@@ -375,6 +389,8 @@ class ChunkManager:
             is_fill=True,
             block_table=entry.pages,
             chunk_state=FillJob(entry, sys_entry),
+            # Work for prewarms alone yields to requests (engine/scheduler.py).
+            background=not entry.urgent,
         )
         if sys_entry is not None:
             sys_entry.pins += 1
