@@ -37,25 +37,20 @@ import fidelity_set
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.fidelity import measure
+from chunkcache.fidelity.configs import fusion as _fusion
+from chunkcache.fidelity.configs import offset as _offset
+from chunkcache.fidelity.measure import SYSTEM
 
 SEP = " # # "
 LABEL_MARK = "~"  # MODE~LABEL: a mode run on another model variant (an adapter, a dtype, a device)
-SYSTEM = "Answer the question using the documents. Reply with a short answer."
 CLOSED = "closed"  # the mode that asks the question without the documents
 SETS = ("original", "counterfactual")
-
-
-def _offset(layers: list[int], ratios: list[float], **extra: Any) -> dict[str, Any]:
-    return {"chunk_layout": "offset", "blend_check_layers": layers, "blend_recompute_ratios": ratios, **extra}
+__all__ = ["SEP", "SYSTEM"]  # bench_separator_free's prompt format
 
 
 def _query(layer: int, ratio: float, unit: str = "token") -> dict[str, Any]:
     return _offset([layer], [ratio], blend_selector="query_attention", blend_unit=unit)
-
-
-def _fusion(rule: str, **extra: Any) -> dict[str, Any]:
-    return {"chunk_layout": "fusion", "fusion_rule": rule, **extra}
 
 
 # name -> chunk options (None = a plain prompt: full prefill, or for "closed" the question alone).
@@ -104,10 +99,6 @@ MODES: dict[str, dict[str, Any] | None] = {
 }
 
 
-# A request that only makes each entry measure its sensitivity: nothing recomputed.
-_MEASURE = _offset([0], [0.0], blend_selector="stored_deviation")
-
-
 def _ape(base: str, temperature: float, scale: float) -> dict[str, Any]:
     options = MODES[base]
     assert options is not None
@@ -140,9 +131,7 @@ class ModeResult:
 
 def render(tokenizer: Any, docs: list[str], question: str) -> str:
     """The benchmark's prompt: the system turn, then `SEP doc1 ... SEP docN SEP question`."""
-    user = "".join(SEP + d for d in docs) + SEP + question
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return measure.render(tokenizer, docs, question, SEP)
 
 
 def render_closed(tokenizer: Any, question: str) -> list[int]:
@@ -156,19 +145,6 @@ def render_closed(tokenizer: Any, question: str) -> list[int]:
 def _decode(out: Any) -> tuple[int, float]:
     metrics = out.metrics
     return len(out.outputs[0].token_ids) - 1, metrics.finished_time - metrics.first_token_time
-
-
-def _run(llm: LLM, prompt: str | list[int], params: SamplingParams, options: dict[str, Any] | None):
-    # options None: the engine's own (a token-id prompt takes the plain path anyway).
-    return llm.generate([prompt], params, add_special_tokens=False, chunk_options=options)[0]
-
-
-def _ttft(llm: LLM, prompt: str | list[int], options: dict[str, Any] | None) -> tuple[float, float, int]:
-    """(wall, cpu) seconds of a one-token request, and the tokens it blended (the answer run that
-    follows finds the blended blocks in the prefix cache and recomputes none)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    out = _run(llm, prompt, SamplingParams(temperature=0, max_tokens=1), options)
-    return time.perf_counter() - wall, time.process_time() - cpu, out.num_blend_recomputed_tokens
 
 
 def evaluate(
@@ -186,18 +162,15 @@ def evaluate(
     names = list(modes)
     for i, q in enumerate(tqdm(questions, desc="questions", unit="q")):
         text = render(llm.tokenizer, q.documents(elements), q.question)
-        parsed = parse_chunked_prompt(text, SEP, llm.tokenizer, add_special_tokens=False)
-        assert parsed is not None
-        doc_tokens = sum(map(len, parsed.chunks))
-        num_q = len(parsed.question_token_ids)
+        parsed = measure.parse(llm, text)
         full_ids = parsed.all_token_ids()
         closed_ids = render_closed(llm.tokenizer, q.question)
         # Warm the pool: production reuse means the documents were seen before (and, for the
         # modes that rank by it, each entry measured its sensitivity; here in a request of
         # another blend key, so that no mode finds its own blended blocks).
-        _run(llm, text, SamplingParams(temperature=0, max_tokens=1), {"chunk_layout": "isolated"})
-        if any(o and o.get("blend_selector") == "stored_deviation" for o in modes.values()):
-            _run(llm, text, SamplingParams(temperature=0, max_tokens=1), _MEASURE)
+        measure.warm(
+            llm, text, any(o and o.get("blend_selector") == "stored_deviation" for o in modes.values())
+        )
         timed = ttft_every > 0 and i % ttft_every == 0
         rotation = names[i % len(names) :] + names[: i % len(names)]  # interleave, rotating order
         for name in rotation:
@@ -208,22 +181,16 @@ def evaluate(
             if timed:
                 # Timed before the answer run: a full prefill must not hit its own prompt's
                 # blocks in the prefix cache (only a shared system part, as in production).
-                wall, cpu, blended = _ttft(llm, prompt, options)
+                wall, cpu, blended = measure.ttft(llm, prompt, options)
                 res.ttft[q.qid] = (wall, cpu)
-            out = _run(llm, prompt, answer, options)
+            out = measure.run(llm, prompt, answer, options)
             reply = out.outputs[0].text
             res.replies[q.qid] = reply
             res.correct[q.qid] = fidelity_set.correct(reply, q.answers)
             res.decode[q.qid] = _decode(out)
-            if name == CLOSED:
-                res.recomputed[q.qid] = 0.0
-            elif options is None:
-                res.recomputed[q.qid] = 1.0
-            elif options.get("chunk_layout") == "offset":
-                blended = max(blended, out.num_blend_recomputed_tokens)
-                res.recomputed[q.qid] = (blended - num_q) / doc_tokens
-            else:
-                res.recomputed[q.qid] = 0.0
+            blended = max(blended, out.num_blend_recomputed_tokens)
+            share = measure.recomputed_share(options, blended, parsed)
+            res.recomputed[q.qid] = 0.0 if name == CLOSED else share
         if checkpoint is not None:
             checkpoint(results)
     return results

@@ -16,22 +16,26 @@ The new value appears in no document of the prompt before the edit (so only the 
 can supply it) and the old value in none of the edited document after it. The other 2-4 documents
 are of the same kind (for year and discoverer questions, elements whose own text states a year, or
 a discoverer), as a retriever returns alike documents. Drawn once with a fixed seed and frozen in
-`counterfactual_questions.json` (with the replaced values and their counts, checked when the
-documents are built) before any mode ran on it; half tune, half held-out, as `fidelity_set`.
+`chunkcache/data/counterfactual_questions.json` (with the replaced values and their counts,
+checked when the documents are built) before any mode ran on it; half tune, half held-out, as
+`fidelity_set`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import random
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-from fidelity_set import Element, Question, checked, describe, load_elements, write_frozen
+from fidelity_set import Element, describe, load_elements, write_frozen
 
-FROZEN = Path(__file__).with_name("counterfactual_questions.json")
+# Edits, their check and the frozen file are the package's (chunkcache/fidelity/questions.py).
+from chunkcache.fidelity.questions import COUNTERFACTUAL as FROZEN
+from chunkcache.fidelity.questions import CounterfactualQuestion, Edit, apply, occurrences
+from chunkcache.fidelity.questions import load_counterfactual as load
+
+__all__ = ["FROZEN", "CounterfactualQuestion", "Edit", "apply", "build", "load", "occurrences"]
+
 SEED = 32
 # Symbols that are also English words (a capitalised "In" or "As" starts sentences): never edited.
 # One-letter symbols ("S" in "U.S.", "C" in "CFC") neither.
@@ -46,62 +50,6 @@ COUNTS = {
     "two_numbers": 15,
     "two_years": 15,
 }
-
-
-@dataclass(frozen=True)
-class Edit:
-    """In document `doc_id`, fact `field` changed from `old` to `new` at `count` places."""
-
-    doc_id: int
-    field: str  # symbol | number | year | discoverer
-    old: str
-    new: str
-    count: int
-
-
-def _pattern(field: str, value: str) -> str:
-    if field == "symbol":  # "Sn" in "SnO2" and "33%Sn" too, not in "Snow"
-        return rf"(?<![A-Za-z]){re.escape(value)}(?![a-z])"
-    if field in ("number", "year"):
-        return rf"(?<!\d){re.escape(value)}(?!\d)"
-    return rf"(?<!\w){re.escape(value)}(?!\w)"
-
-
-def occurrences(field: str, value: str, text: str) -> int:
-    return len(re.findall(_pattern(field, value), text))
-
-
-def apply(el: Element, edit: Edit) -> Element:
-    """`el` with the edit made everywhere in its document; raises if the package's text no longer
-    matches the frozen edit (another count of the old value, or a leftover)."""
-    text, n = re.subn(_pattern(edit.field, edit.old), edit.new, el.text)
-    if edit.field == "symbol":
-        new = dataclasses.replace(el, symbol=edit.new, text=text)
-        n += 1  # the title line
-    elif edit.field == "number":
-        new = dataclasses.replace(el, number=int(edit.new), text=text)
-        n += 1
-    elif edit.field == "year":
-        new = dataclasses.replace(el, year=int(edit.new), text=text)
-    elif edit.field == "discoverer":
-        new = dataclasses.replace(el, discoverers=edit.new, text=text)
-    else:
-        raise ValueError(f"edit of {el.name}: unknown field {edit.field!r}")
-    if n == 0 or n != edit.count or occurrences(edit.field, edit.old, new.document()):
-        raise ValueError(f"edit {edit} does not apply to {el.name}'s text ({n} replaced)")
-    return new
-
-
-@dataclass(frozen=True)
-class CounterfactualQuestion(Question):
-    edits: list[Edit]
-    memory: list[list[str]]  # the real values: a reply holding them answered from memory
-
-    def documents(self, elements: dict[int, Element]) -> list[str]:
-        edited = dict(elements)
-        for e in self.edits:
-            edited[e.doc_id] = apply(edited[e.doc_id], e)
-        return [edited[n].document() for n in self.doc_ids]
 
 
 def _surname(el: Element) -> str | None:
@@ -188,14 +136,6 @@ def build(seed: int = SEED) -> list[CounterfactualQuestion]:
         )
         for i, (kind, text, answers, memory, docs, edits) in enumerate(drafts)
     ]
-
-
-def load(path: Path = FROZEN) -> list[CounterfactualQuestion]:
-    data = json.loads(path.read_text())
-    questions = [
-        CounterfactualQuestion(**{**q, "edits": [Edit(**e) for e in q["edits"]]}) for q in data["questions"]
-    ]
-    return checked(path, data, questions)
 
 
 def freeze(path: Path = FROZEN, seed: int = SEED) -> None:

@@ -10,82 +10,28 @@ only where the answer is in the document (`answer_in_doc`):
   year is in the text), discoverer (when a discoverer's surname is in the text);
 - double: the answer needs two documents: the symbols, or the atomic numbers, of two elements.
 
-The set is drawn once with a fixed seed and frozen in `fidelity_questions.json` (element ids,
-document order, question, answers, split) before any reuse mode was run on it; the document texts
-are read from the package at run time. Half of the questions are held out: tune on "tune", report
+The set is drawn once with a fixed seed and frozen in `chunkcache/data/fidelity_questions.json`
+(element ids, document order, question, answers, split) before any reuse mode was run on it; the
+document texts are read from the package at run time. Half of the questions are held out: tune on "tune", report
 the default's claim on "heldout".
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
-import sqlite3
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-FROZEN = Path(__file__).with_name("fidelity_questions.json")
+# The question types, the text loader, the answer check and the frozen file are the package's
+# (chunkcache/fidelity/questions.py), which `chunkcache calibrate` asks too; drawing stays here.
+from chunkcache.fidelity.questions import ORIGINAL as FROZEN
+from chunkcache.fidelity.questions import Element, Question, correct, fingerprint, load_elements
+from chunkcache.fidelity.questions import load_original as load
 
-
-@dataclass(frozen=True)
-class Element:
-    number: int
-    name: str
-    symbol: str
-    text: str  # description, uses and sources, verbatim
-    year: int | None
-    discoverers: str | None
-
-    def document(self) -> str:
-        return f"{self.name} ({self.symbol}, atomic number {self.number})\n{self.text}\n"
-
-
-@dataclass(frozen=True)
-class Question:
-    qid: str
-    kind: str  # symbol | number | year | discoverer | two_symbols | two_numbers
-    question: str
-    # Every group must be matched; within a group any alternative counts.
-    answers: list[list[str]]
-    doc_ids: list[int]  # atomic numbers, in prompt order
-    split: str  # "tune" | "heldout"
-
-    @property
-    def hops(self) -> int:
-        return 2 if self.kind.startswith("two_") else 1
-
-    def documents(self, elements: dict[int, Element]) -> list[str]:
-        """The prompt's documents, in order (a counterfactual question edits one or two)."""
-        return [elements[n].document() for n in self.doc_ids]
-
-
-def load_elements(export: Path | None = None) -> dict[int, Element]:
-    """The elements from the `mendeleev` package, or from a JSON `export` of them (written by
-    `export_elements`) on a machine without it."""
-    if export is not None:
-        return {int(k): Element(**v) for k, v in json.loads(export.read_text()).items()}
-    import mendeleev
-
-    db = Path(mendeleev.__file__).with_name("elements.db")
-    rows = sqlite3.connect(f"file:{db}?mode=ro", uri=True).execute(
-        "select atomic_number, name, symbol, description, uses, sources, discovery_year, discoverers "
-        "from elements order by atomic_number"
-    )
-    out = {}
-    for number, name, symbol, desc, uses, sources, year, disc in rows:
-        text = " ".join(t.strip() for t in (desc, uses, sources) if t and t.strip())
-        if len(text.split()) >= 20:
-            out[number] = Element(number, name, symbol, text, year, disc)
-    return out
-
-
-def correct(reply: str, answers: list[list[str]]) -> bool:
-    """Every answer group has an alternative in the reply as a whole word (case-sensitive for
-    symbols and numbers, which are short: "O" must not match "of")."""
-    return all(any(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", reply) for a in group) for group in answers)
+__all__ = ["FROZEN", "Element", "Question", "correct", "fingerprint", "load", "load_elements"]
 
 
 def _surnames(el: Element) -> list[str]:
@@ -145,24 +91,6 @@ def build(seed: int = 15) -> list[Question]:
 
 def export_elements(path: Path) -> None:
     path.write_text(json.dumps({n: asdict(e) for n, e in load_elements().items()}))
-
-
-def fingerprint(questions: list[Question]) -> str:
-    blob = json.dumps([asdict(q) for q in questions], sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def load(path: Path = FROZEN) -> list[Question]:
-    data = json.loads(path.read_text())
-    return checked(path, data, [Question(**q) for q in data["questions"]])
-
-
-def checked(path: Path, data: dict, questions: list) -> list:
-    """`questions` read from the frozen file `path` (its JSON `data`), refused if they are not
-    what was frozen."""
-    if fingerprint(questions) != data["fingerprint"]:
-        raise ValueError(f"{path} was edited after it was frozen (fingerprint mismatch)")
-    return questions
 
 
 def freeze(path: Path = FROZEN, seed: int = 15) -> None:

@@ -1,4 +1,4 @@
-"""`chunkcache serve | route | generate | eval | prewarm | models`: one entry point, one sub-command per job."""
+"""`chunkcache serve | route | generate | eval | calibrate | prewarm | models`: one entry point, one sub-command per job."""
 
 from __future__ import annotations
 
@@ -71,6 +71,50 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="greedy continuation length for exact match")
     p.add_argument("--json", default=None, help="also write the results as JSON to this file")
     add_engine_arguments(p)
+
+
+def _add_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure what each reuse configuration keeps of full prefill on a model: a profile "
+        "for --fidelity-target",
+    )
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help='JSONL, one a line: {"documents": [...], "question": "...", "answers": [...] optional, '
+        '"system": "..." optional} (default: the built-in fidelity questions)',
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=0.95,
+        help="the target the table marks a choice for (default: %(default)s)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="profile folder (default: $CHUNKCACHE_FIDELITY_DIR or ~/.cache/chunkcache/fidelity)",
+    )
+    p.add_argument("--limit", type=int, default=0, help="measure the first N prompts only (0 = all)")
+    p.add_argument(
+        "--set",
+        choices=["original", "counterfactual", "both"],
+        default="both",
+        help="built-in questions: which set (default: %(default)s, alternating)",
+    )
+    p.add_argument(
+        "--configs", nargs="+", default=None, help="reuse configurations to measure (default: all)"
+    )
+    p.add_argument("--max-tokens", type=int, default=24, help="greedy reply length (default: %(default)s)")
+    add_engine_arguments(p)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from chunkcache.fidelity.calibrate import command
+
+    return command(args, load_llm)
 
 
 def _add_prewarm(sub: argparse._SubParsersAction) -> None:
@@ -244,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_eval(sub)
+    _add_calibrate(sub)
     _add_prewarm(sub)
     _add_models(sub)
 
@@ -259,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": run_models,
         "generate": run_generate,
         "eval": run_eval,
+        "calibrate": run_calibrate,
         "prewarm": run_prewarm,
         "serve": run_serve,
         "route": run_route,

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,20 +255,67 @@ class ChunkConfig:
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
-    def with_request_options(self, options: dict[str, Any], num_layers: int) -> ChunkConfig:
-        """This config with a request's own chunk options (flat names), validated for the model."""
-        fields: dict[str, Any] = {}
-        for name, value in options.items():
-            if name not in REQUEST_CHUNK_OPTIONS:
-                raise ValueError(
-                    f"unknown per-request chunk option {name!r}; known: {sorted(REQUEST_CHUNK_OPTIONS)}"
-                )
-            if name in ("blend_check_layers", "blend_recompute_ratios") and isinstance(value, list):
-                value = tuple(value)
-            fields[REQUEST_CHUNK_OPTIONS[name]] = value
+    def with_request_options(self, options: ReuseOptions, num_layers: int) -> ChunkConfig:
+        """This config with a request's own chunk options, validated for the model."""
+        fields = {REQUEST_CHUNK_OPTIONS[name]: value for name, value in options.given().items()}
         merged = dataclasses.replace(self, **fields)
         merged.validate(num_layers)
         return merged
+
+
+@dataclass(frozen=True)
+class ReuseOptions:
+    """The chunk options one request may set for itself; None = the engine's (ChunkConfig's).
+
+    Declared once, here: the server's protocol derives its extension fields from these (same
+    names, same types), `LLM.generate(chunk_options=...)` and `LLMEngine.add_request` take them,
+    and `ChunkConfig.with_request_options` merges them into the ChunkConfig that the chunk
+    manager, the runner's blend and fusion read. Values are checked there, by ChunkConfig.validate,
+    whose messages start with the option's name (the field a 400 names).
+    """
+
+    chunk_layout: str | None = None
+    blend_check_layers: tuple[int, ...] | None = None
+    blend_recompute_ratios: tuple[float, ...] | None = None
+    blend_selector: str | None = None
+    blend_unit: str | None = None
+    blend_threshold: float | None = None
+    blend_boundary_tokens: int | None = None
+    blend_min_tokens: int | None = None
+    calibration_temperature: float | None = None
+    calibration_scale: float | None = None
+    separator_free: bool | None = None
+    separator_free_min_tokens: int | None = None
+    fusion_rule: str | None = None
+    fusion_amateur: bool | None = None
+    fusion_contrast_weight: float | None = None
+    fusion_relevance_weight: float | None = None
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, object]) -> ReuseOptions:
+        """From flat names (a dict of the offline API, a benchmark's mode); lists become tuples.
+        An unknown name is a ValueError naming it."""
+        unknown = sorted(set(options) - set(REQUEST_CHUNK_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"unknown per-request chunk option {unknown[0]!r}; known: {sorted(REQUEST_CHUNK_OPTIONS)}"
+            )
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+        return cls(**values)  # type: ignore[arg-type]
+
+    def given(self) -> dict[str, object]:
+        """The options this request sets (not None), by name."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None
+        }
+
+
+# ReuseOptions name -> the ChunkConfig field it overrides (the same name, but for the layout).
+REQUEST_CHUNK_OPTIONS: dict[str, str] = {
+    f.name: "layout" if f.name == "chunk_layout" else f.name for f in dataclasses.fields(ReuseOptions)
+}
 
 
 @dataclass(frozen=True)
@@ -294,6 +342,30 @@ class KVEventsConfig:
         if self.curve_secret_key is None and any(k is not None for k in curve):
             raise ValueError(
                 "kv_events_curve_* keys need kv_events_curve_secret_key (this engine's certificate)"
+            )
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    """The fidelity gate (chunkcache/fidelity/gate.py): with a target, the engine reads the model's
+    profile (written by `chunkcache calibrate`) at start and serves chunked prompts with the
+    fastest reuse configuration that kept at least `target` of full prefill's replies/answers."""
+
+    # Share of full prefill's replies/answers to keep, in (0, 1]; None = the gate is off.
+    target: float | None = None
+    # A profile file, or a folder of profiles named by model identity; None = envs.fidelity_dir().
+    profile: str | None = None
+
+    def validate(self) -> None:
+        t = self.target
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 < t <= 1
+        ):
+            raise ValueError(f"fidelity_target must be a fraction in (0, 1], got {t!r}")
+        if self.profile is not None and t is None:
+            raise ValueError(
+                "fidelity_profile is read only with fidelity_target (the share of full prefill's "
+                "answers to keep, e.g. 0.95)"
             )
 
 
@@ -325,6 +397,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    fidelity: FidelityConfig = field(default_factory=FidelityConfig)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -335,6 +408,7 @@ class EngineConfig:
         self.scheduler.validate()
         self.chunk.validate()
         self.kv_events.validate()
+        self.fidelity.validate()
 
     @classmethod
     def from_options(cls, model: str, use_env: bool = True, **options: Any) -> EngineConfig:
@@ -345,10 +419,10 @@ class EngineConfig:
         an error.
         """
         merged: dict[str, Any] = dict(_model_chunk_defaults(model))
-        merged.update(envs.env_options() if use_env else {})
-        merged.update(
-            {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None}
-        )
+        given = envs.env_options() if use_env else {}
+        given.update({k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None})
+        _check_gate_conflicts(given)
+        merged.update(given)
         top: dict[str, Any] = {}
         parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         for name, value in merged.items():
@@ -364,6 +438,18 @@ class EngineConfig:
         return config
 
 
+def _check_gate_conflicts(given: dict[str, Any]) -> None:
+    """With fidelity_target the profile chooses the reuse options: setting them too is ambiguous."""
+    if given.get("fidelity_target") is None:
+        return
+    chosen = sorted(k for k in given if k in REQUEST_CHUNK_OPTIONS and not k.startswith("separator_free"))
+    if chosen:
+        raise ValueError(
+            f"fidelity_target chooses the reuse configuration from the model's profile: do not also "
+            f"set {', '.join(chosen)} (requests may still set them per request)"
+        )
+
+
 def _model_chunk_defaults(model: str) -> tuple[tuple[str, Any], ...]:
     """The chunk options measured best for a known model (by short name or file), else none."""
     from chunkcache.model.catalog import identify  # pure data; model/ loads no torch for it
@@ -377,6 +463,7 @@ _SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "chunk": ChunkConfig,
     "kv_events": KVEventsConfig,
+    "fidelity": FidelityConfig,
 }
 _TOP_LEVEL = (
     "device",
@@ -389,8 +476,8 @@ _TOP_LEVEL = (
     "narrow_weights",
     "compile_decode",
 )
-# ChunkConfig fields a request may set too, named as they are (blend, calibration, fusion options).
-_REQUEST_PREFIXES = ("blend_", "calibration_", "separator_free", "fusion_")
+# ChunkConfig fields whose flat option name is the field's own (blend, calibration, fusion options).
+_SAME_NAME_PREFIXES = ("blend_", "calibration_", "separator_free", "fusion_")
 
 # Flat option name -> (section, field). Chunk and event options carry a prefix so that the flat
 # names read well on a command line (`--chunk-cache-size-gb`, `--kv-events-endpoint`).
@@ -410,7 +497,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     **{
         f.name: ("chunk", f.name)
         for f in dataclasses.fields(ChunkConfig)
-        if f.name.startswith(_REQUEST_PREFIXES)
+        if f.name.startswith(_SAME_NAME_PREFIXES)
     },
     "documents_format": ("chunk", "documents_format"),
     "exact_follow_ups": ("chunk", "exact_follow_ups"),
@@ -422,13 +509,8 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "kv_events_curve_authorized_keys": ("kv_events", "curve_authorized_keys"),
     "kv_events_curve_server_key": ("kv_events", "curve_server_key"),
     "kv_events_insecure": ("kv_events", "insecure"),
-}
-
-
-# Chunk options a single request may set (the server's extension fields), flat name -> field.
-REQUEST_CHUNK_OPTIONS: dict[str, str] = {
-    "chunk_layout": "layout",
-    **{f.name: f.name for f in dataclasses.fields(ChunkConfig) if f.name.startswith(_REQUEST_PREFIXES)},
+    "fidelity_target": ("fidelity", "target"),
+    "fidelity_profile": ("fidelity", "profile"),
 }
 
 

@@ -97,6 +97,11 @@ OPTION_HELP: dict[str, str] = {
     "kv_events_curve_server_key": "ZMQ CURVE: the router's public key file, when the PUB socket connects",
     "kv_events_insecure": "bind KV event sockets on non-loopback addresses without CURVE (anyone who reaches "
     "them reads prompts' token ids); otherwise a wildcard host binds 127.0.0.1",
+    "fidelity_target": "share of full prefill's replies/answers reuse must keep, in (0, 1]: at start the "
+    "engine serves chunked prompts with the fastest configuration of the model's profile (chunkcache "
+    "calibrate) that kept that much, else the most accurate one (default: off, the model's own defaults)",
+    "fidelity_profile": "with fidelity_target: a profile file, or a folder of profiles named by model "
+    "identity (default: $CHUNKCACHE_FIDELITY_DIR, else ~/.cache/chunkcache/fidelity)",
 }
 
 

@@ -82,5 +82,12 @@ def model_dir() -> str:
     return os.environ.get("CHUNKCACHE_MODEL_DIR") or os.path.join("~", ".cache", "chunkcache", "models")
 
 
+def fidelity_dir() -> str:
+    """The folder of fidelity profiles named by model identity: where `chunkcache calibrate` writes
+    and where an engine with `fidelity_target` and no `fidelity_profile` looks."""
+    default = os.path.join("~", ".cache", "chunkcache", "fidelity")
+    return os.environ.get("CHUNKCACHE_FIDELITY_DIR") or default
+
+
 def log_level() -> str:
     return os.environ.get("CHUNKCACHE_LOG_LEVEL", "INFO").upper()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from chunkcache.chunk.documents import PromptParts
-from chunkcache.config import EngineConfig
+from chunkcache.config import EngineConfig, ReuseOptions
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.errors import InvalidRequestError
 from chunkcache.model.loader import default_model
@@ -39,11 +39,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         add_special_tokens: bool = True,
-        chunk_options: dict[str, Any] | None = None,
+        chunk_options: ReuseOptions | Mapping[str, object] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in input order. A prompt is a string or a list of token ids.
 
-        `chunk_options` sets this call's chunk layout and blend options (see ChunkConfig).
+        `chunk_options` sets this call's chunk layout and blend options (ReuseOptions, or a dict of
+        its names).
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
@@ -131,7 +132,7 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = False,
         documents: list[Any] | None = None,
-        chunk_options: dict[str, Any] | None = None,
+        chunk_options: ReuseOptions | Mapping[str, object] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then generate. `documents`
         (strings or {title, text} dicts, given to every conversation) become one chunk each."""

@@ -141,7 +141,8 @@ def test_tiny_budget_evicts_lru_and_keeps_pinned_entries(checkpoint) -> None:
     engine.add_request("long", _prompt([6]), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    state = engine._requests["long"].chunk_state
+    state = engine._requests["long"].chunks
+    assert state is not None
     pinned = [e.key for e in state.entries]
     assert all(e.ready and e.pins > 0 for e in state.entries)
     engine.add_request("other", _prompt([2, 4, 0]), GREEDY)

@@ -184,7 +184,7 @@ def test_failing_fill_job_fails_the_requests_waiting_for_it(
     poisoned = {"on": True}
 
     def run(batch: Any) -> Any:
-        if poisoned["on"] and any(s.is_fill for s in batch.seqs):
+        if poisoned["on"] and any(s.kind.is_fill for s in batch.seqs):
             raise RuntimeError("injected fill fault")
         return runner_run(batch)
 

@@ -366,7 +366,9 @@ def test_background_jobs_take_only_what_requests_leave_of_a_step(checkpoint) -> 
     run = engine.runner.run
 
     def recording(batch: Any) -> Any:
-        batches.append([(s.background, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)])
+        batches.append(
+            [(s.kind.is_background, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+        )
         return run(batch)
 
     engine.runner.run = recording  # type: ignore[method-assign]
@@ -408,8 +410,8 @@ def test_resources_return_after_a_cancelled_or_failed_request_and_job(checkpoint
         run = engine.runner.run
 
         def failing(batch: Any) -> Any:
-            if any(s.background for s in batch.seqs):
-                shared.append(any(not s.background for s in batch.seqs))
+            if any(s.kind.is_background for s in batch.seqs):
+                shared.append(any(not s.kind.is_background for s in batch.seqs))
                 raise RuntimeError("injected")
             return run(batch)
 
@@ -442,6 +444,7 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     """A request whose chunk is a canonical entry still being computed in the background makes
     the job an ordinary fill job: it runs with a request's priority, not on what is left."""
     from chunkcache.chunk.parse import ChunkedPrompt
+    from chunkcache.chunk.plan import ChunkPlan
     from chunkcache.engine.sequence import Sequence
 
     llm = _llm(checkpoint(), long_prefill_token_threshold=8, max_num_batched_tokens=16)
@@ -451,7 +454,7 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     engine.add_request("second", _long(docs, [2, 0], "What is second?"), FIRST)
     while engine.has_unfinished_requests():
         engine.step()
-    jobs = [s for s in [*engine.scheduler.running, *engine.scheduler.waiting] if s.background]
+    jobs = [s for s in [*engine.scheduler.running, *engine.scheduler.waiting] if s.kind.is_background]
     assert jobs  # pieces of 8 on what the request left: not done yet
     a, b = next(
         (a, b)
@@ -464,13 +467,13 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     chunked = ChunkedPrompt(tuple(ids[:s]), (tuple(ids[a:b]),), tuple(q))
     tokens = chunked.all_token_ids()
     seq = Sequence(
-        "needs", list(tokens), list(tokens), FIRST, chunk_state=chunked, chunk_config=engine.config.chunk
+        "needs", list(tokens), list(tokens), FIRST, chunk_plan=ChunkPlan(chunked, engine.config.chunk)
     )
     seq.prefix_cacheable = False
     seq.generator = torch.Generator().manual_seed(0)
     engine._post(seq)
     engine.step()
-    assert not job.background
+    assert not job.kind.is_background
     done: list[str] = []
     while engine.has_unfinished_requests():
         done += [o.request_id for o in engine.step() if o.finished]

@@ -11,7 +11,7 @@ from chunkcache.config import SchedulerConfig
 from chunkcache.engine import scheduler as scheduler_module
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.scheduler import Scheduler
-from chunkcache.engine.sequence import Sequence
+from chunkcache.engine.sequence import Sequence, SequenceKind
 from chunkcache.outputs import RequestOutput
 
 MAX_OUT = 4
@@ -28,7 +28,8 @@ def _scheduler(budget: int, threshold: int, num_blocks: int = 256) -> tuple[Sche
 def _seq(name: str, length: int, background: bool = False, max_out: int = MAX_OUT) -> Sequence:
     prompt = [(hash(name) + 7 * j) % 900 + 1 for j in range(length)]
     params = SamplingParams(max_tokens=max_out)
-    return Sequence(name, list(prompt), list(prompt), params, background=background)
+    kind = SequenceKind.PREFIX_JOB if background else SequenceKind.REQUEST
+    return Sequence(name, list(prompt), list(prompt), params, kind=kind)
 
 
 def _step(sched: Scheduler, blocks: BlockManager) -> dict[str, int]:
@@ -199,19 +200,19 @@ def test_a_prewarm_is_background_work_that_yields_to_requests(checkpoint) -> Non
     docs = [" ".join(f"fact {i} number {j} is here." for j in range(12)) for i in range(6)]
     engine.add_prewarm("warm", system="Answer from the documents.", documents=docs)
     step()
-    jobs = [s for s in [*engine.scheduler.running, *engine.scheduler.waiting] if s.is_fill]
-    assert len(jobs) >= 6 and all(j.background for j in jobs)  # S may be done already
+    jobs = [s for s in [*engine.scheduler.running, *engine.scheduler.waiting] if s.kind.is_fill]
+    assert len(jobs) >= 6 and all(j.kind.is_background for j in jobs)  # S may be done already
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     engine.add_request("short", "Alice", greedy)
     firsts = [o for o in step() if o.request_id == "short"]
     assert firsts and firsts[0].outputs[0].token_ids  # the first step after it arrived
     last = jobs[-1]
-    assert last.background and last.num_computed == 0
+    assert last.kind.is_background and last.num_computed == 0
     doc = next(d for d in docs if llm.tokenizer.encode(d, add_special_tokens=False) == last.token_ids)
     llm_prompt = "Answer from the documents. # # " + doc + " # # Which?"
     engine.add_request("needs", llm_prompt, greedy)
     step()
-    assert not last.background  # a request waits for it now
+    assert not last.kind.is_background  # a request waits for it now
     while engine.has_unfinished_requests():
         step()
     assert set(finished) == {"warm", "short", "needs"}

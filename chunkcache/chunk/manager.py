@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from chunkcache.chunk.matcher import PlainPrompt, Plan, Run, SpanIndex, plan
 from chunkcache.chunk.parse import ChunkedPrompt
+from chunkcache.chunk.plan import ChunkPlan, FillJob, RequestChunks
 from chunkcache.chunk.pool import ChunkPool, Entry
 from chunkcache.chunk.tiers.loader import TierLoader
 from chunkcache.chunk.tiers.provider import StoredKV
@@ -52,7 +53,7 @@ from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import block_slots, gather_kv, scatter_kv
-from chunkcache.engine.sequence import Sequence
+from chunkcache.engine.sequence import Sequence, SequenceKind
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import chunk_hash, system_hash
 from chunkcache.model.calibration import calibration_for
@@ -71,34 +72,12 @@ _NO_INDEX = SpanIndex(lambda entry: False)
 _MAX_BACKGROUND_SHARE = 0.25
 
 
-@dataclass
-class RequestChunks:
-    """What a question sequence holds: its entries (S first) and its layout."""
-
-    prompt: ChunkedPrompt
-    entries: list[Entry] = field(default_factory=list)
-    # Per entry: (start, length) of the part of its own tokens this request uses (a separator-free
-    # match borrows a slice of an entry; everything else uses all of it).
-    slices: list[tuple[int, int]] = field(default_factory=list)
-    assembled: bool = False
-    # Layout "offset": where the cached KV of S and the chunks is, and how far to re-rotate it.
-    cached_slots: torch.Tensor | None = None
-    cached_delta: torch.Tensor | None = None
-    # Layout "fusion": per stream, its borrowed KV list (S and its chunk; S alone for the
-    # no-document stream), in the request's stream order (engine/fusion.py).
-    stream_slots: list[torch.Tensor] | None = None
-    # Per entry: whether it was already computed when the request arrived, or loaded from a
-    # lower tier (a cache hit), so that tokens computed for this very request are never reported
-    # as cached. None while its load is pending; settled in `settle_cached`.
-    was_cached: list[bool | None] = field(default_factory=list)
-
-
-@dataclass
-class FillJob:
-    entry: Entry
-    sys_entry: Entry | None  # the S entry a chunk job borrows (pinned by the job)
-    # A canonical entry's job pins its entry itself (no request does) until it ends.
-    holds_entry: bool = False
+def _fill_kind(entry: Entry, canonical: bool) -> SequenceKind:
+    """Canonical entries and those only prewarms wait for are background work (they yield to
+    requests, engine/scheduler.py); an entry a request waits for is an ordinary fill."""
+    if canonical:
+        return SequenceKind.CANONICAL_FILL
+    return SequenceKind.CHUNK_FILL if entry.urgent else SequenceKind.PREWARM_FILL
 
 
 @dataclass
@@ -181,23 +160,26 @@ class ChunkManager:
     def admit(self, seq: Sequence) -> list[Sequence]:
         """Match every part of the request; return the fill jobs to schedule for the missing ones.
         A plain prompt that separator-free matching cannot cut leaves as a plain request."""
+        assert seq.chunk_plan is not None, "admit() is for chunked requests"
+        config, prompt = seq.chunk_plan.config, seq.chunk_plan.prompt
         runs: list[Run | None] | None = None
-        if isinstance(seq.chunk_state, PlainPrompt):
+        if isinstance(prompt, PlainPrompt):
             self.separator_free["requests"] += 1
-            cut = self._cut(seq.chunk_state.token_ids, seq.chunk_config)
+            cut = self._cut(prompt.token_ids, config)
             if cut is None:
-                seq.chunk_state = seq.chunk_config = None
+                seq.chunk_plan = None
                 seq.prefix_cacheable = True
                 return []
             if not any(cut[1]):
                 # First sight: nothing to borrow. A plain prefill computes exactly the KV its
                 # parts would get (S, then the span after S), so it runs as one, prefix cache
                 # included, and its parts are stored from its KV afterwards (`learn`).
-                seq.chunk_state = seq.chunk_config = None
+                seq.chunk_plan = None
                 seq.prefix_cacheable = True
                 seq.learn = cut[0]
                 return []
-            seq.chunk_state, runs = cut
+            prompt, runs = cut
+            seq.chunk_plan = ChunkPlan(prompt, config)
             # Pinned before anything is created: a new entry's pages may come from evicting an
             # unpinned entry, which must not be one this request is about to borrow from.
             # Borrowing counts as a use for the LRU order too (matching by content does not).
@@ -205,9 +187,8 @@ class ChunkManager:
                 if run is not None:
                     run.entry.pins += 1
                     self.pool.get(run.entry.key, run.entry.token_ids)
-        prompt: ChunkedPrompt = seq.chunk_state
         state = RequestChunks(prompt)
-        seq.chunk_state = state
+        seq.chunks = state
         jobs: list[Sequence] = []
         sys_ids = prompt.sys_token_ids
         salt = seq.cache_salt
@@ -219,7 +200,7 @@ class ChunkManager:
             jobs,
             None,
             0,
-            urgent=not seq.is_prewarm,
+            urgent=seq.kind is not SequenceKind.PREWARM,
         )
         state.entries.append(sys_entry)
         state.slices.append((0, len(sys_ids)))
@@ -245,7 +226,7 @@ class ChunkManager:
                     sys_entry,
                     len(sys_ids),
                     indexed=salt is None,
-                    urgent=not seq.is_prewarm,
+                    urgent=seq.kind is not SequenceKind.PREWARM,
                 )
                 state.slices.append((0, len(chunk)))
                 if runs is not None and hit is False:
@@ -255,8 +236,8 @@ class ChunkManager:
             state.entries.append(entry)
             state.was_cached.append(_cached_at_admission(entry, bool(hit)))
         self.settle_cached(seq)
-        if seq.chunk_config.layout == "offset":
-            seq.blend = seq.chunk_config  # own tokens: the whole prompt, at natural positions
+        if config.layout == "offset":
+            seq.blend = config  # own tokens: the whole prompt, at natural positions
         else:
             seq.position_base = prompt.question_position()
         return jobs
@@ -279,10 +260,7 @@ class ChunkManager:
             return
         entry.pins += 1  # the job's own: nobody else waits for it
         self._background_pages += need
-        job = self._fill_job(entry, sys_entry, len(sys_ids))
-        job.chunk_state.holds_entry = True
-        job.background = True
-        jobs.append(job)
+        jobs.append(self._fill_job(entry, sys_entry, len(sys_ids), canonical=True))
         self.separator_free["canonical_jobs"] += 1
 
     def plan(self, token_ids: tuple[int, ...] | list[int], config: ChunkConfig) -> Plan | None:
@@ -355,7 +333,8 @@ class ChunkManager:
         job = None if entry is None or entry.ready else self._jobs.get(id(entry))
         if job is not None and entry is not None and urgent:
             entry.urgent = True
-            job.background = False  # a request waits for it now: an ordinary fill job
+            if job.kind.is_background:  # a request waits for it now: an ordinary fill job
+                job.kind = SequenceKind.CHUNK_FILL
         if entry is None and self.loader is not None:
             # Pages first: an entry that cannot enter the pool is computed privately, not loaded.
             entry = self.pool.create(key, kind, token_ids, num_tokens)
@@ -378,7 +357,10 @@ class ChunkManager:
         entry.pins += 1
         return entry, found
 
-    def _fill_job(self, entry: Entry, sys_entry: Entry | None, position_base: int) -> Sequence:
+    def _fill_job(
+        self, entry: Entry, sys_entry: Entry | None, position_base: int, canonical: bool = False
+    ) -> Sequence:
+        """The job computing `entry`; a `canonical` one pins the entry itself (no request does)."""
         token_ids = list(entry.token_ids[-1])
         job = Sequence(
             request_id=f"fill-{next(self._ids)}",
@@ -386,11 +368,9 @@ class ChunkManager:
             token_ids=list(token_ids),
             params=_FILL_PARAMS,
             position_base=position_base,
-            is_fill=True,
+            kind=_fill_kind(entry, canonical),
             block_table=entry.pages,
-            chunk_state=FillJob(entry, sys_entry),
-            # Work for prewarms alone yields to requests (engine/scheduler.py).
-            background=not entry.urgent,
+            fill=FillJob(entry, sys_entry, holds_entry=canonical),
         )
         if sys_entry is not None:
             sys_entry.pins += 1
@@ -408,7 +388,8 @@ class ChunkManager:
     def settle_cached(self, seq: Sequence) -> bool:
         """Once no entry of `seq` is loading: settle which were cached and its cached-token counts
         (S's as prefix-cached, the chunks' as chunk-cached); False while a load is pending."""
-        state: RequestChunks = seq.chunk_state
+        state = seq.chunks
+        assert state is not None
         if any(e.loading for e in state.entries):
             return False
         state.was_cached = [
@@ -516,8 +497,8 @@ class ChunkManager:
     def is_ready(self, seq: Sequence) -> bool:
         """Whether the scheduler may run `seq`: a job needs its S computed (and private pages), a
         question needs every entry computed; its borrowed KV list is assembled here."""
-        state = seq.chunk_state
-        if isinstance(state, FillJob):
+        if seq.fill is not None:
+            state = seq.fill
             if state.sys_entry is not None and not state.sys_entry.ready:
                 return False
             if state.entry.private and not state.entry.pages:
@@ -529,7 +510,9 @@ class ChunkManager:
             if state.sys_entry is not None and seq.borrowed_slots is None:
                 seq.borrowed_slots = self._slots(state.sys_entry)
             return True
-        if isinstance(state, RequestChunks):
+        if seq.chunks is not None:
+            assert seq.chunk_plan is not None
+            cfg, state = seq.chunk_plan.config, seq.chunks
             if not all(e.ready for e in state.entries):
                 return False
             if not state.assembled:
@@ -538,16 +521,15 @@ class ChunkManager:
                     self._slots(e)[a : a + n] for e, (a, n) in zip(state.entries, state.slices, strict=True)
                 ]
                 slots = torch.cat(parts)
-                if seq.chunk_config.layout == "fusion":
+                if cfg.layout == "fusion":
                     state.stream_slots = [torch.cat((parts[0], p)) for p in parts[1:]]
-                    if seq.chunk_config.fusion_amateur:
+                    if cfg.fusion_amateur:
                         state.stream_slots.append(parts[0])
-                elif seq.chunk_config.layout == "offset":
+                elif cfg.layout == "offset":
                     state.cached_slots = slots
                     state.cached_delta = self._offset_deltas(state)
                 else:
                     seq.borrowed_slots = slots
-                    cfg = seq.chunk_config
                     seq.calibration = calibration_for(
                         len(state.prompt.sys_token_ids),
                         slots.numel(),
@@ -575,9 +557,9 @@ class ChunkManager:
     def on_finish(self, seq: Sequence) -> list[Sequence]:
         """Release what a finished sequence held; returns fill jobs nobody waits for any more,
         for the engine to cancel (cancelling one releases its S in turn)."""
-        state = seq.chunk_state
         cancel: list[Sequence] = []
-        if isinstance(state, FillJob):
+        if seq.fill is not None:
+            state = seq.fill
             self._jobs.pop(id(state.entry), None)
             if seq.finish_reason is None and seq.num_computed == seq.num_tokens:
                 # A private entry (no room in the pool) is written down too: its pages are
@@ -597,10 +579,10 @@ class ChunkManager:
                 self._unpin(state.entry, cancel)  # dropped if it never became ready
             if state.sys_entry is not None:
                 self._unpin(state.sys_entry, cancel)
-        elif isinstance(state, RequestChunks):
-            for entry in state.entries:
+        elif seq.chunks is not None:
+            for entry in seq.chunks.entries:
                 self._unpin(entry, cancel)
-            state.entries = []
+            seq.chunks.entries = []
         return cancel
 
     def _unpin(self, entry: Entry, cancel: list[Sequence]) -> None:
@@ -676,7 +658,8 @@ class ChunkManager:
         background = 0
         for job in self._jobs.values():
             assert not job.is_finished, f"finished fill job {job.request_id} still tracked"
-            if job.chunk_state.holds_entry:
-                assert job.chunk_state.entry.pins > 0, "a canonical entry's job does not pin it"
-                background += self.pool.pages_for(job.chunk_state.entry.num_tokens)
+            assert job.fill is not None
+            if job.fill.holds_entry:
+                assert job.fill.entry.pins > 0, "a canonical entry's job does not pin it"
+                background += self.pool.pages_for(job.fill.entry.num_tokens)
         assert background == self._background_pages, "background pages drifted"

@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from chunkcache.chunk.documents import PromptParts, parse_documents, render_with
 from chunkcache.chunk.manager import ChunkManager
 from chunkcache.chunk.matcher import PlainPrompt
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt, tokenize_parts
+from chunkcache.chunk.plan import ChunkPlan
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.chunk.sensitivity import neutral_passage
 from chunkcache.chunk.tiers.disk import DiskTier
@@ -28,7 +30,7 @@ from chunkcache.chunk.tiers.identity import model_identity
 from chunkcache.chunk.tiers.provider import TierProvider
 from chunkcache.chunk.tiers.remote import RedisTier
 from chunkcache.chunk.tiers.stack import TierStack
-from chunkcache.config import ChunkConfig, EngineConfig
+from chunkcache.config import ChunkConfig, EngineConfig, ReuseOptions
 from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.detokenizer import Detokenizer
 from chunkcache.engine.fusion import FusionGroup, fuse_rows, num_streams
@@ -36,9 +38,10 @@ from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
 from chunkcache.engine.sampler import History, sample
 from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
-from chunkcache.engine.sequence import Sequence, Status
+from chunkcache.engine.sequence import Sequence, SequenceKind, Status
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
+from chunkcache.fidelity.gate import resolve as resolve_fidelity
 from chunkcache.hashing import BlockKeys, blend_key
 from chunkcache.kv_events import AllBlocksCleared, KVEventPublisher, PublisherCurve
 from chunkcache.malloc import keep_freed_memory
@@ -82,15 +85,19 @@ def _check_salt(cache_salt: str | None) -> None:
 
 def _request_of(seq: Sequence) -> Sequence:
     """The request a sequence answers: a fusion stream's group's request, else itself."""
-    return seq.fusion.request if seq.fusion is not None else seq
+    if seq.kind is SequenceKind.FUSION_STREAM:
+        assert seq.fusion is not None
+        return seq.fusion.request
+    return seq
 
 
 def _counts_as_request(seq: Sequence) -> bool:
     """Whether a scheduled sequence is a request of its own in the load stats (a fusion request
     counts once, by its first stream)."""
-    if seq.is_fill or seq.background:
-        return False
-    return seq.fusion is None or seq is seq.fusion.streams[0]
+    if seq.kind is SequenceKind.FUSION_STREAM:
+        assert seq.fusion is not None
+        return seq is seq.fusion.streams[0]
+    return seq.kind is SequenceKind.REQUEST
 
 
 def _reuse_summary(chunk: ChunkConfig) -> str:
@@ -128,6 +135,8 @@ class LLMEngine:
             # Activations freed by a step stay mapped for the next one (chunkcache/malloc.py).
             keep_freed_memory()
         self.model_name = config.served_model_name or loaded.name
+        # With fidelity_target, the reuse configuration the model's profile chooses (fidelity/gate.py).
+        config = self.config = resolve_fidelity(config, loaded)
         self.max_model_len = self._max_model_len(config)
         config.chunk.validate(self.spec.num_layers)
         if config.chunk.enable:
@@ -257,7 +266,7 @@ class LLMEngine:
         prompt: str | list[int] | PromptParts,
         params: SamplingParams,
         add_special_tokens: bool = True,
-        chunk_options: dict[str, Any] | None = None,
+        chunk_options: ReuseOptions | Mapping[str, object] | None = None,
         cache_salt: str | None = None,
     ) -> None:
         """Validate and queue a request; raises InvalidRequestError naming what is wrong.
@@ -266,7 +275,7 @@ class LLMEngine:
         and Q: each part is tokenized alone, as a chunked prompt's parts are.
 
         `chunk_options` overrides the engine's chunk layout and blend options for this request
-        (flat names: chunk_layout, blend_recompute_ratios, ...). Requests share cached KV only
+        (ReuseOptions, or a mapping of its names: chunk_layout, blend_recompute_ratios, ...). Requests share cached KV only
         with requests of the same `cache_salt` (vLLM's field; None shares with None).
         """
         _check_salt(cache_salt)
@@ -330,10 +339,9 @@ class LLMEngine:
             token_ids=[],
             params=_ONE_DISCARDED_TOKEN,
             prompt=prompt,
-            is_prewarm=True,
+            kind=SequenceKind.PREWARM,
             cache_salt=cache_salt,
-            chunk_state=chunked,
-            chunk_config=self.config.chunk,
+            chunk_plan=ChunkPlan(chunked, self.config.chunk),
             prefix_cacheable=False,
         )
         self._post(seq)
@@ -365,17 +373,20 @@ class LLMEngine:
             raise InvalidRequestError("documents holds no document with any token", "documents")
         return ChunkedPrompt(sys_ids, chunks, ())
 
-    def _chunk_config(self, options: dict[str, Any] | None) -> ChunkConfig:
-        if not options:
-            return self.config.chunk
-        if self.chunks is None:
-            raise InvalidRequestError(
-                f"chunk options {sorted(options)} given, but the chunk cache is disabled"
-            )
+    def _chunk_config(self, options: ReuseOptions | Mapping[str, object] | None) -> ChunkConfig:
         try:
-            return self.config.chunk.with_request_options(options, self.spec.num_layers)
+            if options is not None and not isinstance(options, ReuseOptions):
+                options = ReuseOptions.from_mapping(options)
+            if options is None or not options.given():
+                return self.config.chunk
+            if self.chunks is not None:
+                return self.config.chunk.with_request_options(options, self.spec.num_layers)
         except (TypeError, ValueError) as e:
+            # ChunkConfig's messages start with the option's name.
             raise InvalidRequestError(str(e), param=str(e).split(" ", 1)[0]) from None
+        raise InvalidRequestError(
+            f"chunk options {sorted(options.given())} given, but the chunk cache is disabled"
+        )
 
     def _tokenize(
         self, prompt: str | list[int] | PromptParts, add_special_tokens: bool, chunk_config: ChunkConfig
@@ -493,9 +504,9 @@ class LLMEngine:
         )
         if params.json_schema is not None:
             seq.grammar = self.structured.matcher(params.json_schema)
-        if chunked is not None or plain is not None:
-            seq.chunk_state = chunked if chunked is not None else plain
-            seq.chunk_config = chunk_config
+        reused = chunked if chunked is not None else plain
+        if reused is not None:
+            seq.chunk_plan = ChunkPlan(reused, chunk_config)
             seq.prefix_cacheable = False
         if copies > 1:
             assert chunked is not None
@@ -517,9 +528,15 @@ class LLMEngine:
         matches the chain) and computes only its question and the last chunk's tokens after its
         last full block: no pool entries, no blend. Where neither is cached and `exact_follow_ups`
         is on, the job that prefills the exact prefix is queued (`_queue_exact_prefix`)."""
-        prompt = seq.chunk_state
-        if seq.is_prewarm or not isinstance(prompt, ChunkedPrompt) or seq.chunk_config.layout != "offset":
+        plan = seq.chunk_plan
+        if (
+            seq.kind is SequenceKind.PREWARM
+            or plan is None
+            or not isinstance(plan.prompt, ChunkedPrompt)
+            or plan.config.layout != "offset"
+        ):
             return False
+        prompt = plan.prompt
         context = prompt.num_tokens - len(prompt.question_token_ids)  # S and the chunks
         need = context // self.blocks.block_size
         exact = self.config.chunk.exact_follow_ups and need > 0
@@ -536,7 +553,7 @@ class LLMEngine:
             if exact:
                 self._queue_exact_prefix(seq, seq.token_ids[:context])
             return False
-        seq.chunk_state = None
+        seq.chunk_plan = None
         seq.prefix_cacheable = True
         return True
 
@@ -552,7 +569,7 @@ class LLMEngine:
             prompt_token_ids=list(ids),
             token_ids=list(ids),
             params=_ONE_DISCARDED_TOKEN,
-            background=True,
+            kind=SequenceKind.PREFIX_JOB,
             cache_salt=seq.cache_salt,
         )
         job.generator = self._generator
@@ -591,7 +608,7 @@ class LLMEngine:
         # list() copies in one step under the GIL: safe against the step thread adding requests.
         # A tier load nobody waits for any more still ends in a step (its entry is settled).
         loading = self.chunks is not None and self.chunks.loads_pending > 0
-        return pending or loading or any(not s.is_fill for s in list(self._requests.values()))
+        return pending or loading or any(not s.kind.is_fill for s in list(self._requests.values()))
 
     def has_background_work(self) -> bool:
         """Whether work nobody waits for is queued (canonical chunk entries, chunk/manager.py;
@@ -631,12 +648,12 @@ class LLMEngine:
     def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[Sequence]:
         """Fail every request of `batch`, and every request waiting for a fill job of it."""
         # A fusion stream's failure is its request's (which finishes all its streams).
-        failed = list({id(r): r for r in (_request_of(s) for s in batch.seqs if not s.is_fill)}.values())
-        jobs = [s for s in batch.seqs if s.is_fill]
-        entries = [job.chunk_state.entry for job in jobs]
+        failed = list({id(r): r for r in (_request_of(s) for s in batch.seqs if not s.kind.is_fill)}.values())
+        jobs = [s for s in batch.seqs if s.fill is not None]
+        entries = [job.fill.entry for job in jobs if job.fill is not None]
         for seq in list(self._requests.values()):
-            state = seq.chunk_state
-            if seq.is_fill or seq in failed or state is None or not hasattr(state, "entries"):
+            state = seq.chunks
+            if seq in failed or state is None:
                 continue
             if any(any(e is x for x in state.entries) for e in entries):
                 failed.append(seq)
@@ -659,7 +676,7 @@ class LLMEngine:
             try:
                 if (
                     self.chunks is not None
-                    and seq.chunk_state is not None
+                    and seq.chunk_plan is not None
                     and not self._reads_cached_prefix(seq)
                 ):
                     for job in self.chunks.admit(seq):
@@ -670,7 +687,7 @@ class LLMEngine:
                 self._fail(seq, f"admission failed: {type(e).__name__}: {e}")
                 failed.append(seq)
                 continue
-            if seq.is_prewarm:
+            if seq.kind is SequenceKind.PREWARM:
                 self._prewarms.append(seq)
             elif seq.fusion is not None:
                 for stream in seq.fusion.streams:
@@ -680,7 +697,7 @@ class LLMEngine:
         aborted = failed
         for request_id in aborts:
             seq = self._requests.get(request_id)
-            if seq is None or seq.is_finished or seq.is_fill:
+            if seq is None or seq.is_finished or seq.kind.is_fill:
                 continue
             seq.finish_reason = "abort"
             self._finish(seq)
@@ -703,13 +720,14 @@ class LLMEngine:
         were finished where that happened)."""
         done = []
         for seq in self._prewarms:
-            if not seq.is_finished and all(e.ready for e in seq.chunk_state.entries):
+            assert seq.chunks is not None and seq.chunk_plan is not None, "admission pinned its entries"
+            if not seq.is_finished and all(e.ready for e in seq.chunks.entries):
                 self.chunks.settle_cached(seq)  # type: ignore[union-attr]
-                cfg = seq.chunk_config
+                cfg = seq.chunk_plan.config
                 if cfg.layout == "offset" and needs_stored_scores(cfg):
                     # Warm means ready to rank by: the first request need not measure them.
                     try:
-                        self.runner.measure_sensitivity(seq.chunk_state.entries[1:])
+                        self.runner.measure_sensitivity(seq.chunks.entries[1:])
                     except Exception:  # the first request that ranks by them measures them then
                         logger.exception("measuring the sensitivity of prewarmed documents failed")
                 seq.finish_reason = "stop"
@@ -727,11 +745,11 @@ class LLMEngine:
             registrable = (
                 seq.num_computed if seq.prefix_cacheable else min(seq.exact_prefix, seq.num_computed)
             )
-            if registrable and not seq.is_fill:
+            if registrable and not seq.kind.is_fill:
                 self.blocks.register_full_blocks(
                     seq.block_table, seq.token_ids, seq.block_hashes, registrable, seq.block_keys
                 )
-            if seq.is_fill and seq.num_computed == seq.num_tokens:
+            if seq.kind.is_fill and seq.num_computed == seq.num_tokens:
                 self._finish(seq)
         if not rows:
             return
@@ -767,20 +785,20 @@ class LLMEngine:
             for stream in seq.fusion.streams:
                 self.scheduler.finish(stream)
         seq.metrics.finished_time = time.time()
-        if seq.is_prefix_job:  # its blocks are registered: nothing else to keep
+        if seq.kind is SequenceKind.PREFIX_JOB:  # its blocks are registered: nothing else to keep
             self._exact_jobs = {k: j for k, j in self._exact_jobs.items() if j is not seq}
             self.exact_prefix_jobs += seq.error is None
         if self.chunks is not None:
             for job in self.chunks.on_finish(seq):
                 self._finish(job)
-        if seq.is_fill:
+        if seq.kind.is_fill:
             self._requests.pop(seq.request_id, None)
 
     def _collect_outputs(self, batch: ScheduledBatch, finished_now: list[Sequence]) -> list[RequestOutput]:
         outputs = []
         # A fusion request's streams stand for it; each request once.
         for seq in {id(r): r for r in map(_request_of, [*batch.seqs, *finished_now])}.values():
-            if seq.is_fill or self._requests.get(seq.request_id) is not seq:
+            if seq.kind.is_fill or self._requests.get(seq.request_id) is not seq:
                 continue
             new_tokens = seq.output_token_ids[seq.num_sent_tokens :]
             if not new_tokens and not seq.is_finished:

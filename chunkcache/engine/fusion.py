@@ -26,7 +26,7 @@ import torch
 from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.config import ChunkConfig, SchedulerConfig
 from chunkcache.engine.prompt_logprobs import prompt_slices
-from chunkcache.engine.sequence import Sequence, Status
+from chunkcache.engine.sequence import Sequence, SequenceKind, Status
 from chunkcache.errors import InvalidRequestError
 
 
@@ -126,6 +126,7 @@ class FusionGroup:
                 token_ids=list(q),
                 params=request.params,
                 position_base=base,
+                kind=SequenceKind.FUSION_STREAM,
                 prefix_cacheable=False,
                 cache_salt=request.cache_salt,
             )
@@ -142,7 +143,8 @@ class FusionGroup:
         if not request_ready(self.request):
             return False
         if self.streams[0].borrowed_slots is None:
-            slots = self.request.chunk_state.stream_slots
+            assert self.request.chunks is not None and self.request.chunks.stream_slots is not None
+            slots = self.request.chunks.stream_slots
             for stream, stream_slots in zip(self.streams, slots, strict=True):
                 stream.borrowed_slots = stream_slots
         return True

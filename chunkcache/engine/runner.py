@@ -161,7 +161,7 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSegment.make(start, start + n, past, seq.calibration))
             done = c + n == seq.num_tokens
-            sample_index.append(start + n - 1 if done and not seq.is_fill else -1)
+            sample_index.append(start + n - 1 if done and not seq.kind.is_fill else -1)
         decode = None
         if decode_index:
             max_len = max(s.numel() for s in decode_slots)
@@ -213,14 +213,14 @@ class ModelRunner:
     def _blend(self, seq: Sequence) -> torch.Tensor | None:
         """The blend prefill of a layout-"offset" request; None after a failure, which leaves the
         request to an ordinary prefill of every token (its blocks are simply overwritten)."""
-        state = seq.chunk_state
+        state, cfg = seq.chunks, seq.blend
+        assert state is not None and cfg is not None, "a blend needs the request's entries and options"
         prompt = state.prompt
         s = len(prompt.sys_token_ids)
         spans, start = [], s
         for chunk in prompt.chunks:
             spans.append((start, len(chunk)))
             start += len(chunk)
-        cfg = seq.blend
         calibration = calibration_for(s, start, cfg.calibration_temperature, cfg.calibration_scale)
         # S was computed at [0, s) and the first chunk right after it: their KV, cached or
         # recomputed, is a plain prefill's, which the prefix cache may offer to any request. Not
@@ -248,7 +248,7 @@ class ModelRunner:
                     fresh_from=None if seq.kv_key is None else start // self.block_size * self.block_size,
                     prior=prior,
                 ),
-                seq.blend,
+                cfg,
             )
         except Exception as e:  # any failure: plain prefill, never a crash or a wrong KV
             cause = f"{type(e).__name__}: {e}"

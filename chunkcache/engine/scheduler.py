@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from chunkcache.config import SchedulerConfig
 from chunkcache.engine.kv_blocks import BlockManager
-from chunkcache.engine.sequence import Sequence, Status
+from chunkcache.engine.sequence import Sequence, SequenceKind, Status
 
 # Tokens background work is guaranteed in a step once it has waited BACKGROUND_MAX_WAIT_STEPS
 # steps in a row: a request pays at most this for it (32 tokens of SmolLM2: ~0.13 s on one CPU
@@ -81,7 +81,7 @@ def _remaining(seq: Sequence) -> int:
 
 
 def _is_decode(seq: Sequence) -> bool:
-    return not seq.background and _remaining(seq) == 1
+    return not seq.kind.is_background and _remaining(seq) == 1
 
 
 class Scheduler:
@@ -113,7 +113,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def has_background_work(self) -> bool:
-        return any(s.background for s in self.running) or any(s.background for s in self.waiting)
+        return any(s.kind.is_background for s in self.running) or any(
+            s.kind.is_background for s in self.waiting
+        )
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch(budget=self.max_num_batched_tokens)
@@ -123,12 +125,12 @@ class Scheduler:
             self._serve_background(batch, BACKGROUND_STEP_TOKENS)
         self._serve_running(batch, _is_decode)
         if not batch.preempted:
-            self._admit(batch, lambda s: not s.background and _remaining(s) <= short)
-            self._serve_running(batch, lambda s: not s.background)
+            self._admit(batch, lambda s: not s.kind.is_background and _remaining(s) <= short)
+            self._serve_running(batch, lambda s: not s.kind.is_background)
         if not batch.preempted:
-            self._admit(batch, lambda s: not s.background)
+            self._admit(batch, lambda s: not s.kind.is_background)
             self._serve_background(batch, batch.budget)
-        got = any(s.background for s in batch.seqs)
+        got = any(s.kind.is_background for s in batch.seqs)
         self._background_waited = 0 if got or not background else self._background_waited + 1
         return batch
 
@@ -179,9 +181,9 @@ class Scheduler:
         """Running, then waiting, background work, within `tokens` of the budget left."""
         held_back = max(0, batch.budget - tokens)
         batch.budget -= held_back
-        self._serve_running(batch, lambda s: s.background)
+        self._serve_running(batch, lambda s: s.kind.is_background)
         if not batch.preempted:
-            self._admit(batch, lambda s: s.background)
+            self._admit(batch, lambda s: s.kind.is_background)
         batch.budget += held_back
 
     def _grow_or_preempt(self, unit: list[Sequence], num_tokens: int, batch: ScheduledBatch) -> bool:
@@ -190,12 +192,12 @@ class Scheduler:
         (possibly this very unit: then False)."""
         seq = unit[0]
         while not self._grow_all(unit, num_tokens):
-            if seq.background:
+            if seq.kind.is_background:
                 self._yield(seq, batch)
                 return False
             # Fill jobs hold pool pages, not blocks: preempting one frees nothing.
-            victims = [s for s in reversed(self.running) if not s.is_fill or s is seq]
-            job = next((s for s in victims if s.background), None)
+            victims = [s for s in reversed(self.running) if not s.kind.is_fill or s is seq]
+            job = next((s for s in victims if s.kind.is_background), None)
             if job is not None:
                 self._yield(job, batch)
                 continue
@@ -208,8 +210,8 @@ class Scheduler:
     def _grow_for_admission(self, unit: list[Sequence], num_tokens: int, batch: ScheduledBatch) -> bool:
         """Blocks for a waiting unit; a request takes those of running background work."""
         while not self._grow_all(unit, num_tokens):
-            jobs = [s for s in reversed(self.running) if s.is_prefix_job]
-            if unit[0].background or not jobs:
+            jobs = [s for s in reversed(self.running) if s.kind is SequenceKind.PREFIX_JOB]
+            if unit[0].kind.is_background or not jobs:
                 return False
             self._yield(jobs[0], batch)
         return True
@@ -247,7 +249,7 @@ class Scheduler:
             seq.block_table
             or seq.num_computed
             or not seq.prefix_cacheable
-            or seq.is_fill
+            or seq.kind.is_fill
             or seq.params.prompt_logprobs is not None
         ):
             return
@@ -261,7 +263,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make the sequence own enough blocks for `num_tokens` own tokens."""
-        if seq.is_fill:
+        if seq.kind.is_fill:
             return True  # its pages were assigned when the job was made
         need = self.blocks.blocks_for(num_tokens) - len(seq.block_table)
         if need <= 0:
@@ -289,7 +291,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _unadmit(self, seq: Sequence) -> None:
-        if seq.is_fill:
+        if seq.kind.is_fill:
             return  # a fill job's pages were assigned with the job, not taken here
         self.release(seq)
         seq.num_computed = 0
@@ -298,9 +300,9 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """Give back the blocks a sequence owns (finish, abort, preemption)."""
-        if not seq.is_fill and seq.block_table:
+        if not seq.kind.is_fill and seq.block_table:
             self.blocks.free(seq.block_table)
-        if not seq.is_fill:
+        if not seq.kind.is_fill:
             seq.block_table = []
             seq.block_hashes = []
 

@@ -1,4 +1,9 @@
-"""A sequence: the engine's state of one request (or of one chunk-cache fill job).
+"""A sequence: the engine's state of one request, or of work the engine does for requests.
+
+What a sequence is (`SequenceKind`) is fixed when it is made, but for a canonical chunk fill that
+a request starts waiting for (it becomes an ordinary fill). Its chunk plan is typed by stage:
+`chunk_plan` (what intake decided: the prompt's parts and the chunk options), `chunks` (the
+entries admission pinned for a request), `fill` (the entry a fill job computes).
 
 KV list of a sequence = `borrowed_slots` (KV it reads but does not own: a chunk-cache entry, a
 system part) followed by its own tokens' KV in `block_table`. Own token i sits at KV list index
@@ -10,7 +15,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,7 +24,47 @@ from chunkcache.outputs import RequestMetrics
 from chunkcache.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from chunkcache.chunk.parse import ChunkedPrompt
+    from chunkcache.chunk.plan import ChunkPlan, FillJob, RequestChunks
+    from chunkcache.config import ChunkConfig
     from chunkcache.engine.fusion import FusionGroup
+    from chunkcache.model.calibration import ContextCalibration
+
+
+class SequenceKind(enum.Enum):
+    """What a sequence is, which decides how the engine schedules it and whether anyone reads it."""
+
+    # A client's request: sampled, its outputs returned.
+    REQUEST = "request"
+    # One stream of a layout-"fusion" request (engine/fusion.py): scheduled with its group's other
+    # streams; its rows are combined into the request's (which itself is never scheduled).
+    FUSION_STREAM = "fusion_stream"
+    # LLMEngine.add_prewarm: holds a chunked prompt's entries until they are all computed, then
+    # finishes; never scheduled, generates nothing.
+    PREWARM = "prewarm"
+    # Computes a chunk-cache entry into pre-assigned pages; samples nothing.
+    CHUNK_FILL = "chunk_fill"
+    # A fill job of a canonical entry nobody waits for (chunk/manager.py): background work, run
+    # on the token budget requests leave; a CHUNK_FILL once a request needs it.
+    CANONICAL_FILL = "canonical_fill"
+    # A fill job only prewarms wait for: background work as CANONICAL_FILL, so that a large
+    # prewarm never stalls requests; a CHUNK_FILL once a request needs its entry.
+    PREWARM_FILL = "prewarm_fill"
+    # An exact_follow_ups job (engine._queue_exact_prefix): background work, a plain prefill into
+    # KV blocks; its one sampled token is thrown away.
+    PREFIX_JOB = "prefix_job"
+
+    @property
+    def is_fill(self) -> bool:
+        """Computes a chunk entry into its pages (not KV blocks of its own)."""
+        return self in (SequenceKind.CHUNK_FILL, SequenceKind.CANONICAL_FILL, SequenceKind.PREWARM_FILL)
+
+    @property
+    def is_background(self) -> bool:
+        """Work no request waits for: scheduled on the token budget requests leave."""
+        return self in (SequenceKind.CANONICAL_FILL, SequenceKind.PREWARM_FILL, SequenceKind.PREFIX_JOB)
 
 
 class Status(enum.Enum):
@@ -37,14 +82,7 @@ class Sequence:
     prompt: str | None = None
     position_base: int = 0
     borrowed_slots: torch.Tensor | None = None
-    # Fill jobs compute a chunk-cache entry into pre-assigned pages and sample nothing.
-    is_fill: bool = False
-    # Background work (a canonical chunk entry or a prewarm's entry nobody else waits for, an
-    # exact-prefix job): scheduled on the token budget requests leave (engine/scheduler.py).
-    background: bool = False
-    # Prewarm requests (LLMEngine.add_prewarm) hold a chunked prompt's entries until they are all
-    # computed, then finish: they never reach the scheduler and generate nothing.
-    is_prewarm: bool = False
+    kind: SequenceKind = SequenceKind.REQUEST
     status: Status = Status.WAITING
     num_own_prompt_tokens: int = 0
     num_computed: int = 0  # own tokens whose KV is in the cache
@@ -56,7 +94,7 @@ class Sequence:
     # SamplingParams.prompt_logprobs: one entry per own prompt token, None for the first.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # SamplingParams.json_schema: the llguidance matcher that constrains the output.
-    grammar: Any = None
+    grammar: LLMatcher | None = None
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -66,22 +104,25 @@ class Sequence:
     num_sent_tokens: int = 0
     sent_text_len: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
-    # Chunk-cache bookkeeping owned by the chunk manager (entries pinned, jobs awaited).
-    chunk_state: Any = None
-    # The chunk options of a chunked request (the engine's, or the request's own).
-    chunk_config: Any = None
-    # Layout "offset": the prompt is prefilled by blend, in one piece. Cleared on preemption,
-    # after which the request is recomputed by a plain prefill.
-    blend: Any = None
+    # A chunked (or separator-free candidate) request's parts and chunk options, from intake;
+    # None for a plain request (or one that admission turned into one).
+    chunk_plan: ChunkPlan | None = None
+    # A chunked request's entries, pinned at admission (owned by the chunk manager).
+    chunks: RequestChunks | None = None
+    # A fill job's entry (kinds CHUNK_FILL, CANONICAL_FILL, PREWARM_FILL).
+    fill: FillJob | None = None
+    # Layout "offset": the prompt is prefilled by blend, in one piece, with these options. Cleared
+    # on preemption, after which the request is recomputed by a plain prefill.
+    blend: ChunkConfig | None = None
     blend_reused_tokens: int = 0
     blend_recomputed_tokens: int = 0
     blend_fallback: bool = False
     # The chunks' entries in the KV list were computed apart: later tokens attend to them through
     # this calibration (model.calibration.ContextCalibration); None = exact attention.
-    calibration: Any = None
+    calibration: ContextCalibration | None = None
     # Separator-free matching, first sight (nothing to reuse): the prompt is prefilled as usual and
     # these parts (a ChunkedPrompt) are stored in the chunk pool from its KV once it is computed.
-    learn: Any = None
+    learn: ChunkedPrompt | None = None
     # Blocks whose KV is not plain causal attention over the tokens must never be found by hash.
     prefix_cacheable: bool = True
     # A chunked request's own prompt tokens whose KV is nevertheless exactly a plain prefill's
@@ -102,12 +143,6 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.num_own_prompt_tokens:
             self.num_own_prompt_tokens = len(self.token_ids)
-
-    @property
-    def is_prefix_job(self) -> bool:
-        """An exact_follow_ups job (engine._queue_exact_prefix): background work that is a plain
-        prefill into KV blocks, unlike a chunk entry's fill job."""
-        return self.background and not self.is_fill
 
     @property
     def block_keys(self) -> BlockKeys:

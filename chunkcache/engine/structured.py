@@ -8,12 +8,15 @@ the request finishes with "stop". An invalid schema is refused when the request 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from chunkcache.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class StructuredOutputs:
@@ -31,7 +34,7 @@ class StructuredOutputs:
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
         return self._tokenizer
 
-    def matcher(self, schema: dict[str, Any]) -> Any:
+    def matcher(self, schema: dict[str, Any]) -> LLMatcher:
         """A fresh matcher for a JSON schema; InvalidRequestError when the schema is not usable."""
         import llguidance
 

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from chunkcache.chunk.documents import PromptParts
+from chunkcache.config import ReuseOptions
 from chunkcache.outputs import RequestOutput
 from chunkcache.sampling import SamplingParams
 
@@ -217,7 +218,7 @@ class EngineLoop:
         params: SamplingParams,
         *,
         add_special_tokens: bool = True,
-        chunk_options: dict[str, Any] | None = None,
+        chunk_options: ReuseOptions | None = None,
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Admit a request. Call on the event loop. Raises QueueFullError / EngineDeadError, or the

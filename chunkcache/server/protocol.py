@@ -15,11 +15,12 @@ Value checks that belong to sampling (ranges of temperature, top_p, ...) are lef
 from __future__ import annotations
 
 import time
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from chunkcache.config import REQUEST_CHUNK_OPTIONS
+from chunkcache.config import REQUEST_CHUNK_OPTIONS, ReuseOptions
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.tools import named_call_schema, required_calls_schema, template_tool_calls
 
@@ -44,7 +45,24 @@ class StreamOptions(StrictModel):
     include_obfuscation: bool | None = None
 
 
-class _SamplingFields(StrictModel):
+def _wire_type(hint: Any) -> Any:
+    """A ReuseOptions type as a JSON body gives it: a tuple of numbers is a JSON array (a list)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) == 1 and typing.get_origin(args[0]) is tuple:
+        return list[typing.get_args(args[0])[0]] | None  # type: ignore[index]
+    return hint
+
+
+# chunkcache's extensions: a request's own chunk layout, blend and fusion options, one field per
+# ReuseOptions field (its name and type), declared there once.
+_ReuseFields = create_model(
+    "_ReuseFields",
+    __base__=StrictModel,
+    **{name: (_wire_type(hint), None) for name, hint in typing.get_type_hints(ReuseOptions).items()},  # type: ignore[call-overload]
+)
+
+
+class _SamplingFields(_ReuseFields):  # type: ignore[misc,valid-type]
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -74,23 +92,6 @@ class _SamplingFields(StrictModel):
     skip_special_tokens: bool | None = None
     # vLLM's: requests share cached KV only with requests of the same salt (tenant isolation).
     cache_salt: str | None = Field(default=None, min_length=1)
-    # chunkcache's extensions: this request's chunk layout, blend and fusion options (ChunkConfig).
-    chunk_layout: str | None = None
-    blend_check_layers: list[int] | None = None
-    blend_recompute_ratios: list[float] | None = None
-    blend_selector: str | None = None
-    blend_unit: str | None = None
-    blend_threshold: float | None = None
-    blend_boundary_tokens: int | None = None
-    blend_min_tokens: int | None = None
-    calibration_temperature: float | None = None
-    calibration_scale: float | None = None
-    separator_free: bool | None = None
-    separator_free_min_tokens: int | None = None
-    fusion_rule: str | None = None
-    fusion_amateur: bool | None = None
-    fusion_contrast_weight: float | None = None
-    fusion_relevance_weight: float | None = None
 
     @model_validator(mode="after")
     def _check_openai_rules(self) -> _SamplingFields:
@@ -116,12 +117,12 @@ class _SamplingFields(StrictModel):
     def num_choices(self) -> int:
         return 1 if self.n is None else self.n
 
-    def chunk_options(self) -> dict[str, Any] | None:
-        """The chunk extension fields that were given, for `LLMEngine.add_request`."""
-        options = {
+    def chunk_options(self) -> ReuseOptions | None:
+        """The chunk extension fields, for `LLMEngine.add_request`; None when none was given."""
+        given = {
             name: getattr(self, name) for name in REQUEST_CHUNK_OPTIONS if getattr(self, name) is not None
         }
-        return options or None
+        return ReuseOptions.from_mapping(given) if given else None
 
     @property
     def include_usage_in_stream(self) -> bool:

@@ -1,0 +1,41 @@
+"""Reuse configurations by name: the chunk options a calibration measures and a profile records.
+
+The names are bench_fidelity's mode names (benchmarks/bench_fidelity.py builds its modes with the
+same helpers), so a profile's row and a RESULTS.md row mean the same options.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ChunkOptions = dict[str, Any]
+FULL = "full"  # the reference: a plain prefill of the same tokens, no reuse
+
+
+def offset(layers: list[int], ratios: list[float], **extra: Any) -> ChunkOptions:
+    """Layout offset with blend: at check layer j recompute the share ratios[j] of chunk tokens."""
+    return {"chunk_layout": "offset", "blend_check_layers": layers, "blend_recompute_ratios": ratios, **extra}
+
+
+def fusion(rule: str, **extra: Any) -> ChunkOptions:
+    return {"chunk_layout": "fusion", "fusion_rule": rule, **extra}
+
+
+# What `chunkcache calibrate` measures by default: the exact layouts (isolated, fusion), offset
+# with nothing recomputed, and blend at growing recompute shares and at a deeper check layer.
+CANDIDATES: dict[str, ChunkOptions] = {
+    "fusion/contrastive": fusion("contrastive", fusion_amateur=True),
+    "isolated": {"chunk_layout": "isolated"},
+    "offset": offset([0], [0.0]),
+    "blend@0.15": offset([1], [0.15]),
+    "blend@0.3": offset([1], [0.3]),
+    "blend@0.5": offset([1], [0.5]),
+    "blend@0.3/L4": offset([4], [0.3]),
+}
+
+
+def fits(options: ChunkOptions, num_layers: int) -> bool:
+    """Whether a configuration can run on a model this deep (its check layers exist)."""
+    if options.get("chunk_layout") != "offset":
+        return True
+    return max(options.get("blend_check_layers", [0])) < num_layers

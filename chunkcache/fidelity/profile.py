@@ -1,0 +1,211 @@
+"""A fidelity profile: what each reuse configuration kept of full prefill's replies on one model.
+
+`chunkcache calibrate` writes it; an engine with `fidelity_target` reads it at start and picks a
+configuration (`choose`). It is keyed by the model identity the chunk tiers bind into their
+entries (chunk/tiers/identity.py: weights' names, shapes, dtypes and values sampled, and the
+vocabulary), so a profile measured on one checkpoint or dtype is never applied to another.
+
+"kept" is per prompt: where the prompt gives expected answers and full prefill answered it
+correctly, the configuration's reply is correct too; where it gives none, the configuration's
+greedy reply is identical to full prefill's. Prompts whose answers full prefill got wrong do not
+count (there was nothing to keep). `kept_fraction` = kept / counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from chunkcache.config import REQUEST_CHUNK_OPTIONS
+
+FORMAT = "chunkcache-fidelity-profile-v1"
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used: unreadable, malformed, or for another model."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One configuration's numbers over the calibration prompts. A configuration the run did not
+    finish (no prompt measured) has `kept_fraction` or `speedup` None and is never chosen."""
+
+    name: str
+    options: dict[str, Any]  # flat per-request chunk options
+    prompts: int  # prompts measured
+    counted: int  # prompts with something to keep (see the module's docstring)
+    kept: int
+    kept_fraction: float | None
+    identical: float | None  # share of prompts whose greedy reply equals full prefill's
+    accuracy: float | None  # share correct among prompts with expected answers (None: none had)
+    recomputed_share: float | None  # mean share of document tokens recomputed
+    ttft_ratio: float | None  # warm TTFT over full prefill's, summed over the same prompts
+    speedup: float | None  # 1 / ttft_ratio
+
+    @property
+    def complete(self) -> bool:
+        return self.kept_fraction is not None and self.speedup is not None
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str  # the model's name as loaded (for people; the identity is what is checked)
+    identity: str
+    device: str
+    dtype: str
+    prompt_set: str
+    max_tokens: int
+    prompts: int
+    full_accuracy: float | None
+    full_ttft_ms: float | None
+    configurations: tuple[Measured, ...]
+
+    def to_json(self) -> str:
+        body = {"format": FORMAT, **asdict(self)}
+        return json.dumps(body, indent=1)
+
+
+def file_name(identity: str) -> str:
+    """A profile's file name in a profile folder: the identity, whole."""
+    return f"{identity}.json"
+
+
+def _number(raw: dict[str, Any], key: str, where: str, lo: float, hi: float) -> float | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ProfileError(f"{where}: {key} must be a number or null, got {value!r}")
+    if not lo <= value <= hi:
+        raise ProfileError(f"{where}: {key} {value} is outside [{lo}, {hi}]")
+    return float(value)
+
+
+def _measured(raw: Any, where: str) -> Measured:
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where}: expected an object")
+    name, options = raw.get("name"), raw.get("options")
+    if not isinstance(name, str) or not name:
+        raise ProfileError(f"{where}: name must be a non-empty string")
+    where = f"{where} ({name})"
+    if not isinstance(options, dict):
+        raise ProfileError(f"{where}: options must be an object of chunk options")
+    unknown = sorted(set(options) - set(REQUEST_CHUNK_OPTIONS))
+    if unknown:
+        raise ProfileError(f"{where}: unknown chunk options {unknown}")
+    counts = {}
+    for key in ("prompts", "counted", "kept"):
+        value = raw.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ProfileError(f"{where}: {key} must be an integer >= 0, got {value!r}")
+        counts[key] = value
+    inf = math.inf
+    return Measured(
+        name,
+        options,
+        **counts,
+        kept_fraction=_number(raw, "kept_fraction", where, 0.0, 1.0),
+        identical=_number(raw, "identical", where, 0.0, 1.0),
+        accuracy=_number(raw, "accuracy", where, 0.0, 1.0),
+        recomputed_share=_number(raw, "recomputed_share", where, 0.0, 1.0),
+        ttft_ratio=_number(raw, "ttft_ratio", where, 0.0, inf),
+        speedup=_number(raw, "speedup", where, 0.0, inf),
+    )
+
+
+def parse(text: str, where: str) -> Profile:
+    """The profile in `text` (read from `where`), checked field by field."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"fidelity_profile {where} is not JSON: {e}") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ProfileError(f"fidelity_profile {where} is not a {FORMAT} file (its 'format' field)")
+    identity = raw.get("identity")
+    if not isinstance(identity, str) or len(identity) != 64:
+        raise ProfileError(f"fidelity_profile {where}: identity must be a 64-digit hex string")
+    configs = raw.get("configurations")
+    if not isinstance(configs, list) or not configs:
+        raise ProfileError(f"fidelity_profile {where}: configurations must be a non-empty list")
+    measured = tuple(
+        _measured(c, f"fidelity_profile {where} configurations[{i}]") for i, c in enumerate(configs)
+    )
+    try:
+        return Profile(
+            model=str(raw["model"]),
+            identity=identity,
+            device=str(raw["device"]),
+            dtype=str(raw["dtype"]),
+            prompt_set=str(raw["prompt_set"]),
+            max_tokens=int(raw["max_tokens"]),
+            prompts=int(raw["prompts"]),
+            full_accuracy=_number(raw, "full_accuracy", f"fidelity_profile {where}", 0.0, 1.0),
+            full_ttft_ms=_number(raw, "full_ttft_ms", f"fidelity_profile {where}", 0.0, math.inf),
+            configurations=measured,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"fidelity_profile {where}: missing or malformed field {e}") from None
+
+
+def find(location: Path, identity: str) -> Path | None:
+    """The profile for `identity`: `location` itself if it is a file, else the file named by the
+    identity in the folder `location` (None when there is none)."""
+    if location.is_file():
+        return location
+    candidate = location / file_name(identity)
+    return candidate if candidate.is_file() else None
+
+
+def load(path: Path, identity: str) -> Profile:
+    """The profile at `path`, refused if it is malformed or measured on another model."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ProfileError(f"fidelity_profile {path} cannot be read: {e}") from None
+    profile = parse(text, str(path))
+    if profile.identity != identity:
+        raise ProfileError(
+            f"fidelity_profile {path} was measured on another model (identity {profile.identity[:16]}..., "
+            f"model {profile.model!r}); this engine's model has identity {identity[:16]}...: run "
+            "`chunkcache calibrate` with this model, dtype and adapter"
+        )
+    return profile
+
+
+@dataclass(frozen=True)
+class Choice:
+    chosen: Measured
+    met: bool  # whether it meets the target (else it is the most accurate one)
+    skipped: tuple[str, ...]  # configurations without measurements
+
+    def reason(self, target: float) -> str:
+        c = self.chosen
+        kept = f"kept {c.kept} of {c.counted} ({100 * (c.kept_fraction or 0):.1f}%)"
+        speed = f"{c.speedup:.2f}x full prefill's warm TTFT"
+        if self.met:
+            why = f"the fastest configuration meeting the target {target:g}: {kept} at {speed}"
+        else:
+            why = f"no configuration meets the target {target:g}; the most accurate one: {kept} at {speed}"
+        if self.skipped:
+            why += f" (not measured, skipped: {', '.join(self.skipped)})"
+        return why
+
+
+def choose(profile: Profile, target: float) -> Choice:
+    """The fastest configuration whose kept fraction meets `target` (ties: the more accurate,
+    then the one listed first); if none does, the most accurate (ties: the faster, then the one
+    listed first). Configurations without measurements are skipped."""
+    complete = [c for c in profile.configurations if c.complete]
+    skipped = tuple(c.name for c in profile.configurations if not c.complete)
+    if not complete:
+        raise ProfileError(f"fidelity_profile for {profile.model!r} measured no configuration completely")
+    order = {c.name: i for i, c in enumerate(complete)}
+    meeting = [c for c in complete if (c.kept_fraction or 0.0) >= target]
+    if meeting:
+        best = min(meeting, key=lambda c: (-(c.speedup or 0.0), -(c.kept_fraction or 0.0), order[c.name]))
+        return Choice(best, True, skipped)
+    best = min(complete, key=lambda c: (-(c.kept_fraction or 0.0), -(c.speedup or 0.0), order[c.name]))
+    return Choice(best, False, skipped)

@@ -1,0 +1,108 @@
+"""Calibration prompts: the user's JSONL file, or the built-in fidelity questions.
+
+A line of the file is `{"documents": ["...", ...], "question": "...", "answers": [...],
+"system": "..."}` (answers and system optional). `answers` is a list of strings (any one in the
+reply counts) or a list of lists (every inner list needs one in the reply). A line that is not
+valid is reported with its number and skipped: one bad line does not waste a long run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chunkcache.fidelity import questions as fq
+from chunkcache.fidelity.measure import SYSTEM
+
+_FIELDS = {"documents", "question", "answers", "system"}
+
+
+@dataclass(frozen=True)
+class CalibrationPrompt:
+    documents: tuple[str, ...]
+    question: str
+    answers: tuple[tuple[str, ...], ...] | None  # groups; None = compare with full prefill's reply
+    system: str = SYSTEM
+
+    def key(self, max_tokens: int) -> str:
+        """What identifies this prompt's results in the resume file (the reply length included)."""
+        body = [list(self.documents), self.question, self.answers, self.system, max_tokens]
+        return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:24]
+
+    def correct(self, reply: str) -> bool | None:
+        if self.answers is None:
+            return None
+        return fq.correct(reply, [list(g) for g in self.answers])
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v.strip() for v in value)
+
+
+def _answers(value: Any) -> tuple[tuple[str, ...], ...]:
+    if _strings(value):
+        return (tuple(value),)
+    if isinstance(value, list) and value and all(_strings(g) for g in value):
+        return tuple(tuple(g) for g in value)
+    raise ValueError("answers must be a non-empty list of strings, or of non-empty lists of strings")
+
+
+def parse_line(line: str, separator: str) -> CalibrationPrompt:
+    """One line of a prompt file; ValueError naming the field that is wrong."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("expected a JSON object")
+    unknown = sorted(set(raw) - _FIELDS)
+    if unknown:
+        raise ValueError(f"unknown fields {unknown}; known: {sorted(_FIELDS)}")
+    docs, question, system = raw.get("documents"), raw.get("question"), raw.get("system", SYSTEM)
+    if not _strings(docs):
+        raise ValueError("documents must be a non-empty list of non-empty strings")
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("question must be a non-empty string")
+    if not isinstance(system, str):
+        raise ValueError("system must be a string")
+    texts = {"documents": "".join(docs), "question": question, "system": system}
+    for name, text in texts.items():
+        if separator in text:
+            raise ValueError(f"{name} contains the chunk separator {separator!r}")
+    answers = _answers(raw["answers"]) if raw.get("answers") is not None else None
+    return CalibrationPrompt(tuple(docs), question, answers, system)
+
+
+def read_file(path: Path, separator: str) -> tuple[list[CalibrationPrompt], list[str]]:
+    """The file's valid prompts, and one message per invalid line (`FILE:LINE: what`)."""
+    prompts, errors = [], []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(parse_line(line, separator))
+            except ValueError as e:
+                errors.append(f"{path}:{number}: {e}")
+    return prompts, errors
+
+
+def builtin(limit: int, which: str = "both") -> list[CalibrationPrompt]:
+    """The fidelity benchmark's frozen questions (original and counterfactual, alternating, so
+    that a limit keeps both kinds), with their documents from the `mendeleev` package."""
+    elements = fq.load_elements()
+    sets = {
+        "original": fq.load_original() if which in ("original", "both") else [],
+        "counterfactual": fq.load_counterfactual() if which in ("counterfactual", "both") else [],
+    }
+    longest = max(len(qs) for qs in sets.values())
+    order = [qs[i] for i in range(longest) for qs in sets.values() if i < len(qs)]
+    if limit:
+        order = order[:limit]
+    return [
+        CalibrationPrompt(tuple(q.documents(elements)), q.question, tuple(tuple(g) for g in q.answers))
+        for q in order
+    ]

@@ -1,0 +1,269 @@
+"""The fidelity gate (issue 34): `chunkcache calibrate` writes a profile keyed by the model's
+identity, resumes where it stopped, and an engine with `fidelity_target` serves with the fastest
+configuration of that profile meeting the target (else the most accurate one), refusing a profile
+that is malformed or of another model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from chunkcache import LLM
+from chunkcache.cli import main
+from chunkcache.config import EngineConfig
+from chunkcache.fidelity import profile as profiles
+from chunkcache.fidelity.calibrate import read_results
+from chunkcache.fidelity.prompts import parse_line
+
+TINY = ["--device", "cpu", "--threads", "1", "--kv-cache-tokens", "2048"]
+ENGINE = {"device": "cpu", "threads": 1, "kv_cache_tokens": 2048}
+LINES = [
+    {
+        "documents": ["the cat sat on the mat by the door", "a dog ran in the park with a red ball"],
+        "question": "where did the cat sit?",
+        "answers": ["mat"],
+    },
+    {"documents": ["the sun is bright"], "question": 42},  # invalid: line 2
+    {
+        "documents": ["birds fly over the river", "the river is cold and deep"],
+        "question": "what is the river?",
+    },
+]
+EXTRA = {"documents": ["a small boat on the lake", "the lake is calm"], "question": "what is on the lake?"}
+
+
+def _measured(name: str, kept: float | None, speedup: float | None) -> profiles.Measured:
+    return profiles.Measured(
+        name, {"chunk_layout": "isolated"}, 10, 10, int(10 * (kept or 0)), kept, kept, None, 0.0,
+        None if speedup is None else 1 / speedup, speedup,
+    )  # fmt: skip
+
+
+def _profile(*configs: profiles.Measured) -> profiles.Profile:
+    return profiles.Profile("m", "0" * 64, "cpu", "float32", "test", 8, 10, None, None, configs)
+
+
+def test_choice_is_the_fastest_meeting_the_target() -> None:
+    p = _profile(_measured("slow", 1.0, 2.0), _measured("fast", 0.96, 8.0), _measured("lossy", 0.5, 20.0))
+    choice = profiles.choose(p, 0.95)
+    assert choice.chosen.name == "fast" and choice.met
+    assert profiles.choose(p, 0.97).chosen.name == "slow"
+    assert profiles.choose(p, 0.4).chosen.name == "lossy"
+
+
+def test_ties_go_to_the_more_accurate_then_the_first_listed() -> None:
+    p = _profile(_measured("a", 0.96, 4.0), _measured("b", 0.99, 4.0), _measured("c", 0.99, 4.0))
+    assert profiles.choose(p, 0.95).chosen.name == "b"
+    unmet = _profile(_measured("a", 0.8, 2.0), _measured("b", 0.9, 2.0), _measured("c", 0.9, 3.0))
+    assert profiles.choose(unmet, 0.95).chosen.name == "c"  # equally accurate: the faster
+
+
+def test_missing_entries_are_skipped_and_named() -> None:
+    p = _profile(
+        _measured("unmeasured", None, None), _measured("no-ttft", 1.0, None), _measured("ok", 0.97, 3.0)
+    )
+    choice = profiles.choose(p, 0.95)
+    assert choice.chosen.name == "ok" and choice.skipped == ("unmeasured", "no-ttft")
+    assert "unmeasured, no-ttft" in choice.reason(0.95)
+    with pytest.raises(profiles.ProfileError, match="no configuration"):
+        profiles.choose(_profile(_measured("x", None, 2.0)), 0.95)
+
+
+def test_unmet_target_takes_the_most_accurate() -> None:
+    p = _profile(_measured("fast", 0.6, 10.0), _measured("best", 0.9, 2.0))
+    choice = profiles.choose(p, 0.95)
+    assert choice.chosen.name == "best" and not choice.met
+    assert "no configuration meets the target 0.95" in choice.reason(0.95)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda raw: "{not json", "is not JSON"),
+        (lambda raw: json.dumps({**raw, "format": "other"}), "'format' field"),
+        (lambda raw: json.dumps({**raw, "configurations": []}), "non-empty list"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "kept_fraction": 2}]}), "kept_fraction 2"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"bogus": 1}}]}), "unknown chunk options"),
+        (lambda raw: json.dumps({k: v for k, v in raw.items() if k != "model"}), "missing or malformed field"),
+    ],
+)  # fmt: skip
+def test_a_malformed_profile_is_refused_naming_it(edit: Callable, message: str) -> None:
+    raw = json.loads(_profile(_measured("a", 1.0, 2.0)).to_json())
+    with pytest.raises(profiles.ProfileError, match=message) as e:
+        profiles.parse(edit(raw), "p.json")
+    assert "fidelity_profile p.json" in str(e.value)
+
+
+@pytest.mark.parametrize("target", [0, 1.5, -0.1, True, float("nan")])
+def test_a_target_out_of_range_is_an_error_naming_it(target: float) -> None:
+    with pytest.raises(ValueError, match="fidelity_target"):
+        EngineConfig.from_options("m", use_env=False, fidelity_target=target)
+
+
+def test_gate_options_that_contradict_are_errors() -> None:
+    with pytest.raises(ValueError, match="fidelity_profile is read only with fidelity_target"):
+        EngineConfig.from_options("m", use_env=False, fidelity_profile="x")
+    with pytest.raises(ValueError, match="do not also set chunk_layout"):
+        EngineConfig.from_options("m", use_env=False, fidelity_target=0.9, chunk_layout="isolated")
+
+
+def test_prompt_lines_name_what_is_wrong() -> None:
+    assert parse_line(json.dumps(LINES[0]), " # # ").answers == (("mat",),)
+    assert parse_line(json.dumps({**LINES[0], "answers": [["a"], ["b", "c"]]}), " # # ").answers == (
+        ("a",),
+        ("b", "c"),
+    )
+    for bad, message in (
+        (LINES[1], "question"),
+        ({"documents": [], "question": "q"}, "documents"),
+        ({**LINES[0], "answer": "mat"}, "unknown fields"),
+        ({**LINES[0], "answers": "mat"}, "answers"),
+        ({"documents": ["a # # b"], "question": "q"}, "separator"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_line(json.dumps(bad), " # # ")
+
+
+@pytest.fixture(scope="module")
+def calibrated(
+    checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, Path]:
+    """(model, prompt file, profile folder) after one calibrate run on a 3-line file."""
+    model = checkpoint("llama")
+    root = tmp_path_factory.mktemp("calibrate")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    out = root / "profiles"
+    argv = [
+        "calibrate",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--max-tokens",
+        "6",
+    ]
+    assert main([*argv, *TINY]) == 0
+    return model, prompts, out
+
+
+def _files(out: Path) -> tuple[Path, Path]:
+    (profile,) = out.glob("*[0-9a-f].json")
+    return profile, profile.with_suffix(".results.jsonl")
+
+
+def test_calibrate_writes_a_profile_the_engine_loads(
+    calibrated: tuple[Path, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    model, _, out = calibrated
+    path, results = _files(out)
+    profile = profiles.parse(path.read_text(), str(path))
+    assert profile.prompts == 2  # the invalid line skipped
+    names = [c.name for c in profile.configurations]
+    assert "isolated" in names and "blend@0.3/L4" not in names  # the tiny model has 2 layers
+    assert all(c.complete for c in profile.configurations)
+    assert len(read_results(results)) == 2
+    with caplog.at_level(logging.INFO, logger="chunkcache.fidelity.gate"):
+        llm = LLM(str(model), fidelity_target=0.5, fidelity_profile=str(out), **ENGINE)
+    try:
+        chosen = profiles.choose(profile, 0.5).chosen
+        expected = llm.engine.config.chunk.with_request_options(chosen.options, llm.engine.spec.num_layers)
+        assert llm.engine.config.chunk == expected
+        assert f"use {chosen.name}" in caplog.text
+    finally:
+        llm.close()
+
+
+def test_no_profile_keeps_the_default_and_says_how_to_make_one(
+    calibrated: tuple[Path, Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = calibrated[0]
+    with caplog.at_level(logging.INFO, logger="chunkcache.fidelity.gate"):
+        llm = LLM(str(model), fidelity_target=0.95, fidelity_profile=str(tmp_path), **ENGINE)
+    try:
+        assert llm.engine.config.chunk == EngineConfig.from_options(str(model), use_env=False).chunk
+        assert "chunkcache calibrate --model" in caplog.text
+    finally:
+        llm.close()
+
+
+def test_unmet_target_is_logged_and_another_models_profile_refused(
+    calibrated: tuple[Path, Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, _, out = calibrated
+    path, _ = _files(out)
+    raw = json.loads(path.read_text())
+    for i, c in enumerate(raw["configurations"]):  # nothing meets 0.99; the 2nd is the most accurate
+        c["kept_fraction"] = 0.9 if i == 1 else 0.5
+    unmet = tmp_path / "unmet.json"
+    unmet.write_text(json.dumps(raw))
+    with caplog.at_level(logging.WARNING, logger="chunkcache.fidelity.gate"):
+        llm = LLM(str(model), fidelity_target=0.99, fidelity_profile=str(unmet), **ENGINE)
+    llm.close()
+    assert (
+        f"use {raw['configurations'][1]['name']}" in caplog.text and "no configuration meets" in caplog.text
+    )
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**raw, "identity": "f" * 64}))
+    with pytest.raises(profiles.ProfileError, match="measured on another model"):
+        LLM(str(model), fidelity_target=0.9, fidelity_profile=str(other), **ENGINE)
+
+
+def test_calibrate_resumes_where_it_stopped(
+    calibrated: tuple[Path, Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, prompts, out = calibrated
+    _, results = _files(out)
+    before = results.read_text().splitlines()
+    with results.open("a") as f:
+        f.write('{"key": "torn')  # a run killed mid-line
+    with prompts.open("a") as f:
+        f.write(json.dumps(EXTRA) + "\n")
+    argv = [
+        "calibrate",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--max-tokens",
+        "6",
+    ]
+    assert main([*argv, *TINY]) == 0
+    after = [line for line in results.read_text().splitlines() if not line.startswith('{"key": "torn')]
+    assert after[: len(before)] == before and len(after) == len(before) + 1  # only the new prompt ran
+    assert "skipped" in capsys.readouterr().err  # line 2 still reported
+    path, _ = _files(out)
+    assert profiles.parse(path.read_text(), str(path)).prompts == 3
+
+
+def test_dataclass_round_trip() -> None:
+    p = _profile(_measured("a", 1.0, 2.0))
+    assert profiles.parse(p.to_json(), "x") == dataclasses.replace(p)
+
+
+def test_command_line_mistakes_are_one_line_errors(
+    calibrated: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, prompts, _ = calibrated
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    generate = ["generate", "--model", str(model), "--prompt", "hi", "--max-tokens", "1", *TINY]
+    for argv, message in (
+        ([*generate, "--fidelity-target", "0.9", "--fidelity-profile", str(bad)], f"fidelity_profile {bad}"),
+        ([*generate, "--fidelity-target", "1.5"], "fidelity_target must be a fraction in (0, 1]"),
+        (["calibrate", "--model", str(model), "--prompts", str(prompts), "--target", "0", *TINY], "--target"),
+        (["calibrate", "--model", str(model), "--chunk-layout", "isolated", *TINY], "chunk_layout"),
+        (["calibrate", "--model", str(model), "--configs", "nope", *TINY], "unknown configurations"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and message in err, err
