@@ -84,10 +84,14 @@ def test_running_decodes_get_a_token_every_step() -> None:
 def test_background_work_gets_what_is_left_and_never_starves() -> None:
     sched, blocks = _scheduler(budget=48, threshold=32)
     job = _seq("job", 200, background=True, max_out=1)
+    other = _seq("other", 200, background=True, max_out=1)
     sched.add(job)
-    assert _step(sched, blocks) == {"job": 32}  # alone: pieces of the threshold
+    sched.add(other)
+    assert _step(sched, blocks) == {"job": 32, "other": 16}  # alone: the budget, in pieces
     sched.add(_seq("request", 40))
     assert _step(sched, blocks) == {"request": 32, "job": 16}  # what the request leaves
+    # Beside a request, one piece at most: the request's step is no longer than a long prefill's.
+    assert _step(sched, blocks) == {"request": 8, "job": 32}
     # Two long prompts take the whole budget every step: the job still gets its share.
     sched.add(_seq("long1", 3000))
     sched.add(_seq("long2", 3000))

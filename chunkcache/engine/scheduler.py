@@ -5,7 +5,8 @@ order: (1) running decodes, one token each; (2) waiting short prompts (at most
 `long_prefill_token_threshold` tokens left), whole; (3) running long prefills, then waiting long
 prompts first come first served, in pieces of at most `long_prefill_token_threshold`;
 (4) background work (canonical chunk entries, exact-prefix jobs, a prewarm's fill jobs: work no
-request waits for) gets what is left, in pieces of the same size. So no request waits behind
+request waits for) gets what is left, in pieces of the same size, and at most one piece's worth
+in a step that serves requests (so that it makes their step no longer than a long prefill does). So no request waits behind
 another's prefill for more than one step: a short prompt is admitted in the step after it
 arrives, and a running stream gets its token every step. Background work that got nothing for
 `BACKGROUND_MAX_WAIT_STEPS` steps in a row gets `BACKGROUND_STEP_TOKENS` before anything else in
@@ -129,7 +130,9 @@ class Scheduler:
             self._serve_running(batch, lambda s: not s.kind.is_background)
         if not batch.preempted:
             self._admit(batch, lambda s: not s.kind.is_background)
-            self._serve_background(batch, batch.budget)
+            # Beside requests, one piece: their step stays as short as a long prefill makes it.
+            requests = any(not s.kind.is_background for s in batch.seqs)
+            self._serve_background(batch, short if requests else batch.budget)
         got = any(s.kind.is_background for s in batch.seqs)
         self._background_waited = 0 if got or not background else self._background_waited + 1
         return batch
