@@ -51,6 +51,7 @@ from common import (
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.engine.engine import LLMEngine
+from chunkcache.outputs import RequestOutput
 
 ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 STREAM = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
@@ -69,7 +70,8 @@ class Run:
 
 
 class Driver:
-    """Steps one engine; sends the short requests and keeps the stream decoding."""
+    """Steps one engine; sends the short requests and keeps the stream decoding. Texts are made
+    before the clocks start (making them tokenizes)."""
 
     def __init__(self, engine: LLMEngine, text: TextMaker, shorts: int, gap: int) -> None:
         self.engine, self.text, self.shorts, self.gap = engine, text, shorts, gap
@@ -79,53 +81,70 @@ class Driver:
         self.n += 1
         return f"{name}-{self.n}"
 
-    def start_stream(self) -> str:
+    def _start_stream(self) -> str:
         stream = self._id("stream")
         self.engine.add_request(stream, self.text.text(32), STREAM)
-        while not self._step_outputs().get(stream):  # until it decodes
-            pass
+        while not any(o.request_id == stream and o.outputs[0].token_ids for o in self.engine.step()):
+            pass  # until it decodes
         return stream
-
-    def _step_outputs(self) -> dict[str, int]:
-        return {o.request_id: len(o.outputs[0].token_ids) for o in self.engine.step()}
 
     def run(self, start_heavy: Callable[[str], None] | None) -> Run:
         """Short requests while `start_heavy`'s work runs (until it ends; None: idle, until the
         short requests are done)."""
-        stream = self.start_stream()
-        heavy = self._id("heavy") if start_heavy else None
-        run, pending, wait, tokens0 = Run(), None, 1, None
-        begin = now()
-        if start_heavy is not None:
+        texts = [self.text.text(8) for _ in range(self.shorts)]
+        stream = self._start_stream()
+        heavy = self._id("heavy") if start_heavy is not None else None
+        window = _Window(stream, heavy, now())
+        if start_heavy is not None and heavy is not None:
             start_heavy(heavy)
+        wait = 1
         while True:
             t0 = now()
             outs = self.engine.step()
-            t1 = now()
-            done = False
-            for out in outs:
-                if out.request_id == stream:
-                    tokens0 = tokens0 if tokens0 is not None else len(out.outputs[0].token_ids)
-                    run.stream_tokens = len(out.outputs[0].token_ids) - tokens0
-                if pending is not None and out.request_id == pending[0] and out.outputs[0].token_ids:
-                    run.ttft.append((t1[0] - pending[1][0], t1[1] - pending[1][1]))
-                    pending, wait = None, self.gap
-                if out.request_id == heavy and out.finished:
-                    assert out.outputs[0].finish_reason != "error", out.outputs[0]
-                    done = True
-            run.stream_time = (t1[0] - begin[0], t1[1] - begin[1])
-            if done or (heavy is None and len(run.ttft) >= self.shorts and pending is None):
-                run.heavy_time = run.stream_time
+            done = window.observe(outs, now())
+            if done or (heavy is None and len(window.run.ttft) >= self.shorts and window.pending is None):
                 break
-            wait -= 1
-            if pending is None and wait <= 0 and len(run.ttft) < self.shorts:
+            wait = self.gap if window.answered else wait - 1
+            if window.pending is None and wait <= 0 and texts:
                 short = self._id("short")
-                self.engine.add_request(short, self.text.text(8), ONE)
-                pending = (short, t0)  # it arrived as the step just run began
+                self.engine.add_request(short, texts.pop(), ONE)
+                window.pending = (short, t0)  # it arrived as the step just run began
         self.engine.abort_request(stream)
         while self.engine.has_unfinished_requests() or self.engine.has_background_work():
             self.engine.step()
-        return run
+        return window.run
+
+
+@dataclass
+class _Window:
+    """What one scenario run has seen so far."""
+
+    stream: str
+    heavy: str | None
+    begin: tuple[float, float]
+    run: Run = field(default_factory=Run)
+    pending: tuple[str, tuple[float, float]] | None = None  # a short request and when it arrived
+    answered: bool = False  # a short request got its first token in the last step
+    tokens0: int | None = None
+
+    def observe(self, outs: list[RequestOutput], t1: tuple[float, float]) -> bool:
+        """Take one step's outputs; True once the heavy work is done."""
+        done, self.answered = False, False
+        for out in outs:
+            tokens = len(out.outputs[0].token_ids)
+            if out.request_id == self.stream:
+                self.tokens0 = tokens if self.tokens0 is None else self.tokens0
+                self.run.stream_tokens = tokens - self.tokens0
+            if self.pending is not None and out.request_id == self.pending[0] and tokens:
+                arrived = self.pending[1]
+                self.run.ttft.append((t1[0] - arrived[0], t1[1] - arrived[1]))
+                self.pending, self.answered = None, True
+            if out.request_id == self.heavy and out.finished:
+                assert out.outputs[0].finish_reason != "error", out.outputs[0]
+                done = True
+        self.run.stream_time = (t1[0] - self.begin[0], t1[1] - self.begin[1])
+        self.run.heavy_time = self.run.stream_time
+        return done
 
 
 def step_at_budget(engine: LLMEngine, text: TextMaker, budget: int) -> tuple[float, float]:
@@ -139,24 +158,22 @@ def step_at_budget(engine: LLMEngine, text: TextMaker, budget: int) -> tuple[flo
 
 
 def heavy_work(
-    engine: LLMEngine, text: TextMaker, args: argparse.Namespace
-) -> dict[str, Callable[[str], None]]:
-    def long(request_id: str) -> None:
-        engine.add_request(request_id, text.text(args.long_tokens), ONE)
-
-    def prewarm(request_id: str) -> None:
+    engine: LLMEngine, text: TextMaker, args: argparse.Namespace, name: str
+) -> Callable[[str], None]:
+    """The heavy work `name`, its text made now; the returned call adds it to the engine."""
+    if name == "long":
+        prompt = text.text(args.long_tokens)
+        return lambda request_id: engine.add_request(request_id, prompt, ONE)
+    if name == "prewarm":
+        system = text.text(32, special=True)
         docs = [text.text(args.prewarm_doc_tokens) for _ in range(args.prewarm_docs)]
-        engine.add_prewarm(request_id, system=text.text(32, special=True), documents=docs)
-
-    def blend(request_id: str) -> None:
-        parts = [
-            text.text(32, special=True),
-            *(text.text(args.blend_doc_tokens) for _ in range(4)),
-            text.text(16),
-        ]
-        engine.add_request(request_id, SEP.join(parts), ONE)
-
-    return {"long": long, "prewarm": prewarm, "blend": blend}
+        return lambda request_id: engine.add_prewarm(request_id, system=system, documents=docs)
+    parts = [
+        text.text(32, special=True),
+        *(text.text(args.blend_doc_tokens) for _ in range(4)),
+        text.text(16),
+    ]
+    return lambda request_id: engine.add_request(request_id, SEP.join(parts), ONE)
 
 
 def make_engine(model: str, args: argparse.Namespace, threshold: int) -> LLMEngine:
@@ -199,19 +216,26 @@ def report(
 
 
 def scan(model: str, args: argparse.Namespace) -> None:
-    print("threshold scan, long scenario (cpu s): short TTFT median / max, long prompt's own TTFT")
+    print("threshold scan, long scenario, cpu s: short TTFT median / max, the long prompt's own TTFT,")
+    print("the stream's decode rate against idle")
     for threshold in args.thresholds:
         engine = make_engine(model, args, threshold)
         text = TextMaker(engine.tokenizer, seed=args.seed + threshold)
         driver = Driver(engine, text, args.shorts, args.gap)
-        work = heavy_work(engine, text, args)
-        runs = [driver.run(work["long"]) for _ in range(args.reps)]
+        idle, runs = [], []
+        for _ in range(args.reps):
+            idle.append(driver.run(None))
+            runs.append(driver.run(heavy_work(engine, text, args, "long")))
         ttft = [t[1] for r in runs for t in r.ttft]
+        rate = median([r.stream_tokens / r.stream_time[1] for r in runs])
+        idle_rate = median([r.stream_tokens / r.stream_time[1] for r in idle])
         print(
-            f"  threshold {threshold:5d}: short {median(ttft):.3f} / {max(ttft):.3f}, "
-            f"long {median([r.heavy_time[1] for r in runs]):.2f} (wall {median([r.heavy_time[0] for r in runs]):.2f})"
+            f"  threshold {threshold:5d}: short {median(ttft):.3f} / {max(ttft):.3f} "
+            f"(idle {median([t[1] for r in idle for t in r.ttft]):.3f}), long {median([r.heavy_time[1] for r in runs]):.2f} "
+            f"(wall {median([r.heavy_time[0] for r in runs]):.2f}), stream {rate / idle_rate:.0%} of idle",
+            flush=True,
         )
-        del engine, driver, work
+        del engine, driver
         gc.collect()
 
 
@@ -248,7 +272,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     text = TextMaker(engine.tokenizer, seed=args.seed)
     driver = Driver(engine, text, args.shorts, args.gap)
-    work = heavy_work(engine, text, args)
     scenarios = args.scenarios.split(",")
     runs: dict[str, list[Run]] = {name: [] for name in ["idle", *scenarios]}
     budget_step = []
@@ -256,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         budget_step.append(step_at_budget(engine, text, args.budget))
         for name in scenarios:  # idle before each scenario: interleaved
             runs["idle"].append(driver.run(None))
-            runs[name].append(driver.run(work[name]))
+            runs[name].append(driver.run(heavy_work(engine, text, args, name)))
         print(f"  rep {rep + 1}/{args.reps} done, load average {os.getloadavg()[0]:.2f}", flush=True)
     print(
         f"one step at the budget: cpu {median([b[1] for b in budget_step]):.3f} s, wall {median([b[0] for b in budget_step]):.3f} s"
