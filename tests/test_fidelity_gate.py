@@ -15,7 +15,7 @@ import pytest
 
 from chunkcache import LLM
 from chunkcache.cli import main
-from chunkcache.config import EngineConfig
+from chunkcache.config import EngineConfig, ReuseOptions
 from chunkcache.fidelity import profile as profiles
 from chunkcache.fidelity.calibrate import read_results
 from chunkcache.fidelity.prompts import parse_line
@@ -174,7 +174,9 @@ def test_calibrate_writes_a_profile_the_engine_loads(
         llm = LLM(str(model), fidelity_target=0.5, fidelity_profile=str(out), **ENGINE)
     try:
         chosen = profiles.choose(profile, 0.5).chosen
-        expected = llm.engine.config.chunk.with_request_options(chosen.options, llm.engine.spec.num_layers)
+        expected = llm.engine.config.chunk.with_request_options(
+            ReuseOptions.from_mapping(chosen.options), llm.engine.spec.num_layers
+        )
         assert llm.engine.config.chunk == expected
         assert f"use {chosen.name}" in caplog.text
     finally:
