@@ -185,6 +185,7 @@ def make_engine(model: str, args: argparse.Namespace, threshold: int) -> LLMEngi
         kv_cache_memory_gb=1.0,
         max_num_batched_tokens=args.budget,
         long_prefill_token_threshold=threshold,
+        min_decode_share=args.min_decode_share,
     ).engine
 
 
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--threshold", type=int, default=None, help="long_prefill_token_threshold (default: the engine's)"
     )
+    parser.add_argument("--min-decode-share", type=float, default=0.5, help="the engine option (0 = off)")
+    parser.add_argument("--min-decode-share", type=float, default=0.5, help="the engine option (0 = off)")
     parser.add_argument("--thresholds", type=lambda s: [int(x) for x in s.split(",")], default=[])
     parser.add_argument("--long-tokens", type=int, default=4000)
     parser.add_argument("--prewarm-docs", type=int, default=60)
@@ -268,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     threshold = args.threshold or SchedulerConfig().long_prefill_token_threshold
     engine = make_engine(model, args, threshold)
     print(
-        f"model {model} dtype {args.dtype} budget {args.budget} threshold {threshold}; {describe_machine()}"
+        f"model {model} dtype {args.dtype} budget {args.budget} threshold {threshold} "
+        f"min_decode_share {args.min_decode_share}; {describe_machine()}"
     )
     text = TextMaker(engine.tokenizer, seed=args.seed)
     driver = Driver(engine, text, args.shorts, args.gap)
@@ -284,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"one step at the budget: cpu {median([b[1] for b in budget_step]):.3f} s, wall {median([b[0] for b in budget_step]):.3f} s"
     )
-    ratios: dict[str, str] = {"threshold": str(threshold)}
+    ratios: dict[str, str] = {"threshold": str(threshold), "min_decode_share": str(args.min_decode_share)}
     for name in scenarios:
         ratios.update(report(name, runs[name], runs["idle"], budget_step))
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

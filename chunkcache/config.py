@@ -67,6 +67,10 @@ class SchedulerConfig:
     # prompt waits about two pieces, 1.15 s at 256 against 3.2 s at 512 and 0.51 s at 128, while
     # the long prompt takes 4% longer than in pieces of 512 (11% at 128).
     long_prefill_token_threshold: int = 256
+    # While streams decode, long prefills and background work run only while the streams' decode
+    # rate is at least this share of their rate in decode-only steps (engine/decode_guard.py);
+    # 0 = off. The issue 35 target: 0.5.
+    min_decode_share: float = 0.5
     # None = the model's max_position_embeddings.
     max_model_len: int | None = None
 
@@ -75,6 +79,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if not 0 <= self.min_decode_share < 1:
+            raise ValueError(f"min_decode_share must be in [0, 1), got {self.min_decode_share}")
         if self.long_prefill_token_threshold <= 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be > 0, got {self.long_prefill_token_threshold}"

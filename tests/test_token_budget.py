@@ -4,6 +4,7 @@ never in time."""
 
 from __future__ import annotations
 
+import pytest
 from oracle import hf_first_token_logprobs, hf_greedy
 
 from chunkcache import LLM, SamplingParams
@@ -225,3 +226,60 @@ def test_a_prewarm_is_background_work_that_yields_to_requests(checkpoint) -> Non
     stats = engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     llm.check_integrity()
+
+
+def _timed_steps(sched: Scheduler, blocks: BlockManager, steps: int, piece_s: float) -> list[dict[str, int]]:
+    """Steps with a fake clock: a decode-only step takes 0.04 s, one with other work `piece_s`."""
+    got = []
+    for _ in range(steps):
+        batch_seqs = _step_and_report(sched, blocks)
+        only_decodes = all(n == 1 for n in batch_seqs[0].values())
+        sched.step_took(batch_seqs[1], 0.04 if only_decodes else piece_s)
+        got.append(batch_seqs[0])
+    return got
+
+
+def _step_and_report(sched: Scheduler, blocks: BlockManager):
+    batch = sched.schedule()
+    tokens = {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)}
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        seq.num_computed += n
+        blocks.register_full_blocks(seq.block_table, seq.token_ids, seq.block_hashes, seq.num_computed)
+        if seq.num_computed == seq.num_tokens:
+            seq.token_ids.append(7)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.finish(seq)
+    return tokens, batch
+
+
+@pytest.mark.parametrize(("piece_s", "least", "most"), [(0.8, 0.5, 0.6), (0.05, 0.8, 1.0)])
+def test_running_streams_keep_their_share_of_the_decode_rate(
+    piece_s: float, least: float, most: float
+) -> None:
+    """A step with a long prefill's piece takes 20 decode steps' time (a CPU): pieces run only
+    while the stream keeps half its decode-only rate, so it does, and the long prompt still
+    progresses. Where a piece costs little (a GPU) nothing is held back."""
+    sched, blocks = _scheduler(budget=64, threshold=32)
+    stream = _seq("stream", 4, max_out=10_000)
+    sched.add(stream)
+    _timed_steps(sched, blocks, 5, piece_s)  # decode-only steps: the idle rate
+    sched.add(_seq("long", 3000))
+    got = _timed_steps(sched, blocks, 200, piece_s)
+    assert all(g["stream"] == 1 for g in got)
+    seconds = sum(0.04 if set(g) == {"stream"} else piece_s for g in got)
+    keep = (len(got) / seconds) / (1 / 0.04)
+    assert least <= keep <= most, keep
+    assert sum(g.get("long", 0) for g in got) >= 32 * 8  # still progresses
+    # A short request is never held back.
+    sched.add(_seq("short", 8))
+    assert "short" in _timed_steps(sched, blocks, 1, piece_s)[0]
+
+
+def test_min_decode_share_zero_turns_the_guard_off() -> None:
+    blocks = BlockManager(256, 16, enable_prefix_caching=True, hash_seed="0", medium="GPU")
+    config = SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=32, min_decode_share=0)
+    sched = Scheduler(config, blocks, lambda s: True)
+    sched.add(_seq("stream", 4, max_out=10_000))
+    _timed_steps(sched, blocks, 5, 0.8)
+    sched.add(_seq("long", 3000))
+    assert all("long" in g for g in _timed_steps(sched, blocks, 20, 0.8))

@@ -627,7 +627,9 @@ class LLMEngine:
             self.chunks.wait_for_loads(_LOAD_WAIT_S)  # nothing to run until a load ends: sleep, not spin
         if batch:
             try:
+                started = time.perf_counter()
                 logits, rows = self.runner.run(batch)
+                self.scheduler.step_took(batch, time.perf_counter() - started)
                 self._postprocess(batch, logits, rows)
             except Exception as e:
                 # One bad request must not stop the engine: fail this batch's requests (their KV

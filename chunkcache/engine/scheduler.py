@@ -8,7 +8,10 @@ prompts first come first served, in pieces of at most `long_prefill_token_thresh
 request waits for) gets what is left, in pieces of the same size, and at most one piece's worth
 in a step that serves requests (so that it makes their step no longer than a long prefill does). So no request waits behind
 another's prefill for more than one step: a short prompt is admitted in the step after it
-arrives, and a running stream gets its token every step. Background work that got nothing for
+arrives, and a running stream gets its token every step; while streams decode, long prefills
+and background work join a step only if the streams keep `min_decode_share` of their decode-only
+rate (engine/decode_guard.py), so that on a CPU, where a piece costs many decode steps, the
+streams are not slowed to a crawl. Background work that got nothing for
 `BACKGROUND_MAX_WAIT_STEPS` steps in a row gets `BACKGROUND_STEP_TOKENS` before anything else in
 the next one, so steady load slows it but never starves it.
 
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chunkcache.config import SchedulerConfig
+from chunkcache.engine.decode_guard import DecodeGuard
 from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.sequence import Sequence, SequenceKind, Status
 
@@ -47,6 +51,7 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     budget: int = 0  # tokens this step may still take
     has_long: bool = False  # whether a piece of a long prefill runs in this step
+    decodes: int = 0  # sequences given their one next token in the decode pass
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -102,6 +107,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._background_waited = 0  # steps in a row in which queued background work got nothing
+        self.decode_guard = DecodeGuard(config.min_decode_share)
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = Status.WAITING
@@ -125,10 +131,13 @@ class Scheduler:
         if background and self._background_waited >= BACKGROUND_MAX_WAIT_STEPS:
             self._serve_background(batch, BACKGROUND_STEP_TOKENS)
         self._serve_running(batch, _is_decode)
+        batch.decodes = len(batch.seqs)
         if not batch.preempted:
             self._admit(batch, lambda s: not s.kind.is_background and _remaining(s) <= short)
+        # Long prefills and background work wait while running streams fall behind (decode_guard).
+        if not batch.preempted and self.decode_guard.allows_prefill(batch.decodes > 0):
             self._serve_running(batch, lambda s: not s.kind.is_background)
-        if not batch.preempted:
+        if not batch.preempted and self.decode_guard.allows_prefill(batch.decodes > 0):
             self._admit(batch, lambda s: not s.kind.is_background)
             # Beside requests, one piece: their step stays as short as a long prefill makes it.
             requests = any(not s.kind.is_background for s in batch.seqs)
@@ -136,6 +145,10 @@ class Scheduler:
         got = any(s.kind.is_background for s in batch.seqs)
         self._background_waited = 0 if got or not background else self._background_waited + 1
         return batch
+
+    def step_took(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The engine ran `batch` in `seconds` (what the decode guard measures)."""
+        self.decode_guard.record(batch.decodes > 0, batch.decodes == len(batch.seqs), seconds)
 
     def _serve_running(self, batch: ScheduledBatch, wanted: Callable[[Sequence], bool]) -> None:
         """Give the running units `wanted` picks their next tokens (a preemption ends the pass)."""
