@@ -254,7 +254,6 @@ def main(argv: list[str] | None = None) -> None:
         "--threshold", type=int, default=None, help="long_prefill_token_threshold (default: the engine's)"
     )
     parser.add_argument("--min-decode-share", type=float, default=0.5, help="the engine option (0 = off)")
-    parser.add_argument("--min-decode-share", type=float, default=0.5, help="the engine option (0 = off)")
     parser.add_argument("--thresholds", type=lambda s: [int(x) for x in s.split(",")], default=[])
     parser.add_argument("--long-tokens", type=int, default=4000)
     parser.add_argument("--prewarm-docs", type=int, default=60)
