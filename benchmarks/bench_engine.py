@@ -2,7 +2,7 @@
 
 Checkpoint: `--model` (a directory or a .gguf file; `--model smollm2` = SmolLM2-135M-Instruct,
 `--model default` = the default model), else random weights shaped like Qwen2.5-0.5B (hidden 896, 24 layers, 14 heads,
-2 KV heads, vocab 151936, tied embeddings), built by `tests/tiny_checkpoint.py` on first use.
+2 KV heads, vocab 151936, tied embeddings), built by `tests/support/tiny_checkpoint.py` on first use.
 fp32, CPU. transformers runs `AutoModelForCausalLM.from_pretrained(dir, dtype=torch.float32)`
 (for a GGUF: with `gguf_file=`, its own dequantization) with `attn_implementation="sdpa"`, under
 `torch.inference_mode()`. Prompts are random ordinary token

@@ -28,9 +28,8 @@ import httpx
 from bench_router_cluster import Proc, free_port
 from common import summary
 
-# tests/tiny_checkpoint.py builds the random checkpoint (it moved there from the package).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny_checkpoint import build_checkpoint
+# tests/support/tiny_checkpoint.py builds the random checkpoint (`common` put the repo root on sys.path).
+from tests.support.tiny_checkpoint import build_checkpoint
 
 MODEL = "m"
 # One tiny-model RAG prompt: the router's scores of it must come back after Redis restarts.

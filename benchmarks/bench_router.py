@@ -65,8 +65,7 @@ import numpy as np
 import zmq
 from tqdm import tqdm
 
-# The repo root (chunkcache) and tests/ (tiny_checkpoint: the random tokenizer).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# The repo root: chunkcache, and tests.support.tiny_checkpoint (the random tokenizer).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from chunkcache.kv_events import BlockStored, KVEventBatch, encode_batch
@@ -212,7 +211,7 @@ def load_processor(tokenizer: str | None) -> tuple[PromptProcessor, str]:
             print(f"default model's tokenizer unavailable ({e}); using the tiny BPE")
             tokenizer = "tiny"
     if tokenizer == "tiny":
-        from tiny_checkpoint import build_tokenizer
+        from tests.support.tiny_checkpoint import build_tokenizer
 
         tokenizer = tempfile.mkdtemp(prefix="bench-router-tok-")
         build_tokenizer(tokenizer)

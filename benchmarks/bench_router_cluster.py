@@ -95,7 +95,7 @@ PAGE = 16  # the engine's block (= chunk pool page) size
 
 def build_documents(tokenizer: Any, num_docs: int, lo: int, hi: int, seed: int) -> list[str]:
     """`num_docs` documents of lo..hi tokens each, from the tiny corpus' sentences (no separator)."""
-    from tiny_checkpoint import corpus
+    from tests.support.tiny_checkpoint import corpus
 
     sentences = [s.strip() for s in corpus(num_lines=4000, seed=seed) if "#" not in s]
     rng = random.Random(seed)
@@ -118,7 +118,7 @@ def build_prompts(
     seed: int,
     shuffle: bool = True,
 ) -> list[str]:
-    from tiny_checkpoint import corpus
+    from tests.support.tiny_checkpoint import corpus
 
     rng = random.Random(seed + 1)
     questions = [q for q in corpus(num_lines=1200, seed=seed + 2) if q.endswith("?") and "#" not in q]
@@ -680,9 +680,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.rounds < 1:
         p.error("--repeats and --rounds must be >= 1")
 
-    sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/tiny_checkpoint.py builds the random checkpoints
-    from tiny_checkpoint import build_checkpoint
+    sys.path.insert(0, str(REPO))  # chunkcache, and tests.support.tiny_checkpoint (the random checkpoints)
     from transformers import AutoTokenizer
+
+    from tests.support.tiny_checkpoint import build_checkpoint
 
     work = Path(tempfile.gettempdir()) / "chunkcache-bench"
     work.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ def build_documents(tokenizer: Any, num_docs: int, doc_tokens: int, seed: int) -
     """`num_docs` documents of about `doc_tokens` tokens each, made of the tiny corpus' sentences
     (its vocabulary tokenizes compactly). Lines holding the separator are left out: a document must
     stay one chunk."""
-    from tiny_checkpoint import corpus
+    from tests.support.tiny_checkpoint import corpus
 
     sentences = [line.strip() for line in corpus(num_lines=4000, seed=seed) if SEPARATOR not in line]
     rng = random.Random(seed)
@@ -127,7 +127,7 @@ def build_documents(tokenizer: Any, num_docs: int, doc_tokens: int, seed: int) -
 def build_prompts(docs: list[str], num_requests: int, docs_per_prompt: int, seed: int) -> list[str]:
     """Each prompt draws `docs_per_prompt` documents from the pool in a random order: documents
     recur across prompts, rarely with the same neighbours or at the same place."""
-    from tiny_checkpoint import corpus
+    from tests.support.tiny_checkpoint import corpus
 
     lines = corpus(num_lines=600, seed=seed + 1)
     questions = [line for line in lines if line.endswith("?") and SEPARATOR not in line]
@@ -140,7 +140,7 @@ def build_prompts(docs: list[str], num_requests: int, docs_per_prompt: int, seed
 
 
 def default_model(cache_root: Path) -> Path:
-    from tiny_checkpoint import build_checkpoint
+    from tests.support.tiny_checkpoint import build_checkpoint
 
     # build_checkpoint caches by its arguments: a rerun reuses the directory.
     return build_checkpoint(cache_root / "bench-serve-small", arch="llama", **SMALL_OVERRIDES)
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.docs_per_prompt > args.num_docs:
         parser.error("--docs-per-prompt cannot exceed --num-docs")
 
-    sys.path[:0] = [str(REPO), str(REPO / "tests")]  # tests/tiny_checkpoint.py builds the random checkpoints
+    sys.path.insert(0, str(REPO))  # chunkcache, and tests.support.tiny_checkpoint (the random checkpoints)
     from transformers import AutoTokenizer
 
     work = Path(tempfile.gettempdir()) / "chunkcache-bench"

@@ -15,7 +15,7 @@ only. Per repetition, a fresh S and fresh documents (so every entry is new every
   (read, checksum, copy into the pool);
 - remote: replica B, which has never seen these documents, answers a fresh Q: every entry comes
   from Redis (the two-replica case: B's first sight of a document is a remote hit).
-There is no host-memory tier: on a CPU the device pool is host memory (README).
+There is no host-memory tier: on a CPU the device pool is host memory (docs/operations.md).
 
 TTFT = wall time from just before `add_request` to the step that produced the first token
 (common.first_token_time). Median of `--repeats` repetitions; the order within one repetition is
@@ -50,10 +50,10 @@ from common import (
     setup_torch,
     summary,
 )
-from redis_server import REDIS_BIN, RedisServer
 
 from chunkcache import SamplingParams
 from chunkcache.engine.engine import LLMEngine
+from tests.support.redis_server import REDIS_BIN, RedisServer
 
 SOURCES = ("recompute", "pool", "disk", "remote")
 

@@ -16,13 +16,13 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import common  # noqa: F401 (puts tests/ on sys.path)
+import common  # noqa: F401 (puts the repo root, for tests.support, on sys.path)
 import torch
-from oracle import hf_teacher_forced_logprobs
-from tiny_checkpoint import build_checkpoint
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.model.loader import model_path
+from tests.support.oracle import hf_teacher_forced_logprobs
+from tests.support.tiny_checkpoint import build_checkpoint
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog near the river bank",

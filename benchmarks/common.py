@@ -1,8 +1,10 @@
 """Shared helpers of the benchmarks: the benchmark checkpoint, timing, prompts of exact token counts.
 
 The scripts run as `python benchmarks/<name>.py`, so this module is imported as `common` (the
-script's directory is first on `sys.path`). Importing it puts tests/ on `sys.path` too, for
-`tiny_checkpoint` (the random checkpoints the tests use, and the Qwen2.5-0.5B-shaped one here).
+script's directory is first on `sys.path`). Importing it puts the repository root on `sys.path`
+too, so that `chunkcache` is this checkout's and the tests' helper package imports as
+`tests.support` (`tiny_checkpoint`: the random checkpoints the tests use, and the
+Qwen2.5-0.5B-shaped one here).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 if TYPE_CHECKING:
     from chunkcache import SamplingParams
@@ -81,7 +85,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 def ensure_checkpoint(model_dir: Path) -> Path:
     """The random Qwen2.5-0.5B-shaped checkpoint (hidden 896, 24 layers, 14 heads, 2 KV heads,
     vocab 151936, tied embeddings), built once (~2 GB, about a minute) and reused."""
-    from tiny_checkpoint import build_checkpoint
+    from tests.support.tiny_checkpoint import build_checkpoint
 
     return build_checkpoint(model_dir, arch="qwen2", preset="qwen2.5-0.5b")
 

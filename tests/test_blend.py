@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from oracle import (
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.engine.runner import block_slots
+from chunkcache.errors import InvalidRequestError
+from tests.support.engines import tiny_llm
+from tests.support.oracle import (
     chunk_isolated_mask,
     hf_first_token_logprobs,
     hf_greedy,
@@ -12,28 +19,15 @@ from oracle import (
     hf_layer_kv,
     hf_offset_reuse_logprobs,
 )
+from tests.support.prompts import DOCS, FIRST, FULL, QUESTIONS, REUSE, SEP, SYSTEM, chunked
 
-from chunkcache import LLM, SamplingParams
-from chunkcache.engine.runner import block_slots
-from chunkcache.errors import InvalidRequestError
-
-SEP = " # # "
-SYSTEM = "You answer questions about the documents."
-DOCS = [
-    "Alice lives in Paris and drinks tea every morning.",
-    "The red box holds 42 coins",
-    "Bob was born in 1990 in Rome, the capital of Italy, and he works as a baker.",
-    "Carol keeps three cats and a dog named Rex in her small flat by the sea.",
-    "Zorvak is a city of 4120 people.",
-]
-QUESTIONS = ["Where does Alice live?", "How many coins are in the box?", "What is the dog called?"]
-FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-FULL = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [1.0]}
-REUSE = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [0.0]}
+# The blend alone, against its oracles: with the prefix cache on, a blend's blocks are registered
+# for follow-ups and the last chunk's tail runs fresh (test_follow_ups.py).
+_llm = partial(tiny_llm, enable_prefix_caching=False)
 
 
 def _prompt(doc_ids: list[int], question: str = QUESTIONS[0]) -> str:
-    return SYSTEM + SEP + SEP.join(DOCS[i] for i in doc_ids) + SEP + question
+    return chunked(SYSTEM, [DOCS[i] for i in doc_ids], question)
 
 
 def _parts(llm: LLM, doc_ids: list[int], question: str = QUESTIONS[0]):
@@ -41,15 +35,6 @@ def _parts(llm: LLM, doc_ids: list[int], question: str = QUESTIONS[0]):
     sys_ids = tok.encode(SYSTEM, add_special_tokens=True)
     chunks = [tok.encode(DOCS[i], add_special_tokens=False) for i in doc_ids]
     return sys_ids, chunks, tok.encode(question, add_special_tokens=False)
-
-
-def _llm(path, **options) -> LLM:
-    # The blend alone, against its oracles: with the prefix cache on, a blend's blocks are
-    # registered for follow-ups and the last chunk's tail runs fresh (test_blended_prefix.py).
-    options.setdefault("enable_prefix_caching", False)
-    options.setdefault("kv_cache_tokens", 2048)
-    options.setdefault("chunk_cache_size_gb", 0.001)
-    return LLM(str(path), device="cpu", dtype="float32", **options)
 
 
 def _assert_logprobs_close(out, ref: torch.Tensor, tol: float = 1e-4) -> None:
@@ -364,11 +349,10 @@ def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, 
     input), cached = the run of S + that chunk alone, re-rotated to the chunk's offset. Blend
     projects only K for this choice (`_project_k`); a wrong slice, bias, norm or rotation there
     ranks other tokens first."""
-    from oracle import hf_rerotate
-
     import chunkcache.chunk.blend as blend
     import chunkcache.engine.runner as runner
     from chunkcache.model.linear import Linear
+    from tests.support.oracle import hf_rerotate
 
     path = checkpoint(arch=arch, num_hidden_layers=3)
     llm = _llm(path)
@@ -551,9 +535,8 @@ def test_stored_sensitivity_is_measured_once_as_transformers_measures_it(checkpo
     """Each chunk entry's sensitivity (chunk/sensitivity.py) is the K/V deviation between the runs
     of S + P + C and S + C, layer-normalised, as transformers computes it; it is measured the first
     time a request ranks by it and kept with the entry, not measured again."""
-    from oracle import hf_sensitivity
-
     import chunkcache.engine.runner as runner
+    from tests.support.oracle import hf_sensitivity
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path)
@@ -581,9 +564,8 @@ def test_stored_selector_runs_only_the_chosen_tokens(checkpoint, monkeypatch) ->
     (never the exact first chunk) runs through every layer and the others never run: the answer
     equals transformers running the prompt with the others' K and V projections replaced by their
     isolated ones at every layer. At ratio 1.0 it is a full prefill."""
-    from oracle import hf_partial_reuse_logprobs
-
     import chunkcache.engine.runner as runner
+    from tests.support.oracle import hf_partial_reuse_logprobs
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path)

@@ -8,28 +8,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import (
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.errors import InvalidRequestError
+from chunkcache.model.calibration import ContextCalibration, calibrated_attention
+from tests.support.engines import tiny_llm as _llm
+from tests.support.oracle import (
     causal_mask,
     chunk_isolated_mask,
     hf_greedy_with_mask,
     hf_logprobs_with_mask,
     register_ape_attention,
 )
-from test_blend import DOCS, QUESTIONS, SEP, SYSTEM
+from tests.support.prompts import DOCS, QUESTION, SEP, SYSTEM
 
-from chunkcache import LLM, SamplingParams
-from chunkcache.errors import InvalidRequestError
-from chunkcache.model.calibration import ContextCalibration, calibrated_attention
-
-QUESTION = QUESTIONS[0]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 APE = {"calibration_temperature": 0.5, "calibration_scale": 1.5}
-
-
-def _llm(path, **options) -> LLM:
-    return LLM(
-        str(path), device="cpu", dtype="float32", kv_cache_tokens=2048, chunk_cache_size_gb=0.001, **options
-    )
 
 
 def _parts(llm: LLM, doc_ids: list[int]) -> tuple[str, list[int], list[list[int]], list[int]]:

@@ -3,41 +3,30 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
-from oracle import chunk_isolated_mask, hf_greedy_with_mask, hf_logprobs_with_mask
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.config import EngineConfig
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
+from tests.support.engines import tiny_llm
+from tests.support.oracle import chunk_isolated_mask, hf_greedy_with_mask, hf_logprobs_with_mask
+from tests.support.prompts import ALICE, BOB, CAROL, COINS, QUESTION, RIVER, SEP, SYSTEM, ZORVAK, chunked
 
-SEP = " # # "
-SYSTEM = "You answer questions about the documents."
-DOCS = [
-    "Alice lives in Paris and drinks tea every morning.",
-    "The red box holds 42 coins",
-    "Bob was born in 1990 in Rome, the capital of Italy, and he works as a baker.",
-    "x",
-    "Carol keeps three cats and a dog named Rex in her small flat by the sea.",
-    "Zorvak is a city of 4120 people.",
-    "The river runs north for 300 miles before it reaches the cold grey ocean in the far north.",
-]
-QUESTION = "Where does Alice live?"
+# "x": a document of one token.
+DOCS = [ALICE, COINS, BOB, "x", CAROL, ZORVAK, RIVER]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
 # One pool page of the tiny checkpoints = 16 tokens * 2 layers * 2 (K, V) * 2 heads * 16 dims * 4 B.
 PAGE_BYTES = 16 * 2 * 2 * 2 * 16 * 4
 
 
+# These tests check the exact layout "isolated" (the engine's default is "offset" + blend).
+_llm = partial(tiny_llm, chunk_layout="isolated")
+
+
 def _prompt(doc_ids: list[int], question: str = QUESTION) -> str:
-    return SYSTEM + SEP + SEP.join(DOCS[i] for i in doc_ids) + SEP + question
-
-
-def _llm(path, **options) -> LLM:
-    # These tests check the exact layout "isolated" (the engine's default is "offset" + blend).
-    options.setdefault("chunk_layout", "isolated")
-    options.setdefault("kv_cache_tokens", 2048)
-    options.setdefault("chunk_cache_size_gb", 0.001)
-    return LLM(str(path), device="cpu", dtype="float32", **options)
+    return chunked(SYSTEM, [DOCS[i] for i in doc_ids], question)
 
 
 def _oracle(path, llm: LLM, doc_ids: list[int], question: str = QUESTION):

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import (
+
+from chunkcache import LLM
+from tests.support.engines import tiny_llm as _llm
+from tests.support.oracle import (
     chunk_isolated_mask,
     hf_logprobs_with_mask,
     hf_offset_reuse_logprobs,
     hf_slices_reuse_logprobs,
 )
+from tests.support.prompts import FIRST, REUSE, SEP
 
-from chunkcache import LLM, SamplingParams
-
-SEP = " # # "
 SYSTEM = "You answer questions about the documents below, briefly and only from them."
 DOCS = [
     "Alice lives in Paris and drinks tea every morning before she walks to the market.",
@@ -28,16 +29,7 @@ DOCS = [
 ]
 QUESTION = "Where does Alice live?"
 PROMPT = SYSTEM + SEP + SEP.join(DOCS) + SEP + QUESTION
-FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-# Pure reuse: its output differs from a full prefill's, so a skipped blend cannot pass.
-REUSE = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [0.0]}
 ISOLATED = {"chunk_layout": "isolated"}
-
-
-def _llm(path, **options) -> LLM:
-    return LLM(
-        str(path), device="cpu", dtype="float32", kv_cache_tokens=2048, chunk_cache_size_gb=0.001, **options
-    )
 
 
 def _reference(path, llm: LLM, layout: str, prefix_caching: bool = True) -> torch.Tensor:

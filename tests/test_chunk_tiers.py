@@ -10,11 +10,11 @@ import os
 import subprocess
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.tiers.disk import DiskTier
@@ -25,28 +25,19 @@ from chunkcache.cli import main as cli_main
 from chunkcache.config import EngineConfig
 from chunkcache.errors import InvalidRequestError
 from chunkcache.hashing import chunk_hash
+from tests.support.engines import tiny_llm
+from tests.support.prompts import ALICE, BOB, CAROL, QUESTION, RIVER, SYSTEM, ZORVAK, chunked
+from tests.support.redis_server import RedisServer
 
-SEP = " # # "
-SYSTEM = "You answer questions about the documents."
-DOCS = [
-    "Alice lives in Paris and drinks tea every morning.",
-    "Bob was born in 1990 in Rome, the capital of Italy, and he works as a baker.",
-    "Carol keeps three cats and a dog named Rex in her small flat by the sea.",
-    "The river runs north for 300 miles before it reaches the cold grey ocean in the far north.",
-    "Zorvak is a city of 4120 people.",
-]
+DOCS = [ALICE, BOB, CAROL, RIVER, ZORVAK]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
 
 
-def _prompt(doc_ids: list[int], question: str = "Where does Alice live?") -> str:
-    return SYSTEM + SEP + SEP.join(DOCS[i] for i in doc_ids) + SEP + question
+_llm = partial(tiny_llm, chunk_layout="isolated", kv_cache_tokens=1024)
 
 
-def _llm(path: Path, **options) -> LLM:
-    options.setdefault("chunk_layout", "isolated")
-    options.setdefault("kv_cache_tokens", 1024)
-    options.setdefault("chunk_cache_size_gb", 0.001)
-    return LLM(str(path), device="cpu", dtype="float32", **options)
+def _prompt(doc_ids: list[int], question: str = QUESTION) -> str:
+    return chunked(SYSTEM, [DOCS[i] for i in doc_ids], question)
 
 
 def _chunk_tokens(llm: LLM, doc_ids: list[int]) -> int:
@@ -274,7 +265,7 @@ def test_pool_eviction_demotes_what_the_tiers_lack(checkpoint, tmp_path: Path) -
 # ---- the Redis tier ----------------------------------------------------------------------------
 
 
-def test_redis_tier_splits_large_values(redis_server: RedisServer) -> None:  # noqa: F811
+def test_redis_tier_splits_large_values(redis_server: RedisServer) -> None:
     tier = RedisTier(redis_server.url, prefix="t:", part_bytes=1000)
     blob = encode(_kv(tokens=40))
     assert len(blob) > 2000 and tier.store("e", blob)
@@ -288,7 +279,7 @@ def test_redis_tier_splits_large_values(redis_server: RedisServer) -> None:  # n
     tier.close()
 
 
-def test_two_replicas_share_redis_and_survive_it_dying(checkpoint, redis_server: RedisServer) -> None:  # noqa: F811
+def test_two_replicas_share_redis_and_survive_it_dying(checkpoint, redis_server: RedisServer) -> None:
     path = checkpoint(arch="qwen3")
     with (
         _llm(path, chunk_cache_remote=redis_server.url) as first,

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import httpx
 import openai
-from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
-from server_util import ServerProcess, ServerThread
+import pytest
 
 from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.server.app import build_app
+from tests.support.redis_server import RedisServer
+from tests.support.server_util import ServerProcess, ServerThread
 
+pytestmark = pytest.mark.server
 PROMPT = (
     "You answer questions about the documents. # # Alice lives in Paris and drinks tea. # # "
     "Bob was born in 1990 in Rome, the capital of Italy. # # Carol keeps three cats. # # Who drinks tea?"
@@ -39,7 +41,7 @@ def _tier_stats(server: ServerProcess) -> dict:
 def test_restart_and_second_replica_load_the_first_ones_documents(
     checkpoint: Callable[..., Path],
     tmp_path: Path,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     model = ["--model", str(checkpoint("qwen3"))]
     disk = ["--chunk-cache-disk-dir", str(tmp_path / "kv")]

@@ -97,6 +97,7 @@ def test_missing_model_and_files_are_one_line(
     assert "give --backends" in line
 
 
+@pytest.mark.slow  # two interpreters that import torch
 def test_debug_shows_the_traceback(tmp_path: Path) -> None:
     argv = ["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi", "--chunk-layout", "offset"]
     with pytest.raises(Exception, match="nope"):

@@ -3,13 +3,16 @@ against transformers (every generated token's log-probs) and against the eager e
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from oracle import hf_greedy, hf_model, linear_reference
 
-from chunkcache import LLM, SamplingParams
+from chunkcache import SamplingParams
 from chunkcache.model import llama
 from chunkcache.model.linear import Linear
+from tests.support.engines import tiny_llm
+from tests.support.oracle import hf_greedy, hf_model, linear_reference
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
 PROMPTS = [
@@ -18,10 +21,7 @@ PROMPTS = [
 ]
 
 
-def _llm(path, **options) -> LLM:
-    return LLM(
-        str(path), device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_cache_size_gb=0.01, **options
-    )
+_llm = partial(tiny_llm, kv_cache_tokens=4096, chunk_cache_size_gb=0.01)
 
 
 # The 1-row products of the compiled step: inductor's multiply-sum loops or BLAS calls. Which one
@@ -82,6 +82,7 @@ def test_packed_one_row_layout_is_refused(checkpoint, monkeypatch) -> None:
         _llm(checkpoint(arch="llama"), compile_decode=True, narrow_weights=False)
 
 
+@pytest.mark.slow  # torch.compile
 @pytest.mark.parametrize(
     ("n_in", "n_out", "bias", "gated", "with_residual", "narrow"),
     [(96, 160, True, True, False, "transposed"), (160, 96, True, False, True, "dense")],

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from server_util import ServerThread
 
-from chunkcache import LLM, SamplingParams
+from chunkcache import SamplingParams
 from chunkcache.chunk.documents import (
     DEFAULT_DOCUMENTS_FORMAT,
     PromptParts,
@@ -24,6 +22,8 @@ from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.errors import InvalidRequestError
 from chunkcache.server.app import build_app
+from tests.support.engines import tiny_llm as _llm
+from tests.support.server_util import ServerThread
 
 MODEL = "tiny-docs"
 DOCS = [
@@ -45,12 +45,6 @@ DOC_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-
-def _llm(path: Path, **options: Any) -> LLM:
-    options.setdefault("kv_cache_tokens", 2048)
-    options.setdefault("chunk_cache_size_gb", 0.001)
-    return LLM(str(path), device="cpu", dtype="float32", **options)
 
 
 def _render(tokenizer: Any, template: str | None = None) -> Callable[..., str]:

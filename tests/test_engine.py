@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import hf_first_token_logprobs, hf_greedy, linear_reference
 from safetensors.torch import load_file, save_file
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from chunkcache.hashing import block_hashes
 from chunkcache.model import loader
+from tests.support.oracle import hf_first_token_logprobs, hf_greedy, linear_reference
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
 PROMPTS = [

@@ -22,8 +22,6 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.testclient import TestClient
-from server_util import ServerProcess, ServerThread
-from test_router_app import ServerThread as BackendThread
 
 from chunkcache.config import ChunkConfig, EngineConfig, SchedulerConfig
 from chunkcache.engine.engine import LLMEngine
@@ -38,6 +36,7 @@ from chunkcache.router.service import Router, RouterConfig
 from chunkcache.sampling import MAX_STOP_STRINGS, SamplingParams
 from chunkcache.server.app import build_app
 from chunkcache.server.cli import DEFAULT_DRAIN_TIMEOUT, add_serve_arguments
+from tests.support.server_util import ServerProcess, ServerThread
 
 # 1024 KV tokens = 64 blocks of 16: the issue's over-committed configuration.
 SERVE_ARGS = [
@@ -201,6 +200,7 @@ def test_failing_fill_job_fails_the_requests_waiting_for_it(
     inproc.on_engine(engine.check_integrity)
 
 
+@pytest.mark.server
 def test_engine_thread_death_makes_health_503(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = LLMEngine(
         EngineConfig.from_options(
@@ -212,7 +212,7 @@ def test_engine_thread_death_makes_health_503(model_dir: Path, monkeypatch: pyte
     srv.engine_loop.on_death = deaths.append
     try:
         # Outside the per-batch guard (the inbox), as a bug in the engine itself would be.
-        monkeypatch.setattr(engine, "_drain_inbox", lambda: (_ for _ in ()).throw(SystemError("engine bug")))
+        monkeypatch.setattr(engine, "_admit", lambda: (_ for _ in ()).throw(SystemError("engine bug")))
         with httpx.Client(base_url=srv.url, timeout=REQUEST_TIMEOUT) as http:
             r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 503, r.text
@@ -228,12 +228,13 @@ import sys
 from chunkcache.engine.engine import LLMEngine
 def broken(self):
     raise SystemError("injected engine bug")
-LLMEngine._drain_inbox = broken
+LLMEngine._admit = broken
 from chunkcache.server.cli import main
 main(sys.argv[1:])
 """
 
 
+@pytest.mark.server
 def test_engine_death_exits_non_zero(model_dir: Path) -> None:
     server = ServerProcess(["--model", str(model_dir), *SERVE_ARGS], script=_DYING_SERVER)
     try:
@@ -443,6 +444,7 @@ def test_drain_timeout_has_a_default() -> None:
     assert args.drain_timeout == DEFAULT_DRAIN_TIMEOUT > 0
 
 
+@pytest.mark.server
 def test_sigterm_with_a_hung_request_exits_within_the_drain_timeout(model_dir: Path) -> None:
     server = ServerProcess(["--model", str(model_dir), *SERVE_ARGS, "--drain-timeout", "2"])
     try:
@@ -482,6 +484,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.server
 def test_drain_timeout_ends_requests_with_openai_errors(model_dir: Path) -> None:
     """Issue 35: at the drain timeout a non-streamed request got uvicorn's text/plain 500 and a
     stream was cut with no error event and no [DONE]."""
@@ -600,9 +603,10 @@ def router_metric(text: str, name: str) -> float:
     return 0.0
 
 
+@pytest.mark.server
 def test_router_retries_backends_that_fail_before_sending(model_dir: Path) -> None:
     closing, headers_only = RawBackend("close"), RawBackend("headers")
-    ok = BackendThread(ok_backend()).start()
+    ok = ServerThread(ok_backend()).start()
     try:
         specs = (
             BackendSpec(closing.url, "closes"),
@@ -627,6 +631,7 @@ def test_router_retries_backends_that_fail_before_sending(model_dir: Path) -> No
         ok.stop()
 
 
+@pytest.mark.server
 def test_router_reports_a_backend_killed_mid_stream(model_dir: Path) -> None:
     backend = ServerProcess(["--model", str(model_dir), *SERVE_ARGS])
     try:
@@ -652,8 +657,9 @@ def test_router_reports_a_backend_killed_mid_stream(model_dir: Path) -> None:
         backend.stop()
 
 
+@pytest.mark.server
 def test_router_api_key_guards_routes_and_is_forwarded(model_dir: Path) -> None:
-    ok = BackendThread(ok_backend(api_key="k")).start()
+    ok = ServerThread(ok_backend(api_key="k")).start()
     try:
         specs = (BackendSpec(ok.url, "ok"),)
         auth = {"Authorization": "Bearer k"}
@@ -868,6 +874,7 @@ def test_salted_blocks_are_never_published() -> None:
     blocks.check_integrity()
 
 
+@pytest.mark.server
 def test_router_keys_chunks_by_salt(model_dir: Path) -> None:
     from chunkcache.hashing import chunk_hash, to_wire
     from chunkcache.router.tokens import PromptProcessor
@@ -902,8 +909,10 @@ def test_block_state_events_list_parents_first() -> None:
     assert state == [e for e in blocks.events]
 
 
+@pytest.mark.server
+@pytest.mark.redis
 def test_router_index_recovers_after_a_redis_restart(model_dir: Path) -> None:
-    from redis_server import REDIS_BIN, RedisServer
+    from tests.support.redis_server import REDIS_BIN, RedisServer
 
     if REDIS_BIN is None:
         pytest.skip("redis-server is not on PATH (apt-get install redis-server)")

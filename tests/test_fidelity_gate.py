@@ -269,3 +269,14 @@ def test_command_line_mistakes_are_one_line_errors(
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and message in err, err
+
+
+def test_kept_interval_is_wilsons() -> None:
+    def interval(kept: int, counted: int) -> tuple[float, float]:
+        m = dataclasses.replace(_measured("a", 1.0, 1.0), kept=kept, counted=counted)
+        lo, hi = m.kept_interval() or (-1.0, -1.0)
+        return round(lo, 4), round(hi, 4)
+
+    assert interval(0, 10) == (0.0, 0.2775) and interval(10, 10) == (0.7225, 1.0)
+    assert interval(5, 10) == (0.2366, 0.7634)
+    assert dataclasses.replace(_measured("a", None, None), counted=0).kept_interval() is None

@@ -1,38 +1,39 @@
 """Follow-up questions: a request with the same S and chunks in the same order as an earlier one
-reads their KV from the prefix cache and computes only its question (engine._reads_cached_prefix):
+reads their KV from the prefix cache and computes only its question (engine/follow_ups.py):
 the earlier request's blended KV under the same blend options, or with `exact_follow_ups` the
 exact KV that a background job prefilled."""
 
 from __future__ import annotations
 
 import time
+from functools import partial
 
+import pytest
 import torch
-from oracle import hf_continue_over_cache, hf_first_token_logprobs, hf_greedy, hf_layer_kv
-from test_blend import DOCS, SEP, SYSTEM
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.engine.runner import block_slots
+from tests.support.engines import tiny_llm
+from tests.support.oracle import hf_continue_over_cache, hf_first_token_logprobs, hf_greedy, hf_layer_kv
+from tests.support.prompts import DOCS, SYSTEM, chunked
 
 ORDER = [2, 3, 0, 1]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 BLEND = {"chunk_layout": "offset", "blend_recompute_ratios": [0.3]}
 
 
+_llm = partial(tiny_llm, chunk_cache_size_gb=None)  # the engine's default chunk pool
+
+
 def _prompt(doc_ids: list[int], question: str) -> str:
-    return SYSTEM + SEP + SEP.join(DOCS[i] for i in doc_ids) + SEP + question
-
-
-def _llm(path, **options) -> LLM:
-    options.setdefault("kv_cache_tokens", 2048)
-    return LLM(str(path), device="cpu", dtype="float32", **options)
+    return chunked(SYSTEM, [DOCS[i] for i in doc_ids], question)
 
 
 def _blended_kv(llm: LLM, prompt: str, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (K, V) [Hk, P, D] of the first `num_blocks` blocks of `prompt`'s blend chain, as
     the prefix cache holds them."""
     engine = llm.engine
-    seq = engine._make_sequence("probe", prompt, GREEDY, True, engine._chunk_config(BLEND))
+    seq = engine.intake.make_sequence("probe", prompt, GREEDY, True, engine.intake.chunk_config(BLEND))
     assert seq.kv_key is not None
     blocks, _ = engine.blocks.match_prefix(seq.token_ids, num_blocks, seq.block_keys)
     assert len(blocks) == num_blocks
@@ -224,7 +225,8 @@ def test_an_exact_prefix_job_yields_to_requests(checkpoint) -> None:
     engine = llm.engine
     engine.add_request("first", _prompt(ORDER, "Where does Alice live?"), GREEDY, chunk_options=BLEND)
     engine.step()
-    (job,) = engine._exact_jobs.values()
+    assert engine.chunk_steps is not None
+    (job,) = engine.chunk_steps.follow_ups.jobs.values()
     assert job in engine.scheduler.running and job.num_computed == 16  # beside the request's fill jobs
     most = 0
     while engine.has_unfinished_requests():
@@ -248,17 +250,18 @@ def test_an_exact_prefix_job_yields_to_requests(checkpoint) -> None:
     llm.check_integrity()
 
 
+@pytest.mark.server
 def test_a_server_answers_a_follow_up_turn_exactly(checkpoint) -> None:
     """Through the OpenAI server: a chat's documents, then a follow-up over the same documents.
     The server runs the exact-prefix job while idle; the follow-up reads it (a full prefill's
     tokens) and reports its cached tokens."""
     import openai
-    from server_util import ServerThread
 
     from chunkcache.chunk.parse import tokenize_parts
     from chunkcache.config import EngineConfig
     from chunkcache.engine.engine import LLMEngine
     from chunkcache.server.app import build_app
+    from tests.support.server_util import ServerThread
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
     options = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "exact_follow_ups": True}

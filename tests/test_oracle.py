@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import (
+from safetensors import safe_open
+
+from tests.support.oracle import (
     causal_mask,
     chunk_isolated_mask,
     hf_first_token_logprobs,
@@ -18,8 +20,7 @@ from oracle import (
     hf_logprobs_with_mask,
     hf_model,
 )
-from safetensors import safe_open
-from tiny_checkpoint import ARCHS, ROPE_TYPES, build_checkpoint, checkpoint_config
+from tests.support.tiny_checkpoint import ARCHS, ROPE_TYPES, build_checkpoint, checkpoint_config
 
 Factory = Callable[..., Path]
 

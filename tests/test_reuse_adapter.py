@@ -18,8 +18,8 @@ import torch
 from chunkcache import LLM, SamplingParams
 
 pytest.importorskip("peft")
-from test_blend import FIRST, REUSE
 
+from tests.support.prompts import FIRST, REUSE
 from training import reuse_adapter, reuse_corpus
 
 

@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.testclient import TestClient
-from redis_server import RedisServer, free_port, redis_server  # noqa: F401 - the fixture
 
 from chunkcache.errors import UsageError
 from chunkcache.hashing import block_hashes, to_wire
@@ -37,7 +33,10 @@ from chunkcache.router.policy import Picker
 from chunkcache.router.scorer import PodScore
 from chunkcache.router.service import Router, RouterConfig
 from chunkcache.router.tokens import PromptProcessor
+from tests.support.redis_server import RedisServer, free_port
+from tests.support.server_util import ServerThread
 
+pytestmark = pytest.mark.server
 MODEL = "tiny-model"
 
 
@@ -95,29 +94,6 @@ def fake_backend(name: str) -> FastAPI:
     app.post("/v1/completions")(answer)
     app.post("/v1/chat/completions")(answer)
     return app
-
-
-class ServerThread:
-    def __init__(self, app: FastAPI) -> None:
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def start(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "fake backend did not start"
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +244,7 @@ def test_redis_outage_falls_back_to_least_loaded(
     backends: dict[str, ServerThread],
     publishers: dict[str, KVEventPublisher],
     tokenizer_dir: str,
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     config = RouterConfig(
         specs(backends, publishers), MODEL, tokenizer_dir, index=redis_server.url, health_interval_s=0

@@ -25,7 +25,6 @@ from typing import Any
 
 import httpx
 import pytest
-from server_util import ServerThread
 
 from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
@@ -35,9 +34,11 @@ from chunkcache.router.backends import BackendSpec
 from chunkcache.router.service import Router, RouterConfig
 from chunkcache.server.app import build_app
 from chunkcache.server.cli import add_serve_arguments
+from tests.support.prompts import SEP
+from tests.support.server_util import ServerThread
 
+pytestmark = pytest.mark.server
 MODEL = "tiny-e2e"
-SEP = " # # "
 SYSTEM = (
     "You are a careful assistant. Read the documents below and answer the question with the facts "
     "they give, citing the document you used."
@@ -113,7 +114,7 @@ def cluster(
 
 def documents(tok: Any, n: int) -> list[str]:
     """`n` distinct documents of about 60 tokens (sentences of the tiny tokenizer's corpus)."""
-    from tiny_checkpoint import corpus
+    from tests.support.tiny_checkpoint import corpus
 
     lines = [line.strip() for line in corpus(num_lines=400, seed=7) if "#" not in line]
     docs: list[str] = []

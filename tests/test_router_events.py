@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 import msgpack
 import pytest
 import zmq
-from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
 
 from chunkcache.hashing import block_hashes, to_wire
 from chunkcache.kv_events import (
@@ -30,6 +29,7 @@ from chunkcache.router.index import KVIndex, MemoryIndex
 from chunkcache.router.scorer import Scorer
 from chunkcache.router.service import open_index
 from chunkcache.router.tokens import BlockKeyer
+from tests.support.redis_server import RedisServer
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -433,7 +433,7 @@ def random_stream(seed: int) -> list[tuple[str, int, bytes]]:
     return encoded
 
 
-def test_memory_and_redis_indexes_score_identically(redis_server: RedisServer) -> None:  # noqa: F811
+def test_memory_and_redis_indexes_score_identically(redis_server: RedisServer) -> None:
     stream = random_stream(7)
     scorers = []
     intakes = []

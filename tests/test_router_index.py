@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
 
 from chunkcache.hashing import chunk_hash, system_hash, to_wire
 from chunkcache.kv_events import BlockStored
@@ -13,9 +12,10 @@ from chunkcache.router.index import IndexIntegrityError, KVIndex, MemoryIndex
 from chunkcache.router.scorer import Scorer, ScorerConfig, parse_tier_weights
 from chunkcache.router.service import open_index
 from chunkcache.router.tokens import BlockKeyer, EngineKeyMap, PromptProcessor
+from tests.support.redis_server import RedisServer
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.slow])])
 def index(request: pytest.FixtureRequest) -> Iterator[KVIndex]:
     if request.param == "memory":
         yield MemoryIndex(pods_per_key=3)

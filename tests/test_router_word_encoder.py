@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_checkpoint import build_tokenizer
 
 from chunkcache.hashing import chunk_hash, prompt_hashes, system_hash, to_wire
 from chunkcache.router.tokens import CachedEncoder, PromptProcessor
 from chunkcache.router.word_encoder import _LLAMA3, _QWEN2, WordEncoder
+from tests.support.tiny_checkpoint import build_tokenizer
 
 QWEN_LIKE = "/root/.cache/chunkcache/bench-qwen2.5-0.5b"
 

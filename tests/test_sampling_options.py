@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from oracle import hf_generate, hf_model
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.engine.sampler import History, process_logits
 from chunkcache.errors import InvalidRequestError
+from tests.support.oracle import hf_generate, hf_model
 
 PROMPT = [5, 17, 17, 40, 9, 63, 17, 2, 88, 31]
 

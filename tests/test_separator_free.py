@@ -3,16 +3,18 @@ against transformers with the KV slices assembled by hand."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
-from oracle import hf_first_token_logprobs, hf_slices_reuse_logprobs
-from tiny_checkpoint import corpus
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.matcher import WINDOW, SpanIndex, anchors
 from chunkcache.chunk.pool import Entry
+from tests.support.engines import tiny_llm
+from tests.support.oracle import hf_first_token_logprobs, hf_slices_reuse_logprobs
+from tests.support.tiny_checkpoint import corpus
 
 FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
 # Pure reuse: what is borrowed is used as it is, so the oracle can assemble the same KV.
@@ -37,11 +39,7 @@ def _stuff(docs: list[str], order: list[int], question: str, preamble: str = PRE
     return preamble + "\n\n".join(docs[i] for i in order) + "\n\nQuestion: " + question
 
 
-def _llm(path: Any, **options: Any) -> LLM:
-    options.setdefault("kv_cache_tokens", 4096)
-    options.setdefault("chunk_cache_size_gb", 0.01)
-    options.setdefault("separator_free", True)
-    return LLM(str(path), device="cpu", dtype="float32", **options)
+_llm = partial(tiny_llm, kv_cache_tokens=4096, chunk_cache_size_gb=0.01, separator_free=True)
 
 
 def _close(out: Any, ref: torch.Tensor) -> None:
@@ -305,9 +303,8 @@ def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None
     computed in the background as its own entry right after S: its KV equals transformers' KV of
     S + the run, and a third prompt (another order) borrows those entries, exact against
     transformers with the cache assembled from them."""
-    from oracle import hf_layer_kv
-
     from chunkcache.engine.runner import gather_kv
+    from tests.support.oracle import hf_layer_kv
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,63 +21,17 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_util import ServerThread, free_port
 
 from chunkcache.config import EngineConfig
-from chunkcache.engine.engine import LLMEngine
 from chunkcache.engine_args import engine_options
 from chunkcache.llm import LLM
 from chunkcache.sampling import SamplingParams
-from chunkcache.server.app import build_app
 from chunkcache.server.cli import add_serve_arguments
+from tests.support.server_util import ServerThread, free_port
+from tests.support.tiny_server import API_KEY, MODEL, PROMPTS
 
-API_KEY = "test-key"
-MODEL = "tiny-served"
-# Small caches keep the "every block is free again" checks meaningful; max_model_len 256 makes a
-# too-long prompt cheap to send.
-ENGINE_OPTIONS: dict[str, Any] = {
-    "kv_cache_tokens": 8192,
-    "max_model_len": 256,
-    "chunk_cache_size_gb": 0.01,
-    "max_num_seqs": 64,
-    "device": "cpu",
-    "dtype": "float32",  # auto is bfloat16 on CPUs with native bf16; the oracles are float32
-}
-PROMPTS = [
-    "Zorvath sells apples in Ashford.",
-    "Where does Mirela live?",
-    "The famous town of Port Kellam has 12 lanterns.",
-    "Every morning Bexley counts blue stones, and",
-]
+pytestmark = pytest.mark.server
 CHUNKED = "sys # # doc one # # doc two # # question"
-
-
-@pytest.fixture(scope="module")
-def model_dir(checkpoint: Callable[..., Path]) -> Path:
-    return checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> Iterator[LLM]:
-    """The offline API on the same checkpoint, as a separate engine: the server's answers must be its."""
-    llm = LLM(str(model_dir), **ENGINE_OPTIONS)
-    yield llm
-    llm.engine.close()
-
-
-@pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[ServerThread]:
-    engine = LLMEngine(EngineConfig.from_options(str(model_dir), use_env=False, **ENGINE_OPTIONS))
-    app = build_app(engine, api_key=API_KEY, max_queue=64, served_model_name=MODEL)
-    srv = ServerThread(app).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerThread) -> openai.OpenAI:
-    # No retries: an error status must reach the test as it was sent.
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 
 
 @pytest.fixture

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from test_server are parameters here)
 """OpenAI / vLLM request shapes that clients send (issue 17): explicit nulls, no-op fields, n > 1,
 batches of prompts, echo, penalties, chat template options; the official `openai` client and
 langchain-openai against a real server, the offline API as the reference."""
@@ -12,12 +11,13 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_util import ServerThread
-from test_server import API_KEY, ENGINE_OPTIONS, MODEL, PROMPTS, client, model_dir, reference, server  # noqa: F401
 
 from chunkcache.llm import LLM
 from chunkcache.sampling import SamplingParams
+from tests.support.server_util import ServerThread
+from tests.support.tiny_server import API_KEY, MODEL, PROMPTS
 
+pytestmark = pytest.mark.server
 MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Where does Mirela live?"},

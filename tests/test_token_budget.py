@@ -5,7 +5,6 @@ never in time."""
 from __future__ import annotations
 
 import pytest
-from oracle import hf_first_token_logprobs, hf_greedy
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.config import SchedulerConfig
@@ -14,6 +13,7 @@ from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.scheduler import Scheduler
 from chunkcache.engine.sequence import Sequence, SequenceKind
 from chunkcache.outputs import RequestOutput
+from tests.support.oracle import hf_first_token_logprobs, hf_greedy
 
 MAX_OUT = 4
 

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from test_server are parameters here)
 """Tool calling (server/tools.py): forced calls (named, required) on any model, the Hermes format
 read back for tool_choice "auto", multi-turn messages with tool calls and results."""
 
@@ -9,14 +8,15 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from server_util import ServerThread
-from test_server import API_KEY, ENGINE_OPTIONS, MODEL, client, model_dir, server  # noqa: F401
 
 from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.server.app import build_app
 from chunkcache.server.tools import ToolCall, parse_hermes, parse_required_calls, template_tool_calls
+from tests.support.server_util import ServerThread
+from tests.support.tiny_server import API_KEY, ENGINE_OPTIONS, MODEL
 
+pytestmark = pytest.mark.server
 jsonschema = pytest.importorskip("jsonschema")
 
 WEATHER = {

@@ -167,6 +167,11 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def _ci(c: profiles.Measured) -> str:
+    interval = c.kept_interval()
+    return "-" if interval is None else f"{100 * interval[0]:.0f}-{100 * interval[1]:.0f}%"
+
+
 def table(profile: profiles.Profile, target: float) -> str:
     """The profile as a table; `*` marks what an engine with `fidelity_target target` would use."""
     chosen = (
@@ -177,7 +182,7 @@ def table(profile: profiles.Profile, target: float) -> str:
     lines = [
         f"{profile.model} ({profile.dtype}, {profile.device}): {profile.prompts} prompts ({profile.prompt_set}); "
         f"full prefill {_pct(profile.full_accuracy)} correct, warm TTFT {profile.full_ttft_ms or 0:.1f} ms",
-        f"{'configuration':<22}{'kept':>12}{'kept %':>8}{'same reply':>11}{'correct':>9}{'recomputed':>11}"
+        f"{'configuration':<22}{'kept':>12}{'kept %':>8}{'95% CI':>10}{'same reply':>11}{'correct':>9}{'recomputed':>11}"
         f"{'TTFT ratio':>11}{'speedup':>9}",
     ]
     for c in profile.configurations:
@@ -185,7 +190,7 @@ def table(profile: profiles.Profile, target: float) -> str:
         ratio = "-" if c.ttft_ratio is None else f"{c.ttft_ratio:.3f}"
         speed = "-" if c.speedup is None else f"{c.speedup:.2f}x"
         lines.append(
-            f"{mark}{c.name:<21}{f'{c.kept}/{c.counted}':>12}{_pct(c.kept_fraction):>8}{_pct(c.identical):>11}"
+            f"{mark}{c.name:<21}{f'{c.kept}/{c.counted}':>12}{_pct(c.kept_fraction):>8}{_ci(c):>10}{_pct(c.identical):>11}"
             f"{_pct(c.accuracy):>9}{_pct(c.recomputed_share):>11}{ratio:>11}{speed:>9}"
         )
     if chosen is not None:

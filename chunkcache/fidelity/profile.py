@@ -49,6 +49,16 @@ class Measured:
     def complete(self) -> bool:
         return self.kept_fraction is not None and self.speedup is not None
 
+    def kept_interval(self, z: float = 1.96) -> tuple[float, float] | None:
+        """Wilson's 95% interval of the kept share: how far a few prompts let the figure be trusted."""
+        n = self.counted
+        if n == 0:
+            return None
+        p = self.kept / n
+        center = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        return max(0.0, center - half), min(1.0, center + half)
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -183,7 +193,8 @@ class Choice:
 
     def reason(self, target: float) -> str:
         c = self.chosen
-        kept = f"kept {c.kept} of {c.counted} ({100 * (c.kept_fraction or 0):.1f}%)"
+        lo, hi = c.kept_interval() or (0.0, 1.0)
+        kept = f"kept {c.kept} of {c.counted} ({100 * (c.kept_fraction or 0):.1f}%, 95% CI {100 * lo:.0f}-{100 * hi:.0f}%)"
         speed = f"{c.speedup:.2f}x full prefill's warm TTFT"
         if self.met:
             why = f"the fastest configuration meeting the target {target:g}: {kept} at {speed}"

@@ -6,7 +6,7 @@ did not ask for. Every optional field also takes an explicit `null` (= its defau
 API does. Fields with no effect on the answer are accepted where they mean nothing here (`user`,
 `metadata`, `store=false`, `tools=[]`, `tool_choice="none"`, `response_format={"type": "text"}`,
 ...), and refused with a 400 saying why where they would (`store=true`, non-empty `tools`, JSON
-response formats). README, "OpenAI and vLLM compatibility", lists every field.
+response formats). docs/compatibility.md lists every field.
 
 Value checks that belong to sampling (ranges of temperature, top_p, ...) are left to
 `SamplingParams`, the one place that knows them; these models check shapes and the OpenAI-only rules.

@@ -1,7 +1,7 @@
 """A real `redis-server` on a free loopback port in a temp dir, for the Redis index tests.
 
-Import the fixture into a test module (`from redis_server import redis_server`); tests that use it
-are skipped, with the reason, only when `redis-server` is not on PATH (CI installs it).
+The `redis_server` fixture is global (tests/conftest.py loads this module as a plugin); tests that
+use it are skipped, with the reason, only when `redis-server` is not on PATH (CI installs it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The test suite, a package so that its helpers (tests/support) import by name, not by `sys.path`."""
