@@ -6,12 +6,12 @@ order: (1) running decodes, one token each; (2) waiting short prompts (at most
 prompts first come first served, in pieces of at most `long_prefill_token_threshold`;
 (4) background work (canonical chunk entries, exact-prefix jobs, a prewarm's fill jobs: work no
 request waits for) gets what is left, in pieces of the same size, and at most one piece's worth
-in a step that serves requests (so that it makes their step no longer than a long prefill does). So no request waits behind
-another's prefill for more than one step: a short prompt is admitted in the step after it
-arrives, and a running stream gets its token every step; while streams decode, long prefills
-and background work join a step only if the streams keep `min_decode_share` of their decode-only
-rate (engine/decode_guard.py), so that on a CPU, where a piece costs many decode steps, the
-streams are not slowed to a crawl. Background work that got nothing for
+in a step that serves requests (so that it makes their step no longer than a long prefill does).
+So no request waits behind another's prefill for more than one step: a short prompt is admitted
+in the step after it arrives, and a running stream gets its token every step. While streams
+decode, long prefills and background work join a step only if the streams keep
+`min_decode_share` of their decode-only rate (engine/decode_guard.py): on a CPU, where a piece
+costs many decode steps, the streams are not slowed to a crawl. Background work that got nothing for
 `BACKGROUND_MAX_WAIT_STEPS` steps in a row gets `BACKGROUND_STEP_TOKENS` before anything else in
 the next one, so steady load slows it but never starves it.
 
@@ -130,8 +130,9 @@ class Scheduler:
         background = self.has_background_work()
         if background and self._background_waited >= BACKGROUND_MAX_WAIT_STEPS:
             self._serve_background(batch, BACKGROUND_STEP_TOKENS)
+        reserved = len(batch.seqs)  # background work served first, if it was starving
         self._serve_running(batch, _is_decode)
-        batch.decodes = len(batch.seqs)
+        batch.decodes = len(batch.seqs) - reserved
         if not batch.preempted:
             self._admit(batch, lambda s: not s.kind.is_background and _remaining(s) <= short)
         # Long prefills and background work wait while running streams fall behind (decode_guard).
