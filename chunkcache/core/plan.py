@@ -64,6 +64,8 @@ class Entry:
     private: bool = False  # computed for one request in paged KV blocks, never shared
     loading: bool = False  # being read from a lower tier (chunkcache/chunk/tiers/loader.py)
     from_tier: bool = False  # its KV was loaded from a lower tier, not computed here
+    # A request waits for it (not only prewarms): its fill job is not background work.
+    urgent: bool = False
     # [num_tokens] float32 on the CPU, a chunk's sensitivity (engine/sensitivity.py): measured the
     # first time a request ranks by it, then kept (and written down to the tiers) with the KV.
     sensitivity: torch.Tensor | None = None

@@ -153,8 +153,9 @@ class LLMEngine:
         return pending or loading or any(not s.kind.is_fill for s in list(self._requests.values()))
 
     def has_background_work(self) -> bool:
-        """Whether work nobody waits for is queued (canonical chunk entries, chunk/manager.py):
-        steps run it while no request is waiting or running. Call from the stepping thread."""
+        """Whether work nobody waits for is queued (canonical chunk entries, chunk/manager.py;
+        prewarms' fill jobs; exact-prefix jobs): steps run it on the budget requests leave. Call
+        from the stepping thread."""
         return self.scheduler.has_background_work()
 
     # ---- the step ----------------------------------------------------------------------------
@@ -223,7 +224,9 @@ class LLMEngine:
                 self.chunk_steps.wait_for_loads()
             return []
         try:
+            started = time.perf_counter()
             logits, rows = self.runner.run(batch)
+            self.scheduler.step_took(batch, time.perf_counter() - started)
             self._postprocess(batch, logits, rows)
         except Exception as e:
             # One bad request must not stop the engine: fail this batch's requests (their KV is
