@@ -179,6 +179,7 @@ def test_calibrate_writes_a_profile_the_engine_loads(
         )
         assert llm.engine.config.chunk == expected
         assert f"use {chosen.name}" in caplog.text
+        assert "rests on" in caplog.text  # two prompts: the gate says how little that is
     finally:
         llm.close()
 
