@@ -212,7 +212,7 @@ def test_engine_thread_death_makes_health_503(model_dir: Path, monkeypatch: pyte
     srv.engine_loop.on_death = deaths.append
     try:
         # Outside the per-batch guard (the inbox), as a bug in the engine itself would be.
-        monkeypatch.setattr(engine, "_drain_inbox", lambda: (_ for _ in ()).throw(SystemError("engine bug")))
+        monkeypatch.setattr(engine, "_admit", lambda: (_ for _ in ()).throw(SystemError("engine bug")))
         with httpx.Client(base_url=srv.url, timeout=REQUEST_TIMEOUT) as http:
             r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 503, r.text
@@ -228,7 +228,7 @@ import sys
 from chunkcache.engine.engine import LLMEngine
 def broken(self):
     raise SystemError("injected engine bug")
-LLMEngine._drain_inbox = broken
+LLMEngine._admit = broken
 from chunkcache.server.cli import main
 main(sys.argv[1:])
 """

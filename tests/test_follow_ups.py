@@ -1,5 +1,5 @@
 """Follow-up questions: a request with the same S and chunks in the same order as an earlier one
-reads their KV from the prefix cache and computes only its question (engine._reads_cached_prefix):
+reads their KV from the prefix cache and computes only its question (engine/follow_ups.py):
 the earlier request's blended KV under the same blend options, or with `exact_follow_ups` the
 exact KV that a background job prefilled."""
 
@@ -33,7 +33,7 @@ def _blended_kv(llm: LLM, prompt: str, num_blocks: int) -> list[tuple[torch.Tens
     """Per layer (K, V) [Hk, P, D] of the first `num_blocks` blocks of `prompt`'s blend chain, as
     the prefix cache holds them."""
     engine = llm.engine
-    seq = engine._make_sequence("probe", prompt, GREEDY, True, engine._chunk_config(BLEND))
+    seq = engine.intake.make_sequence("probe", prompt, GREEDY, True, engine.intake.chunk_config(BLEND))
     assert seq.kv_key is not None
     blocks, _ = engine.blocks.match_prefix(seq.token_ids, num_blocks, seq.block_keys)
     assert len(blocks) == num_blocks
@@ -225,7 +225,8 @@ def test_an_exact_prefix_job_yields_to_requests(checkpoint, monkeypatch) -> None
     engine.add_request("first", _prompt(ORDER, "Where does Alice live?"), GREEDY, chunk_options=BLEND)
     while engine.has_unfinished_requests():
         engine.step()
-    (job,) = engine._exact_jobs.values()
+    assert engine.chunk_steps is not None
+    (job,) = engine.chunk_steps.follow_ups.jobs.values()
     engine.step()
     engine.step()
     assert job in engine.scheduler.running and job.num_computed == len(job.block_table) * 16

@@ -160,50 +160,19 @@ class SpanIndex:
         tail); `found` are the prompt's anchors."""
         runs: list[Run] = []
         covered = 0
-        n = len(token_ids)
         for pos, h in found:
             if pos < covered:
-                continue
-            refs = self._refs.get(h)
-            if not refs:
                 continue
             # An aligned run may take back the tail of the previous run (the blank line between
             # two documents that both runs' entries hold), down to min_tokens of it.
             floor = runs[-1].start + min_tokens if runs else 0
             best: Run | None = None
-            for entry, off in list(refs):
-                if not self._alive(entry):
-                    refs.remove((entry, off))
-                    self._size -= 1
-                    if not refs:
-                        del self._refs[h]
-                    continue
-                tokens = entry.token_ids[-1]
-                if tuple(token_ids[pos : pos + WINDOW]) != tuple(tokens[off : off + WINDOW]):
-                    continue  # a hash collision
-                left = 0
-                while (
-                    pos - left > floor
-                    and off - left > 0
-                    and token_ids[pos - left - 1] == tokens[off - left - 1]
-                ):
-                    left += 1
-                if off - left > ALIGN_SLACK:
-                    left = min(left, pos - covered)  # not aligned: it takes nothing back
-                right = WINDOW
-                while (
-                    pos + right < n
-                    and off + right < len(tokens)
-                    and token_ids[pos + right] == tokens[off + right]
-                ):
-                    right += 1
-                if left + right < min_tokens:
-                    continue
+            for entry, off in self._live_refs(h):
+                run = _extend(token_ids, pos, entry, off, floor, covered)
                 # An aligned run (from its entry's start) is KV computed right after that entry's
                 # S, as a separator chunk's is: preferred to a longer slice from inside another
                 # entry, whose KV carries the context it was learned in.
-                run = Run(pos - left, left + right, entry, off - left)
-                if best is None or (run.aligned, run.length) > (best.aligned, best.length):
+                if run is not None and run.length >= min_tokens and _better(run, best):
                     best = run
             if best is not None:
                 if best.start < covered:
@@ -213,6 +182,20 @@ class SpanIndex:
                 covered = best.end
         return runs
 
+    def _live_refs(self, h: int) -> list[tuple[Entry, int]]:
+        """The references of anchor hash `h` whose entries are alive; dead ones are dropped."""
+        refs = self._refs.get(h)
+        if not refs:
+            return []
+        live = [(entry, off) for entry, off in refs if self._alive(entry)]
+        if len(live) < len(refs):
+            self._size -= len(refs) - len(live)
+            if live:
+                self._refs[h] = live
+            else:
+                del self._refs[h]
+        return live
+
     def check_integrity(self) -> None:
         assert self._size == sum(map(len, self._refs.values())), "span index size drifted"
         for h, refs in self._refs.items():
@@ -220,6 +203,31 @@ class SpanIndex:
             for entry, pos in refs:
                 if self._alive(entry):
                     assert window_hashes(entry.token_ids[-1][pos : pos + WINDOW]) == [h]
+
+
+def _better(run: Run, best: Run | None) -> bool:
+    return best is None or (run.aligned, run.length) > (best.aligned, best.length)
+
+
+def _extend(
+    token_ids: Sequence[int], pos: int, entry: Entry, off: int, floor: int, covered: int
+) -> Run | None:
+    """The run of `token_ids` around anchor `pos` equal to `entry`'s tokens around `off`, extended
+    left (not below `floor`, nor below `covered` unless aligned with the entry's start) and right;
+    None on a hash collision."""
+    tokens = entry.token_ids[-1]
+    if tuple(token_ids[pos : pos + WINDOW]) != tuple(tokens[off : off + WINDOW]):
+        return None  # a hash collision
+    left = 0
+    while pos - left > floor and off - left > 0 and token_ids[pos - left - 1] == tokens[off - left - 1]:
+        left += 1
+    if off - left > ALIGN_SLACK:
+        left = min(left, pos - covered)  # not aligned: it takes nothing back
+    right = WINDOW
+    n = len(token_ids)
+    while pos + right < n and off + right < len(tokens) and token_ids[pos + right] == tokens[off + right]:
+        right += 1
+    return Run(pos - left, left + right, entry, off - left)
 
 
 def plan(

@@ -142,6 +142,23 @@ class Sequence:
             self.num_own_prompt_tokens = len(self.token_ids)
 
     @property
+    def request(self) -> Sequence:
+        """The request this sequence answers: a fusion stream's group's request, else itself."""
+        if self.kind is SequenceKind.FUSION_STREAM:
+            assert self.fusion is not None
+            return self.fusion.request
+        return self
+
+    @property
+    def counts_as_request(self) -> bool:
+        """Whether a scheduled sequence is a request of its own in the load stats (a fusion
+        request counts once, by its first stream)."""
+        if self.kind is SequenceKind.FUSION_STREAM:
+            assert self.fusion is not None
+            return self is self.fusion.streams[0]
+        return self.kind is SequenceKind.REQUEST
+
+    @property
     def block_keys(self) -> BlockKeys:
         return BlockKeys(self.cache_salt, self.kv_key, self.kv_key_from)
 

@@ -1,0 +1,101 @@
+"""Follow-up questions on the same documents (layout "offset"): read the prefix cache, not the pool.
+
+A chunked request whose S and chunks, in this order, are in the prefix cache, as a plain prefill's
+KV (an `exact_follow_ups` job's) or blended before under the same blend options (its `kv_key`
+chain), reads that KV as a prefix (the scheduler matches the chain) and computes only its question
+and the last chunk's tokens after its last full block: no pool entries, no blend. Where neither is
+cached and `exact_follow_ups` is on, a background job prefills the exact prefix for the next one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from chunkcache.chunk.parse import ChunkedPrompt
+from chunkcache.config import ChunkConfig
+from chunkcache.engine.intake import ONE_DISCARDED_TOKEN
+from chunkcache.engine.kv_blocks import BlockManager
+from chunkcache.engine.sequence import Sequence, SequenceKind
+from chunkcache.hashing import BlockKeys
+
+_MAX_EXACT_JOBS = 64
+
+
+class FollowUps:
+    def __init__(
+        self,
+        config: ChunkConfig,
+        blocks: BlockManager,
+        generator: torch.Generator,
+        schedule: Callable[[Sequence], None],
+    ) -> None:
+        self.config = config
+        self.blocks = blocks
+        self._generator = generator
+        self._schedule = schedule
+        # Chunked requests that read an earlier request's blended KV from the prefix cache, or an
+        # exact one; the exact-prefix jobs that finished, and those queued, by (salt, prompt).
+        self.blended_prefix_hits = 0
+        self.exact_prefix_hits = 0
+        self.exact_prefix_jobs = 0
+        self.jobs: dict[tuple[str | None, tuple[int, ...]], Sequence] = {}
+
+    def reads_cached_prefix(self, seq: Sequence) -> bool:
+        """Whether `seq` reads its S and chunks from the prefix cache (it then runs as a plain
+        prompt: its chunk plan is dropped); queues the exact-prefix job where that is on and
+        neither chain is cached."""
+        plan = seq.chunk_plan
+        if (
+            seq.kind is SequenceKind.PREWARM
+            or plan is None
+            or not isinstance(plan.prompt, ChunkedPrompt)
+            or plan.config.layout != "offset"
+        ):
+            return False
+        prompt = plan.prompt
+        context = prompt.num_tokens - len(prompt.question_token_ids)  # S and the chunks
+        need = context // self.blocks.block_size
+        exact = self.config.exact_follow_ups and need > 0
+        if exact and self.blocks.cached_prefix_blocks(seq.token_ids, need, BlockKeys(seq.cache_salt)) >= need:
+            seq.kv_key, seq.kv_key_from = None, 0  # what it computes is exact too: plain blocks
+            self.exact_prefix_hits += 1
+        elif (
+            seq.kv_key is not None
+            and need > seq.kv_key_from  # else no blended block: S and the first chunk fill them
+            and self.blocks.cached_prefix_blocks(seq.token_ids, need, seq.block_keys) >= need
+        ):
+            self.blended_prefix_hits += 1
+        else:
+            if exact:
+                self._queue_exact_prefix(seq, seq.token_ids[:context])
+            return False
+        seq.chunk_plan = None
+        seq.prefix_cacheable = True
+        return True
+
+    def _queue_exact_prefix(self, seq: Sequence, ids: list[int]) -> None:
+        """A background job that prefills `ids` (the request's S and chunks, in this order, not in
+        the prefix cache) as a plain prompt, so that its follow-ups find them. It runs in idle
+        steps of `BACKGROUND_STEP_TOKENS` and gives its blocks back when a request comes
+        (scheduler). Not where one is queued already; at most `_MAX_EXACT_JOBS` wait at once."""
+        key = (seq.cache_salt, tuple(ids))
+        if key in self.jobs or len(self.jobs) >= _MAX_EXACT_JOBS:
+            return
+        job = Sequence(
+            request_id=f"exact-prefix-of-{seq.request_id}",  # never in the engine's requests: no output
+            prompt_token_ids=list(ids),
+            token_ids=list(ids),
+            params=ONE_DISCARDED_TOKEN,
+            kind=SequenceKind.PREFIX_JOB,
+            cache_salt=seq.cache_salt,
+        )
+        job.generator = self._generator
+        self.jobs[key] = job
+        self._schedule(job)
+
+    def job_finished(self, job: Sequence) -> None:
+        """An exact-prefix job ended: its blocks are registered, nothing else to keep."""
+        self.jobs = {k: j for k, j in self.jobs.items() if j is not job}
+        self.exact_prefix_jobs += job.error is None

@@ -1,0 +1,418 @@
+"""Request intake (vLLM v1's processor): a request as given -> a validated Sequence and its plan.
+
+Tokenizing, rendering a chat, checking every field against the model and the cache, deciding how
+the chunk cache serves the prompt (`Sequence.chunk_plan`), and building the sequence (its fusion
+streams, its blend key) all happen here, on the caller's thread, before the request reaches the
+step loop: a bad request is refused with an InvalidRequestError naming its field, and the loop
+only ever sees sequences that can run. Intake reads only what is fixed after start (the config,
+the tokenizer, the model's shape, the caches' sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from chunkcache.chunk.blend import kv_options
+from chunkcache.chunk.documents import PromptParts, parse_documents, render_with_documents
+from chunkcache.chunk.matcher import PlainPrompt
+from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt, tokenize_parts
+from chunkcache.chunk.plan import ChunkPlan
+from chunkcache.config import ChunkConfig, EngineConfig, ReuseOptions
+from chunkcache.engine.build import EngineParts
+from chunkcache.engine.fusion import FusionGroup, num_streams
+from chunkcache.engine.sequence import Sequence, SequenceKind
+from chunkcache.engine.structured import StructuredOutputs
+from chunkcache.errors import InvalidRequestError, PromptTooLongError
+from chunkcache.hashing import blend_key
+from chunkcache.sampling import SamplingParams
+
+Prompt = str | list[int] | PromptParts
+# Prewarm requests and exact_follow_ups jobs generate nothing anyone reads: a job is a plain
+# prefill, and the one token it samples is thrown away.
+ONE_DISCARDED_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
+# apply_chat_template's own arguments: a request's template variables must not reach them.
+_RENDER_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+     "chat_template", "tools", "documents"}
+)  # fmt: skip
+
+
+class RequestIntake:
+    def __init__(self, config: EngineConfig, parts: EngineParts, generator: torch.Generator) -> None:
+        self.config = config
+        self.tokenizer = parts.tokenizer
+        self.spec = parts.spec
+        self.blocks = parts.blocks
+        self.chunks = parts.chunks
+        self.max_model_len = parts.max_model_len
+        self.structured = StructuredOutputs(self.tokenizer, self.spec.vocab_size)
+        self._generator = generator
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        add_special_tokens: bool,
+        chunk_options: ReuseOptions | Mapping[str, object] | None,
+        cache_salt: str | None,
+    ) -> Sequence:
+        """A request's sequence (LLMEngine.add_request); InvalidRequestError names what is wrong."""
+        _check_salt(cache_salt)
+        self._check_params(params)
+        chunk_config = self.chunk_config(chunk_options)
+        try:
+            return self.make_sequence(
+                request_id, prompt, params, add_special_tokens, chunk_config, cache_salt
+            )
+        except InvalidRequestError as e:
+            e.param = e.param or "prompt"  # the prompt's checks (chunk parsing included) name no field
+            raise
+
+    def _check_params(self, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        try:
+            params.validate()
+        except ValueError as e:
+            # SamplingParams' messages start with the field's name.
+            raise InvalidRequestError(str(e), param=str(e).split(" ", 1)[0]) from None
+        if params.logprobs is not None and params.logprobs > self.spec.vocab_size:
+            raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary size", "logprobs")
+        _check_token_ids(params, self.spec.vocab_size)
+
+    def chunk_config(self, options: ReuseOptions | Mapping[str, object] | None) -> ChunkConfig:
+        """The engine's chunk options with a request's own merged in, checked for the model."""
+        try:
+            if options is not None and not isinstance(options, ReuseOptions):
+                options = ReuseOptions.from_mapping(options)
+            if options is None or not options.given():
+                return self.config.chunk
+            if self.chunks is not None:
+                return self.config.chunk.with_request_options(options, self.spec.num_layers)
+        except (TypeError, ValueError) as e:
+            # ChunkConfig's messages start with the option's name.
+            raise InvalidRequestError(str(e), param=str(e).split(" ", 1)[0]) from None
+        raise InvalidRequestError(
+            f"chunk options {sorted(options.given())} given, but the chunk cache is disabled"
+        )
+
+    def make_sequence(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        add_special_tokens: bool,
+        chunk_config: ChunkConfig,
+        cache_salt: str | None = None,
+    ) -> Sequence:
+        token_ids, chunked = self._tokenize(prompt, add_special_tokens, chunk_config)
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty (no tokens)", "prompt")
+        chunked = self._worth_reusing(chunked, chunk_config)
+        plain = self._separator_free_candidate(token_ids, chunked, chunk_config, params, cache_salt)
+        if chunked is not None:
+            if params.prompt_logprobs is not None:
+                raise InvalidRequestError(
+                    "prompt logprobs are not available for chunked prompts (their chunks' KV is reused, "
+                    "not computed in this request)"
+                )
+            assert self.chunks is not None
+            self.chunks.validate(chunked, self.max_model_len)
+        isolated = chunked is not None and chunk_config.layout != "offset"
+        # Isolated: the request computes only Q (and its output); the rest is borrowed.
+        own = list(chunked.question_token_ids) if isolated else token_ids  # type: ignore[union-attr]
+        prompt_len = chunked.question_position() + len(own) if isolated else len(token_ids)  # type: ignore[union-attr]
+        self._check_length(params, prompt_len)
+        copies = (
+            num_streams(chunked, chunk_config, self.config.scheduler) if _fused(chunked, chunk_config) else 1
+        )
+        self._check_blocks(len(own), copies)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            token_ids=list(own),
+            params=self._fit_kv_cache(params, len(own), prompt_len, copies),
+            prompt=_prompt_text(prompt),
+            cache_salt=cache_salt,
+        )
+        seq.generator = (
+            torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
+        )
+        if params.json_schema is not None:
+            seq.grammar = self.structured.matcher(params.json_schema)
+        reused = chunked if chunked is not None else plain
+        if reused is not None:
+            seq.chunk_plan = ChunkPlan(reused, chunk_config)
+            seq.prefix_cacheable = False
+        if copies > 1:
+            FusionGroup.create(seq, chunked, chunk_config)  # type: ignore[arg-type]
+        if chunked is not None and chunk_config.layout == "offset":
+            self._set_blend_key(seq, chunked, chunk_config)
+        return seq
+
+    def _worth_reusing(self, chunked: ChunkedPrompt | None, cfg: ChunkConfig) -> ChunkedPrompt | None:
+        """The chunked prompt, or None where a plain prefill serves it as well."""
+        if chunked is None:
+            return None
+        if cfg.layout == "fusion" and len(chunked.chunks) < 2:
+            return None  # one document: its one stream is the plain prompt, exact as it is
+        context = chunked.num_tokens - len(chunked.question_token_ids) - len(chunked.sys_token_ids)
+        if cfg.layout == "offset" and context < cfg.blend_min_tokens:
+            return None  # too little to reuse: a plain prefill is as fast
+        return chunked
+
+    def _separator_free_candidate(
+        self,
+        token_ids: list[int],
+        chunked: ChunkedPrompt | None,
+        cfg: ChunkConfig,
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> PlainPrompt | None:
+        """Separator-free matching: a plain prompt is cut at admission, where the pool is known."""
+        on = chunked is None and self.chunks is not None and cfg.separator_free and cfg.layout == "offset"
+        if on and params.prompt_logprobs is None and cache_salt is None:
+            return PlainPrompt(tuple(token_ids))
+        return None
+
+    def _check_length(self, params: SamplingParams, prompt_len: int) -> None:
+        """The prompt, and its output if max_tokens is given, fit max_model_len."""
+        if prompt_len > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is {prompt_len} tokens long, more than max_model_len {self.max_model_len}"
+            )
+        if params.max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {self.max_model_len}",
+                "max_tokens",
+            )
+
+    def _check_blocks(self, own_tokens: int, copies: int) -> None:
+        """The tokens computed here fit the KV cache (one share per fusion stream)."""
+        need = self.blocks.blocks_for(own_tokens + 1)
+        if need > self.blocks.num_blocks:
+            raise PromptTooLongError(f"prompt needs {need} KV blocks, the cache has {self.blocks.num_blocks}")
+        if copies * need > self.blocks.num_blocks:
+            raise PromptTooLongError(
+                f"prompt needs {copies} x {need} KV blocks (one share per "
+                f"stream), the cache has {self.blocks.num_blocks}"
+            )
+
+    def _fit_kv_cache(
+        self, params: SamplingParams, own_tokens: int, prompt_len: int, copies: int = 1
+    ) -> SamplingParams:
+        """A request must fit the whole paged KV cache alone, or preemption could never let it
+        finish: an explicit max_tokens beyond that is refused; an open one (None) is capped there,
+        as it is capped at max_model_len otherwise. A fusion request's `copies` streams each get
+        an equal share of it."""
+        capacity = self.blocks.num_blocks // copies * self.blocks.block_size
+        room = capacity - own_tokens
+        if params.max_tokens is not None:
+            if params.max_tokens > room:
+                raise InvalidRequestError(
+                    f"max_tokens ({params.max_tokens}) plus the {own_tokens} prompt tokens computed here "
+                    f"exceed the KV cache of {capacity} tokens: max_tokens may be at most {room} "
+                    "for this prompt",
+                    "max_tokens",
+                )
+            return params
+        if room < self.max_model_len - prompt_len:
+            return dataclasses.replace(params, max_tokens=room)
+        return params
+
+    def _set_blend_key(self, seq: Sequence, chunked: ChunkedPrompt, cfg: ChunkConfig) -> None:
+        """Layout "offset": the key its blended blocks are registered (and found) under."""
+        options = kv_options(cfg)
+        if not chunked.chunks or not self.blocks.enable_prefix_caching or options is None:
+            return
+        parts = [len(chunked.sys_token_ids), *map(len, chunked.chunks)]
+        seq.kv_key = blend_key(options, parts, cfg.hash_algorithm)
+        # S and the first chunk hold a plain prefill's KV (the runner's exact prefix): their
+        # blocks keep plain hashes, which any prompt with that prefix may find.
+        seq.kv_key_from = (parts[0] + parts[1]) // self.blocks.block_size
+
+    def _tokenize(
+        self, prompt: Prompt, add_special_tokens: bool, chunk_config: ChunkConfig
+    ) -> tuple[list[int], ChunkedPrompt | None]:
+        if isinstance(prompt, PromptParts):
+            if self.chunks is None:
+                return self._tokenize(prompt.text(), add_special_tokens, chunk_config)
+            chunked = tokenize_parts(
+                prompt.system, prompt.chunks, prompt.question, self.tokenizer, add_special_tokens
+            )
+            return chunked.all_token_ids(), chunked
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", "prompt")
+            if self.chunks is not None:
+                chunked = parse_chunked_prompt(
+                    prompt, chunk_config.separator, self.tokenizer, add_special_tokens
+                )
+                if chunked is not None:
+                    return chunked.all_token_ids(), chunked
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)), None
+        if isinstance(prompt, list | tuple):
+            vocab = self.spec.vocab_size
+            bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"token id {bad!r} is outside the vocabulary [0, {vocab})", "prompt"
+                )
+            return list(prompt), None
+        raise InvalidRequestError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
+        )
+
+    # ---- prewarm -----------------------------------------------------------------------------
+
+    def prewarm(
+        self,
+        request_id: str,
+        prompt: str | None,
+        system: str | None,
+        documents: list[str] | None,
+        cache_salt: str | None,
+        add_special_tokens: bool,
+        max_tokens: int | None,
+    ) -> Sequence:
+        """A prewarm's sequence (LLMEngine.add_prewarm): its chunked prompt's entries, no question."""
+        _check_salt(cache_salt)
+        if self.chunks is None:
+            raise InvalidRequestError("the chunk cache is disabled: there is nothing to prewarm")
+        chunked = self._prewarm_prompt(prompt, system, documents, add_special_tokens)
+        total = len(chunked.sys_token_ids) + sum(map(len, chunked.chunks))
+        if max_tokens is not None and total > max_tokens:
+            raise PromptTooLongError(
+                f"prewarm of {total} tokens is more than this server takes at once ({max_tokens}, "
+                "--max-prewarm-tokens); split it into several calls",
+                "prompt" if prompt is not None else "documents",
+            )
+        self.chunks.validate(chunked, self.max_model_len, need_question=False)
+        return Sequence(
+            request_id=request_id,
+            prompt_token_ids=chunked.all_token_ids(),
+            token_ids=[],
+            params=ONE_DISCARDED_TOKEN,
+            prompt=prompt,
+            kind=SequenceKind.PREWARM,
+            cache_salt=cache_salt,
+            chunk_plan=ChunkPlan(chunked, self.config.chunk),
+            prefix_cacheable=False,
+        )
+
+    def _prewarm_prompt(
+        self, prompt: str | None, system: str | None, documents: list[str] | None, add_special_tokens: bool
+    ) -> ChunkedPrompt:
+        if prompt is not None:
+            if system is not None or documents is not None:
+                raise InvalidRequestError("give either a chunked prompt or system and documents, not both")
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string", "prompt")
+            sep = self.config.chunk.separator
+            chunked = parse_chunked_prompt(prompt, sep, self.tokenizer, add_special_tokens)
+            if chunked is None:
+                raise InvalidRequestError(
+                    f"prompt is not a chunked prompt: it needs the separator {sep!r} at least twice", "prompt"
+                )
+            return ChunkedPrompt(chunked.sys_token_ids, chunked.chunks, ())
+        if not isinstance(system, str):
+            raise InvalidRequestError("system must be a string (it may be empty)", "system")
+        if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
+            raise InvalidRequestError("documents must be a list of strings", "documents")
+        sys_ids = tuple(self.tokenizer.encode(system, add_special_tokens=add_special_tokens))
+        chunks = tuple(
+            c for c in (tuple(self.tokenizer.encode(d, add_special_tokens=False)) for d in documents) if c
+        )
+        if not chunks:
+            raise InvalidRequestError("documents holds no document with any token", "documents")
+        return ChunkedPrompt(sys_ids, chunks, ())
+
+    # ---- chat --------------------------------------------------------------------------------
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        documents: Any = None,
+    ) -> str | PromptParts:
+        """The chat rendered by the model's template (LLMEngine.render_chat)."""
+        _check_messages(messages)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("the model's tokenizer has no chat template")
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(set(extra) & _RENDER_ARGUMENTS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}")
+
+        def render(msgs: list[dict[str, Any]], docs: list[dict[str, str]] | None) -> str:
+            if docs is not None:
+                extra["documents"] = docs
+            else:
+                extra.pop("documents", None)
+            try:
+                return self.tokenizer.apply_chat_template(
+                    msgs,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tools=tools,
+                    **extra,
+                )
+            except Exception as e:  # template errors are the client's messages being wrong
+                raise InvalidRequestError(f"chat template failed on these messages: {e}") from None
+
+        if documents is None:
+            return render(messages, None)
+        docs = parse_documents(documents, self.config.chunk.max_chunks)
+        return render_with_documents(render, messages, docs, self.config.chunk.documents_format)
+
+
+def _fused(chunked: ChunkedPrompt | None, cfg: ChunkConfig) -> bool:
+    return chunked is not None and cfg.layout == "fusion"
+
+
+def _check_messages(messages: list[dict[str, Any]]) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise InvalidRequestError(f"messages[{i}] must have a string 'role' and a string 'content'")
+
+
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids a request names must be in the vocabulary: an id past it would be silently
+    ignored (logit_bias) or never match (stop_token_ids), so the client would not get what it asked."""
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"{name} names token id {bad}, outside the vocabulary [0, {vocab_size})", name
+            )
+
+
+def _check_salt(cache_salt: str | None) -> None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidRequestError("cache_salt must be a non-empty string", "cache_salt")
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    """The prompt as text, as reported back (None for token ids)."""
+    if isinstance(prompt, PromptParts):
+        return prompt.text()
+    return prompt if isinstance(prompt, str) else None

@@ -1,0 +1,76 @@
+"""The step's last stage, apart from the engine's bookkeeping: a batch's logits -> sampled tokens
+(a fusion request's streams combined into one row), a token appended to its sequence, and a
+sequence's RequestOutput (what it produced since the last one it sent)."""
+
+from __future__ import annotations
+
+import torch
+
+from chunkcache.engine.detokenizer import Detokenizer
+from chunkcache.engine.fusion import fuse_rows
+from chunkcache.engine.sampler import History, Sampled, sample
+from chunkcache.engine.scheduler import ScheduledBatch
+from chunkcache.engine.sequence import Sequence
+from chunkcache.outputs import CompletionOutput, RequestOutput
+
+
+def sample_batch(
+    batch: ScheduledBatch, logits: torch.Tensor, rows: list[int], eos_token_ids: frozenset[int]
+) -> list[tuple[Sequence, Sampled]]:
+    """One token for each sequence of `batch` that samples (`rows`); a fusion request's streams'
+    rows become one row, its combined distribution, sampled for the request."""
+    logits, seqs = fuse_rows(logits, [batch.seqs[r] for r in rows])
+    histories = [History(s.prompt_token_ids, s.output_token_ids, s.grammar) for s in seqs]
+    sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], histories, eos_token_ids)
+    return list(zip(seqs, sampled, strict=True))
+
+
+def append_token(seq: Sequence, s: Sampled, now: float, detokenizer: Detokenizer) -> None:
+    """Append a sampled token (to every stream of a fusion request), detokenize, check stops."""
+    seq.token_ids.append(s.token_id)
+    if seq.fusion is not None:
+        seq.fusion.append(s.token_id)
+    if s.logprobs is not None:
+        seq.output_logprobs.append(s.logprobs)
+    if seq.metrics.first_token_time is None:
+        seq.metrics.first_token_time = now
+    detokenizer.update(seq)
+
+
+def make_output(seq: Sequence) -> RequestOutput:
+    """The output of `seq` now, its new tokens and text marked as sent."""
+    new_tokens = seq.output_token_ids[seq.num_sent_tokens :]
+    seq.num_sent_tokens = seq.num_output_tokens
+    # While running, hold back text that could still turn out to be the start of a stop string.
+    hold = 0 if seq.is_finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
+    visible = max(seq.sent_text_len, len(seq.text) - hold)
+    new_text = seq.text[seq.sent_text_len : visible]
+    seq.sent_text_len = visible
+    cached = seq.num_prefix_cached + seq.num_chunk_cached
+    completion = CompletionOutput(
+        index=0,
+        text=seq.text,
+        token_ids=list(seq.output_token_ids),
+        logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+    )
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt=seq.prompt,
+        prompt_token_ids=list(seq.prompt_token_ids),
+        outputs=[completion],
+        finished=seq.is_finished,
+        metrics=seq.metrics,
+        num_cached_tokens=cached,
+        num_prefix_cached_tokens=seq.num_prefix_cached,
+        num_chunk_cached_tokens=seq.num_chunk_cached,
+        num_computed_tokens=len(seq.prompt_token_ids) - cached,
+        num_blend_reused_tokens=seq.blend_reused_tokens,
+        num_blend_recomputed_tokens=seq.blend_recomputed_tokens,
+        blend_fallback=seq.blend_fallback,
+        new_token_ids=new_tokens,
+        new_text=new_text,
+        prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+        error=seq.error,
+    )
