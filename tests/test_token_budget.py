@@ -283,3 +283,22 @@ def test_min_decode_share_zero_turns_the_guard_off() -> None:
     _timed_steps(sched, blocks, 5, 0.8)
     sched.add(_seq("long", 3000))
     assert all("long" in g for g in _timed_steps(sched, blocks, 20, 0.8))
+
+
+def test_short_prompts_do_not_make_long_prefills_look_cheap() -> None:
+    """Short requests keep arriving (their steps cost little more than a decode step): the guard
+    still prices a long prefill's step by the steps that ran one, and the stream keeps half."""
+    sched, blocks = _scheduler(budget=64, threshold=32)
+    sched.add(_seq("stream", 4, max_out=10_000))
+    _timed_steps(sched, blocks, 5, 0.8)
+    sched.add(_seq("long", 6000))
+    seconds = steps = 0.0
+    for i in range(300):
+        if i % 3 == 0:
+            sched.add(_seq(f"short{i}", 4, max_out=1))
+        tokens, batch = _step_and_report(sched, blocks)
+        cost = 0.8 if "long" in tokens else 0.04 if set(tokens) == {"stream"} else 0.06
+        sched.step_took(batch, cost)
+        seconds, steps = seconds + cost, steps + 1
+    keep = (steps / seconds) / (1 / 0.04)
+    assert keep >= 0.5, keep

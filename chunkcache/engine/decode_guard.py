@@ -21,7 +21,7 @@ class DecodeGuard:
     def __init__(self, min_decode_share: float) -> None:
         self.min_decode_share = min_decode_share
         self._idle_step: float | None = None  # seconds of a decode-only step (moving average)
-        self._busy_step = 0.0  # seconds of a step that ran more than decodes (moving average)
+        self._busy_step = 0.0  # seconds of a step that ran what the guard holds back (moving average)
         self._time = 0.0  # decaying sums over steps that served decodes: their seconds
         self._steps = 0.0  # and their count (each gave every stream one token)
 
@@ -35,16 +35,17 @@ class DecodeGuard:
         rate = (self._steps + 1) / (self._time + self._busy_step)
         return rate >= self.min_decode_share / self._idle_step
 
-    def record(self, decodes: bool, only_decodes: bool, seconds: float) -> None:
-        """A step ran: whether it served decodes, whether it ran nothing else, and how long it
-        took."""
+    def record(self, decodes: bool, only_decodes: bool, guarded: bool, seconds: float) -> None:
+        """A step ran: whether it served decodes, whether it ran nothing else, whether it ran what
+        the guard holds back (long prefills, background work), and how long it took. Only such
+        steps tell what letting one more through costs: steps with short prompts cost less."""
         if not decodes:
             self._time = self._steps = 0.0  # nobody decodes: the window starts afresh
             return
         if only_decodes:
             last = self._idle_step
             self._idle_step = seconds if last is None else 0.8 * last + 0.2 * seconds
-        else:
+        elif guarded:
             self._busy_step = seconds if not self._busy_step else 0.8 * self._busy_step + 0.2 * seconds
         self._time = _DECAY * self._time + seconds
         self._steps = _DECAY * self._steps + 1.0

@@ -149,7 +149,8 @@ class Scheduler:
 
     def step_took(self, batch: ScheduledBatch, seconds: float) -> None:
         """The engine ran `batch` in `seconds` (what the decode guard measures)."""
-        self.decode_guard.record(batch.decodes > 0, batch.decodes == len(batch.seqs), seconds)
+        guarded = batch.has_long or any(s.kind.is_background for s in batch.seqs)
+        self.decode_guard.record(batch.decodes > 0, batch.decodes == len(batch.seqs), guarded, seconds)
 
     def _serve_running(self, batch: ScheduledBatch, wanted: Callable[[Sequence], bool]) -> None:
         """Give the running units `wanted` picks their next tokens (a preemption ends the pass)."""
