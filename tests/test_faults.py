@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.testclient import TestClient
 
 from chunkcache.config import ChunkConfig, EngineConfig, SchedulerConfig
+from chunkcache.core.kv_blocks import BlockManager
+from chunkcache.core.sequence import Sequence
 from chunkcache.engine.engine import LLMEngine
-from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.scheduler import Scheduler
-from chunkcache.engine.sequence import Sequence
 from chunkcache.errors import InvalidRequestError
 from chunkcache.hashing import BlockKeys
 from chunkcache.router.app import create_app

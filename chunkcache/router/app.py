@@ -23,8 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunkcache import envs
-from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT
-from chunkcache.config import HASH_ALGORITHMS
+from chunkcache.config import DEFAULT_DOCUMENTS_FORMAT, HASH_ALGORITHMS
 from chunkcache.errors import UsageError, add_debug_argument, run_command
 from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from chunkcache.router.backends import BackendSpec, load_backends_file, parse_backend_list

@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 from starlette.concurrency import run_in_threadpool
 
-from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT, PromptParts
+from chunkcache.chunk.documents import PromptParts
+from chunkcache.config import DEFAULT_DOCUMENTS_FORMAT
 from chunkcache.curve import CurveKeys
 from chunkcache.router.backends import Backend, BackendPool, BackendSpec
 from chunkcache.router.events import EventIntake, IntakeCurve

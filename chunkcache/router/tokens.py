@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkcache.chunk.documents import (
-    DEFAULT_DOCUMENTS_FORMAT,
     PromptParts,
     parse_documents,
     render_with_documents,
 )
 from chunkcache.chunk.parse import parse_chunked_prompt, tokenize_parts
+from chunkcache.config import DEFAULT_DOCUMENTS_FORMAT
 from chunkcache.hashing import prompt_hashes, to_wire
 from chunkcache.kv_events import BlockStored
 from chunkcache.router.word_encoder import WordEncoder

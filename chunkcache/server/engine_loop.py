@@ -326,7 +326,7 @@ class EngineLoop:
                         break
                     self._work_pending = False
                 self._run_calls()
-                # Background work (canonical chunk entries) runs while no request is there.
+                # Background work (canonical chunk entries, prewarms) runs on what requests leave.
                 while self.engine.has_unfinished_requests() or self.engine.has_background_work():
                     with self._step_lock:
                         outputs = self.engine.step()
