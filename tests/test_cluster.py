@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -142,3 +145,29 @@ def test_route_model_gguf_answers_through_a_replica(smollm2: Path, replica: Serv
     finally:
         router.terminate()
         router.wait(30)
+
+
+@pytest.mark.server
+@pytest.mark.redis
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server binary")
+def test_cluster_demo_cache_aware_beats_round_robin(tmp_path: Path) -> None:
+    """scripts/cluster_demo.sh end to end: 2 smollm2 replicas, Redis, the router; the same workload
+    under round_robin and cache_aware. Judged on cached tokens (time is noise on a shared machine);
+    everything the script started is gone when it returns."""
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [str(ROOT / "scripts" / "cluster_demo.sh"), "--model", "smollm2", "--dtype", "float32"]
+    cmd += ["--rounds", "3", "--logs", str(tmp_path), "--", "--kv-cache-tokens", "2048"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    runs = json.loads(next(line for line in lines if line.startswith("SUMMARY "))[len("SUMMARY ") :])
+    ca, rr = runs["cache_aware"], runs["round_robin"]
+    assert ca["requests"] == rr["requests"] == 12 and ca["prompt_tokens"] == rr["prompt_tokens"]
+    assert sum(rr["per_replica"].values()) == 12 and len(rr["per_replica"]) == 2
+    assert ca["cached_tokens"] > rr["cached_tokens"], out.stdout
+    assert sum("replica r" in line and "cached" in line for line in lines) == 24  # one line a request
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", out.stdout)]
+    assert len(pids) == 6  # 2 x (2 replicas + a router)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
