@@ -150,6 +150,7 @@ def test_route_model_gguf_answers_through_a_replica(smollm2: Path, replica: Serv
 @pytest.mark.server
 @pytest.mark.redis
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server binary")
+@pytest.mark.timeout(1500)  # four replica start-ups on a loaded machine
 def test_cluster_demo_cache_aware_beats_round_robin(tmp_path: Path) -> None:
     """scripts/cluster_demo.sh end to end: 2 smollm2 replicas, Redis, the router; the same workload
     under round_robin and cache_aware. Judged on cached tokens (time is noise on a shared machine);
