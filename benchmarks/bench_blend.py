@@ -65,7 +65,8 @@ from common import (
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
+from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.core.plan import ChunkedPrompt
 from chunkcache.evaluate import default_modes, evaluate, format_table
 from chunkcache.outputs import RequestOutput
 

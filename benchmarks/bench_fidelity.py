@@ -96,7 +96,7 @@ MODES: dict[str, dict[str, Any] | None] = {
     "blend@0.6,0.3/L1,4": _offset([1, 4], [0.6, 0.3]),
     # EPIC: the first 8 tokens of every document always run, on top of the 15% by K deviation.
     "blend@0.15+b8": _offset([1], [0.15], blend_boundary_tokens=8),
-    # Ranked by the sensitivity each entry measured once (chunk/sensitivity.py), chosen before
+    # Ranked by the sensitivity each entry measured once (engine/sensitivity.py), chosen before
     # layer 0 (/L0: the others never run) or at layer 1 (every document token runs layer 0).
     **{f"stored@{r}/L0": _offset([0], [r], blend_selector="stored_deviation") for r in (0.15, 0.3, 0.4)},
     **{f"stored@{r}": _offset([1], [r], blend_selector="stored_deviation") for r in (0.15, 0.3)},

@@ -2,7 +2,7 @@
 
 `blend_selector="stored_deviation"` ranks the document tokens by a score each chunk entry measures
 once, the first time a request ranks by it: one extra pass of the entry's S, a fixed passage P
-and the document (chunkcache/chunk/sensitivity.py). Warm requests pay nothing for it
+and the document (chunkcache/engine/sensitivity.py). Warm requests pay nothing for it
 (bench_fidelity measures those); the request that first sees a document pays it on top of
 computing the document. This measures that, on the real default model and bench_fidelity's
 documents: per question, its documents are evicted from the chunk pool, then one request per

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
+from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.core.plan import ChunkedPrompt
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

@@ -50,7 +50,8 @@ import torch
 from bench_fidelity import SEP, render
 from tqdm import tqdm
 
-from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
+from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.core.plan import ChunkedPrompt
 
 CONTEXTS = ("none", "other", "previous")
 SCORERS = ("k1", "oracle", "prior", "prior-text")

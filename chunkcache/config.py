@@ -1,7 +1,7 @@
 """The one frozen configuration tree of an engine.
 
 Values discovered at run time (the model's shape, the number of KV blocks that fit) live in state
-objects (`model.loader.ModelSpec`, `engine.kv_blocks.BlockManager`), never in a mutated config.
+objects (`model.loader.ModelSpec`, `core.kv_blocks.BlockManager`), never in a mutated config.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chunkcache import envs
-from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT, check_documents_format
 from chunkcache.hashing import BLOCK_HASH_ALGORITHMS, block_hash_fn
 
 CHUNK_LAYOUTS = ("isolated", "offset", "fusion")
@@ -30,6 +29,21 @@ BLEND_UNITS = ("token", "chunk")
 _FRESH_KV_SELECTORS = ("k_deviation", "v_deviation", "threshold")
 HASH_ALGORITHMS = ("sha256", "sha512", "blake2b", "sha3_256")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# How a chat request's documents are written into the conversation (chunk/documents.py).
+# `{title}` is the document's title and a newline, or nothing for a document without a title.
+DEFAULT_DOCUMENTS_FORMAT = "{title}{text}\n\n"
+
+
+def check_documents_format(documents_format: str) -> None:
+    """ValueError unless the format names {text} and only {title} and {text}."""
+    if "{text}" not in documents_format:
+        raise ValueError(f"documents_format must contain {{text}}, got {documents_format!r}")
+    try:
+        documents_format.format(title="", text="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(
+            f"documents_format {documents_format!r} may only use {{title}} and {{text}}: {e}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,16 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # A prefill longer than this runs in pieces of at most this many tokens per step, after the
+    # step's decodes and short prompts (vLLM's option of the same name). Default by measurement
+    # (bench_mixed_load, RESULTS.md; SmolLM2, one CPU thread): a short request beside a 4,000-token
+    # prompt waits about two pieces, 1.15 s at 256 against 3.2 s at 512 and 0.51 s at 128, while
+    # the long prompt takes 4% longer than in pieces of 512 (11% at 128).
+    long_prefill_token_threshold: int = 256
+    # While streams decode, long prefills and background work run only while the streams' decode
+    # rate is at least this share of their rate in decode-only steps (engine/decode_guard.py);
+    # 0 = off. The issue 35 target: 0.5.
+    min_decode_share: float = 0.5
     # None = the model's max_position_embeddings.
     max_model_len: int | None = None
 
@@ -72,6 +96,12 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if not 0 <= self.min_decode_share < 1:
+            raise ValueError(f"min_decode_share must be in [0, 1), got {self.min_decode_share}")
+        if self.long_prefill_token_threshold <= 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be > 0, got {self.long_prefill_token_threshold}"
+            )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
 
@@ -165,12 +195,12 @@ class ChunkConfig:
     # 95% the defaults are chosen by, while a plain prompt is exact without it.
     separator_free: bool = False
     separator_free_min_tokens: int = 32
-    # Layout "offset": after a chunked request, a background job (idle steps only) prefills its S
+    # Layout "offset": after a chunked request, a background job (on spare budget) prefills its S
     # and documents in that order as a plain prompt into the prefix cache; a later request with
     # the same S and documents in the same order (a follow-up question) reads that exact KV and
     # is answered as a full prefill would answer it, computing only its question. Off by default:
-    # each new document order costs one full prefill of idle time (offline, `LLM.generate` waits
-    # for it), and a request arriving during that step waits for it.
+    # each new document order costs one full prefill on spare budget (offline, `LLM.generate`
+    # waits for it).
     exact_follow_ups: bool = False
 
     def validate(self, num_layers: int | None = None) -> None:

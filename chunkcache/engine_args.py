@@ -47,6 +47,10 @@ OPTION_HELP: dict[str, str] = {
     "prefix_caching_hash_algo": "block hash function, as vLLM's --prefix-caching-hash-algo",
     "max_num_seqs": "sequences scheduled together at most, > 0",
     "max_num_batched_tokens": "tokens run in one step at most (longer prompts are prefilled in pieces), > 0",
+    "long_prefill_token_threshold": "a prefill longer than this runs in pieces of at most this many "
+    "tokens per step, after the step's decodes and short prompts, > 0",
+    "min_decode_share": "while streams decode, long prefills and background work run only while the "
+    "streams keep at least this share of their decode-only rate, in [0, 1); 0 = off",
     "max_model_len": "prompt plus generated tokens at most, > 0 (default: the model's context length)",
     "enable_chunk_cache": "reuse documents' KV wherever they sit in a prompt (chunked prompts)",
     "chunk_separator": "non-empty text that splits a prompt into S SEP C1 SEP ... SEP Q",
@@ -77,7 +81,7 @@ OPTION_HELP: dict[str, str] = {
     "separator_free_min_tokens": "shortest matched run reused by separator-free matching, >= 1",
     "documents_format": "how a chat request's documents are written when its template has none; "
     "must contain {text}, may contain {title}",
-    "exact_follow_ups": "layout offset: prefill each new document order in idle time so that a follow-up "
+    "exact_follow_ups": "layout offset: prefill each new document order as background work so that a follow-up "
     "question on the same documents is answered exactly",
     "fusion_rule": "layout fusion: how the streams' distributions combine: contrastive (PCED, against the "
     "no-document stream), max_confidence (the surest stream decides), product (relevance-weighted experts)",

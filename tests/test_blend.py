@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.engine.runner import block_slots
+from chunkcache.core.kv_slots import block_slots
 from chunkcache.errors import InvalidRequestError
 from tests.support.engines import tiny_llm
 from tests.support.oracle import (
@@ -283,7 +283,7 @@ def test_eval_cli_runs_every_mode(checkpoint, tmp_path, capsys) -> None:
 
 
 def test_query_attention_scores_match_explicit_softmax() -> None:
-    from chunkcache.chunk.blend import _query_attention
+    from chunkcache.engine.blend import _query_attention
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(7, 4, 8, generator=gen)  # 7 rows, 4 query heads, head dim 8
@@ -349,7 +349,7 @@ def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, 
     input), cached = the run of S + that chunk alone, re-rotated to the chunk's offset. Blend
     projects only K for this choice (`_project_k`); a wrong slice, bias, norm or rotation there
     ranks other tokens first."""
-    import chunkcache.chunk.blend as blend
+    import chunkcache.engine.blend as blend
     import chunkcache.engine.runner as runner
     from chunkcache.model.linear import Linear
     from tests.support.oracle import hf_rerotate
@@ -414,7 +414,7 @@ def test_an_exact_first_chunk_is_reused_without_running(checkpoint, monkeypatch,
     """The first chunk, computed right after this S, holds a full prefill's KV, so blend does not
     run it. With a ratio that recomputes every other chunk token at check layer 1, the result
     is then a full prefill (transformers), with the first chunk's tokens reused."""
-    import chunkcache.chunk.blend as blend
+    import chunkcache.engine.blend as blend
 
     path = checkpoint(arch=arch, num_hidden_layers=3)
     llm = _llm(path)
@@ -532,7 +532,7 @@ def _stored(layer: int, ratio: float) -> dict:
 
 
 def test_stored_sensitivity_is_measured_once_as_transformers_measures_it(checkpoint, monkeypatch) -> None:
-    """Each chunk entry's sensitivity (chunk/sensitivity.py) is the K/V deviation between the runs
+    """Each chunk entry's sensitivity (engine/sensitivity.py) is the K/V deviation between the runs
     of S + P + C and S + C, layer-normalised, as transformers computes it; it is measured the first
     time a request ranks by it and kept with the entry, not measured again."""
     import chunkcache.engine.runner as runner

@@ -4,6 +4,7 @@ directory, and a second replica over the same real `redis-server`."""
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,5 +157,78 @@ def test_prewarm_total_size_is_capped(checkpoint: Callable[..., Path]) -> None:
             r = http.post("/v1/chunk_cache/prewarm", json={"system": system, "documents": ["word " * 20_000]})
             assert r.status_code == 413 and "before tokenizing" in r.text, r.text
         server.wait_idle()
+    finally:
+        server.stop()
+
+
+def test_prewarm_can_return_early_and_be_cancelled(checkpoint: Callable[..., Path]) -> None:
+    """`"wait": false`: 202 with the job's id and a Location at once, its state at GET (running,
+    then completed with the same counts a waiting call gets); DELETE cancels one; a failed one
+    says why. Either way every KV block, pin and fill job comes back."""
+    from chunkcache.core.sequence import SequenceKind
+
+    options = {
+        "device": "cpu",
+        "dtype": "float32",
+        "kv_cache_tokens": 2048,
+        "max_model_len": 256,
+        "chunk_cache_size_gb": 0.01,
+        "max_num_batched_tokens": 16,
+        "long_prefill_token_threshold": 8,  # a prewarm of many steps
+    }
+    engine = LLMEngine(EngineConfig.from_options(str(checkpoint("qwen3")), use_env=False, **options))
+    server = ServerThread(build_app(engine, api_key=None, max_queue=8, served_model_name="m")).start()
+    run = engine.runner.run
+
+    def failing_on(word: str):  # a step holding a fill job of a document with `word` raises
+        def step(batch):
+            for seq in batch.seqs:
+                if seq.kind.is_fill and word in engine.tokenizer.decode(seq.token_ids):
+                    raise RuntimeError(f"injected on {word}")
+            return run(batch)
+
+        return step
+
+    def docs(tag: str) -> list[str]:
+        return [f"{tag} document {i}: " + " ".join(f"{tag} fact {j}." for j in range(20)) for i in range(6)]
+
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post(
+                "/v1/chunk_cache/prewarm", json={"system": "S.", "documents": docs("alpha"), "wait": False}
+            )
+            assert r.status_code == 202, r.text
+            job = r.json()
+            assert job["status"] == "running" and job["object"] == "chunk_cache.prewarm"
+            assert r.headers["location"] == f"/v1/chunk_cache/prewarm/{job['id']}"
+            while (state := http.get(r.headers["location"]).json())["status"] == "running":
+                time.sleep(0.05)
+            assert state["status"] == "completed" and state["error"] is None
+            assert state["cached_tokens"] == 0 and state["computed_tokens"] == state["prompt_tokens"] > 0
+            again = http.post("/v1/chunk_cache/prewarm", json={"system": "S.", "documents": docs("alpha")})
+            assert again.json()["prompt_tokens"] == state["prompt_tokens"] == again.json()["cached_tokens"]
+
+            r = http.get("/v1/chunk_cache/prewarm/prewarm-nonexistent")
+            assert r.status_code == 404 and r.json()["error"]["param"] == "prewarm_id", r.text
+
+            body = {"system": "S.", "documents": docs("beta"), "wait": False}
+            job = http.post("/v1/chunk_cache/prewarm", json=body).json()
+            cancelled = http.delete(f"/v1/chunk_cache/prewarm/{job['id']}").json()
+            assert cancelled["status"] == "cancelled", cancelled
+            assert http.get(f"/v1/chunk_cache/prewarm/{job['id']}").json()["status"] == "cancelled"
+
+            engine.runner.run = failing_on("gamma")  # type: ignore[method-assign]
+            body = {"system": "S.", "documents": docs("gamma"), "wait": False}
+            job = http.post("/v1/chunk_cache/prewarm", json=body).json()
+            while (state := http.get(f"/v1/chunk_cache/prewarm/{job['id']}").json())["status"] == "running":
+                time.sleep(0.05)
+            assert state["status"] == "failed" and "injected on gamma" in state["error"], state
+        stats = server.wait_idle()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        server.on_engine(engine.check_integrity)
+        pool = engine.chunks.pool
+        assert all(e.pins == 0 and e.ready for e in pool.entries())
+        assert engine.chunk_cache_stats()["jobs_running"] == 0
+        assert not [s for s in engine.scheduler.waiting if s.kind is SequenceKind.PREWARM_FILL]
     finally:
         server.stop()

@@ -12,13 +12,12 @@ import pytest
 
 from chunkcache import SamplingParams
 from chunkcache.chunk.documents import (
-    DEFAULT_DOCUMENTS_FORMAT,
     PromptParts,
     parse_documents,
     render_with_documents,
 )
 from chunkcache.chunk.parse import tokenize_parts
-from chunkcache.config import EngineConfig
+from chunkcache.config import DEFAULT_DOCUMENTS_FORMAT, EngineConfig
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.errors import InvalidRequestError
 from chunkcache.server.app import build_app

@@ -179,6 +179,7 @@ def test_calibrate_writes_a_profile_the_engine_loads(
         )
         assert llm.engine.config.chunk == expected
         assert f"use {chosen.name}" in caplog.text
+        assert "rests on" in caplog.text  # two prompts: the gate says how little that is
     finally:
         llm.close()
 
@@ -265,6 +266,7 @@ def test_command_line_mistakes_are_one_line_errors(
         (["calibrate", "--model", str(model), "--prompts", str(prompts), "--target", "0", *TINY], "--target"),
         (["calibrate", "--model", str(model), "--chunk-layout", "isolated", *TINY], "chunk_layout"),
         (["calibrate", "--model", str(model), "--configs", "nope", *TINY], "unknown configurations"),
+        (["calibrate", "--model", str(model), "--no-enable-chunk-cache", *TINY], "enable_chunk_cache"),
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err

@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 from chunkcache.config import REQUEST_CHUNK_OPTIONS, ChunkConfig, ReuseOptions
-from chunkcache.engine.sequence import Sequence, SequenceKind
+from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -60,8 +60,8 @@ def test_reuse_options_merge_into_the_chunk_config_and_are_checked_there() -> No
 def test_sequence_kinds() -> None:
     fills = {k for k in SequenceKind if k.is_fill}
     background = {k for k in SequenceKind if k.is_background}
-    assert fills == {SequenceKind.CHUNK_FILL, SequenceKind.CANONICAL_FILL}
-    assert background == {SequenceKind.CANONICAL_FILL, SequenceKind.PREFIX_JOB}
+    assert fills == {SequenceKind.CHUNK_FILL, SequenceKind.CANONICAL_FILL, SequenceKind.PREWARM_FILL}
+    assert background == {SequenceKind.CANONICAL_FILL, SequenceKind.PREWARM_FILL, SequenceKind.PREFIX_JOB}
     assert not SequenceKind.REQUEST.is_fill and not SequenceKind.REQUEST.is_background
 
 

@@ -11,7 +11,7 @@ import torch
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.matcher import WINDOW, SpanIndex, anchors
-from chunkcache.chunk.pool import Entry
+from chunkcache.core.plan import Entry
 from tests.support.engines import tiny_llm
 from tests.support.oracle import hf_first_token_logprobs, hf_slices_reuse_logprobs
 from tests.support.tiny_checkpoint import corpus
@@ -303,7 +303,7 @@ def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None
     computed in the background as its own entry right after S: its KV equals transformers' KV of
     S + the run, and a third prompt (another order) borrows those entries, exact against
     transformers with the cache assembled from them."""
-    from chunkcache.engine.runner import gather_kv
+    from chunkcache.core.kv_slots import gather_kv
     from tests.support.oracle import hf_layer_kv
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
@@ -352,34 +352,34 @@ def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None
     llm.check_integrity()
 
 
-def test_background_jobs_never_share_a_step_with_a_request(checkpoint) -> None:
-    llm = _llm(checkpoint())
+def test_background_jobs_take_only_what_requests_leave_of_a_step(checkpoint) -> None:
+    """Canonical jobs are background work (engine/scheduler.py): in a step they come after every
+    request, in pieces of the threshold, on the budget the requests leave."""
+    llm = _llm(checkpoint(), long_prefill_token_threshold=16, max_num_batched_tokens=40)
     docs = _docs(llm.tokenizer, 3)
     _second_sight(llm, docs)
     engine = llm.engine
-    batches: list[list[bool]] = []
+    batches: list[list[tuple[bool, int]]] = []
     run = engine.runner.run
 
     def recording(batch: Any) -> Any:
-        batches.append([s.kind.is_background for s in batch.seqs])
+        batches.append(
+            [(s.kind.is_background, n) for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+        )
         return run(batch)
 
     engine.runner.run = recording  # type: ignore[method-assign]
-    # The second sight and a plain request arrive together; the background jobs the second sight
-    # starts wait until both are done.
     engine.add_request("second", _long(docs, [2, 0], "What is second?"), FIRST)
     engine.add_request("plain", "Something else entirely, a plain prompt.", SamplingParams(max_tokens=4))
     finished = set()
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or engine.has_background_work():
         finished |= {o.request_id for o in engine.step() if o.finished}
-        if engine.has_background_work():
-            assert finished == {"second", "plain"} or not any(any(b) for b in batches)
     assert finished == {"second", "plain"}
-    assert engine.has_background_work() and not any(any(b) for b in batches)
-    while engine.has_background_work():
-        engine.step()
-    assert all(len(set(b)) == 1 for b in batches)
-    assert any(all(b) for b in batches)
+    for batch in batches:
+        kinds = [background for background, _ in batch]
+        assert kinds == sorted(kinds)  # requests first
+        assert all(n <= 16 for background, n in batch if background)
+    assert any(len(set(b)) == 2 for b in ([k for k, _ in batch] for batch in batches))  # shared steps
     assert llm.chunk_cache_stats()["separator_free_canonical_tokens"] > 0
     llm.check_integrity()
 
@@ -402,11 +402,13 @@ def test_resources_return_after_a_cancelled_or_failed_request_and_job(checkpoint
     ]
     assert runs
     engine.add_request("second", _long(docs, [2, 0], "What is second?"), SamplingParams(max_tokens=20))
+    shared: list[bool] = []  # whether the failed step held the request too (background work shares)
     if how == "fail":
         run = engine.runner.run
 
         def failing(batch: Any) -> Any:
             if any(s.kind.is_background for s in batch.seqs):
+                shared.append(any(not s.kind.is_background for s in batch.seqs))
                 raise RuntimeError("injected")
             return run(batch)
 
@@ -426,7 +428,8 @@ def test_resources_return_after_a_cancelled_or_failed_request_and_job(checkpoint
         assert outs[0].outputs[0].finish_reason == "abort"
         assert canonical > 0 and all(e is not None and e.ready for e in entries)  # cached
     else:
-        assert outs[0].outputs[0].finish_reason == "length"  # the request itself was not hurt
+        # The request is failed with the step it shared, else not hurt.
+        assert outs[0].outputs[0].finish_reason == ("error" if shared[0] else "length")
         assert canonical == 0 and entries == [None] * len(runs)  # the failed jobs' entries are gone
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert all(e.pins == 0 and e.ready for e in pool.entries())
@@ -435,26 +438,27 @@ def test_resources_return_after_a_cancelled_or_failed_request_and_job(checkpoint
 
 
 def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> None:
-    """A request whose chunk is a canonical entry still queued in the background does not wait for
-    the engine to be idle (it would wait forever under load): the job becomes an ordinary one."""
-    from chunkcache.chunk.parse import ChunkedPrompt
-    from chunkcache.chunk.plan import ChunkPlan
-    from chunkcache.engine.sequence import Sequence
+    """A request whose chunk is a canonical entry still being computed in the background makes
+    the job an ordinary fill job: it runs with a request's priority, not on what is left."""
+    from chunkcache.core.plan import ChunkedPrompt, ChunkPlan
+    from chunkcache.core.sequence import Sequence
 
-    llm = _llm(checkpoint())
+    llm = _llm(checkpoint(), long_prefill_token_threshold=8, max_num_batched_tokens=16)
     docs = _docs(llm.tokenizer, 3)
     ids, cut = _second_sight(llm, docs)
     engine = llm.engine
     engine.add_request("second", _long(docs, [2, 0], "What is second?"), FIRST)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.has_background_work()
+    jobs = [s for s in [*engine.scheduler.running, *engine.scheduler.waiting] if s.kind.is_background]
+    assert jobs  # pieces of 8 on what the request left: not done yet
     a, b = next(
         (a, b)
         for a, b, run in cut.parts
         if run is not None and not run.computed_after(tuple(ids[: cut.sys_end]))
     )
     s = cut.sys_end
+    job = next(j for j in jobs if list(j.token_ids) == ids[a:b])
     q = llm.tokenizer.encode(" Question: which?", add_special_tokens=False)
     chunked = ChunkedPrompt(tuple(ids[:s]), (tuple(ids[a:b]),), tuple(q))
     tokens = chunked.all_token_ids()
@@ -464,17 +468,12 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     seq.prefix_cacheable = False
     seq.generator = torch.Generator().manual_seed(0)
     engine._post(seq)
-    # A plain request keeps the engine busy meanwhile: were the job still background, it would
-    # not run before this one ends.
-    engine.add_request(
-        "busy", "A plain prompt that keeps the engine busy.", SamplingParams(max_tokens=40, ignore_eos=True)
-    )
+    engine.step()
+    assert not job.kind.is_background
     done: list[str] = []
-    for _ in range(500):  # without the promotion, "needs" would wait forever
+    while engine.has_unfinished_requests():
         done += [o.request_id for o in engine.step() if o.finished]
-        if not engine.has_unfinished_requests():
-            break
-    assert done[0] == "needs"
+    assert done == ["needs"]
     entry = _canonical(llm, ids[:s], ids[a:b])
     assert entry is not None and entry.ready
     while engine.has_background_work():

@@ -10,7 +10,7 @@ import cbor2
 import pytest
 
 from chunkcache.config import EngineConfig
-from chunkcache.engine.kv_blocks import BlockManager
+from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.hashing import block_hashes, none_hash, to_wire
 from chunkcache.kv_events import BlockStored
 

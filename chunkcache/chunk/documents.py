@@ -21,9 +21,6 @@ from typing import Any
 
 from chunkcache.errors import InvalidRequestError
 
-# `{title}` is the document's title and a newline, or nothing for a document without a title.
-DEFAULT_DOCUMENTS_FORMAT = "{title}{text}\n\n"
-
 
 @dataclass(frozen=True)
 class Document:
@@ -44,18 +41,6 @@ class PromptParts:
 
     def text(self) -> str:
         return self.system + "".join(self.chunks) + self.question
-
-
-def check_documents_format(documents_format: str) -> None:
-    """ValueError unless the format names {text} and only {title} and {text}."""
-    if "{text}" not in documents_format:
-        raise ValueError(f"documents_format must contain {{text}}, got {documents_format!r}")
-    try:
-        documents_format.format(title="", text="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(
-            f"documents_format {documents_format!r} may only use {{title}} and {{text}}: {e}"
-        ) from None
 
 
 def format_document(document: Document, documents_format: str) -> str:

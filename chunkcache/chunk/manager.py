@@ -43,17 +43,16 @@ from typing import Any
 
 import torch
 
-from chunkcache.chunk.matcher import PlainPrompt, Plan, Run, SpanIndex, plan
-from chunkcache.chunk.parse import ChunkedPrompt
-from chunkcache.chunk.plan import ChunkPlan, FillJob, RequestChunks
-from chunkcache.chunk.pool import ChunkPool, Entry
+from chunkcache.chunk.matcher import Plan, Run, SpanIndex, plan
+from chunkcache.chunk.pool import ChunkPool
 from chunkcache.chunk.tiers.loader import TierLoader
 from chunkcache.chunk.tiers.provider import StoredKV
 from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
-from chunkcache.engine.kv_blocks import BlockManager
-from chunkcache.engine.runner import block_slots, gather_kv, scatter_kv
-from chunkcache.engine.sequence import Sequence, SequenceKind
+from chunkcache.core.kv_blocks import BlockManager
+from chunkcache.core.kv_slots import block_slots, gather_kv, scatter_kv
+from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, Entry, FillJob, PlainPrompt, RequestChunks
+from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import chunk_hash, system_hash
 from chunkcache.model.calibration import calibration_for
@@ -70,6 +69,14 @@ _NO_INDEX = SpanIndex(lambda entry: False)
 # Pool pages that canonical entries still being computed may hold (pinned by their jobs): under
 # steady load background jobs wait, and must not pin the whole pool meanwhile.
 _MAX_BACKGROUND_SHARE = 0.25
+
+
+def _fill_kind(entry: Entry, canonical: bool) -> SequenceKind:
+    """Canonical entries and those only prewarms wait for are background work (they yield to
+    requests, engine/scheduler.py); an entry a request waits for is an ordinary fill."""
+    if canonical:
+        return SequenceKind.CANONICAL_FILL
+    return SequenceKind.CHUNK_FILL if entry.urgent else SequenceKind.PREWARM_FILL
 
 
 @dataclass
@@ -192,6 +199,7 @@ class ChunkManager:
             jobs,
             None,
             0,
+            urgent=seq.kind is not SequenceKind.PREWARM,
         )
         state.entries.append(sys_entry)
         state.slices.append((0, len(sys_ids)))
@@ -209,7 +217,15 @@ class ChunkManager:
                 key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
                 # Salted entries stay out of the index: it is shared by content, across tenants.
                 entry, hit = self._acquire(
-                    key, "chunk", (sys_ids, chunk), len(chunk), jobs, sys_entry, len(sys_ids), salt is None
+                    key,
+                    "chunk",
+                    (sys_ids, chunk),
+                    len(chunk),
+                    jobs,
+                    sys_entry,
+                    len(sys_ids),
+                    indexed=salt is None,
+                    urgent=seq.kind is not SequenceKind.PREWARM,
                 )
                 state.slices.append((0, len(chunk)))
                 if runs is not None and hit is False:
@@ -304,16 +320,20 @@ class ChunkManager:
         sys_entry: Entry | None,
         position_base: int,
         indexed: bool = False,
+        urgent: bool = True,
     ) -> tuple[Entry, bool | None]:
         """A pinned entry for `key`, and whether it was found in the pool (ready, being computed
         or being loaded); None when it is being loaded for this request (found or not is known
-        when the load ends). A new entry comes with a fill job appended to `jobs`. A new
+        when the load ends). A new entry comes with a fill job appended to `jobs`: background
+        work unless some `urgent` acquirer (a request, not a prewarm) waits for it. A new
         `indexed` chunk entry of the pool registers its anchors for separator-free matching."""
         entry = self.pool.get(key, token_ids)
         found: bool | None = entry is not None
         job = None if entry is None or entry.ready else self._jobs.get(id(entry))
-        if job is not None and job.kind is SequenceKind.CANONICAL_FILL:
-            job.kind = SequenceKind.CHUNK_FILL  # a request waits for it now: an ordinary fill job
+        if job is not None and entry is not None and urgent:
+            entry.urgent = True
+            if job.kind.is_background:  # a request waits for it now: an ordinary fill job
+                job.kind = SequenceKind.CHUNK_FILL
         if entry is None and self.loader is not None:
             # Pages first: an entry that cannot enter the pool is computed privately, not loaded.
             entry = self.pool.create(key, kind, token_ids, num_tokens)
@@ -328,7 +348,9 @@ class ChunkManager:
             if entry is None:
                 self.pool.stats.uncacheable += 1
                 entry = Entry(key, kind, token_ids, num_tokens, private=True)
+            entry.urgent = urgent
             jobs.append(self._fill_job(entry, sys_entry, position_base))
+        entry.urgent = entry.urgent or urgent
         if not found and indexed and kind == "chunk" and not entry.private:
             self.index.add(entry)
         entry.pins += 1
@@ -345,7 +367,7 @@ class ChunkManager:
             token_ids=list(token_ids),
             params=_FILL_PARAMS,
             position_base=position_base,
-            kind=SequenceKind.CANONICAL_FILL if canonical else SequenceKind.CHUNK_FILL,
+            kind=_fill_kind(entry, canonical),
             block_table=entry.pages,
             fill=FillJob(entry, sys_entry, holds_entry=canonical),
         )
@@ -426,7 +448,7 @@ class ChunkManager:
         return StoredKV(self.tiers.model, entry.key, entry.kind, entry.token_ids, k, v, entry.sensitivity)
 
     def sensitivity_measured(self, entry: Entry) -> None:
-        """`entry` has just measured its sensitivity (the runner does, chunk/sensitivity.py): the
+        """`entry` has just measured its sensitivity (the runner does, engine/sensitivity.py): the
         tiers' copy, written when it was computed, is written again with it, so that a later load
         (after an eviction, a restart, on another replica) need not measure it again."""
         if self.tiers is not None and entry.ready and (entry.private or self.pool.holds(entry)):

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from chunkcache.chunk.pool import Entry
+from chunkcache.core.plan import Entry
 
 WINDOW = 8
 INTERVAL = 16
@@ -64,13 +64,6 @@ def anchors(token_ids: Sequence[int]) -> list[tuple[int, int]]:
     return [
         (i, h) for i, h in enumerate(window_hashes(token_ids)) if ((h * _MIX & _MASK64) >> 40) % INTERVAL == 0
     ]
-
-
-@dataclass(frozen=True)
-class PlainPrompt:
-    """A plain prompt waiting for admission, where it is searched for cached chunks."""
-
-    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -3,33 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from chunkcache.core.plan import ChunkedPrompt
 from chunkcache.errors import InvalidRequestError
-
-
-@dataclass(frozen=True)
-class ChunkedPrompt:
-    sys_token_ids: tuple[int, ...]
-    chunks: tuple[tuple[int, ...], ...]
-    question_token_ids: tuple[int, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.sys_token_ids) + sum(map(len, self.chunks)) + len(self.question_token_ids)
-
-    def all_token_ids(self) -> list[int]:
-        """S, the chunks and Q concatenated: the request's prompt as reported to the user."""
-        out = list(self.sys_token_ids)
-        for chunk in self.chunks:
-            out.extend(chunk)
-        out.extend(self.question_token_ids)
-        return out
-
-    def question_position(self) -> int:
-        """Layout "isolated": every chunk shares [s, s + len), so Q starts after the longest."""
-        return len(self.sys_token_ids) + max(map(len, self.chunks))
 
 
 def split_text(text: str, separator: str) -> tuple[str, list[str], str] | None:

@@ -18,29 +18,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
-
+from chunkcache.core.plan import Entry
 from chunkcache.hashing import to_wire
 from chunkcache.kv_events import ChunkRemoved, ChunkStored
-
-
-@dataclass
-class Entry:
-    key: bytes
-    kind: str  # "system" | "chunk"
-    token_ids: tuple[tuple[int, ...], ...]  # what the key was computed from, compared on every hit
-    num_tokens: int
-    pages: list[int] = field(default_factory=list)
-    pins: int = 0
-    ready: bool = False
-    private: bool = False  # computed for one request in paged KV blocks, never shared
-    loading: bool = False  # being read from a lower tier (chunkcache/chunk/tiers/loader.py)
-    from_tier: bool = False  # its KV was loaded from a lower tier, not computed here
-    # [num_tokens] float32 on the CPU, a chunk's sensitivity (chunk/sensitivity.py): measured the
-    # first time a request ranks by it, then kept (and written down to the tiers) with the KV.
-    sensitivity: torch.Tensor | None = None
 
 
 @dataclass

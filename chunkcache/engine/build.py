@@ -17,16 +17,16 @@ import torch
 
 from chunkcache.chunk.manager import ChunkManager
 from chunkcache.chunk.pool import ChunkPool
-from chunkcache.chunk.sensitivity import neutral_passage
 from chunkcache.chunk.tiers.disk import DiskTier
 from chunkcache.chunk.tiers.identity import model_identity
 from chunkcache.chunk.tiers.provider import TierProvider
 from chunkcache.chunk.tiers.remote import RedisTier
 from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig, EngineConfig, KVEventsConfig
+from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.curve import CurveKeys, load_public_key
-from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
+from chunkcache.engine.sensitivity import neutral_passage
 from chunkcache.fidelity.gate import resolve as resolve_fidelity
 from chunkcache.kv_events import KVEventPublisher, PublisherCurve
 from chunkcache.malloc import keep_freed_memory
@@ -95,7 +95,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     pool_pages = int(config.chunk.cache_size_gb * 2**30) // (token_bytes * bs) if config.chunk.enable else 0
     # The passage chunk entries measure their sensitivity after, written as a document after the
-    # separator (chunk/sensitivity.py).
+    # separator (engine/sensitivity.py).
     neutral = config.chunk.separator + neutral_passage()
     neutral_ids = tuple(loaded.tokenizer.encode(neutral, add_special_tokens=False))
     runner = ModelRunner(

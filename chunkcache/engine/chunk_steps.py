@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from chunkcache.chunk.blend import needs_stored_scores
 from chunkcache.chunk.manager import ChunkManager
 from chunkcache.config import ChunkConfig
+from chunkcache.core.kv_blocks import BlockManager
+from chunkcache.core.sequence import Sequence, SequenceKind
+from chunkcache.engine.blend import needs_stored_scores
 from chunkcache.engine.follow_ups import FollowUps
-from chunkcache.engine.kv_blocks import BlockManager
 from chunkcache.engine.runner import ModelRunner
-from chunkcache.engine.sequence import Sequence, SequenceKind
 
 logger = logging.getLogger(__name__)
 

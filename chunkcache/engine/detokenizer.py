@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chunkcache.engine.sequence import Sequence
+from chunkcache.core.sequence import Sequence
 
 
 class Detokenizer:

@@ -17,13 +17,13 @@ import torch
 
 from chunkcache.chunk.documents import PromptParts
 from chunkcache.config import EngineConfig, ReuseOptions
+from chunkcache.core.sequence import Sequence, SequenceKind, Status
 from chunkcache.engine.build import build_engine
 from chunkcache.engine.chunk_steps import ChunkSteps
 from chunkcache.engine.detokenizer import Detokenizer
 from chunkcache.engine.intake import Prompt, RequestIntake
 from chunkcache.engine.postprocess import append_token, make_output, sample_batch
 from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
-from chunkcache.engine.sequence import Sequence, SequenceKind, Status
 from chunkcache.errors import InvalidRequestError
 from chunkcache.kv_events import AllBlocksCleared
 from chunkcache.outputs import RequestOutput
@@ -153,8 +153,9 @@ class LLMEngine:
         return pending or loading or any(not s.kind.is_fill for s in list(self._requests.values()))
 
     def has_background_work(self) -> bool:
-        """Whether work nobody waits for is queued (canonical chunk entries, chunk/manager.py):
-        steps run it while no request is waiting or running. Call from the stepping thread."""
+        """Whether work nobody waits for is queued (canonical chunk entries, chunk/manager.py;
+        prewarms' fill jobs; exact-prefix jobs): steps run it on the budget requests leave. Call
+        from the stepping thread."""
         return self.scheduler.has_background_work()
 
     # ---- the step ----------------------------------------------------------------------------
@@ -223,7 +224,9 @@ class LLMEngine:
                 self.chunk_steps.wait_for_loads()
             return []
         try:
+            started = time.perf_counter()
             logits, rows = self.runner.run(batch)
+            self.scheduler.step_took(batch, time.perf_counter() - started)
             self._postprocess(batch, logits, rows)
         except Exception as e:
             # One bad request must not stop the engine: fail this batch's requests (their KV is

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.config import ChunkConfig
+from chunkcache.core.kv_blocks import BlockManager
+from chunkcache.core.plan import ChunkedPrompt
+from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.engine.intake import ONE_DISCARDED_TOKEN
-from chunkcache.engine.kv_blocks import BlockManager
-from chunkcache.engine.sequence import Sequence, SequenceKind
 from chunkcache.hashing import BlockKeys
 
 _MAX_EXACT_JOBS = 64
@@ -77,9 +77,8 @@ class FollowUps:
 
     def _queue_exact_prefix(self, seq: Sequence, ids: list[int]) -> None:
         """A background job that prefills `ids` (the request's S and chunks, in this order, not in
-        the prefix cache) as a plain prompt, so that its follow-ups find them. It runs in idle
-        steps of `BACKGROUND_STEP_TOKENS` and gives its blocks back when a request comes
-        (scheduler). Not where one is queued already; at most `_MAX_EXACT_JOBS` wait at once."""
+        the prefix cache) as a plain prompt, so that its follow-ups find them. It runs on the budget
+        requests leave and gives its blocks back when a request needs them (scheduler). Not where one is queued already; at most `_MAX_EXACT_JOBS` wait at once."""
         key = (seq.cache_salt, tuple(ids))
         if key in self.jobs or len(self.jobs) >= _MAX_EXACT_JOBS:
             return

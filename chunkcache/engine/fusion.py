@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chunkcache.chunk.parse import ChunkedPrompt
 from chunkcache.config import ChunkConfig, SchedulerConfig
+from chunkcache.core.plan import ChunkedPrompt
+from chunkcache.core.sequence import Sequence, SequenceKind, Status
 from chunkcache.engine.prompt_logprobs import prompt_slices
-from chunkcache.engine.sequence import Sequence, SequenceKind, Status
 from chunkcache.errors import InvalidRequestError
 
 

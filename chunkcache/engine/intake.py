@@ -16,15 +16,14 @@ from typing import Any
 
 import torch
 
-from chunkcache.chunk.blend import kv_options
 from chunkcache.chunk.documents import PromptParts, parse_documents, render_with_documents
-from chunkcache.chunk.matcher import PlainPrompt
-from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt, tokenize_parts
-from chunkcache.chunk.plan import ChunkPlan
+from chunkcache.chunk.parse import parse_chunked_prompt, tokenize_parts
 from chunkcache.config import ChunkConfig, EngineConfig, ReuseOptions
+from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, PlainPrompt
+from chunkcache.core.sequence import Sequence, SequenceKind
+from chunkcache.engine.blend import kv_options
 from chunkcache.engine.build import EngineParts
 from chunkcache.engine.fusion import FusionGroup, num_streams, pair_tokens
-from chunkcache.engine.sequence import Sequence, SequenceKind
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import blend_key

@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import torch
 
+from chunkcache.core.sequence import Sequence
 from chunkcache.engine.detokenizer import Detokenizer
 from chunkcache.engine.fusion import fuse_rows
 from chunkcache.engine.sampler import History, Sampled, sample
 from chunkcache.engine.scheduler import ScheduledBatch
-from chunkcache.engine.sequence import Sequence
 from chunkcache.outputs import CompletionOutput, RequestOutput
 
 

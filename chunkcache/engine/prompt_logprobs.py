@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chunkcache.engine.sequence import Sequence
+from chunkcache.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

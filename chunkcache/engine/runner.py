@@ -12,51 +12,19 @@ from collections.abc import Callable
 
 import torch
 
-from chunkcache.chunk.blend import BlendInput, blend_prefill, needs_stored_scores
-from chunkcache.chunk.pool import Entry
-from chunkcache.chunk.sensitivity import measure
+from chunkcache.core.kv_slots import block_slots, consecutive
+from chunkcache.core.plan import Entry
+from chunkcache.core.sequence import Sequence
+from chunkcache.engine.blend import BlendInput, blend_prefill, needs_stored_scores
 from chunkcache.engine.fusion import record_question_logprobs
 from chunkcache.engine.prompt_logprobs import record_prompt_logprobs
 from chunkcache.engine.scheduler import ScheduledBatch
-from chunkcache.engine.sequence import Sequence
+from chunkcache.engine.sensitivity import measure
 from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 from chunkcache.model.calibration import ContextCalibration, calibration_for
 from chunkcache.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
-
-
-def block_slots(
-    block_table: list[int], block_size: int, num_tokens: int, device: torch.device
-) -> torch.Tensor:
-    """Slots of the first `num_tokens` tokens stored in `block_table`."""
-    blocks = torch.tensor(block_table, dtype=torch.long, device=device)
-    offsets = torch.arange(block_size, device=device)
-    return (blocks[:, None] * block_size + offsets).flatten()[:num_tokens]
-
-
-def consecutive(block_table: list[int], num_tokens: int, block_size: int) -> bool:
-    """Whether the blocks holding the first `num_tokens` tokens are consecutive block ids."""
-    used = -(-num_tokens // block_size)
-    return all(block_table[i + 1] == block_table[i] + 1 for i in range(used - 1))
-
-
-def gather_kv(
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A CPU copy of the K and V at `slots`, each [layers, len(slots), kv_heads, head_dim]."""
-    k = torch.stack([k_layer[slots] for k_layer, _ in kv_caches]).cpu()
-    v = torch.stack([v_layer[slots] for _, v_layer in kv_caches]).cpu()
-    return k, v
-
-
-def scatter_kv(
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """Write K and V ([layers, len(slots), kv_heads, head_dim]) into `slots` of every layer."""
-    for layer, (k_layer, v_layer) in enumerate(kv_caches):
-        k_layer.index_copy_(0, slots, k[layer].to(k_layer.device))
-        v_layer.index_copy_(0, slots, v[layer].to(v_layer.device))
 
 
 class ModelRunner:
@@ -70,7 +38,7 @@ class ModelRunner:
         committed_slots: int = 0,
     ) -> None:
         self.model = loaded.model
-        # The passage P after which a chunk entry measures its sensitivity (chunk/sensitivity.py),
+        # The passage P after which a chunk entry measures its sensitivity (engine/sensitivity.py),
         # and who is told of each entry that measured it (the chunk manager, for its tiers).
         self.neutral_ids = neutral_ids
         self.on_measured: Callable[[Entry], None] | None = None
@@ -279,7 +247,7 @@ class ModelRunner:
         return result.hidden
 
     def measure_sensitivity(self, entries: list[Entry]) -> None:
-        """Measure the sensitivity (chunk/sensitivity.py) of the chunk entries that have none yet:
+        """Measure the sensitivity (engine/sensitivity.py) of the chunk entries that have none yet:
         one pass per distinct S among them (S, the passage P and their chunks)."""
         missing: dict[tuple[int, ...], list[Entry]] = {}
         for entry in {id(e): e for e in entries if e.sensitivity is None}.values():  # a slice twice: once

@@ -1,16 +1,28 @@
-"""Continuous batching with a token budget (vLLM V1 style).
+"""Continuous batching under one token budget per step, shared in order of urgency.
 
-Each step gives every running sequence its next tokens (one for a decode, a slice of the prompt
-for a prefill, so long prompts are prefilled in chunks), then admits waiting sequences first come
-first served while the budget, `max_num_seqs` and free KV blocks allow. A fusion request's
-streams are one unit throughout: admitted, preempted and finished together, their prompts ending
-in the same step and each then decoding one token per step. When a running sequence
-needs a block and none is free, the most recently admitted sequence is preempted: its blocks are
-freed and it is recomputed later (its prefix-cached blocks usually survive).
+Every step spends at most `max_num_batched_tokens` tokens (vLLM V1's chunked prefill), in this
+order: (1) running decodes, one token each; (2) waiting short prompts (at most
+`long_prefill_token_threshold` tokens left), whole; (3) running long prefills, then waiting long
+prompts first come first served, in pieces of at most `long_prefill_token_threshold`;
+(4) background work (canonical chunk entries, exact-prefix jobs, a prewarm's fill jobs: work no
+request waits for) gets what is left, in pieces of the same size, and at most one piece's worth
+in a step that serves requests (so that it makes their step no longer than a long prefill does).
+So no request waits behind another's prefill for more than one step: a short prompt is admitted
+in the step after it arrives, and a running stream gets its token every step. While streams
+decode, long prefills and background work join a step only if the streams keep
+`min_decode_share` of their decode-only rate (engine/decode_guard.py): on a CPU, where a piece
+costs many decode steps, the streams are not slowed to a crawl. Background work that got nothing for
+`BACKGROUND_MAX_WAIT_STEPS` steps in a row gets `BACKGROUND_STEP_TOKENS` before anything else in
+the next one, so steady load slows it but never starves it.
 
-Background sequences (a chunk cache's canonical entries, which no request waits for) get tokens
-only in a step where no other sequence is waiting or running: they never share a batch with a
-request, so they cost a request at most the one step it arrives during.
+A fusion request's streams are one unit throughout: admitted, preempted and finished together,
+their prompts ending in the same step (a pair stream's extra document first: the others wait) and
+each then decoding one token per step. A blend prefill cannot be split: it runs whole, beside decodes and short prompts,
+when the budget left holds it or when no long prefill runs in the step. When a running request
+needs a block and none is free, background work yields first, then the most recently
+admitted sequence: its blocks are freed and it is recomputed later (its prefix-cached blocks
+usually survive). Background work gives its blocks back instead (a yield, not a preemption), also
+to a waiting request that finds no free block; an exact-prefix job resumes from the prefix cache.
 """
 
 from __future__ import annotations
@@ -22,13 +34,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from chunkcache.config import SchedulerConfig
-from chunkcache.engine.kv_blocks import BlockManager
-from chunkcache.engine.sequence import Sequence, SequenceKind, Status
+from chunkcache.core.kv_blocks import BlockManager
+from chunkcache.core.sequence import Sequence, SequenceKind, Status
+from chunkcache.engine.decode_guard import DecodeGuard
 
-# Tokens per step of an exact-prefix job (idle work): bounds how long a request arriving during
-# one waits for it: 32 tokens of SmolLM2 take ~0.13 s on one CPU thread (steps of 256 delayed the
-# demo's second request by 0.6 s, of 64 by 0.27 s), milliseconds on a GPU.
+# Tokens background work is guaranteed in a step once it has waited BACKGROUND_MAX_WAIT_STEPS
+# steps in a row: a request pays at most this for it (32 tokens of SmolLM2: ~0.13 s on one CPU
+# thread, milliseconds on a GPU), and a saturated engine still finishes its prewarms.
 BACKGROUND_STEP_TOKENS = 32
+BACKGROUND_MAX_WAIT_STEPS = 8
 
 
 @dataclass
@@ -36,15 +50,46 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    budget: int = 0  # tokens this step may still take
+    has_long: bool = False  # whether a piece of a long prefill runs in this step
+    decodes: int = 0  # sequences given their one next token in the decode pass
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def add(self, unit: list[Sequence], counts: list[int], long: bool) -> None:
+        for member, n in zip(unit, counts, strict=True):
+            if n > 0:  # a stream waiting for its pair stream's document sits this step out
+                self.seqs.append(member)
+                self.num_new_tokens.append(n)
+        self.budget -= sum(counts)
+        self.has_long = self.has_long or long
 
 
 def _unit(seq: Sequence) -> list[Sequence]:
     """What is scheduled together with `seq`: a fusion request's streams (engine/fusion.py) are
     admitted, given tokens and preempted as one, so that they stay in step; else `seq` alone."""
     return seq.fusion.streams if seq.fusion is not None else [seq]
+
+
+def _units(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """`seqs` grouped into units, in order of each unit's first member."""
+    seen: set[int] = set()
+    units = []
+    for seq in seqs:
+        if id(seq) not in seen:
+            unit = _unit(seq)
+            seen.update(map(id, unit))
+            units.append(unit)
+    return units
+
+
+def _remaining(seq: Sequence) -> int:
+    return seq.num_tokens - seq.num_computed
+
+
+def _is_decode(seq: Sequence) -> bool:
+    return not seq.kind.is_background and _remaining(seq) == 1
 
 
 class Scheduler:
@@ -56,12 +101,15 @@ class Scheduler:
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.blocks = blocks
         # The chunk manager decides when a sequence's borrowed KV exists (fill jobs done).
         self.is_ready = is_ready
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._background_waited = 0  # steps in a row in which queued background work got nothing
+        self.decode_guard = DecodeGuard(config.min_decode_share)
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = Status.WAITING
@@ -79,132 +127,166 @@ class Scheduler:
         )
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        preempted_any = False
-        foreground = any(not s.kind.is_background for s in self.running) or any(
-            not s.kind.is_background for s in self.waiting
-        )
-        if foreground:
-            # An exact-prefix job (engine._queue_exact_prefix) gives its KV blocks back when a
-            # request comes: what it computed is in the prefix cache, where it resumes from.
-            for seq in [s for s in self.running if s.kind is SequenceKind.PREFIX_JOB]:
-                self.running.remove(seq)
-                self._unadmit(seq)
-                self.add(seq)
-        done: set[int] = set()
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            i += 1
-            if id(seq) in done:
+        batch = ScheduledBatch(budget=self.max_num_batched_tokens)
+        short = self.long_prefill_token_threshold
+        background = self.has_background_work()
+        if background and self._background_waited >= BACKGROUND_MAX_WAIT_STEPS:
+            self._serve_background(batch, BACKGROUND_STEP_TOKENS)
+        reserved = len(batch.seqs)  # background work served first, if it was starving
+        self._serve_running(batch, _is_decode)
+        batch.decodes = len(batch.seqs) - reserved
+        if not batch.preempted:
+            self._admit(batch, lambda s: not s.kind.is_background and _remaining(s) <= short)
+        # Long prefills and background work wait while running streams fall behind (decode_guard).
+        if not batch.preempted and self.decode_guard.allows_prefill(batch.decodes > 0):
+            self._serve_running(batch, lambda s: not s.kind.is_background)
+        if not batch.preempted and self.decode_guard.allows_prefill(batch.decodes > 0):
+            self._admit(batch, lambda s: not s.kind.is_background)
+            # Beside requests, one piece: their step stays as short as a long prefill makes it.
+            requests = any(not s.kind.is_background for s in batch.seqs)
+            self._serve_background(batch, short if requests else batch.budget)
+        got = any(s.kind.is_background for s in batch.seqs)
+        self._background_waited = 0 if got or not background else self._background_waited + 1
+        return batch
+
+    def step_took(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The engine ran `batch` in `seconds` (what the decode guard measures)."""
+        guarded = batch.has_long or any(s.kind.is_background for s in batch.seqs)
+        self.decode_guard.record(batch.decodes > 0, batch.decodes == len(batch.seqs), guarded, seconds)
+
+    def _serve_running(self, batch: ScheduledBatch, wanted: Callable[[Sequence], bool]) -> None:
+        """Give the running units `wanted` picks their next tokens (a preemption ends the pass)."""
+        for unit in _units(self.running):
+            seq = unit[0]
+            if batch.budget <= 0 or batch.preempted:
+                return
+            if seq.status != Status.RUNNING or seq in batch.seqs or not wanted(seq):
                 continue
-            unit = _unit(seq)
-            done.update(map(id, unit))
-            counts = [0] if seq.kind.is_background and foreground else self._unit_tokens(unit, budget)
+            counts = self._unit_tokens(unit, batch)
+            long = max(map(_remaining, unit)) > self.long_prefill_token_threshold
+            if sum(counts) > 0 and self._grow_or_preempt(unit, counts, batch):
+                batch.add(unit, counts, long)
+
+    def _admit(self, batch: ScheduledBatch, wanted: Callable[[Sequence], bool]) -> None:
+        """Admit the waiting units `wanted` picks, first come first served, while the budget,
+        `max_num_seqs` and free blocks allow."""
+        for unit in _units(list(self.waiting)):
+            seq = unit[0]
+            if batch.budget <= 0 or len(self.running) + len(unit) > self.max_num_seqs:
+                return
+            if not wanted(seq) or not self.is_ready(seq):
+                continue
+            self._match_prefix(seq)
+            counts = self._unit_tokens(unit, batch)
             n = sum(counts)
-            if n <= 0:
-                continue
-            if not self._grow_all(unit, counts):
-                # Free blocks by preempting from the back; possibly this very unit.
-                while not self._grow_all(unit, counts):
-                    # Fill jobs hold pool pages, not blocks: preempting one frees nothing.
-                    victim = next(s for s in reversed(self.running) if not s.kind.is_fill or s is seq)
-                    for member in reversed(_unit(victim)):
-                        self._preempt(member, batch)
-                    preempted_any = True
-                    if seq.status != Status.RUNNING:
-                        break
-                if seq.status != Status.RUNNING:
-                    break
-            self._add_to_batch(batch, unit, counts)
-            budget -= n
-        if preempted_any:
-            return batch
-        skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
-            unit = _unit(seq)
-            for member in unit[1:]:  # a group waits as a whole, its first stream first
-                self.waiting.remove(member)
-            if (seq.kind.is_background and foreground) or not self.is_ready(seq):
-                skipped.extend(unit)
-                continue
-            # Only prefix-cacheable requests match the prefix cache: a chunked request's KV comes
-            # from the chunk pool (an "offset" one has no borrowed slots, yet its blend must start
-            # at 0) unless its blended prefix was found at admission (its `kv_key` chain), and
-            # prompt logprobs need every prompt position computed.
-            if (
-                not seq.block_table
-                and seq.num_computed == 0
-                and seq.prefix_cacheable
-                and not seq.kind.is_fill
-                and seq.params.prompt_logprobs is None
-            ):
-                self._match_prefix(seq)
-            counts = self._unit_tokens(unit, budget)
-            n = sum(counts)
-            fits = n > 0 and len(self.running) + len(unit) <= self.max_num_seqs
-            if not fits or not self._grow_all(unit, counts):
+            long = max(map(_remaining, unit)) > self.long_prefill_token_threshold
+            if n <= 0 or not self._grow_for_admission(unit, counts, batch):
                 # A waiting sequence holds no blocks: the prefix blocks it just matched go back
                 # (still cached), or a running sequence could starve for them while it waits.
-                for member in reversed(unit):
+                for member in unit:
                     self._unadmit(member)
-                    self.waiting.appendleft(member)
-                break
+                if n > 0:
+                    return  # no blocks: those behind it wait too
+                continue
             for member in unit:
+                self.waiting.remove(member)
                 member.status = Status.RUNNING
                 if member.metrics.first_scheduled_time is None:
                     member.metrics.first_scheduled_time = time.time()
                 self.running.append(member)
             if seq.fusion is not None and seq.fusion.request.metrics.first_scheduled_time is None:
                 seq.fusion.request.metrics.first_scheduled_time = time.time()
-            self._add_to_batch(batch, unit, counts)
-            budget -= n
-        self.waiting.extendleft(reversed(skipped))
-        return batch
+            batch.add(unit, counts, long)
 
-    def _unit_tokens(self, unit: list[Sequence], budget: int) -> list[int]:
-        """Tokens per member this step, within `budget` together. A fusion pair stream has a
-        document to compute before its Q (engine/fusion.py): the others wait (0 tokens) until
-        their Q ends in the same step as its, so every stream yields its first logits in one
-        step; lag = how many more tokens a member has left than the unit's longest."""
-        if len(unit) == 1:
-            return [self._num_new_tokens(unit[0], budget)]
-        left = [m.num_tokens - m.num_computed for m in unit]
-        most = max(left)
+    def _serve_background(self, batch: ScheduledBatch, tokens: int) -> None:
+        """Running, then waiting, background work, within `tokens` of the budget left."""
+        held_back = max(0, batch.budget - tokens)
+        batch.budget -= held_back
+        self._serve_running(batch, lambda s: s.kind.is_background)
+        if not batch.preempted:
+            self._admit(batch, lambda s: s.kind.is_background)
+        batch.budget += held_back
 
-        def counts(lead: int) -> list[int]:
-            return [max(0, lead - (most - r)) for r in left]
+    def _grow_or_preempt(self, unit: list[Sequence], counts: list[int], batch: ScheduledBatch) -> bool:
+        """Blocks for a running unit. Background work yields its own blocks; a request's come
+        from background work first, else from preempting the most recently admitted request
+        (possibly this very unit: then False)."""
+        seq = unit[0]
+        while not self._grow_all(unit, counts):
+            if seq.kind.is_background:
+                self._yield(seq, batch)
+                return False
+            # Fill jobs hold pool pages, not blocks: preempting one frees nothing.
+            victims = [s for s in reversed(self.running) if not s.kind.is_fill or s is seq]
+            job = next((s for s in victims if s.kind.is_background), None)
+            if job is not None:
+                self._yield(job, batch)
+                continue
+            for member in reversed(_unit(victims[0])):
+                self._preempt(member, batch)
+            if seq.status != Status.RUNNING:
+                return False
+        return True
 
-        lo, hi = 0, min(most, budget)  # the longest's count: the largest whose total fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if sum(counts(mid)) <= budget else (lo, mid - 1)
-        return counts(lo)
+    def _grow_for_admission(self, unit: list[Sequence], counts: list[int], batch: ScheduledBatch) -> bool:
+        """Blocks for a waiting unit; a request takes those of running background work."""
+        while not self._grow_all(unit, counts):
+            jobs = [s for s in reversed(self.running) if s.kind is SequenceKind.PREFIX_JOB]
+            if unit[0].kind.is_background or not jobs:
+                return False
+            self._yield(jobs[0], batch)
+        return True
 
-    @staticmethod
-    def _add_to_batch(batch: ScheduledBatch, unit: list[Sequence], counts: list[int]) -> None:
-        for member, n in zip(unit, counts, strict=True):
-            if n > 0:  # a stream waiting for the pair stream's document sits this step out
-                batch.seqs.append(member)
-                batch.num_new_tokens.append(n)
+    def _yield(self, job: Sequence, batch: ScheduledBatch) -> None:
+        """Background work gives its blocks back and waits at the back (not a preemption: an
+        exact-prefix job resumes from what it left in the prefix cache)."""
+        self.running.remove(job)
+        if job in batch.seqs:
+            k = batch.seqs.index(job)
+            batch.budget += batch.num_new_tokens[k]
+            del batch.seqs[k], batch.num_new_tokens[k]
+        self._unadmit(job)
+        self.add(job)
 
     def _grow_all(self, unit: list[Sequence], counts: list[int]) -> bool:
         return all(self._grow(m, m.num_computed + n) for m, n in zip(unit, counts, strict=True))
 
-    @staticmethod
-    def _num_new_tokens(seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed
-        # A blend prefill cannot be split; it computes a small share of its tokens anyway.
-        if seq.blend is not None and seq.num_computed == 0:
-            return remaining
-        if seq.kind is SequenceKind.PREFIX_JOB:
-            # An exact-prefix job in short steps: a request arriving meanwhile waits one of them.
-            return min(remaining, budget, BACKGROUND_STEP_TOKENS)
-        return min(remaining, budget)
+    def _unit_tokens(self, unit: list[Sequence], batch: ScheduledBatch) -> list[int]:
+        """Tokens per member in this step: what is left, in pieces of at most the threshold,
+        within the budget left together. A fusion pair stream has a document to compute before
+        its Q (engine/fusion.py): the others get 0 until their Q ends in the same step as its, so
+        that every stream yields its first logits in one step."""
+        seq = unit[0]
+        if len(unit) == 1 and seq.blend is not None and seq.num_computed == 0:
+            # A blend prefill cannot be split: whole, where the budget left holds it or where no
+            # other long prefill runs in this step (so it never waits behind them for ever).
+            remaining = _remaining(seq)
+            return [remaining if remaining <= batch.budget or not batch.has_long else 0]
+        left = [_remaining(m) for m in unit]
+        most = max(left)
+
+        def counts(lead: int) -> list[int]:  # the longest member's count is `lead`
+            return [max(0, lead - (most - r)) for r in left]
+
+        lo, hi = 0, min(most, self.long_prefill_token_threshold)
+        while lo < hi:  # the largest lead whose total fits the budget left
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if sum(counts(mid)) <= batch.budget else (lo, mid - 1)
+        return counts(lo)
 
     def _match_prefix(self, seq: Sequence) -> None:
+        """Start a new sequence from its blocks in the prefix cache. Only prefix-cacheable
+        requests match it: a chunked request's KV comes from the chunk pool (an "offset" one has
+        no borrowed slots, yet its blend must start at 0) unless its blended prefix was found at
+        admission (its `kv_key` chain), and prompt logprobs need every prompt position computed."""
+        if (
+            seq.block_table
+            or seq.num_computed
+            or not seq.prefix_cacheable
+            or seq.kind.is_fill
+            or seq.params.prompt_logprobs is not None
+        ):
+            return
         # At least one prompt token is always computed: it yields the first token's logits.
         max_blocks = (seq.num_own_prompt_tokens - 1) // self.blocks.block_size
         blocks, hashes = self.blocks.match_prefix(seq.token_ids, max_blocks, seq.block_keys)

@@ -241,6 +241,8 @@ def check_args(args: Any) -> dict[str, ChunkOptions]:
         raise UsageError("--limit must be >= 0 and --max-tokens > 0")
     given = engine_options(args)
     fixed = sorted(k for k in given if k in REQUEST_CHUNK_OPTIONS or k.startswith("fidelity_"))
+    if given.get("enable_chunk_cache") is False:
+        fixed.append("enable_chunk_cache")  # without it every configuration is a full prefill
     if fixed or "served_model_name" in given:
         raise UsageError(
             f"calibrate measures its own reuse configurations on the weights: drop {fixed or ['served_model_name']} "

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from chunkcache.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
+# Fewer counted prompts than this: near 90% kept, the 95% interval spans about 20 points or more.
+_FEW = 30
 
 
 def identity(model: Any, tokenizer: Any, weights_name: str) -> str:
@@ -67,4 +69,10 @@ def resolve(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
         "fidelity gate: chunked prompts use %s (%s), from %s (%d prompts, %s)",
         choice.chosen.name, choice.reason(target), path, profile.prompts, profile.prompt_set,
     )  # fmt: skip
+    if choice.chosen.counted < _FEW:
+        logger.warning(
+            "fidelity gate: %s's kept share rests on %d prompts; `chunkcache calibrate --limit N` with a "
+            "larger N (it resumes) narrows it",
+            choice.chosen.name, choice.chosen.counted,
+        )  # fmt: skip
     return dataclasses.replace(config, chunk=chunk)

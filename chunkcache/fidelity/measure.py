@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from chunkcache.chunk.parse import ChunkedPrompt, parse_chunked_prompt
+from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.core.plan import ChunkedPrompt
 from chunkcache.sampling import SamplingParams
 
 if TYPE_CHECKING:

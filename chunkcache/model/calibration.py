@@ -1,6 +1,6 @@
 """APE's attention calibration over independently encoded chunks (Yang et al. 2025): one option
 of chunk reuse, applied by the attention of the tokens after the chunks (model/attention.py for
-prefill and decode, chunk/blend.py for the question's rows in a blend)."""
+prefill and decode, engine/blend.py for the question's rows in a blend)."""
 
 from __future__ import annotations
 

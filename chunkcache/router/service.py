@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 from starlette.concurrency import run_in_threadpool
 
-from chunkcache.chunk.documents import DEFAULT_DOCUMENTS_FORMAT, PromptParts
+from chunkcache.chunk.documents import PromptParts
+from chunkcache.config import DEFAULT_DOCUMENTS_FORMAT
 from chunkcache.curve import CurveKeys
 from chunkcache.router.backends import Backend, BackendPool, BackendSpec
 from chunkcache.router.events import EventIntake, IntakeCurve
@@ -41,7 +42,7 @@ def open_index(spec: str, capacity: int = 10_000_000, pods_per_key: int = 10) ->
 class RouterConfig:
     backends: tuple[BackendSpec, ...]
     model_name: str
-    tokenizer: str | None = None  # a local HF tokenizer dir; None when a processor is injected
+    tokenizer: str | None = None  # a tokenizer dir or GGUF file; None when a processor is injected
     index: str = "memory"  # or redis://host:port/db
     index_capacity: int = 10_000_000
     pods_per_key: int = 10
@@ -112,7 +113,7 @@ class Router:
         keyer = BlockKeyer(config.block_size)
         if processor is None:
             if config.tokenizer is None:
-                raise ValueError("a router needs --tokenizer (a local tokenizer directory)")
+                raise ValueError("a router needs --model or --tokenizer (the served model's tokenizer)")
             processor = PromptProcessor.from_pretrained(
                 config.tokenizer,
                 config.model_name,

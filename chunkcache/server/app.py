@@ -20,6 +20,7 @@ from chunkcache.server.engine_loop import EngineLoop
 from chunkcache.server.errors import GuardMiddleware, install_error_handlers
 from chunkcache.server.logprobs import LogprobWriter
 from chunkcache.server.metrics import ServerMetrics
+from chunkcache.server.prewarm_jobs import PrewarmJobs
 from chunkcache.server.routes import admin, chat, chunk_cache, completions
 from chunkcache.server.text_limits import DEFAULT_MAX_PREWARM_TOKENS, TextBound
 
@@ -55,6 +56,7 @@ def build_app(
         max_prewarm_tokens=max_prewarm_tokens,
         text_bound=_text_bound(engine),
         logprobs=LogprobWriter(engine.tokenizer),
+        prewarm_jobs=PrewarmJobs(),
     )
 
     @asynccontextmanager
@@ -63,6 +65,7 @@ def build_app(
         try:
             yield
         finally:
+            await context.prewarm_jobs.close()  # no client waits for them: not drained
             await context.engine_loop.shutdown(drain_timeout)
 
     app = FastAPI(title="chunkcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -21,6 +21,7 @@ from chunkcache.server.engine_loop import EngineLoop, RequestStream
 from chunkcache.server.errors import ApiError, invalid, param_named_in
 from chunkcache.server.logprobs import LogprobWriter
 from chunkcache.server.metrics import ServerMetrics
+from chunkcache.server.prewarm_jobs import PrewarmJobs
 from chunkcache.server.protocol import ChatCompletionRequest, CompletionRequest
 from chunkcache.server.text_limits import TextBound
 
@@ -40,6 +41,7 @@ class ServerContext:
     max_prewarm_tokens: int
     text_bound: TextBound
     logprobs: LogprobWriter
+    prewarm_jobs: PrewarmJobs  # prewarms that returned early ("wait": false)
 
     def resolve_model(self, name: str | None) -> str:
         if name is None:

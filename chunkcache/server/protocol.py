@@ -400,6 +400,9 @@ class PrewarmRequest(StrictModel):
     system: str | None = None
     documents: list[str] | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
+    # False: answer 202 with the job's id at once (its state at GET /v1/chunk_cache/prewarm/{id});
+    # True (the default): answer when every entry is cached.
+    wait: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> PrewarmRequest:
@@ -415,6 +418,19 @@ class PrewarmResponse(BaseModel):
     prompt_tokens: int
     cached_tokens: int  # already cached before this request (in the pool or a lower tier)
     computed_tokens: int
+
+
+class PrewarmJobStatus(BaseModel):
+    """A prewarm started with `"wait": false` (GET /v1/chunk_cache/prewarm/{id}); the counts are
+    PrewarmResponse's once it completed."""
+
+    id: str
+    object: Literal["chunk_cache.prewarm"] = "chunk_cache.prewarm"
+    status: Literal["running", "completed", "failed", "cancelled"]
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    computed_tokens: int | None = None
+    error: str | None = None
 
 
 class TokenizeRequest(StrictModel):

@@ -404,7 +404,7 @@ def _projections(path: str | Path, token_ids: Sequence[int]) -> list[tuple[torch
 def hf_sensitivity(
     path: str | Path, sys_ids: Sequence[int], context_ids: Sequence[int], chunk_ids: Sequence[int]
 ) -> torch.Tensor:
-    """A chunk's sensitivity (chunkcache/chunk/sensitivity.py) from transformers' projections: per
+    """A chunk's sensitivity (chunkcache/engine/sensitivity.py) from transformers' projections: per
     token, the K and V deviation between the runs of S + P + C and S + C, summed over layers,
     each layer divided by the mean squared K and V norm over the rows of the S + P + C run. The
     projections are taken before RoPE, so no rotation is involved (the model has no k-norm)."""

@@ -17,7 +17,7 @@ providers guard their own state.
 
 Entry format (`encode`/`decode`): a safetensors file holding `k` and `v`, each
 [layers, tokens, kv_heads, head_dim] in the engine's dtype, and, once the entry measured it, its
-`sensitivity` [tokens] in float32 (chunk/sensitivity.py), with string metadata: the format tag,
+`sensitivity` [tokens] in float32 (engine/sensitivity.py), with string metadata: the format tag,
 the model identity, the pool key, the entry kind, the token ids it was computed from, and a
 blake2b checksum of the tensor bytes, verified on every decode.
 """

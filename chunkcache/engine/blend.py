@@ -15,7 +15,7 @@ reuse (but for `BlendInput.fresh_from`).
 Selectors rank the candidates: by K or V deviation (CacheBlend), by the attention the
 question's tokens pay them at the check layer (`query_attention`: the question is known when the
 request arrives, so recompute what it reads), or by the deviation each entry measured once and
-stored (`stored_deviation`, chunk/sensitivity.py). That one needs no fresh KV, so at a check
+stored (`stored_deviation`, engine/sensitivity.py). That one needs no fresh KV, so at a check
 layer the choice is made before the layer's projection, and the tokens not chosen skip the layer
 (at check layer 0 they never run). `blend_unit="chunk"` recomputes whole chunks, ranked by their
 summed score, as many as fit in the same token budget.
@@ -66,7 +66,7 @@ class BlendInput:
     # fresh; running them here too keeps a request's answer the same whether or not it found
     # an earlier request's blended blocks. None: no such tokens.
     fresh_from: int | None = None
-    # [P] float: each cached token's stored sensitivity (chunk/sensitivity.py; S rows unused),
+    # [P] float: each cached token's stored sensitivity (engine/sensitivity.py; S rows unused),
     # for selector "stored_deviation".
     prior: torch.Tensor | None = None
 

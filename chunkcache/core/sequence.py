@@ -26,9 +26,8 @@ from chunkcache.sampling import SamplingParams
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from chunkcache.chunk.parse import ChunkedPrompt
-    from chunkcache.chunk.plan import ChunkPlan, FillJob, RequestChunks
     from chunkcache.config import ChunkConfig
+    from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, FillJob, RequestChunks
     from chunkcache.engine.fusion import FusionGroup
     from chunkcache.model.calibration import ContextCalibration
 
@@ -47,8 +46,11 @@ class SequenceKind(enum.Enum):
     # Computes a chunk-cache entry into pre-assigned pages; samples nothing.
     CHUNK_FILL = "chunk_fill"
     # A fill job of a canonical entry nobody waits for (chunk/manager.py): background work, run
-    # only while no other sequence is waiting or running; a CHUNK_FILL once a request needs it.
+    # on the token budget requests leave; a CHUNK_FILL once a request needs it.
     CANONICAL_FILL = "canonical_fill"
+    # A fill job only prewarms wait for: background work as CANONICAL_FILL, so that a large
+    # prewarm never stalls requests; a CHUNK_FILL once a request needs its entry.
+    PREWARM_FILL = "prewarm_fill"
     # An exact_follow_ups job (engine._queue_exact_prefix): background work, a plain prefill into
     # KV blocks; its one sampled token is thrown away.
     PREFIX_JOB = "prefix_job"
@@ -56,12 +58,12 @@ class SequenceKind(enum.Enum):
     @property
     def is_fill(self) -> bool:
         """Computes a chunk entry into its pages (not KV blocks of its own)."""
-        return self in (SequenceKind.CHUNK_FILL, SequenceKind.CANONICAL_FILL)
+        return self in (SequenceKind.CHUNK_FILL, SequenceKind.CANONICAL_FILL, SequenceKind.PREWARM_FILL)
 
     @property
     def is_background(self) -> bool:
-        """Work nobody waits for: scheduled only while no other sequence is waiting or running."""
-        return self in (SequenceKind.CANONICAL_FILL, SequenceKind.PREFIX_JOB)
+        """Work no request waits for: scheduled on the token budget requests leave."""
+        return self in (SequenceKind.CANONICAL_FILL, SequenceKind.PREWARM_FILL, SequenceKind.PREFIX_JOB)
 
 
 class Status(enum.Enum):
@@ -106,7 +108,7 @@ class Sequence:
     chunk_plan: ChunkPlan | None = None
     # A chunked request's entries, pinned at admission (owned by the chunk manager).
     chunks: RequestChunks | None = None
-    # A fill job's entry (kinds CHUNK_FILL, CANONICAL_FILL).
+    # A fill job's entry (kinds CHUNK_FILL, CANONICAL_FILL, PREWARM_FILL).
     fill: FillJob | None = None
     # Layout "offset": the prompt is prefilled by blend, in one piece, with these options. Cleared
     # on preemption, after which the request is recomputed by a plain prefill.
