@@ -126,8 +126,10 @@ def test_shadow_queue_is_bounded_and_excess_dropped(model: Path) -> None:
         llm.close()
 
 
-def _first_token_steps(engine: LLMEngine, request_id: str) -> int:
-    engine.add_request(request_id, "a live question about the cat", GREEDY)
+def _first_token_steps(engine: LLMEngine, prompt: str | list[int]) -> int:
+    """Steps from a live request's arrival to its first token."""
+    request_id = f"live-{len(engine.counters)}-{engine.counters['requests']}"
+    engine.add_request(request_id, prompt, GREEDY)
     steps = 0
     while True:
         steps += 1
@@ -141,7 +143,7 @@ def test_shadows_are_background_work_and_never_delay_a_live_request(model: Path)
     llm = _llm(model, EXACT, max_num_batched_tokens=64)
     try:
         engine = llm.engine
-        idle = _first_token_steps(engine, "idle")
+        idle = _first_token_steps(engine, "a live question about the cat")
         _drain(engine)
         for i in range(6):
             engine.add_request(f"r{i}", _prompt(i), GREEDY)
@@ -152,7 +154,7 @@ def test_shadows_are_background_work_and_never_delay_a_live_request(model: Path)
         ]
         assert queued and len(queued) == _fidelity(engine)["pending"]
         assert all(s.kind.is_background for s in queued)
-        assert _first_token_steps(engine, "live") == idle
+        assert _first_token_steps(engine, "a live question about the dog") == idle
         assert engine.has_background_work()  # the live request came first: shadows still pending
         _drain(engine)
         assert _fidelity(engine)["configs"]["default"]["agree"] == 6
@@ -285,3 +287,30 @@ def test_default_sample_rate_follows_the_target() -> None:
     assert with_target.fidelity.effective_sample_rate == 0.01
     assert dataclasses.replace(with_target.fidelity, sample_rate=0.5).effective_sample_rate == 0.5
     assert json.dumps(with_target.fidelity.window) == "20"
+
+
+def _live_ids(engine: LLMEngine, first: int) -> list[int]:
+    text = " ".join(corpus()[first : first + 40])
+    return engine.tokenizer.encode(text, add_special_tokens=False)[:150]
+
+
+def test_a_live_request_takes_a_running_shadows_blocks(model: Path) -> None:
+    # 16 blocks: a shadow of one of these prompts holds 12, a 150-token live prompt needs 10.
+    llm = _llm(model, EXACT, kv_cache_tokens=256)
+    try:
+        engine = llm.engine
+        idle = _first_token_steps(engine, _live_ids(engine, 100))
+        _drain(engine)
+        engine.add_request("r", _prompt(1), GREEDY)
+        while not any(s.kind is SequenceKind.SHADOW for s in engine.scheduler.running):
+            engine.step()
+            engine.check_integrity()
+        assert _first_token_steps(engine, _live_ids(engine, 200)) == idle
+        # It yielded its blocks and waits, not done: it resumes once the live request leaves room.
+        assert _fidelity(engine)["pending"] == 1
+        assert not any(s.kind is SequenceKind.SHADOW for s in engine.scheduler.running)
+        _drain(engine)
+        assert _fidelity(engine)["configs"]["default"] == {"agree": 1, "agreement": 1.0}
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    finally:
+        llm.close()
