@@ -484,6 +484,43 @@ main(sys.argv[1:])
 """
 
 
+def test_a_request_arriving_during_a_drain_is_told_the_server_is_stopping(model_dir: Path) -> None:
+    """A request the HTTP server took but the engine loop had not admitted when the drain began
+    is refused as `server_shutting_down` (a retry elsewhere helps), not as a dead engine."""
+    import asyncio
+
+    from chunkcache.sampling import SamplingParams
+    from chunkcache.server.engine_loop import EngineLoop, ShuttingDownError
+    from tests.support.engines import tiny_llm
+
+    llm = tiny_llm(model_dir)
+
+    async def run() -> None:
+        loop = EngineLoop(llm.engine, max_queue=4)
+        loop.start()
+        try:
+            loop.begin_drain(None)
+            await asyncio.sleep(0.05)  # begin_drain is thread-safe: it lands on the event loop
+            with pytest.raises(ShuttingDownError, match="shutting down"):
+                await loop.submit("late", "hi", SamplingParams(max_tokens=1))
+        finally:
+            await loop.shutdown(0)
+
+    asyncio.run(run())
+
+
+def _wait_running(url: str, n: int, timeout: float = 60) -> None:
+    """Until the server runs `n` requests (its /metrics gauge): on a loaded machine a request
+    sent first may still be in intake when another has streamed its first token."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("chunkcache_num_requests_running ") and float(line.split()[1]) >= n:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"the server never ran {n} requests at once")
+
+
 @pytest.mark.server
 def test_drain_timeout_ends_requests_with_openai_errors(model_dir: Path) -> None:
     """Issue 35: at the drain timeout a non-streamed request got uvicorn's text/plain 500 and a
@@ -510,6 +547,7 @@ def test_drain_timeout_ends_requests_with_openai_errors(model_dir: Path) -> None
             plain = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=60)
             streamed = pool.submit(stream)
             assert started.wait(60)
+            _wait_running(server.url, 2)  # the plain one admitted too, not refused by the drain
             server.proc.send_signal(signal.SIGTERM)
             r = plain.result(30)
             streamed.result(30)

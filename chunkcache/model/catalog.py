@@ -1,7 +1,7 @@
 """The models chunkcache knows by a short name, where each comes from, and where its file lies.
 
 A short name (`--model qwen2.5-coder-1.5b`) resolves to one verified GGUF file; anything else given
-as a model is a path or a hub id (`loader.resolve_model_path`). Locating a model never downloads:
+as a model is a path or a hub id (`source.resolve_model_path`). Locating a model never downloads:
 `chunkcache models --install NAME` (or scripts/setup.sh) does, through `model.fetch`.
 """
 

@@ -76,22 +76,6 @@ _LAYER_NAMES = {
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def find_gguf(path: Path) -> Path | None:
-    """The GGUF file `path` names: the file itself, or the one `.gguf` in a directory that holds
-    no safetensors weights (a directory with both is a transformers checkpoint). None: not GGUF."""
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{path} is neither a checkpoint directory nor a .gguf file")
-        return path
-    if any(path.glob("*.safetensors")):
-        return None
-    files = sorted(path.glob("*.gguf"))
-    if len(files) > 1:
-        names = ", ".join(f.name for f in files)
-        raise ModelLoadError(f"{path} holds several GGUF files ({names}); pass one of them as the model")
-    return files[0] if files else None
-
-
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None:

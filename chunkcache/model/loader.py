@@ -25,10 +25,11 @@ from tqdm import tqdm
 from chunkcache.errors import ModelLoadError
 from chunkcache.model import catalog
 from chunkcache.model.adapter import LoraAdapter
-from chunkcache.model.gguf_file import GGUFCheckpoint, find_gguf, load_gguf_tokenizer
+from chunkcache.model.gguf_file import GGUFCheckpoint, load_gguf_tokenizer
 from chunkcache.model.linear import Linear
 from chunkcache.model.llama import LlamaForCausalLM
 from chunkcache.model.rope import RotaryEmbedding
+from chunkcache.model.source import find_gguf, resolve_model_path
 from chunkcache.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -59,32 +60,6 @@ def model_path(name: str) -> str:
 def default_model() -> str:
     """The file of the model used when none is named (`catalog.DEFAULT_MODEL`), verified."""
     return model_path(catalog.DEFAULT_MODEL)
-
-
-def resolve_model_path(model: str) -> Path:
-    """A short name (`catalog.KNOWN_MODELS`), a local directory or .gguf file, or a hub id."""
-    known = catalog.known(model)
-    if known is not None:
-        return catalog.locate(known)
-    path = Path(model).expanduser()
-    if path.is_dir() or (path.is_file() and path.suffix.lower() == ".gguf"):
-        return path
-    # Hub ids look like "org/name"; anything else that is not a directory is a bad local path.
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise ModelLoadError(
-            f"model {model!r} is not a directory with a checkpoint, nor a .gguf file, nor a "
-            f"known model name ({', '.join(catalog.KNOWN_MODELS)})"
-        )
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(
-            snapshot_download(
-                model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
-            )
-        )
-    except Exception as e:  # network, auth, unknown repo: one clear message
-        raise ModelLoadError(f"model {model!r} is not a local directory and could not be fetched: {e}") from e
 
 
 def resolve_device(device: str) -> torch.device:

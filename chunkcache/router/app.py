@@ -26,6 +26,8 @@ from chunkcache import envs
 from chunkcache.config import DEFAULT_DOCUMENTS_FORMAT, HASH_ALGORITHMS
 from chunkcache.errors import UsageError, add_debug_argument, run_command
 from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
+from chunkcache.model import catalog
+from chunkcache.model.source import default_model_name, resolve_model_path
 from chunkcache.router.backends import BackendSpec, load_backends_file, parse_backend_list
 from chunkcache.router.policy import DEFAULT_CACHE_THRESHOLD, POLICIES
 from chunkcache.router.scorer import parse_tier_weights
@@ -212,8 +214,21 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds a proxied request may take")
     g = parser.add_argument_group("prompts")
-    g.add_argument("--tokenizer", required=True, help="local tokenizer directory (the served model's)")
-    g.add_argument("--model-name", required=True, help="the engines' model name (part of every chunk key)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="what the replicas serve, as `chunkcache serve --model` takes it (a .gguf file, a checkpoint "
+        "directory or a short name; default: the default model): its tokenizer and chat template are the "
+        "router's, and its name the default --model-name",
+    )
+    g.add_argument("--tokenizer", default=None, help="override: a local tokenizer directory or .gguf file")
+    g.add_argument(
+        "--model-name",
+        default=None,
+        help="the engines' model name, part of every chunk key (default: the name `chunkcache serve "
+        "--model` gives the same model: the GGUF file's stem or the directory's name; give the replicas' "
+        "--served-model-name if they set one)",
+    )
     g.add_argument("--chunk-separator", default=" # # ")
     g.add_argument("--chunk-hash-algorithm", default="sha256", choices=HASH_ALGORITHMS)
     g.add_argument("--no-chunks", action="store_true", help="score chunked prompts as plain prompts")
@@ -307,16 +322,26 @@ def _remote_pods(spec: str | None, backends: list[BackendSpec]) -> tuple[str, ..
     return names
 
 
+def _model_source(model: str | None, tokenizer: str | None, model_name: str | None) -> tuple[str, str]:
+    """(tokenizer path, model name): from the model the replicas serve, resolved as `serve` resolves
+    it (so that both agree on the chunk keys' model name), unless both are given."""
+    if tokenizer is not None and model_name is not None:
+        return tokenizer, model_name
+    path = resolve_model_path(model or catalog.DEFAULT_MODEL)
+    return tokenizer or str(path), model_name or default_model_name(path)
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     specs = parse_backend_list(args.backends or [])
     if args.backends_file:
         specs += load_backends_file(args.backends_file)
     if not specs:
         raise UsageError("give --backends or --backends-file")
+    tokenizer, model_name = _model_source(args.model, args.tokenizer, args.model_name)
     return RouterConfig(
         backends=tuple(specs),
-        model_name=args.model_name,
-        tokenizer=args.tokenizer,
+        model_name=model_name,
+        tokenizer=tokenizer,
         index=args.index,
         index_capacity=args.index_capacity,
         pods_per_key=args.pods_per_key,
@@ -354,7 +379,7 @@ def run_route(args: argparse.Namespace) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         router = Router(config_from_args(args))
-    except ValueError as e:  # a malformed backend spec or tier weight, a missing tokenizer
+    except ValueError as e:  # a malformed backend spec or tier weight, a tokenizer that will not load
         raise UsageError(str(e)) from e
     app = create_app(router)
     uvicorn.run(app, host=args.host, port=args.port, log_level=envs.log_level().lower())

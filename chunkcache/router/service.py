@@ -42,7 +42,7 @@ def open_index(spec: str, capacity: int = 10_000_000, pods_per_key: int = 10) ->
 class RouterConfig:
     backends: tuple[BackendSpec, ...]
     model_name: str
-    tokenizer: str | None = None  # a local HF tokenizer dir; None when a processor is injected
+    tokenizer: str | None = None  # a tokenizer dir or GGUF file; None when a processor is injected
     index: str = "memory"  # or redis://host:port/db
     index_capacity: int = 10_000_000
     pods_per_key: int = 10
@@ -113,7 +113,7 @@ class Router:
         keyer = BlockKeyer(config.block_size)
         if processor is None:
             if config.tokenizer is None:
-                raise ValueError("a router needs --tokenizer (a local tokenizer directory)")
+                raise ValueError("a router needs --model or --tokenizer (the served model's tokenizer)")
             processor = PromptProcessor.from_pretrained(
                 config.tokenizer,
                 config.model_name,

@@ -19,6 +19,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from chunkcache.chunk.documents import (
@@ -28,8 +29,11 @@ from chunkcache.chunk.documents import (
 )
 from chunkcache.chunk.parse import parse_chunked_prompt, tokenize_parts
 from chunkcache.config import DEFAULT_DOCUMENTS_FORMAT
+from chunkcache.errors import ModelLoadError
 from chunkcache.hashing import prompt_hashes, to_wire
 from chunkcache.kv_events import BlockStored
+from chunkcache.model.gguf_tokenizer import load_gguf_tokenizer_without_torch
+from chunkcache.model.source import find_gguf
 from chunkcache.router.word_encoder import WordEncoder
 
 ROUTER_BLOCK_SIZE = 16
@@ -252,6 +256,25 @@ class PromptKeys:
     num_tokens: int
 
 
+def load_router_tokenizer(path: Path) -> Any:
+    """The tokenizer at `path` (see `PromptProcessor.from_pretrained`); a ModelLoadError in one line
+    when there is none, never transformers' traceback."""
+    if not path.exists():
+        raise ModelLoadError(f"tokenizer {str(path)!r}: no such file or directory")
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return load_gguf_tokenizer_without_torch(gguf)
+    if path.is_dir() and not any(path.glob("tokenizer*")):
+        raise ModelLoadError(f"{path} holds neither a tokenizer (tokenizer.json, ...) nor a .gguf file")
+    from transformers import AutoTokenizer  # heavy import, only where a tokenizer is loaded
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # no tokenizer files, a broken one, a converter that is not installed
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"could not load a tokenizer from {path}: {message}") from e
+
+
 class PromptProcessor:
     """Tokenizes prompts exactly as an engine does (docs/design.md §2) and turns them into index keys."""
 
@@ -282,9 +305,9 @@ class PromptProcessor:
 
     @classmethod
     def from_pretrained(cls, path: str, model_name: str, **kwargs: Any) -> PromptProcessor:
-        from transformers import AutoTokenizer  # heavy import, only where a tokenizer is loaded
-
-        return cls(AutoTokenizer.from_pretrained(path), model_name, **kwargs)
+        """With the tokenizer of `path`: a tokenizer or checkpoint directory, or a GGUF file (or a
+        directory holding one), whose metadata is the tokenizer (read without torch)."""
+        return cls(load_router_tokenizer(Path(path).expanduser()), model_name, **kwargs)
 
     def render_chat(
         self, messages: list[dict[str, Any]], documents: Any = None, **template_kwargs: Any

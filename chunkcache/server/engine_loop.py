@@ -43,8 +43,8 @@ class EngineDeadError(RuntimeError):
 
 
 class ShuttingDownError(EngineDeadError):
-    """The server was told to stop and its drain timeout passed before this request finished
-    (HTTP 503, or an SSE error event for a stream)."""
+    """The server was told to stop: a request arriving after that, or one whose drain timeout
+    passed before it finished (HTTP 503 `server_shutting_down`, or an SSE error event)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -241,8 +241,10 @@ class EngineLoop:
         return await self._admit(request_id, lambda: self.engine.add_prewarm(request_id, **fields))
 
     async def _admit(self, request_id: str, add: Callable[[], None]) -> RequestStream:
-        if self._dead is not None or not self._accepting or not self.alive:
-            raise EngineDeadError("the engine is not accepting requests (shutting down or failed)")
+        if self._dead is None and self.alive and not self._accepting:
+            raise ShuttingDownError("the server is shutting down: it admits no new request")
+        if self._dead is not None or not self.alive:
+            raise EngineDeadError("the engine is not accepting requests (stopped or failed)")
         if self._num_waiting >= self.max_queue:
             raise QueueFullError(
                 f"server busy: {self._num_waiting} requests are already waiting (max_queue={self.max_queue})"
