@@ -389,6 +389,21 @@ class FidelityConfig:
     target: float | None = None
     # A profile file, or a folder of profiles named by model identity; None = envs.fidelity_dir().
     profile: str | None = None
+    # Share of greedy chunked requests served by the engine's configuration that are re-run as a
+    # full prefill in background time and compared (fidelity/shadow.py), in [0, 1]; None = 0.01
+    # with a target, else 0 (`effective_sample_rate`).
+    sample_rate: float | None = None
+    # Shadow checks the controller (fidelity/controller.py) judges a configuration by, and waits
+    # for after each move: no move comes sooner than this many checks of the new configuration.
+    window: int = 20
+    # The controller steps back towards speed only while agreement >= target + margin.
+    margin: float = 0.02
+
+    @property
+    def effective_sample_rate(self) -> float:
+        if self.sample_rate is not None:
+            return float(self.sample_rate)
+        return 0.01 if self.target is not None else 0.0
 
     def validate(self) -> None:
         t = self.target
@@ -396,6 +411,16 @@ class FidelityConfig:
             isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 < t <= 1
         ):
             raise ValueError(f"fidelity_target must be a fraction in (0, 1], got {t!r}")
+        r = self.sample_rate
+        if r is not None and (
+            isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r) or not 0 <= r <= 1
+        ):
+            raise ValueError(f"fidelity_sample_rate must be a fraction in [0, 1], got {r!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"fidelity_window must be an integer >= 1, got {self.window!r}")
+        m = self.margin
+        if isinstance(m, bool) or not isinstance(m, int | float) or not math.isfinite(m) or not 0 <= m < 1:
+            raise ValueError(f"fidelity_margin must be in [0, 1), got {m!r}")
         if self.profile is not None and t is None:
             raise ValueError(
                 "fidelity_profile is read only with fidelity_target (the share of full prefill's "
@@ -545,6 +570,9 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "kv_events_insecure": ("kv_events", "insecure"),
     "fidelity_target": ("fidelity", "target"),
     "fidelity_profile": ("fidelity", "profile"),
+    "fidelity_sample_rate": ("fidelity", "sample_rate"),
+    "fidelity_window": ("fidelity", "window"),
+    "fidelity_margin": ("fidelity", "margin"),
 }
 
 

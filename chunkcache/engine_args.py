@@ -107,6 +107,14 @@ OPTION_HELP: dict[str, str] = {
     "calibrate) that kept that much, else the most accurate one (default: off, the model's own defaults)",
     "fidelity_profile": "with fidelity_target: a profile file, or a folder of profiles named by model "
     "identity (default: $CHUNKCACHE_FIDELITY_DIR, else ~/.cache/chunkcache/fidelity)",
+    "fidelity_sample_rate": "share of greedy chunked requests served by the engine's reuse configuration "
+    "that are re-run as a full prefill in background time and compared token by token, in [0, 1] "
+    "(default: 0.01 with fidelity_target, else 0)",
+    "fidelity_window": "shadow checks the controller judges a configuration by (rolling agreement), and "
+    "waits for after each move before the next; with a profile it climbs to a more accurate "
+    "configuration below fidelity_target, steps back towards speed above target + fidelity_margin",
+    "fidelity_margin": "how far above fidelity_target the rolling agreement must stay for the controller "
+    "to step back towards speed, in [0, 1)",
 }
 
 

@@ -61,7 +61,14 @@ def test_sequence_kinds() -> None:
     fills = {k for k in SequenceKind if k.is_fill}
     background = {k for k in SequenceKind if k.is_background}
     assert fills == {SequenceKind.CHUNK_FILL, SequenceKind.CANONICAL_FILL, SequenceKind.PREWARM_FILL}
-    assert background == {SequenceKind.CANONICAL_FILL, SequenceKind.PREWARM_FILL, SequenceKind.PREFIX_JOB}
+    assert background == {
+        SequenceKind.CANONICAL_FILL,
+        SequenceKind.PREWARM_FILL,
+        SequenceKind.PREFIX_JOB,
+        SequenceKind.SHADOW,
+    }
+    # Background work in KV blocks of its own: a waiting request takes them back.
+    assert {k for k in SequenceKind if k.yields_blocks} == {SequenceKind.PREFIX_JOB, SequenceKind.SHADOW}
     assert not SequenceKind.REQUEST.is_fill and not SequenceKind.REQUEST.is_background
 
 

@@ -54,6 +54,10 @@ class SequenceKind(enum.Enum):
     # An exact_follow_ups job (engine._queue_exact_prefix): background work, a plain prefill into
     # KV blocks; its one sampled token is thrown away.
     PREFIX_JOB = "prefix_job"
+    # An online shadow check (fidelity/shadow.py): a served chunked request's prompt re-run as a
+    # plain prefill, greedy, as background work; its reply is compared with what was served and
+    # never returned.
+    SHADOW = "shadow"
 
     @property
     def is_fill(self) -> bool:
@@ -63,7 +67,17 @@ class SequenceKind(enum.Enum):
     @property
     def is_background(self) -> bool:
         """Work no request waits for: scheduled on the token budget requests leave."""
-        return self in (SequenceKind.CANONICAL_FILL, SequenceKind.PREWARM_FILL, SequenceKind.PREFIX_JOB)
+        return self in (
+            SequenceKind.CANONICAL_FILL,
+            SequenceKind.PREWARM_FILL,
+            SequenceKind.PREFIX_JOB,
+            SequenceKind.SHADOW,
+        )
+
+    @property
+    def yields_blocks(self) -> bool:
+        """Background work in KV blocks of its own, which a waiting request may take back."""
+        return self in (SequenceKind.PREFIX_JOB, SequenceKind.SHADOW)
 
 
 class Status(enum.Enum):
@@ -138,6 +152,9 @@ class Sequence:
     # Layout "fusion" (engine/fusion.py): the group this sequence belongs to, as the request (its
     # reply; never scheduled) or as one of its streams (scheduled, preempted and freed together).
     fusion: FusionGroup | None = None
+    # The engine's reuse configuration (fidelity/controller.py's name) this chunked request was
+    # served with, where it gave no chunk options of its own: what a shadow check of it judges.
+    fidelity_config: str | None = None
 
     def __post_init__(self) -> None:
         if not self.num_own_prompt_tokens:

@@ -27,6 +27,7 @@ from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.runner import ModelRunner
 from chunkcache.engine.sensitivity import neutral_passage
+from chunkcache.fidelity.controller import Controller
 from chunkcache.fidelity.gate import resolve as resolve_fidelity
 from chunkcache.kv_events import KVEventPublisher, PublisherCurve
 from chunkcache.malloc import keep_freed_memory
@@ -55,6 +56,9 @@ class EngineParts:
     runner: ModelRunner
     chunks: ChunkManager | None
     publisher: KVEventPublisher | None
+    # With a fidelity profile: the reuse configuration requests without their own options get,
+    # moved along the profile by shadow checks' agreement (fidelity/controller.py).
+    controller: Controller | None = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -77,7 +81,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         keep_freed_memory()
     model_name = config.served_model_name or loaded.name
     # With fidelity_target, the reuse configuration the model's profile chooses (fidelity/gate.py).
-    config = resolve_fidelity(config, loaded)
+    base_chunk = config.chunk
+    gated = resolve_fidelity(config, loaded)
+    config = gated.config
     max_model_len = _max_model_len(config, loaded.spec)
     config.chunk.validate(loaded.spec.num_layers)
     if config.chunk.enable:
@@ -113,7 +119,14 @@ def build_engine(config: EngineConfig) -> EngineParts:
         chunks = ChunkManager(config.chunk, model_name, blocks, pool, loaded.device, runner.kv_caches, tiers)
         runner.on_measured = chunks.sensitivity_measured
     publisher = _publisher(config.kv_events, model_name)
-    return EngineParts(config, loaded, model_name, max_model_len, blocks, runner, chunks, publisher)
+    controller = None
+    if gated.profile is not None and gated.chosen is not None:
+        controller = Controller(
+            gated.profile, gated.chosen, base_chunk, config.fidelity, loaded.spec.num_layers
+        )
+    return EngineParts(
+        config, loaded, model_name, max_model_len, blocks, runner, chunks, publisher, controller
+    )
 
 
 def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

@@ -25,6 +25,7 @@ from chunkcache.engine.intake import Prompt, RequestIntake
 from chunkcache.engine.postprocess import append_token, make_output, sample_batch
 from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
 from chunkcache.errors import InvalidRequestError
+from chunkcache.fidelity.shadow import ShadowChecks
 from chunkcache.kv_events import AllBlocksCleared
 from chunkcache.outputs import RequestOutput
 from chunkcache.sampling import SamplingParams
@@ -50,6 +51,15 @@ class LLMEngine:
                 self.chunks, config.chunk, self.blocks, self.runner, self._generator,
                 self.scheduler.add, self._start_job, self._finish,
             )  # fmt: skip
+        # Online shadow checks of chunked requests, and the controller they steer (fidelity/).
+        self.shadows = ShadowChecks(
+            config.fidelity,
+            config.seed,
+            self.blocks,
+            self.max_model_len,
+            self.scheduler.add,
+            parts.controller,
+        )
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []
@@ -276,6 +286,10 @@ class LLMEngine:
             self.chunk_steps.on_finish(seq)
         if seq.kind.is_fill:
             self._requests.pop(seq.request_id, None)
+        elif seq.kind is SequenceKind.SHADOW:
+            self.shadows.finished(seq)
+        elif seq.kind is SequenceKind.REQUEST:
+            self.shadows.served(seq)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         if seq.is_finished:
@@ -361,6 +375,8 @@ class LLMEngine:
             "blended_prefix_hits": f.blended_prefix_hits,
             "exact_prefix_hits": f.exact_prefix_hits,
             "exact_prefix_jobs": f.exact_prefix_jobs,
+            # Shadow checks per reuse configuration and the controller (fidelity/shadow.py).
+            "fidelity": self.shadows.stats(),
         }
 
     def stats(self) -> dict[str, Any]:

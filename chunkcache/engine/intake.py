@@ -26,6 +26,7 @@ from chunkcache.engine.build import EngineParts
 from chunkcache.engine.fusion import FusionGroup, num_streams, pair_tokens
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
+from chunkcache.fidelity.shadow import DEFAULT_CONFIG
 from chunkcache.hashing import blend_key
 from chunkcache.sampling import SamplingParams
 
@@ -51,6 +52,21 @@ class RequestIntake:
         self.max_model_len = parts.max_model_len
         self.structured = StructuredOutputs(self.tokenizer, self.spec.vocab_size)
         self._generator = generator
+        # With a fidelity profile, the configuration requests without chunk options of their own
+        # get (it moves: fidelity/controller.py); else the engine's chunk options.
+        self.controller = parts.controller
+        # Whether chunked requests served by the engine's configuration are marked for shadow
+        # checks (fidelity/shadow.py).
+        self.shadowed = config.chunk.enable and config.fidelity.effective_sample_rate > 0
+
+    def default_reuse(self) -> tuple[str, ChunkConfig]:
+        """The name and chunk options of the configuration a request that gives none gets (read
+        once per request, as one object: the controller moves between requests, on the step
+        thread, while intake runs on others)."""
+        if self.controller is None:
+            return DEFAULT_CONFIG, self.config.chunk
+        rung = self.controller.current
+        return rung.name, rung.chunk
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -66,14 +82,20 @@ class RequestIntake:
         """A request's sequence (LLMEngine.add_request); InvalidRequestError names what is wrong."""
         _check_salt(cache_salt)
         self._check_params(params)
-        chunk_config = self.chunk_config(chunk_options)
+        name, default = self.default_reuse()
+        chunk_config = self.chunk_config(chunk_options, default)
         try:
-            return self.make_sequence(
-                request_id, prompt, params, add_special_tokens, chunk_config, cache_salt
-            )
+            seq = self.make_sequence(request_id, prompt, params, add_special_tokens, chunk_config, cache_salt)
         except InvalidRequestError as e:
             e.param = e.param or "prompt"  # the prompt's checks (chunk parsing included) name no field
             raise
+        plan = seq.chunk_plan
+        own = chunk_options is not None and (
+            not isinstance(chunk_options, ReuseOptions) or chunk_options.given()
+        )
+        if self.shadowed and not own and plan is not None and isinstance(plan.prompt, ChunkedPrompt):
+            seq.fidelity_config = name
+        return seq
 
     def _check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -87,13 +109,17 @@ class RequestIntake:
             raise InvalidRequestError(f"logprobs {params.logprobs} exceeds the vocabulary size", "logprobs")
         _check_token_ids(params, self.spec.vocab_size)
 
-    def chunk_config(self, options: ReuseOptions | Mapping[str, object] | None) -> ChunkConfig:
-        """The engine's chunk options with a request's own merged in, checked for the model."""
+    def chunk_config(
+        self, options: ReuseOptions | Mapping[str, object] | None, default: ChunkConfig | None = None
+    ) -> ChunkConfig:
+        """`default` (the engine's chunk options, or the controller's configuration) where the
+        request gives none, else the engine's with the request's own merged in, checked for the
+        model."""
         try:
             if options is not None and not isinstance(options, ReuseOptions):
                 options = ReuseOptions.from_mapping(options)
             if options is None or not options.given():
-                return self.config.chunk
+                return default if default is not None else self.default_reuse()[1]
             if self.chunks is not None:
                 return self.config.chunk.with_request_options(options, self.spec.num_layers)
         except (TypeError, ValueError) as e:
@@ -316,7 +342,7 @@ class RequestIntake:
             prompt=prompt,
             kind=SequenceKind.PREWARM,
             cache_salt=cache_salt,
-            chunk_plan=ChunkPlan(chunked, self.config.chunk),
+            chunk_plan=ChunkPlan(chunked, self.default_reuse()[1]),
             prefix_cacheable=False,
         )
 

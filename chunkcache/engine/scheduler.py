@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from chunkcache.config import SchedulerConfig
 from chunkcache.core.kv_blocks import BlockManager
-from chunkcache.core.sequence import Sequence, SequenceKind, Status
+from chunkcache.core.sequence import Sequence, Status
 from chunkcache.engine.decode_guard import DecodeGuard
 
 # Tokens background work is guaranteed in a step once it has waited BACKGROUND_MAX_WAIT_STEPS
@@ -231,7 +231,7 @@ class Scheduler:
     def _grow_for_admission(self, unit: list[Sequence], counts: list[int], batch: ScheduledBatch) -> bool:
         """Blocks for a waiting unit; a request takes those of running background work."""
         while not self._grow_all(unit, counts):
-            jobs = [s for s in reversed(self.running) if s.kind is SequenceKind.PREFIX_JOB]
+            jobs = [s for s in reversed(self.running) if s.kind.yields_blocks]
             if unit[0].kind.is_background or not jobs:
                 return False
             self._yield(jobs[0], batch)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,12 +39,22 @@ def profile_location(config: EngineConfig) -> Path:
     return Path(config.fidelity.profile or envs.fidelity_dir()).expanduser()
 
 
-def resolve(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
+@dataclass(frozen=True)
+class Gated:
+    """What the gate decided: the config to serve with, and the profile and configuration it chose
+    from (None without a target or a profile), which the controller (controller.py) moves along."""
+
+    config: EngineConfig
+    profile: profiles.Profile | None = None
+    chosen: str | None = None
+
+
+def resolve(config: EngineConfig, loaded: LoadedModel) -> Gated:
     """`config` with the chunk options the profile chooses (unchanged without a target or a
     profile); a malformed profile or one of another model raises ProfileError, naming it."""
     target = config.fidelity.target
     if target is None or not config.chunk.enable:
-        return config
+        return Gated(config)
     ident = identity(loaded.model, loaded.tokenizer, loaded.name)
     where = profile_location(config)
     if config.fidelity.profile is not None and not where.exists():
@@ -55,7 +66,7 @@ def resolve(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
             "reuse. Make one with `chunkcache calibrate --model %s --dtype %s --out %s`",
             target, loaded.name, ident[:16], where, config.model, config.dtype, where,
         )  # fmt: skip
-        return config
+        return Gated(config)
     profile = profiles.load(path, ident)
     choice = profiles.choose(profile, target)
     try:
@@ -75,4 +86,4 @@ def resolve(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
             "larger N (it resumes) narrows it",
             choice.chosen.name, choice.chosen.counted,
         )  # fmt: skip
-    return dataclasses.replace(config, chunk=chunk)
+    return Gated(dataclasses.replace(config, chunk=chunk), profile, choice.chosen.name)

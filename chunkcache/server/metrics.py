@@ -122,6 +122,49 @@ class _EngineStatsCollector(Collector):
                 yield GaugeMetricFamily(f"{PREFIX}_chunk_cache_{name}", doc, value=float(chunk[key]))
         if chunk.get("tiers"):
             yield from _tier_metrics(chunk["tiers"])
+        if chunk.get("fidelity"):
+            yield from _fidelity_metrics(chunk["fidelity"])
+
+
+def _fidelity_metrics(fidelity: Mapping[str, Any]) -> Iterator[Metric]:
+    """Shadow checks (fidelity/shadow.py) per reuse configuration, and the controller's moves."""
+    checks = CounterMetricFamily(
+        f"{PREFIX}_fidelity_checks",
+        "Shadow checks of chunked requests against a full prefill, by configuration and result "
+        "(agree, disagree, error, skipped).",
+        labels=("config", "result"),
+    )
+    agreement = GaugeMetricFamily(
+        f"{PREFIX}_fidelity_agreement",
+        "Share of the last fidelity_window shadow checks whose served reply was identical to full "
+        "prefill's (0-1), by configuration.",
+        labels=("config",),
+    )
+    for name, counts in fidelity["configs"].items():
+        for result in ("agree", "disagree", "error", "skipped"):
+            checks.add_metric((name, result), float(counts.get(result, 0)))
+        if counts.get("agreement") is not None:
+            agreement.add_metric((name,), float(counts["agreement"]))
+    yield checks
+    yield agreement
+    moves = CounterMetricFamily(
+        f"{PREFIX}_fidelity_moves",
+        "Moves of the fidelity controller between the profile's configurations, by direction.",
+        labels=("direction",),
+    )
+    for direction, n in fidelity["moves"].items():
+        moves.add_metric((direction,), float(n))
+    yield moves
+    yield CounterMetricFamily(
+        f"{PREFIX}_fidelity_dropped_checks",
+        "Sampled requests not checked because the shadow queue was full.",
+        value=float(fidelity["dropped"]),
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_fidelity_pending_checks",
+        "Shadow checks queued or running.",
+        value=float(fidelity["pending"]),
+    )
 
 
 # Per lower tier (chunkcache/chunk/tiers/), labelled tier="disk" | "remote".

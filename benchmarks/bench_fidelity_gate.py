@@ -1,0 +1,160 @@
+"""bench_fidelity_gate: the fidelity controller over a stream of RAG prompts (issue 34).
+
+A stream of the built-in fidelity questions that calibration did not see (those after the first
+`--skip`, the profile's prompts), shuffled, repeats allowed, goes one request at a time through an
+engine with `fidelity_target` and the model's profile, every `--sample-rate` of them shadow
+checked; with `--start fastest` the controller starts at the profile's fastest configuration
+(the issue's setup) instead of the gate's choice. Each prompt is also run as a plain full prefill
+(prefix cache reset first) for reference. Reported: answers kept vs full prefill (where full
+prefill answered correctly, the served reply is correct too), greedy replies identical to full
+prefill's, mean TTFT speedup (full's TTFT over the served one's, documents warm in the pool),
+the configuration over the stream (JSON, PNG with matplotlib), and the CPU seconds of the steps
+that ran only shadow checks against the CPU seconds of serving the stream.
+
+    python benchmarks/bench_fidelity_gate.py --model smollm2 --threads 1 --limit 16 --start fastest
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.fidelity import measure
+from chunkcache.fidelity.prompts import builtin
+
+HERE = Path(__file__).parent
+
+
+def _step_until(llm: LLM, done: Any) -> None:
+    while not done():
+        llm.engine.step()
+
+
+def _serve(llm: LLM, request_id: str, prompt: str | list[int], params: SamplingParams) -> tuple[Any, float]:
+    """One request through the engine's steps: (its final output, CPU seconds until it finished)."""
+    engine = llm.engine
+    engine.add_request(request_id, prompt, params, add_special_tokens=False)
+    final: list[Any] = []
+    cpu = time.process_time()
+
+    def finished() -> bool:
+        final.extend(o for o in engine.step() if o.request_id == request_id and o.finished)
+        return bool(final)
+
+    while not finished():
+        pass
+    return final[0], time.process_time() - cpu
+
+
+def _ttft(out: Any) -> float:
+    m = out.metrics
+    return (m.first_token_time or 0.0) - m.arrival_time
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--profile", default=str(HERE / "results" / "calibrate_smollm2_profile.json"))
+    p.add_argument("--target", type=float, default=0.95)
+    p.add_argument("--sample-rate", type=float, default=1.0)
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--skip", type=int, default=80, help="built-in prompts the profile was calibrated on")
+    p.add_argument("--limit", type=int, default=16, help="held-out prompts in the stream")
+    p.add_argument("--repeats", type=int, default=1, help="each prompt appears this many times")
+    p.add_argument("--max-tokens", type=int, default=0, help="0 = the profile's")
+    p.add_argument("--start", choices=("gate", "fastest"), default="fastest")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(HERE / "results" / "fidelity_gate_smollm2.json"))
+    args = p.parse_args(argv)
+    profile = json.loads(Path(args.profile).read_text())
+    max_tokens = args.max_tokens or profile["max_tokens"]
+    llm = LLM(
+        args.model, dtype=args.dtype, device="cpu", threads=args.threads, fidelity_target=args.target,
+        fidelity_profile=args.profile, fidelity_sample_rate=args.sample_rate, fidelity_window=args.window,
+    )  # fmt: skip
+    engine = llm.engine
+    ctl = engine.shadows.controller
+    assert ctl is not None, "the profile did not load"
+    if args.start == "fastest":
+        ctl.index = 0  # the issue's setup: start fast, let live agreement move it
+    prompts = builtin(args.skip + args.limit)[args.skip :] * args.repeats
+    random.Random(args.seed).shuffle(prompts)
+    sep = engine.config.chunk.separator
+    answer = SamplingParams(temperature=0, max_tokens=max_tokens)
+    rows: list[dict[str, Any]] = []
+    serve_cpu = shadow_cpu = 0.0
+    for i, q in enumerate(prompts):
+        text = measure.render(llm.tokenizer, list(q.documents), q.question, sep)
+        full_ids = measure.parse(llm, text).all_token_ids()
+        engine.reset_prefix_cache()
+        full, _ = _serve(llm, f"full-{i}", full_ids, answer)
+        _step_until(llm, lambda: not engine.has_background_work())
+        cpu = time.process_time()
+        measure.warm(llm, text)  # the documents in the pool: a warm request, as in calibrate
+        config = ctl.current.name
+        served, request_cpu = _serve(llm, f"served-{i}", text, answer)
+        serve_cpu += time.process_time() - cpu
+        cpu = time.process_time()
+        _step_until(llm, lambda: not engine.has_background_work())  # the shadow check, if sampled
+        shadow_cpu += time.process_time() - cpu
+        full_ok, served_ok = q.correct(full.outputs[0].text), q.correct(served.outputs[0].text)
+        rows.append({
+            "config": config, "identical": full.outputs[0].token_ids == served.outputs[0].token_ids,
+            "full_correct": full_ok, "served_correct": served_ok,
+            "ttft_full_s": _ttft(full), "ttft_served_s": _ttft(served), "request_cpu_s": request_cpu,
+        })  # fmt: skip
+        print(f"{i:3d} {config:20s} same={rows[-1]['identical']!s:5s} full_ok={full_ok} served_ok={served_ok} "
+              f"ttft {rows[-1]['ttft_full_s'] * 1e3:.0f} -> {rows[-1]['ttft_served_s'] * 1e3:.0f} ms", flush=True)  # fmt: skip
+    counted = [r for r in rows if r["full_correct"]]
+    kept = sum(bool(r["served_correct"]) for r in counted)
+    speedups = [r["ttft_full_s"] / r["ttft_served_s"] for r in rows if r["ttft_served_s"] > 0]
+    stats = engine.chunk_cache_stats()
+    summary = {
+        "model": args.model, "dtype": args.dtype, "target": args.target, "sample_rate": args.sample_rate,
+        "window": args.window, "start": args.start, "prompts": len(rows),
+        "kept": kept, "counted": len(counted),
+        "identical": sum(r["identical"] for r in rows),
+        "mean_ttft_speedup": sum(speedups) / len(speedups),
+        "serve_cpu_s": serve_cpu, "shadow_cpu_s": shadow_cpu,
+        "shadow_cpu_share": shadow_cpu / (serve_cpu + shadow_cpu),
+        "fidelity": stats["fidelity"] if stats else None,
+        "configs_over_time": [r["config"] for r in rows],
+    }  # fmt: skip
+    Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    _plot(rows, [r.name for r in ctl.rungs], Path(args.out).with_suffix(".png"))
+    print(
+        f"SUMMARY kept {kept}/{len(counted)} of full prefill's correct answers; identical replies "
+        f"{summary['identical']}/{len(rows)}; mean TTFT speedup {summary['mean_ttft_speedup']:.2f}x; "
+        f"shadow CPU {shadow_cpu:.1f} s = {100 * summary['shadow_cpu_share']:.1f}% at sample rate "
+        f"{args.sample_rate}; configurations {' '.join(summary['configs_over_time'])}"
+    )
+    llm.close()
+
+
+def _plot(rows: list[dict[str, Any]], ladder: list[str], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.step(range(len(rows)), [ladder.index(r["config"]) for r in rows], where="post")
+    ax.set_yticks(range(len(ladder)), ladder)
+    ax.set_xlabel("request in the stream")
+    ax.set_title("fidelity controller: configuration per request")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""Online shadow checks and the fidelity controller (issue 34): sampled chunked requests are
+re-run as a full prefill in background time and compared token by token; the controller moves the
+engine along its profile when the rolling agreement misses the target, and back when it is met
+with a margin. The tiny model's layout "isolated" is lossy (its greedy replies differ from full
+prefill's on these prompts), layout "offset" recomputing every chunk token at layer 0 is exact."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.core.sequence import Sequence, SequenceKind
+from chunkcache.engine.engine import LLMEngine
+from chunkcache.fidelity import profile as profiles
+from chunkcache.fidelity.gate import identity
+from chunkcache.fidelity.shadow import MAX_QUEUED
+from chunkcache.model.loader import load_model
+from chunkcache.server.metrics import ServerMetrics
+from tests.support.engines import tiny_llm
+from tests.support.tiny_checkpoint import corpus
+
+SEP = " # # "
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+LOSSY = {"chunk_layout": "isolated"}
+EXACT = {"chunk_layout": "offset", "blend_check_layers": [0], "blend_recompute_ratios": [1.0]}
+
+
+def _prompt(i: int) -> str:
+    lines = corpus()
+    docs = [" ".join(lines[i * 7 + j * 3 : i * 7 + j * 3 + 3]) for j in range(2)]
+    return "sys" + SEP + SEP.join(docs) + SEP + "question " + lines[i]
+
+
+def _drain(engine: LLMEngine, check: bool = True) -> int:
+    """Step until requests and background work are done, checking integrity after each step."""
+    steps = 0
+    while engine.has_unfinished_requests() or engine.has_background_work():
+        engine.step()
+        steps += 1
+        if check:
+            engine.check_integrity()
+    return steps
+
+
+def _fidelity(engine: LLMEngine) -> dict[str, Any]:
+    stats = engine.chunk_cache_stats()
+    assert stats is not None
+    return stats["fidelity"]
+
+
+def _serve(engine: LLMEngine, first: int, count: int, salt: str | None = None, **kw: Any) -> None:
+    for i in range(first, first + count):
+        engine.add_request(f"r{i}-{salt}", _prompt(i), GREEDY, cache_salt=salt, **kw)
+    _drain(engine)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint: Callable[..., Path]) -> Path:
+    return checkpoint("llama")
+
+
+def _llm(model: Path, options: dict[str, Any], **kw: Any) -> LLM:
+    return tiny_llm(model, threads=1, fidelity_sample_rate=1.0, **options, **kw)
+
+
+@pytest.mark.parametrize(("options", "result"), [(EXACT, "agree"), (LOSSY, "disagree")])
+def test_shadow_checks_compare_with_full_prefill(model: Path, options: dict[str, Any], result: str) -> None:
+    llm = _llm(model, options)
+    try:
+        engine = llm.engine
+        _serve(engine, 0, 4)
+        fid = _fidelity(engine)
+        assert fid["configs"] == {"default": {result: 4, "agreement": 1.0 if result == "agree" else 0.0}}
+        # Every shadow's KV blocks are back (free, or cached and evictable).
+        assert fid["pending"] == 0 and not engine.scheduler.running and not engine.scheduler.waiting
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        # Requests with their own chunk options are not sampled: they say nothing of the engine's.
+        for i in range(4, 6):
+            engine.add_request(f"own{i}", _prompt(i), GREEDY, chunk_options=LOSSY)
+        # Sampled replies are not compared (only greedy agreement is built).
+        engine.add_request("sampled", _prompt(7), SamplingParams(temperature=1.0, max_tokens=4, seed=1))
+        _drain(engine)
+        assert _fidelity(engine)["configs"] == fid["configs"]
+    finally:
+        llm.close()
+
+
+def test_no_sampling_without_a_rate(model: Path) -> None:
+    llm = tiny_llm(model, threads=1, **EXACT)
+    try:
+        _serve(llm.engine, 0, 3)
+        assert _fidelity(llm.engine)["configs"] == {}
+    finally:
+        llm.close()
+
+
+def test_shadow_queue_is_bounded_and_excess_dropped(model: Path) -> None:
+    llm = _llm(model, EXACT)
+    try:
+        engine = llm.engine
+        n = MAX_QUEUED + 4
+        for i in range(n):
+            engine.add_request(f"r{i}", _prompt(i), GREEDY)
+        most = 0
+        while engine.has_unfinished_requests() or engine.has_background_work():
+            engine.step()
+            engine.check_integrity()
+            pending = sum(
+                s.kind is SequenceKind.SHADOW for s in [*engine.scheduler.waiting, *engine.scheduler.running]
+            )
+            assert pending == _fidelity(engine)["pending"] <= MAX_QUEUED
+            most = max(most, pending)
+        fid = _fidelity(engine)
+        assert most == MAX_QUEUED and fid["dropped"] == n - MAX_QUEUED
+        assert fid["configs"]["default"]["agree"] == MAX_QUEUED
+        assert engine.blocks.num_free_blocks + engine.blocks.num_cached_blocks >= engine.blocks.num_blocks
+    finally:
+        llm.close()
+
+
+def _first_token_steps(engine: LLMEngine, prompt: str | list[int]) -> int:
+    """Steps from a live request's arrival to its first token."""
+    request_id = f"live-{len(engine.counters)}-{engine.counters['requests']}"
+    engine.add_request(request_id, prompt, GREEDY)
+    steps = 0
+    while True:
+        steps += 1
+        outputs = engine.step()
+        engine.check_integrity()
+        if any(o.request_id == request_id and o.outputs[0].token_ids for o in outputs):
+            return steps
+
+
+def test_shadows_are_background_work_and_never_delay_a_live_request(model: Path) -> None:
+    llm = _llm(model, EXACT, max_num_batched_tokens=64)
+    try:
+        engine = llm.engine
+        idle = _first_token_steps(engine, "a live question about the cat")
+        _drain(engine)
+        for i in range(6):
+            engine.add_request(f"r{i}", _prompt(i), GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+        queued = [
+            s for s in [*engine.scheduler.waiting, *engine.scheduler.running] if s.kind is SequenceKind.SHADOW
+        ]
+        assert queued and len(queued) == _fidelity(engine)["pending"]
+        assert all(s.kind.is_background for s in queued)
+        assert _first_token_steps(engine, "a live question about the dog") == idle
+        assert engine.has_background_work()  # the live request came first: shadows still pending
+        _drain(engine)
+        assert _fidelity(engine)["configs"]["default"]["agree"] == 6
+    finally:
+        llm.close()
+
+
+def _probe(engine: LLMEngine, ids: list[int], salt: str | None) -> int:
+    """Prompt tokens a plain request of `ids` under `salt` found cached."""
+    request_id = f"probe-{salt}"
+    engine.add_request(request_id, ids, GREEDY, cache_salt=salt)
+    outs: list[Any] = []
+    while engine.has_unfinished_requests() or engine.has_background_work():
+        outs += engine.step()
+        engine.check_integrity()
+    (out,) = [o for o in outs if o.request_id == request_id and o.finished]
+    return out.num_cached_tokens
+
+
+def test_shadows_keep_the_request_salt(model: Path) -> None:
+    llm = _llm(model, EXACT)
+    try:
+        engine = llm.engine
+        added: list[Sequence] = []
+        schedule = engine.shadows._schedule
+        engine.shadows._schedule = lambda s: (added.append(s), schedule(s))  # type: ignore[method-assign]
+        _serve(engine, 0, 1, salt="tenant-a")
+        assert [s.cache_salt for s in added] == ["tenant-a"]
+        ids = added[0].prompt_token_ids
+        # The shadow's plain blocks (the whole prompt's, more than the served request's exact
+        # prefix) are found under its tenant's salt only.
+        whole = (len(ids) - 1) // engine.blocks.block_size * engine.blocks.block_size
+        assert _probe(engine, ids, "tenant-b") == 0
+        assert _probe(engine, ids, None) == 0
+        assert _probe(engine, ids, "tenant-a") == whole
+    finally:
+        llm.close()
+
+
+def _profile_file(model: Path, tmp_path: Path, rungs: list[tuple[str, dict[str, Any], float, float]]) -> Path:
+    loaded = load_model(str(model), "cpu", "float32", None, None, True)
+    ident = identity(loaded.model, loaded.tokenizer, loaded.name)
+    configs = tuple(
+        profiles.Measured(name, options, 10, 10, int(10 * kept), kept, kept, None, 0.5, 1 / speed, speed)
+        for name, options, kept, speed in rungs
+    )
+    profile = profiles.Profile(Path(model).name, ident, "cpu", "float32", "test", 6, 10, None, None, configs)
+    path = tmp_path / "profile.json"
+    path.write_text(profile.to_json())
+    return path
+
+
+def test_controller_climbs_when_lossy_and_steps_back_when_met(
+    model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="chunkcache.fidelity")
+    # The profile is optimistic about "isolated" (calibrated on other prompts): the gate starts
+    # there; live traffic shows it loses replies.
+    path = _profile_file(
+        model,
+        tmp_path,
+        [("isolated", LOSSY, 0.95, 8.0), ("exact", EXACT, 1.0, 1.2), ("slow", LOSSY, 0.9, 1.0)],
+    )
+    window = 3
+    llm = tiny_llm(
+        model, threads=1, fidelity_target=0.9, fidelity_profile=str(path), fidelity_sample_rate=1.0,
+        fidelity_window=window,
+    )  # fmt: skip
+    try:
+        engine = llm.engine
+        ctl = engine.shadows.controller
+        assert ctl is not None and [r.name for r in ctl.rungs] == ["isolated", "exact"]  # "slow" dominated
+        assert ctl.current.name == "isolated"
+        history = []
+        for i in range(4 * window - 1):
+            _serve(engine, i, 1)  # one at a time: each check lands before the next request
+            history.append(ctl.current.name)
+        fid = _fidelity(engine)
+        # Climbs after `window` lossy checks; meets the target there; steps back after `window`
+        # exact checks; climbs again after `window` lossy ones: never sooner than `window` checks.
+        iso, exact = ["isolated"] * window, ["exact"] * window
+        assert history == iso[1:] + exact + iso + exact
+        assert fid["moves"] == {"up": 2, "down": 1} and fid["current"] == "exact"
+        assert fid["configs"]["isolated"]["disagree"] == 2 * window
+        assert fid["configs"]["exact"]["agree"] >= window
+        assert "moving up (more accurate) to exact" in caplog.text
+        assert "moving down (faster) to isolated" in caplog.text
+        # A request's own options: neither moved nor counted.
+        engine.add_request("own", _prompt(40), GREEDY, chunk_options=LOSSY)
+        _drain(engine)
+        assert _fidelity(engine)["configs"] == fid["configs"]
+    finally:
+        llm.close()
+
+
+def test_metrics_parse(model: Path) -> None:
+    llm = _llm(model, LOSSY)
+    try:
+        _serve(llm.engine, 0, 2)
+        metrics = ServerMetrics("tiny")
+        metrics.update_engine_stats(llm.engine.stats())
+        families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+        checks = {
+            (s.labels["config"], s.labels["result"]): s.value
+            for s in families["chunkcache_fidelity_checks"].samples
+            if s.name.endswith("_total")
+        }
+        assert checks[("default", "disagree")] == 2 and checks[("default", "agree")] == 0
+        (agreement,) = families["chunkcache_fidelity_agreement"].samples
+        assert agreement.labels == {"config": "default"} and agreement.value == 0.0
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("fidelity_sample_rate", 1.5),
+        ("fidelity_sample_rate", -0.1),
+        ("fidelity_window", 0),
+        ("fidelity_margin", 1),
+    ],
+)
+def test_bad_options_are_named(option: str, value: object) -> None:
+    from chunkcache.config import EngineConfig
+
+    with pytest.raises(ValueError, match=option):
+        EngineConfig.from_options("m", use_env=False, **{option: value})
+
+
+def test_default_sample_rate_follows_the_target() -> None:
+    from chunkcache.config import EngineConfig
+
+    assert EngineConfig.from_options("m", use_env=False).fidelity.effective_sample_rate == 0
+    with_target = EngineConfig.from_options("m", use_env=False, fidelity_target=0.95)
+    assert with_target.fidelity.effective_sample_rate == 0.01
+    assert dataclasses.replace(with_target.fidelity, sample_rate=0.5).effective_sample_rate == 0.5
+    assert json.dumps(with_target.fidelity.window) == "20"
+
+
+def _live_ids(engine: LLMEngine, first: int) -> list[int]:
+    text = " ".join(corpus()[first : first + 40])
+    return engine.tokenizer.encode(text, add_special_tokens=False)[:150]
+
+
+def test_a_live_request_takes_a_running_shadows_blocks(model: Path) -> None:
+    # 16 blocks: a shadow of one of these prompts holds 12, a 150-token live prompt needs 10.
+    llm = _llm(model, EXACT, kv_cache_tokens=256)
+    try:
+        engine = llm.engine
+        idle = _first_token_steps(engine, _live_ids(engine, 100))
+        _drain(engine)
+        engine.add_request("r", _prompt(1), GREEDY)
+        while not any(s.kind is SequenceKind.SHADOW for s in engine.scheduler.running):
+            engine.step()
+            engine.check_integrity()
+        assert _first_token_steps(engine, _live_ids(engine, 200)) == idle
+        # It yielded its blocks and waits, not done: it resumes once the live request leaves room.
+        assert _fidelity(engine)["pending"] == 1
+        assert not any(s.kind is SequenceKind.SHADOW for s in engine.scheduler.running)
+        _drain(engine)
+        assert _fidelity(engine)["configs"]["default"] == {"agree": 1, "agreement": 1.0}
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    finally:
+        llm.close()
