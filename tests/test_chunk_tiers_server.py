@@ -4,6 +4,7 @@ directory, and a second replica over the same real `redis-server`."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -189,6 +190,14 @@ def test_prewarm_can_return_early_and_be_cancelled(checkpoint: Callable[..., Pat
 
         return step
 
+    def held_on(word: str, release: threading.Event):  # such a step waits for `release`
+        def step(batch):
+            if any(s.kind.is_fill and word in engine.tokenizer.decode(s.token_ids) for s in batch.seqs):
+                assert release.wait(60), "never released"
+            return run(batch)
+
+        return step
+
     def docs(tag: str) -> list[str]:
         return [f"{tag} document {i}: " + " ".join(f"{tag} fact {j}." for j in range(20)) for i in range(6)]
 
@@ -211,9 +220,14 @@ def test_prewarm_can_return_early_and_be_cancelled(checkpoint: Callable[..., Pat
             r = http.get("/v1/chunk_cache/prewarm/prewarm-nonexistent")
             assert r.status_code == 404 and r.json()["error"]["param"] == "prewarm_id", r.text
 
+            release = threading.Event()  # the prewarm is still running when DELETE comes
+            engine.runner.run = held_on("beta", release)  # type: ignore[method-assign]
             body = {"system": "S.", "documents": docs("beta"), "wait": False}
             job = http.post("/v1/chunk_cache/prewarm", json=body).json()
-            cancelled = http.delete(f"/v1/chunk_cache/prewarm/{job['id']}").json()
+            try:
+                cancelled = http.delete(f"/v1/chunk_cache/prewarm/{job['id']}").json()
+            finally:
+                release.set()
             assert cancelled["status"] == "cancelled", cancelled
             assert http.get(f"/v1/chunk_cache/prewarm/{job['id']}").json()["status"] == "cancelled"
 
