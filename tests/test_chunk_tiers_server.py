@@ -4,6 +4,7 @@ directory, and a second replica over the same real `redis-server`."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -189,6 +190,14 @@ def test_prewarm_can_return_early_and_be_cancelled(checkpoint: Callable[..., Pat
 
         return step
 
+    def holding_on(word: str, release: threading.Event):  # a step with `word`'s fill job waits
+        def step(batch):
+            if any(s.kind.is_fill and word in engine.tokenizer.decode(s.token_ids) for s in batch.seqs):
+                release.wait(30)
+            return run(batch)
+
+        return step
+
     def docs(tag: str) -> list[str]:
         return [f"{tag} document {i}: " + " ".join(f"{tag} fact {j}." for j in range(20)) for i in range(6)]
 
@@ -211,9 +220,13 @@ def test_prewarm_can_return_early_and_be_cancelled(checkpoint: Callable[..., Pat
             r = http.get("/v1/chunk_cache/prewarm/prewarm-nonexistent")
             assert r.status_code == 404 and r.json()["error"]["param"] == "prewarm_id", r.text
 
+            # The engine is held inside the prewarm's first step: it cannot complete first.
+            held = threading.Event()
+            engine.runner.run = holding_on("beta", held)  # type: ignore[method-assign]
             body = {"system": "S.", "documents": docs("beta"), "wait": False}
             job = http.post("/v1/chunk_cache/prewarm", json=body).json()
             cancelled = http.delete(f"/v1/chunk_cache/prewarm/{job['id']}").json()
+            held.set()
             assert cancelled["status"] == "cancelled", cancelled
             assert http.get(f"/v1/chunk_cache/prewarm/{job['id']}").json()["status"] == "cancelled"
 
