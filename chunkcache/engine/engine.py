@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from chunkcache.chunk.documents import PromptParts
 from chunkcache.config import EngineConfig, ReuseOptions
 from chunkcache.core.sequence import Sequence, SequenceKind, Status
 from chunkcache.engine.build import build_engine
@@ -53,13 +52,11 @@ class LLMEngine:
             )  # fmt: skip
         # Online shadow checks of chunked requests, and the controller they steer (fidelity/).
         self.shadows = ShadowChecks(
-            config.fidelity,
-            config.seed,
-            self.blocks,
-            self.max_model_len,
-            self.scheduler.add,
+            config.fidelity, config.seed, self.blocks, self.max_model_len, self.scheduler.add,
             parts.controller,
-        )
+        )  # fmt: skip
+        # The chat rendered by the model's template (RequestIntake.render_chat says how).
+        self.render_chat = self.intake.render_chat
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []
@@ -135,24 +132,6 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)
-
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        documents: Any = None,
-    ) -> str | PromptParts:
-        """The chat rendered by the model's template. `chat_template_kwargs` are the template's own
-        variables (e.g. `enable_thinking`); they cannot override the rendering arguments. `tools`
-        (OpenAI's function definitions) go to templates that define tool use. `documents` (a list
-        of strings or {title, text} dicts) make the result PromptParts, one chunk per document
-        (chunk/documents.py); more than max_chunks of them is refused."""
-        return self.intake.render_chat(
-            messages, add_generation_prompt, continue_final_message, chat_template_kwargs, tools, documents
-        )
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:

@@ -384,7 +384,12 @@ class RequestIntake:
         tools: list[dict[str, Any]] | None = None,
         documents: Any = None,
     ) -> str | PromptParts:
-        """The chat rendered by the model's template (LLMEngine.render_chat)."""
+        """The chat rendered by the model's template (LLMEngine.render_chat). `chat_template_kwargs`
+        are the template's own variables (e.g. `enable_thinking`); they cannot override the
+        rendering arguments. `tools` (OpenAI's function definitions) go to templates that define
+        tool use. `documents` (a list of strings or {title, text} dicts) make the result
+        PromptParts, one chunk per document (chunk/documents.py); more than max_chunks of them is
+        refused."""
         _check_messages(messages)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("the model's tokenizer has no chat template")
