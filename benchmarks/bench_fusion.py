@@ -46,7 +46,13 @@ MODES: dict[str, dict[str, Any] | None] = {
     "full": None,
     "isolated": {"chunk_layout": "isolated"},
     "blend@0.15": {"chunk_layout": "offset", "blend_check_layers": [1], "blend_recompute_ratios": [0.15]},
-    "fusion": {"chunk_layout": "fusion", "fusion_rule": "contrastive", "fusion_amateur": True},
+    # Spelt out whole: a model's own default (catalog.py) must not slip in, e.g. the 1.5B's pair.
+    "fusion": {
+        "chunk_layout": "fusion",
+        "fusion_rule": "contrastive",
+        "fusion_amateur": True,
+        "fusion_pair": "none",
+    },
     # With the pair stream (S + Ci + Cj + Q, Cj and Q computed): one document's prefill more.
     "fusion+pair": {
         "chunk_layout": "fusion",

@@ -18,13 +18,17 @@ def offset(layers: list[int], ratios: list[float], **extra: Any) -> ChunkOptions
 
 
 def fusion(rule: str, **extra: Any) -> ChunkOptions:
-    return {"chunk_layout": "fusion", "fusion_rule": rule, **extra}
+    """Layout fusion with `rule`; no pair stream unless `extra` asks for one, spelt out so that a
+    model's own default (catalog.py: the 1.5B's is pair `lead`) never slips into a named mode."""
+    return {"chunk_layout": "fusion", "fusion_rule": rule, "fusion_pair": "none", **extra}
 
 
-# What `chunkcache calibrate` measures by default: the exact layouts (isolated, fusion), offset
-# with nothing recomputed, and blend at growing recompute shares and at a deeper check layer.
+# What `chunkcache calibrate` measures by default: the exact layouts (isolated, fusion, fusion with
+# its pair stream), offset with nothing recomputed, and blend at growing recompute shares and at a
+# deeper check layer.
 CANDIDATES: dict[str, ChunkOptions] = {
     "fusion/contrastive": fusion("contrastive", fusion_amateur=True),
+    "fusion/contrastive/pairlead": fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
     "isolated": {"chunk_layout": "isolated"},
     "offset": offset([0], [0.0]),
     "blend@0.15": offset([1], [0.15]),
