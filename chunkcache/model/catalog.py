@@ -64,7 +64,7 @@ QWEN_CODER_1_5B = KnownModel(
     # full prefill's 36 correct answers on the original questions (blend@0.15: 24) and 33 of 47 on
     # the counterfactual ones (blend@0.15: 20), at 20x+ full prefill's warm TTFT. With the pair
     # stream leading ("Fusion with a pair stream"): 29 of full's 32 two-document answers kept
-    # (without: 18), one-document ones as before, at 4.3x full prefill's warm TTFT (CPU time).
+    # (without: 18), one-document ones as before, at 3.1-4.0x full prefill's warm TTFT.
     chunk_defaults=(
         ("chunk_layout", "fusion"),
         ("fusion_rule", "contrastive"),
