@@ -129,6 +129,22 @@ def test_prompt_lines_name_what_is_wrong() -> None:
             parse_line(json.dumps(bad), " # # ")
 
 
+def _calibrate_argv(model: Path, prompts: Path, out: Path) -> list[str]:
+    """`chunkcache calibrate` on the tiny model over `prompts`, its profile in `out`."""
+    return [
+        "calibrate",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--max-tokens",
+        "6",
+        *TINY,
+    ]
+
+
 @pytest.fixture(scope="module")
 def calibrated(
     checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
@@ -139,18 +155,7 @@ def calibrated(
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in LINES))
     out = root / "profiles"
-    argv = [
-        "calibrate",
-        "--model",
-        str(model),
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(out),
-        "--max-tokens",
-        "6",
-    ]
-    assert main([*argv, *TINY]) == 0
+    assert main(_calibrate_argv(model, prompts, out)) == 0
     return model, prompts, out
 
 
@@ -229,18 +234,7 @@ def test_calibrate_resumes_where_it_stopped(
         f.write('{"key": "torn')  # a run killed mid-line
     with prompts.open("a") as f:
         f.write(json.dumps(EXTRA) + "\n")
-    argv = [
-        "calibrate",
-        "--model",
-        str(model),
-        "--prompts",
-        str(prompts),
-        "--out",
-        str(out),
-        "--max-tokens",
-        "6",
-    ]
-    assert main([*argv, *TINY]) == 0
+    assert main(_calibrate_argv(model, prompts, out)) == 0
     after = [line for line in results.read_text().splitlines() if not line.startswith('{"key": "torn')]
     assert after[: len(before)] == before and len(after) == len(before) + 1  # only the new prompt ran
     assert "skipped" in capsys.readouterr().err  # line 2 still reported

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from chunkcache import LLM, SamplingParams
+from chunkcache import SamplingParams
 from chunkcache.config import SchedulerConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.engine import scheduler as scheduler_module
 from chunkcache.engine.scheduler import Scheduler
 from chunkcache.outputs import RequestOutput
+from tests.support.engines import tiny_llm
 from tests.support.oracle import hf_first_token_logprobs, hf_greedy
 
 MAX_OUT = 4
@@ -147,11 +148,10 @@ def test_a_long_prompt_prefilled_in_pieces_matches_transformers(checkpoint) -> N
     tokens as transformers' one pass (1e-4, float32); the short request is answered by the step
     after it arrives."""
     path = checkpoint(arch="qwen2")
-    llm = LLM(
-        str(path),
-        device="cpu",
-        dtype="float32",
+    llm = tiny_llm(
+        path,
         kv_cache_tokens=1024,
+        chunk_cache_size_gb=None,
         max_num_batched_tokens=24,
         long_prefill_token_threshold=8,
     )
@@ -185,10 +185,8 @@ def test_a_prewarm_is_background_work_that_yields_to_requests(checkpoint) -> Non
     by the step after it arrives; one that needs a document the prewarm is still computing
     promotes that job to an ordinary one; the prewarm completes and everything comes back."""
     path = checkpoint(arch="llama")
-    llm = LLM(
-        str(path),
-        device="cpu",
-        dtype="float32",
+    llm = tiny_llm(
+        path,
         kv_cache_tokens=1024,
         chunk_cache_size_gb=0.01,
         max_num_batched_tokens=32,
