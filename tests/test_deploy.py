@@ -87,6 +87,9 @@ def test_manifests_validate_against_the_kubernetes_api(docs: dict[tuple[str, str
         ("StatefulSet", "chunkcache-replica"),
         ("Deployment", "chunkcache-router"),
         ("Service", "chunkcache-router"),
+        ("ServiceAccount", "chunkcache-router"),
+        ("Role", "chunkcache-router-discovery"),
+        ("RoleBinding", "chunkcache-router-discovery"),
     }
     for doc in docs.values():
         _validate(doc)
@@ -142,7 +145,7 @@ def test_services_probes_and_arguments_agree(docs: dict[tuple[str, str], dict[st
     assert config.kv_events.topic == f"kv@{names[0]}@{shared['MODEL_NAME']}"
     ports = {p["name"]: p["containerPort"] for p in serve["ports"]}
     assert args.port == ports["http"] and config.kv_events.replay_endpoint.endswith(f":{ports['kv-replay']}")
-    # The router's: every replica is a backend under its pod name, at its stable DNS name.
+    # The router's: the replicas are discovered by their pods' label, at their named ports.
     router = docs[("Deployment", "chunkcache-router")]
     argv = _substitute(_container(router)["args"], shared)
     parser = argparse.ArgumentParser()
@@ -150,8 +153,11 @@ def test_services_probes_and_arguments_agree(docs: dict[tuple[str, str], dict[st
     args = parser.parse_args(argv)
     args.tokenizer = "unused"  # the model is not installed here: only the options are checked
     route = config_from_args(args)
-    assert [b.pod_id for b in route.backends] == names
-    assert all(b.url == f"http://{b.pod_id}.chunkcache-replica:8000" for b in route.backends)
+    assert route.backends == () and route.discovery is not None
+    key, _, value = route.discovery.selector.partition("=")
+    assert replicas["spec"]["template"]["metadata"]["labels"][key] == value
+    assert route.discovery.http_port in ports and route.discovery.replay_port in ports
+    assert route.discovery.events_port is None and route.events_bind is not None  # replicas connect
     assert route.model_name == shared["MODEL_NAME"]
     key_files = [
         i["path"]
@@ -164,3 +170,21 @@ def test_services_probes_and_arguments_agree(docs: dict[tuple[str, str], dict[st
         "kv-events"
     ]
     assert config.kv_events.endpoint == f"tcp://chunkcache-router:{events_port}"
+
+
+def test_the_router_may_watch_pods_and_nothing_more(docs: dict[tuple[str, str], dict[str, Any]]) -> None:
+    account = docs[("Deployment", "chunkcache-router")]["spec"]["template"]["spec"]["serviceAccountName"]
+    assert ("ServiceAccount", account) in docs
+    role = docs[("Role", "chunkcache-router-discovery")]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = docs[("RoleBinding", "chunkcache-router-discovery")]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "chunkcache-router-discovery",
+    }
+    assert [(s["kind"], s["name"]) for s in binding["subjects"]] == [("ServiceAccount", account)]
+    # The hint the router logs on 403 names this Role and this file.
+    from chunkcache.router.discovery import RBAC_HINT
+
+    assert "rbac.yaml" in RBAC_HINT and role["metadata"]["name"] in RBAC_HINT

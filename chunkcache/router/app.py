@@ -29,6 +29,7 @@ from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddlewar
 from chunkcache.model import catalog
 from chunkcache.model.source import default_model_name, resolve_model_path
 from chunkcache.router.backends import BackendSpec, load_backends_file, parse_backend_list
+from chunkcache.router.discovery import add_discovery_arguments, discovery_from_args
 from chunkcache.router.policy import DEFAULT_CACHE_THRESHOLD, POLICIES
 from chunkcache.router.scorer import parse_tier_weights
 from chunkcache.router.service import NoBackendError, Router, RouterConfig
@@ -106,7 +107,7 @@ def create_app(router: Router) -> FastAPI:
         try:
             up = await router.forward(path, body, raw, headers, chat, stream=stream)
         except NoBackendError as e:
-            return _error(502, str(e), "backend_unavailable", "no_backend")
+            return _error(e.status, str(e), "backend_unavailable", "no_backend")
         except httpx.HTTPError as e:
             router.metrics.requests_failed.inc()
             return _error(
@@ -146,6 +147,10 @@ def create_app(router: Router) -> FastAPI:
             except httpx.HTTPError:
                 continue
             return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+        if not len(router.pool):
+            return _error(
+                503, "no backend yet: discovery found no ready pod", "backend_unavailable", "no_backend"
+            )
         return _error(502, "no backend answered /v1/models", "backend_unavailable", "no_backend")
 
     @app.post("/score")
@@ -213,6 +218,7 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
         "--health-interval", type=float, default=5.0, help="seconds between health checks (0: off)"
     )
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds a proxied request may take")
+    add_discovery_arguments(parser)
     g = parser.add_argument_group("prompts")
     g.add_argument(
         "--model",
@@ -311,13 +317,13 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8080)
 
 
-def _remote_pods(spec: str | None, backends: list[BackendSpec]) -> tuple[str, ...] | None:
+def _remote_pods(spec: str | None, backends: list[BackendSpec], discover: bool) -> tuple[str, ...] | None:
     if spec is None:
         return None
     names = tuple(n.strip() for n in spec.split(",") if n.strip())
     known = {b.pod_id for b in backends}
     unknown = sorted(set(names) - known)
-    if unknown:
+    if unknown and not discover:  # discovered pods are named only once they appear
         raise UsageError(f"--remote-tier-backends names unknown backends {unknown}; known: {sorted(known)}")
     return names
 
@@ -335,8 +341,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     specs = parse_backend_list(args.backends or [])
     if args.backends_file:
         specs += load_backends_file(args.backends_file)
-    if not specs:
-        raise UsageError("give --backends or --backends-file")
+    discovery = discovery_from_args(args)
+    if not specs and discovery is None:
+        raise UsageError("give --backends, --backends-file or --discover-pods")
     tokenizer, model_name = _model_source(args.model, args.tokenizer, args.model_name)
     return RouterConfig(
         backends=tuple(specs),
@@ -355,7 +362,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         enable_chunks=not args.no_chunks,
         documents_format=args.documents_format,
         lora_names=tuple(n for n in args.lora_names.split(",") if n),
-        remote_pods=_remote_pods(args.remote_tier_backends, specs),
+        remote_pods=_remote_pods(args.remote_tier_backends, specs, discovery is not None),
         events_bind=args.events_bind,
         events_topic_filter=args.events_topic_filter,
         event_workers=args.event_workers,
@@ -370,6 +377,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         serve_docs=args.serve_docs,
         backend_api_key=args.backend_api_key,
         max_request_bytes=args.max_request_bytes,
+        discovery=discovery,
     )
 
 

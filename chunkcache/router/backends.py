@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,20 +96,50 @@ class BackendPool:
     """Backends by pod id, their in-flight load (requests this router has open on them) and health.
 
     A failed health check (or a refused connection while proxying) ejects a backend; a passing
-    check readmits it. Loads are touched only from the event loop, so they need no lock.
+    check readmits it. Static backends (the constructor's) stay; discovered ones come and go with
+    `sync`. Loads and membership are touched only from the event loop, so they need no lock;
+    `ids` is an immutable snapshot that other threads (scoring) may read.
     """
 
-    def __init__(self, specs: Iterable[BackendSpec]) -> None:
+    def __init__(self, specs: Iterable[BackendSpec], allow_empty: bool = False) -> None:
         self.backends: dict[str, Backend] = {}
         for spec in specs:
             if spec.pod_id in self.backends:
                 raise ValueError(f"backend {spec.pod_id!r} given twice")
             self.backends[spec.pod_id] = Backend(spec)
-        if not self.backends:
+        if not self.backends and not allow_empty:
             raise ValueError("a router needs at least one backend")
+        self.static = frozenset(self.backends)
+        self.ids: tuple[str, ...] = tuple(self.backends)
 
     def __iter__(self) -> Iterator[Backend]:
-        return iter(self.backends.values())
+        return iter(list(self.backends.values()))
+
+    def __len__(self) -> int:
+        return len(self.backends)
+
+    def sync(self, discovered: Mapping[str, BackendSpec]) -> tuple[list[BackendSpec], list[str]]:
+        """Make the discovered backends `discovered` (pod id -> spec); static ones never change.
+        Returns (added, removed); a pod whose spec changed (a new IP) is both, removed first. A new
+        backend starts healthy: discovery admits only Ready pods."""
+        removed = [
+            pod
+            for pod, b in self.backends.items()
+            if pod not in self.static and discovered.get(pod) != b.spec
+        ]
+        for pod in removed:
+            del self.backends[pod]
+        added = []
+        for pod, spec in discovered.items():
+            if pod in self.static:
+                if self.backends[pod].spec != spec:
+                    logger.warning("discovered pod %s has the name of a static backend: ignored", pod)
+                continue
+            if pod not in self.backends:
+                self.backends[pod] = Backend(spec)
+                added.append(spec)
+        self.ids = tuple(self.backends)
+        return added, removed
 
     def candidates(self) -> list[Backend]:
         """Healthy backends; all of them when none is (better a try than a certain 503)."""
@@ -140,7 +170,7 @@ class BackendPool:
         return ok
 
     async def check_all(self, client: httpx.AsyncClient, timeout_s: float) -> None:
-        await asyncio.gather(*(self.check(client, b, timeout_s) for b in self.backends.values()))
+        await asyncio.gather(*(self.check(client, b, timeout_s) for b in list(self.backends.values())))
 
     async def health_loop(self, client: httpx.AsyncClient, interval_s: float, timeout_s: float) -> None:
         while True:

@@ -155,6 +155,7 @@ class _Msg:
     seq: int
     payload: bytes
     stream: str = VLLM_STREAM
+    forget: bool = False  # the pod is no longer a backend: drop its state and index entries
 
 
 @dataclass
@@ -253,13 +254,21 @@ class EventIntake:
 
     def add_pod(self, pod: str, endpoint: str | None, replay_endpoint: str | None = None) -> None:
         """Subscribe to a pod's publisher (`endpoint`), or only register its replay endpoint when
-        the pod connects to our bound socket (`endpoint=None`)."""
+        the pod connects to our bound socket (`endpoint=None`); either way the bound socket
+        accepts its topic from now on (when `allowed_pods` restricts it)."""
+        if self.allowed_pods is not None:
+            self.allowed_pods = self.allowed_pods | {pod}
         if replay_endpoint is not None:
             self._replay_endpoints[pod] = replay_endpoint
         if endpoint is not None:
             self._commands.put(("add", pod, endpoint))
 
     def remove_pod(self, pod: str) -> None:
+        """Stop taking the pod's events and clear its index entries: its subscription closes on
+        the receiver thread, which then queues the clearing behind the pod's pending batches, so
+        no batch of the pod applies after it (the bound socket drops its topic from now on)."""
+        if self.allowed_pods is not None:
+            self.allowed_pods = self.allowed_pods - {pod}
         self._replay_endpoints.pop(pod, None)
         self._commands.put(("remove", pod, None))
 
@@ -304,11 +313,21 @@ class EventIntake:
             if old is not None:
                 poller.unregister(old)
                 old.close(linger=0)
+            if op == "remove":
+                w = self.worker_for(pod)
+                with self._stats_lock:
+                    w.pending += 1
+                w.queue.put(_Msg(pod, -1, b"", forget=True))
             if op == "add" and endpoint is not None:
                 sock = self._ctx.socket(zmq.SUB)
                 sock.setsockopt(zmq.RCVHWM, 0)  # never drop silently here; the publisher's HWM rules
-                if self.curve is not None:
-                    self.curve.secure_client(sock, pod)
+                try:
+                    if self.curve is not None:
+                        self.curve.secure_client(sock, pod)
+                except ValueError as e:  # a discovered pod without a key file: not trusted
+                    logger.error("not subscribing to pod %s's KV events: %s", pod, e)
+                    sock.close(linger=0)
+                    continue
                 sock.connect(endpoint)
                 for prefix in subscriptions(self.topic_filter):
                     sock.setsockopt_string(zmq.SUBSCRIBE, prefix)
@@ -371,7 +390,10 @@ class EventIntake:
             if msg is None:
                 break
             try:
-                self.process(w, msg.pod, msg.seq, msg.payload, msg.stream)
+                if msg.forget:
+                    self._forget(w, msg.pod)
+                else:
+                    self.process(w, msg.pod, msg.seq, msg.payload, msg.stream)
             except Exception:
                 logger.exception("KV event worker failed on pod %s seq %d", msg.pod, msg.seq)
             finally:
@@ -457,6 +479,20 @@ class EventIntake:
             got = {s: p for s, p in got.items() if s > hole}
         for s in sorted(got):
             self._apply_payload(pod, st, s, got[s], stream)
+
+    def _forget(self, w: _Worker, pod: str) -> None:
+        st = w.pods.pop(pod, None)
+        if st is not None and st.replay_socket is not None:
+            st.replay_socket.close(linger=0)
+        try:
+            self.index.clear_pod(pod)
+        except IndexUnavailableError as e:
+            # Should a pod of this name come back, its first batch clears the old entries first.
+            w.pods[pod] = _PodState(EngineKeyMap(self.keyer, self.pod_map_capacity), dirty=True)
+            logger.warning("pod %s is no longer a backend, its index entries stay for now: %s", pod, e)
+            return
+        self._count(clears=1)
+        logger.info("cleared pod %s from the index: no longer a backend", pod)
 
     def _clear(self, pod: str, st: _PodState, reason: str) -> None:
         self.index.clear_pod(pod)

@@ -18,6 +18,7 @@ from chunkcache.chunk.documents import PromptParts
 from chunkcache.config import DEFAULT_DOCUMENTS_FORMAT
 from chunkcache.curve import CurveKeys
 from chunkcache.router.backends import Backend, BackendPool, BackendSpec
+from chunkcache.router.discovery import DiscoveryConfig, PodWatcher, connect
 from chunkcache.router.events import EventIntake, IntakeCurve
 from chunkcache.router.index import IndexUnavailableError, KVIndex, MemoryIndex
 from chunkcache.router.metrics import RouterMetrics
@@ -85,6 +86,8 @@ class RouterConfig:
     max_request_bytes: int = 4 * 2**20  # larger bodies: HTTP 413 before they are read
     # Serve FastAPI's /docs and /openapi.json (off: they describe the deployment to anyone).
     serve_docs: bool = False
+    # Kubernetes pods as backends, beside the static ones (discovery.py).
+    discovery: DiscoveryConfig | None = None
 
 
 @dataclass
@@ -98,7 +101,12 @@ class ScoreResult:
 
 
 class NoBackendError(RuntimeError):
-    pass
+    """No backend to send a request to: 503 when there is none at all (discovery found no ready
+    pod yet), 502 when every one refused it."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Router:
@@ -130,10 +138,15 @@ class Router:
             self.index,
             ScorerConfig(config.tier_weights, block_size=config.block_size, remote_pods=remote_pods),
         )
-        self.pool = BackendPool(config.backends)
+        self.pool = BackendPool(config.backends, allow_empty=config.discovery is not None)
         self.picker = Picker(config.policy, config.load_weight, config.seed, config.cache_threshold)
+        self.discovery: PodWatcher | None = None
+        if config.discovery is not None:
+            api_client, namespace = connect(config.discovery)
+            self.discovery = PodWatcher(config.discovery, api_client, namespace, self._discovered)
         self.intake: EventIntake | None = None
-        if config.events_bind is not None or any(s.events for s in config.backends):
+        discovered_events = config.discovery is not None and config.discovery.events_port is not None
+        if config.events_bind is not None or discovered_events or any(s.events for s in config.backends):
             curve = None
             if config.events_curve_secret_key is not None or config.events_curve_backend_keys is not None:
                 if config.events_curve_secret_key is None or config.events_curve_backend_keys is None:
@@ -150,7 +163,7 @@ class Router:
                 topic_filter=config.events_topic_filter,
                 bind_endpoint=config.events_bind,
                 replay_timeout_s=config.replay_timeout_s,
-                # Only configured backends may publish into the index.
+                # Only backends may publish into the index (discovered ones while they are).
                 allowed_pods=[spec.pod_id for spec in config.backends],
                 curve=curve,
                 insecure=config.events_insecure,
@@ -186,8 +199,12 @@ class Router:
             )
             if self.intake is not None:
                 self._watch_task = asyncio.create_task(self._watch_index(self.config.health_interval_s))
+        if self.discovery is not None:
+            self.discovery.start()
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await run_in_threadpool(self.discovery.stop)
         for task in (self._health_task, self._watch_task, *self._resync_tasks):
             if task is None:
                 continue
@@ -211,8 +228,26 @@ class Router:
                 continue  # down: asked again once it is back
             if lost:
                 logger.warning("the index lost its state: asking every backend to re-publish")
-                for spec in self.config.backends:
-                    self.request_resync(spec.pod_id)
+                for pod in self.pool.ids:
+                    self.request_resync(pod)
+
+    # --- discovered backends -----------------------------------------------------------------
+
+    def _discovered(self, backends: dict[str, BackendSpec]) -> None:
+        # The discovery thread: the pool belongs to the event loop.
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.sync_discovered, backends)
+
+    def sync_discovered(self, backends: dict[str, BackendSpec]) -> None:
+        """Make the pool's discovered backends `backends` (on the event loop); a backend that goes
+        stops publishing into the index and its entries are cleared (events.py, in order with its
+        batches), a new one is subscribed to as a static backend with events is."""
+        added, removed = self.pool.sync(backends)
+        if self.intake is not None:
+            for pod in removed:
+                self.intake.remove_pod(pod)
+            for spec in added:
+                self.intake.add_pod(spec.pod_id, spec.events, spec.replay)
 
     def _on_pod_cleared(self, pod: str, reason: str) -> None:
         # Event worker thread. A pod whose history was lost holds KV the index no longer knows.
@@ -289,7 +324,7 @@ class Router:
             return result
         try:
             result.scores = self.scorer.score(
-                keys.block_keys, keys.chunk_keys, list(self.pool.backends), chunk_tokens=keys.chunk_tokens
+                keys.block_keys, keys.chunk_keys, self.pool.ids, chunk_tokens=keys.chunk_tokens
             )
         except IndexUnavailableError as e:
             logger.warning(
@@ -317,6 +352,13 @@ class Router:
     async def decide(
         self, body: dict[str, Any], chat: bool, exclude: set[str]
     ) -> tuple[Decision, ScoreResult | None]:
+        if not len(self.pool):
+            assert self.discovery is not None  # a pool without discovery has a static backend
+            raise NoBackendError(
+                f"no backend yet: no pod matching {self.discovery.config.describe(self.discovery.namespace)}"
+                " is Running and Ready",
+                503,
+            )
         cands = [b for b in self.pool.candidates() if b.pod_id not in exclude]
         if not cands:
             raise NoBackendError("every backend refused the connection")
