@@ -28,7 +28,7 @@ from chunkcache.router.backends import BackendSpec
 from chunkcache.router.discovery import DiscoveryConfig, PodWatcher, pod_backend
 from chunkcache.router.service import Router, RouterConfig
 from tests.support.server_util import ServerThread, free_port
-from tests.test_router_app import MODEL, engine_events, fake_backend, tokenizer_dir, wait_for, words
+from tests.test_router_app import MODEL, engine_events, fake_backend, metric, tokenizer_dir, wait_for, words
 
 kubernetes = pytest.importorskip("kubernetes", reason="discovery uses the official kubernetes client")
 from kubernetes import client  # noqa: E402
@@ -394,6 +394,7 @@ def test_requests_wait_for_a_discovered_pod_and_its_index_entries_go_with_it(
             r = http.post("/v1/completions", json=body)
             assert r.status_code == 200 and r.headers["x-chunkcache-backend"] == "r1"
             assert http.get("/health").json()["backends"] == {"r1": True}
+            assert metric(http, "chunkcache_router_discovered_backends") == 1
             # Not ready any more: no backend, its entries cleared, its topic refused again.
             events.put({"type": "MODIFIED", "object": pod("r1", backend.port, ready=False)})
             wait_for(lambda: not router.pool.ids)
@@ -421,6 +422,7 @@ def test_static_backends_keep_serving_while_discovery_is_denied(
             r = http.post("/v1/completions", json={"model": MODEL, "prompt": "w1 w2"})
             assert r.status_code == 200 and r.headers["x-chunkcache-backend"] == "static"
             assert http.get("/health").status_code == 200
+            assert metric(http, "chunkcache_router_discovery_failures_total") >= 2
         assert "rbac.yaml" in caplog.text and "keeping the 0 known backends" in caplog.text
     finally:
         backend.stop()

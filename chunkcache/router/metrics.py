@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from chunkcache.router.backends import BackendPool
+from chunkcache.router.discovery import PodWatcher
 from chunkcache.router.events import EventIntake
 from chunkcache.router.index import IndexUnavailableError, KVIndex
 
@@ -85,8 +86,31 @@ class _StateCollector(Collector):
         yield healthy
 
 
+class _DiscoveryCollector(Collector):
+    def __init__(self, watcher: PodWatcher) -> None:
+        self.watcher = watcher
+
+    def collect(self) -> Iterator[Metric]:
+        w = self.watcher
+        yield GaugeMetricFamily(
+            P + "discovered_backends", "Discovered pods that are backends", len(w.backends)
+        )
+        yield CounterMetricFamily(
+            P + "discovery_lists", "Pod lists (the first, after a 410 or a failure)", w.lists
+        )
+        yield CounterMetricFamily(
+            P + "discovery_failures", "Pod list or watch failures (unreachable, 403, ...)", w.failures
+        )
+
+
 class RouterMetrics:
-    def __init__(self, index: KVIndex, pool: BackendPool, intake: Callable[[], EventIntake | None]) -> None:
+    def __init__(
+        self,
+        index: KVIndex,
+        pool: BackendPool,
+        intake: Callable[[], EventIntake | None],
+        discovery: PodWatcher | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.lookups = Counter(P + "lookups", "Prompts scored against the index", registry=r)
@@ -126,6 +150,8 @@ class RouterMetrics:
         self.tokens_hit = 0.0
         r.register(_StateCollector(index, intake, pool))
         r.register(_HitRatio(self))
+        if discovery is not None:
+            r.register(_DiscoveryCollector(discovery))
 
     def record_lookup(self, num_tokens: int, hit_tokens: float) -> None:
         self.lookups.inc()

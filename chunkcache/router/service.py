@@ -170,7 +170,7 @@ class Router:
                 on_clear=self._on_pod_cleared,
                 tier_weights=config.tier_weights,
             )
-        self.metrics = RouterMetrics(self.index, self.pool, lambda: self.intake)
+        self.metrics = RouterMetrics(self.index, self.pool, lambda: self.intake, self.discovery)
         self._transport = transport
         self.client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -235,8 +235,9 @@ class Router:
 
     def _discovered(self, backends: dict[str, BackendSpec]) -> None:
         # The discovery thread: the pool belongs to the event loop.
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.sync_discovered, backends)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the router is shutting down
+                self._loop.call_soon_threadsafe(self.sync_discovered, backends)
 
     def sync_discovered(self, backends: dict[str, BackendSpec]) -> None:
         """Make the pool's discovered backends `backends` (on the event loop); a backend that goes
