@@ -282,7 +282,7 @@ def test_forbidden_is_logged_with_the_rbac_hint_and_retried_with_backoff(
     errors = [r.getMessage() for r in caplog.records]
     assert len(errors) == 3
     assert all("HTTP 403" in m and "get, list and watch on pods in namespace serving" in m for m in errors)
-    assert all("deploy/kubernetes/rbac.yaml" in m for m in errors)
+    assert all("deploy/kubernetes/rbac.yaml" in m and 'cannot list resource "pods"' in m for m in errors)
     times = [t for t, q in api.requests if q.get("watch") != "true"]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert gaps[0] >= 0.05 and gaps[1] >= 0.1 and gaps[2] >= 0.2  # doubling, capped at 0.2

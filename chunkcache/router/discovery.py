@@ -20,6 +20,7 @@ The `kubernetes` package is imported only when discovery is asked for (the route
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -125,6 +126,15 @@ def connect(config: DiscoveryConfig) -> tuple[Any, str]:
     return client.ApiClient(configuration), namespace or "default"
 
 
+def _status_message(e: Any) -> str:
+    """The API server's own words from a Status body (which permission, which selector part)."""
+    try:
+        message = json.loads(e.body or "{}").get("message")
+    except (ValueError, AttributeError):
+        return ""
+    return f" ({message})" if message else ""
+
+
 class PodWatcher:
     """The list + watch loop in a daemon thread; `on_change(backends)` gets every new set."""
 
@@ -175,7 +185,7 @@ class PodWatcher:
                 if e.status == 410:
                     logger.info("pod watch expired (410 Gone): listing the pods again")
                     continue
-                self._failed(f"HTTP {e.status} {e.reason}", e.status in (401, 403))
+                self._failed(f"HTTP {e.status} {e.reason}{_status_message(e)}", e.status in (401, 403))
             except Exception as e:  # unreachable, TLS, a broken stream: all retried
                 if self._stop.is_set():
                     break
