@@ -118,6 +118,8 @@ class Router:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.config = config
+        # Before the tokenizer loads: a missing Kubernetes configuration is a quick, one-line error.
+        kube = None if config.discovery is None else connect(config.discovery)
         keyer = BlockKeyer(config.block_size)
         if processor is None:
             if config.tokenizer is None:
@@ -141,9 +143,8 @@ class Router:
         self.pool = BackendPool(config.backends, allow_empty=config.discovery is not None)
         self.picker = Picker(config.policy, config.load_weight, config.seed, config.cache_threshold)
         self.discovery: PodWatcher | None = None
-        if config.discovery is not None:
-            api_client, namespace = connect(config.discovery)
-            self.discovery = PodWatcher(config.discovery, api_client, namespace, self._discovered)
+        if config.discovery is not None and kube is not None:
+            self.discovery = PodWatcher(config.discovery, *kube, self._discovered)
         self.intake: EventIntake | None = None
         discovered_events = config.discovery is not None and config.discovery.events_port is not None
         if config.events_bind is not None or discovered_events or any(s.events for s in config.backends):
