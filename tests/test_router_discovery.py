@@ -51,6 +51,7 @@ def pod(
     ready: bool = True,
     rv: str = "1",
     deleting: bool = False,
+    events_port: int = 5557,
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "name": name,
@@ -78,6 +79,7 @@ def pod(
                     "image": "chunkcache",
                     "ports": [
                         {"name": "http", "containerPort": port},
+                        {"name": "kv-events", "containerPort": events_port},
                         {"name": "kv-replay", "containerPort": 5558},
                     ],
                 }
@@ -406,6 +408,42 @@ def test_requests_wait_for_a_discovered_pod_and_its_index_entries_go_with_it(
             pub.close()
     finally:
         backend.stop()
+
+
+def test_a_discovered_pods_event_socket_is_subscribed_until_it_goes(
+    api: FakeApiServer, tokenizer_dir: str, tmp_path: Path
+) -> None:
+    pub = KVEventPublisher("tcp://127.0.0.1:0", topic=f"kv@r2@{MODEL}")
+    events_port = int(pub.endpoint.rsplit(":", 1)[1])
+    api.lists = [(200, pod_list("10", pod("r2", free_port(), events_port=events_port)))]
+    events = api.watch()
+    config = route_config(tokenizer_dir, kubeconfig(tmp_path, api.url), "--pod-events-port", "kv-events")
+    body = {"prompt": words(32, 500)}
+    try:
+        with TestClient(create_app(Router(config))) as http:
+            router: Router = http.app.state.router
+            assert router.intake is not None
+            wait_for(lambda: "r2" in router.pool.ids)
+            ids = router.processor.tokenizer.encode(body["prompt"])
+            wait_for(
+                lambda: (
+                    pub.publish(engine_events(ids)),
+                    http.post("/score", json=body).json()["scores"]["r2"]["prefix_blocks"] == 2,
+                )[1]
+            )
+            events.put({"type": "DELETED", "object": pod("r2", events_port=events_port)})
+            wait_for(lambda: not router.pool.ids)
+            assert router.intake.wait_idle()
+            wait_for(lambda: not router.index.dump().blocks)
+            # Unsubscribed: what it publishes now never reaches the index.
+            applied = router.intake.stats().batches
+            for _ in range(5):
+                pub.publish(engine_events(ids))
+                time.sleep(0.05)
+            assert router.intake.wait_idle() and router.intake.stats().batches == applied
+            assert not router.index.dump().blocks
+    finally:
+        pub.close()
 
 
 def test_static_backends_keep_serving_while_discovery_is_denied(
