@@ -80,7 +80,9 @@ def _check_cut(prompt_ids: list[int], prompt: ChunkedPrompt, dropped: int) -> No
     assert sum(map(len, prompt.chunks)) + dropped == len(middle)
 
 
-@pytest.mark.parametrize(("arch", "options"), [("llama", PRODUCT), ("qwen2", None)])
+@pytest.mark.parametrize(
+    ("arch", "options"), [("llama", PRODUCT), ("qwen2", None), ("llama", {"fusion_pair": "expert"})]
+)
 def test_every_stream_is_exactly_its_own_text(checkpoint, monkeypatch, arch: str, options) -> None:
     path = checkpoint(arch=arch, num_hidden_layers=3)
     llm = _llm(path)

@@ -32,6 +32,11 @@ separator format gives. The request does not wait for it (it borrows the slice a
 job runs only while no request is waiting or running, and registers its anchors once computed,
 where the matcher prefers it (a run aligned with its entry's start) to the slice it replaces.
 A request that needs such an entry before it is done promotes its job to an ordinary one.
+
+Under layout "fusion" every stream must be exact, so a plain prompt's matches are cut again
+(matcher.fusion_documents): only runs computed right after this S are borrowed; the other matched
+pieces are computed after S for this request (their canonical entries, as ordinary fill jobs), and
+the request becomes a fusion request over the documents (the engine's `fuse`, at admission).
 """
 
 from __future__ import annotations
