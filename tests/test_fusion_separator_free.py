@@ -145,6 +145,32 @@ def test_greedy_tokens_equal_the_chunked_request_and_the_reference(checkpoint, m
     other.check_integrity()
 
 
+def test_documents_known_only_inside_a_span_are_computed_after_s(checkpoint, monkeypatch) -> None:
+    """Documents 2 and 1 seen only inside the first sight's span (after other documents): no KV
+    of them is exact after S, so the fusion request computes both, as canonical entries that the
+    next prompt borrows."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path)
+    docs = _docs(llm.tokenizer, 3)
+    seen = Groups(monkeypatch)
+    llm.generate(_long(docs, [0, 1, 2], "Who is first?"), FIRST)
+    out = llm.generate(_long(docs, [2, 1], "Which two?"), FIRST)[0]
+    (group,) = seen.groups
+    assert len(group.prompt.chunks) == 2 and out.num_chunk_cached_tokens == 0
+    stats = llm.chunk_cache_stats()
+    assert stats["separator_free_fusion_computed_tokens"] == sum(map(len, group.prompt.chunks))
+    for row, stream in zip(seen.first[id(group)], group.streams, strict=True):
+        ref = hf_first_token_logprobs(path, stream.prompt_token_ids)
+        assert (torch.log_softmax(row.float(), -1) - ref).abs().max() < 1e-4
+    again = llm.generate(_long(docs, [1, 2], "Which two, again?"), FIRST)[0]
+    assert again.num_chunk_cached_tokens == sum(map(len, group.prompt.chunks))
+    assert (
+        llm.chunk_cache_stats()["separator_free_fusion_computed_tokens"]
+        == stats["separator_free_fusion_computed_tokens"]
+    )
+    llm.check_integrity()
+
+
 def test_no_or_one_matched_document_runs_as_a_plain_prompt(checkpoint, monkeypatch) -> None:
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path)
@@ -210,6 +236,30 @@ def test_abort_mid_stream_gives_everything_back(checkpoint) -> None:
     assert llm.chunk_cache_stats()["separator_free_fusion"] == 2
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert all(e.pins == 0 for e in engine.chunks.pool.entries())
+
+
+def test_groups_preempted_and_resumed_answer_as_alone(checkpoint) -> None:
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    small = _llm(path, kv_cache_tokens=16 * 34, max_model_len=16 * 34)
+    roomy = _llm(path)
+    docs = _docs(small.tokenizer, 3)
+    prompts = [
+        _long(docs, [1, 2, 0], "Third?"),
+        _long(docs, [0, 2], "Fourth?"),
+        _long(docs, [2, 1], "Fifth?"),
+    ]
+    for llm in (small, roomy):
+        for order, question in SIGHTS[:2]:
+            llm.generate(_long(docs, order, question), FIRST)
+    outs = small.generate(prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert small.chunk_cache_stats()["separator_free_fusion"] == 4
+    small.check_integrity()
+    assert small.engine.blocks.num_free_blocks == small.engine.blocks.num_blocks
+    for prompt, out in zip(prompts, outs, strict=True):
+        alone = roomy.generate([prompt], params)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
 # ---- through the server ----------------------------------------------------------------------

@@ -79,7 +79,8 @@ _MAX_BACKGROUND_SHARE = 0.25
 
 # Admission's question to the engine (layout "fusion"): make this separator-free request a
 # fusion request over these documents, if its streams fit (engine/intake.py, RequestIntake.fuse).
-Fuse = Callable[[Sequence, ChunkedPrompt, ChunkConfig], bool]
+# The last argument: KV blocks the request's S and computed documents may take (the pool refusing).
+Fuse = Callable[[Sequence, ChunkedPrompt, ChunkConfig, int], bool]
 
 
 def _fill_kind(entry: Entry, canonical: bool) -> SequenceKind:
@@ -192,16 +193,8 @@ class ChunkManager:
                 seq.prefix_cacheable = True
                 return []
             if config.layout == "fusion" and any(run for _, _, run in cut.parts):
-                docs = fusion_documents(prompt.token_ids, cut, self.index, config.separator_free_min_tokens)
-                parts = None if docs is None else self._parts(prompt.token_ids, docs.plan)
-                if docs is None or parts is None or fuse is None or not fuse(seq, parts[0], config):
-                    self.separator_free["fusion_plain"] += 1
-                    cut = self.plan(prompt.token_ids, config, _NO_INDEX)  # a first sight, below
-                else:
-                    self.separator_free["fusion"] += 1
-                    self.separator_free["fusion_dropped_tokens"] += docs.dropped
-                    cut, matched = docs.plan, docs.matched
-            if cut is None or not any(run for _, _, run in cut.parts):
+                cut, matched = self._fusion_cut(seq, prompt.token_ids, cut, config, fuse)
+            if not matched and (cut is None or not any(run for _, _, run in cut.parts)):
                 # First sight: nothing to borrow. A plain prefill computes exactly the KV its
                 # parts would get (S, then the span after S), so it runs as one, prefix cache
                 # included, and its parts are stored from its KV afterwards (`learn`).
@@ -275,6 +268,22 @@ class ChunkManager:
             seq.position_base = prompt.question_position()
         return jobs
 
+    def _fusion_cut(
+        self, seq: Sequence, token_ids: tuple[int, ...], cut: Plan, config: ChunkConfig, fuse: Fuse | None
+    ) -> tuple[Plan | None, tuple[bool, ...]]:
+        """Layout "fusion": the plan of `cut`'s documents (matcher.fusion_documents) once `fuse`
+        has made `seq` a fusion request over them, and which were matched; else (fewer than two
+        matched, streams that do not fit) a first sight's plan."""
+        docs = fusion_documents(token_ids, cut, self.index, config.separator_free_min_tokens)
+        if docs is not None and fuse is not None:
+            prompt = self._parts(token_ids, docs.plan)[0]
+            if fuse(seq, prompt, config, self._private_worst(docs.plan)):
+                self.separator_free["fusion"] += 1
+                self.separator_free["fusion_dropped_tokens"] += docs.dropped
+                return docs.plan, docs.matched
+        self.separator_free["fusion_plain"] += 1
+        return self.plan(token_ids, config, _NO_INDEX), ()
+
     def _canonicalize(
         self, sys_ids: tuple[int, ...], chunk: tuple[int, ...], sys_entry: Entry, jobs: list[Sequence]
     ) -> None:
@@ -332,14 +341,18 @@ class ChunkManager:
         cut = self.plan(token_ids, config)
         if cut is None:
             return None
-        gaps = [b - a for a, b, run in cut.parts if run is None]
-        blocks = self.blocks
-        worst = blocks.blocks_for(len(token_ids) + 1) + blocks.blocks_for(cut.sys_end)
-        worst += sum(blocks.blocks_for(g) for g in gaps)
-        if worst > blocks.num_blocks or cut.q_start - cut.sys_end < config.blend_min_tokens:
+        # Under fusion the request holds its streams' blocks, not the prompt's: checked there.
+        worst = 0 if config.layout == "fusion" else self.blocks.blocks_for(len(token_ids) + 1)
+        worst += self._private_worst(cut)
+        if worst > self.blocks.num_blocks or cut.q_start - cut.sys_end < config.blend_min_tokens:
             return None
         self.separator_free["cut"] += 1
         return cut
+
+    def _private_worst(self, cut: Plan) -> int:
+        """KV blocks a plan's S and computed chunks take should the pool refuse them all."""
+        gaps = [b - a for a, b, run in cut.parts if run is None]
+        return self.blocks.blocks_for(cut.sys_end) + sum(self.blocks.blocks_for(g) for g in gaps)
 
     @staticmethod
     def _parts(token_ids: tuple[int, ...], cut: Plan) -> tuple[ChunkedPrompt, list[Run | None]]:

@@ -209,11 +209,12 @@ class RequestIntake:
             return PlainPrompt(tuple(token_ids), params.max_tokens)
         return None
 
-    def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig) -> bool:
+    def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig, reserve: int) -> bool:
         """Admission (ChunkManager.admit, on the step thread): make a separator-free request, cut
         into documents, a fusion request over them (its own tokens Q, one stream per document),
-        if its streams fit one batch and the KV cache with its max_tokens (an open one capped for
-        them, as for a chunked prompt); False leaves it untouched (it runs as a plain prefill)."""
+        if its streams fit one batch and, with its max_tokens (an open one capped for them, as for
+        a chunked prompt), the KV cache beside `reserve` blocks (its entries, should the pool
+        refuse them); False leaves it untouched (it runs as a plain prefill)."""
         assert seq.chunk_plan is not None and isinstance(seq.chunk_plan.prompt, PlainPrompt)
         requested = seq.chunk_plan.prompt.max_tokens
         limits = self.config.scheduler
@@ -221,7 +222,7 @@ class RequestIntake:
         if copies > min(limits.max_num_seqs, limits.max_num_batched_tokens):
             return False
         own, extra = len(prompt.question_token_ids), pair_tokens(prompt, cfg)
-        room = self._room(own, copies, extra)
+        room = self._room(own, copies, extra, reserve)
         if room < 1 or (requested is not None and requested > room):
             return False
         open_room = self.max_model_len - len(seq.prompt_token_ids)
@@ -284,13 +285,13 @@ class RequestIntake:
             return dataclasses.replace(params, max_tokens=room)
         return params
 
-    def _room(self, own_tokens: int, copies: int, extra: int) -> int:
+    def _room(self, own_tokens: int, copies: int, extra: int, reserve: int = 0) -> int:
         """The most output tokens `copies` streams of `own_tokens` (one `extra` more) fit the
-        whole KV cache with; -1 where not even the prompt does."""
+        whole KV cache with (but `reserve` blocks); -1 where not even the prompt does."""
         lo, hi = -1, self.blocks.num_blocks * self.blocks.block_size
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            fits = self._blocks_needed(own_tokens, mid, copies, extra) <= self.blocks.num_blocks
+            fits = self._blocks_needed(own_tokens, mid, copies, extra) + reserve <= self.blocks.num_blocks
             lo, hi = (mid, hi) if fits else (lo, mid - 1)
         return lo
 
