@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from chunkcache import LLM, SamplingParams
+from chunkcache.chunk.matcher import Plan, Run, SpanIndex, fusion_documents
 from chunkcache.config import EngineConfig
-from chunkcache.core.plan import ChunkedPrompt, ChunkPlan
+from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, Entry
 from chunkcache.core.sequence import Sequence
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.engine.fusion import FusionGroup
@@ -78,6 +79,50 @@ def _check_cut(prompt_ids: list[int], prompt: ChunkedPrompt, dropped: int) -> No
         found = next(i for i in range(at, len(middle)) if middle[i : i + len(doc)] == list(doc))
         at = found + len(doc)
     assert sum(map(len, prompt.chunks)) + dropped == len(middle)
+
+
+def test_documents_are_borrowed_only_where_computed_right_after_s() -> None:
+    """A hand-made first matching of S + C + glue + B + A + Q: C is a slice from inside a learned
+    span (computed after P and A and B there), B is a canonical entry of this S, A is the span's
+    slice right after P, and S is the span's S + P. So B and A are borrowed (A whole, though the
+    first matching cut it in two), C is computed, the glue is in no document."""
+    s1, p = (1,), tuple(range(500, 520))
+    a, b, c = (tuple(range(x, x + 80)) for x in (1000, 2000, 3000))
+    s2, glue, q = s1 + p, (7, 7), (9,) * 12
+    span = Entry(b"span", "chunk", (s1, p + a + b + c), len(p + a + b + c))
+    canonical = Entry(b"canon", "chunk", (s2, b), len(b))
+    index = SpanIndex(lambda e: True)
+    for entry in (span, canonical):
+        index.add(entry)
+    ids = list(s2 + c + glue + b + a + q)
+    at_c, at_b = len(s2), len(s2) + 82
+    at_a = at_b + 80
+    first = Plan(
+        len(s2),
+        (
+            (at_c, at_c + 80, Run(at_c, 80, span, len(p + a + b))),
+            (at_c + 80, at_b, None),
+            (at_b, at_a, Run(at_b, 80, canonical, 0)),
+            (at_a, at_a + 40, Run(at_a, 40, span, len(p))),
+            (at_a + 40, at_a + 80, Run(at_a + 40, 40, span, len(p) + 40)),
+        ),
+        at_a + 80,
+    )
+    docs = fusion_documents(ids, first, index, 32)
+    assert docs is not None and docs.dropped == 2 and docs.matched == (True, True, True)
+    assert [(x, y, run is not None) for x, y, run in docs.plan.parts] == [
+        (at_c, at_c + 80, False),
+        (at_b, at_a, True),
+        (at_a, at_a + 80, True),
+    ]
+    borrowed = [run for _, _, run in docs.plan.parts if run is not None]
+    assert [(r.entry.key, r.entry_start, r.length) for r in borrowed] == [
+        (b"canon", 0, 80),
+        (b"span", 20, 80),
+    ]
+    # Only one document known: not worth fusion.
+    alone = Plan(len(s2), ((at_c, at_b, None), (at_b, at_a, Run(at_b, 80, canonical, 0))), at_a)
+    assert fusion_documents(ids, alone, index, 32) is None
 
 
 @pytest.mark.parametrize(

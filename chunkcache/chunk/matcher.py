@@ -333,7 +333,8 @@ def fusion_documents(
         for r in index.match(token_ids, found, min_tokens, sys_end, lambda r: r.after(sys_ids))
         if min(r.end, q_start) - r.start >= min_tokens
     ]
-    ends = sorted({b for _, b, _ in parts} | {r.start for r in exact} | {r.end for r in exact})
+    cuts = {b for _, b, _ in parts if not any(r.start < b < r.end for r in exact)}  # not inside a run
+    ends = sorted(cuts | {r.start for r in exact} | {r.end for r in exact})
     docs: list[tuple[int, int, Run | None]] = []
     matched: list[bool] = []
     dropped, at = 0, sys_end
