@@ -23,7 +23,7 @@ from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, PlainPrompt
 from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.engine.blend import kv_options
 from chunkcache.engine.build import EngineParts
-from chunkcache.engine.fusion import FusionGroup, num_streams, pair_tokens, wants_pair
+from chunkcache.engine.fusion import FusionGroup, fits_one_batch, num_streams, pair_tokens, stream_count
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.fidelity.shadow import DEFAULT_CONFIG
@@ -217,9 +217,8 @@ class RequestIntake:
         refuse them); False leaves it untouched (it runs as a plain prefill)."""
         assert seq.chunk_plan is not None and isinstance(seq.chunk_plan.prompt, PlainPrompt)
         requested = seq.chunk_plan.prompt.max_tokens
-        limits = self.config.scheduler
-        copies = len(prompt.chunks) + int(wants_pair(prompt, cfg)) + int(cfg.fusion_amateur)
-        if copies > min(limits.max_num_seqs, limits.max_num_batched_tokens):
+        copies = stream_count(prompt, cfg)
+        if not fits_one_batch(copies, self.config.scheduler):
             return False
         own, extra = len(prompt.question_token_ids), pair_tokens(prompt, cfg)
         room = self._room(own, copies, extra, reserve)
