@@ -185,7 +185,9 @@ class ChunkConfig:
     # does not render documents itself (chunk/documents.py): `{title}` is the title and a newline
     # (or nothing), `{text}` the text. Each formatted document is one chunk.
     documents_format: str = DEFAULT_DOCUMENTS_FORMAT
-    # Separator-free matching (chunk/matcher.py, layout "offset" only): a plain prompt is searched
+    # Separator-free matching (chunk/matcher.py, layouts "offset" and "fusion"; under "fusion" a
+    # prompt with two or more matched documents gets one exact stream each, docs/chunk-cache.md
+    # "Separator-free matching under fusion"): a plain prompt is searched
     # for spans that are cached chunks, found by content-defined anchors and verified token by
     # token; matched runs of at least `separator_free_min_tokens` are reused, the rest is computed
     # and cached, so that later prompts find it. Off by default, by measurement (RESULTS.md,

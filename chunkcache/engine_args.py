@@ -77,7 +77,7 @@ OPTION_HELP: dict[str, str] = {
     "calibration_temperature": "APE: temperature of the attention the question pays the chunks, > 0 "
     "(1 = exact)",
     "calibration_scale": "APE: factor on the chunks' total attention, > 0 (1 = exact)",
-    "separator_free": "layout offset: find cached documents inside plain prompts (no separator needed)",
+    "separator_free": "layouts offset and fusion: find cached documents inside plain prompts (no separator needed)",
     "separator_free_min_tokens": "shortest matched run reused by separator-free matching, >= 1",
     "documents_format": "how a chat request's documents are written when its template has none; "
     "must contain {text}, may contain {title}",

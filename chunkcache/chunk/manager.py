@@ -32,18 +32,24 @@ separator format gives. The request does not wait for it (it borrows the slice a
 job runs only while no request is waiting or running, and registers its anchors once computed,
 where the matcher prefers it (a run aligned with its entry's start) to the slice it replaces.
 A request that needs such an entry before it is done promotes its job to an ordinary one.
+
+Under layout "fusion" every stream must be exact, so a plain prompt's matches are cut again
+(matcher.fusion_documents): only runs computed right after this S are borrowed; the other matched
+pieces are computed after S for this request (their canonical entries, as ordinary fill jobs), and
+the request becomes a fusion request over the documents (the engine's `fuse`, at admission).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from chunkcache.chunk.matcher import Plan, Run, SpanIndex, plan
+from chunkcache.chunk.matcher import Plan, Run, SpanIndex, fusion_documents, plan
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.chunk.tiers.loader import TierLoader
 from chunkcache.chunk.tiers.provider import StoredKV
@@ -69,6 +75,12 @@ _NO_INDEX = SpanIndex(lambda entry: False)
 # Pool pages that canonical entries still being computed may hold (pinned by their jobs): under
 # steady load background jobs wait, and must not pin the whole pool meanwhile.
 _MAX_BACKGROUND_SHARE = 0.25
+
+
+# Admission's question to the engine (layout "fusion"): make this separator-free request a
+# fusion request over these documents, if its streams fit (engine/intake.py, RequestIntake.fuse).
+# The last argument: KV blocks the request's S and computed documents may take (the pool refusing).
+Fuse = Callable[[Sequence, ChunkedPrompt, ChunkConfig, int], bool]
 
 
 def _fill_kind(entry: Entry, canonical: bool) -> SequenceKind:
@@ -127,6 +139,14 @@ class ChunkManager:
             "learned_tokens": 0,
             "canonical_jobs": 0,
             "canonical_tokens": 0,
+            # Layout "fusion": prompts served as fusion requests over their documents; prompts
+            # with matches that ran as a first sight instead (fewer than two documents matched,
+            # or their streams did not fit); matched tokens computed anew after S (their KV was
+            # not exact there); tokens between documents that no stream holds.
+            "fusion": 0,
+            "fusion_plain": 0,
+            "fusion_computed_tokens": 0,
+            "fusion_dropped_tokens": 0,
         }
         self._background_pages = 0  # pool pages held by canonical entries still being computed
 
@@ -156,12 +176,15 @@ class ChunkManager:
 
     # ---- engine thread -----------------------------------------------------------------------
 
-    def admit(self, seq: Sequence) -> list[Sequence]:
+    def admit(self, seq: Sequence, fuse: Fuse | None = None) -> list[Sequence]:
         """Match every part of the request; return the fill jobs to schedule for the missing ones.
-        A plain prompt that separator-free matching cannot cut leaves as a plain request."""
+        A plain prompt that separator-free matching cannot cut leaves as a plain request; under
+        layout "fusion" one whose matches make two or more documents becomes a fusion request
+        over them where `fuse` (the engine's) says its streams fit, else a first sight."""
         assert seq.chunk_plan is not None, "admit() is for chunked requests"
         config, prompt = seq.chunk_plan.config, seq.chunk_plan.prompt
         runs: list[Run | None] | None = None
+        matched: tuple[bool, ...] = ()
         if isinstance(prompt, PlainPrompt):
             self.separator_free["requests"] += 1
             cut = self._cut(prompt.token_ids, config)
@@ -169,15 +192,17 @@ class ChunkManager:
                 seq.chunk_plan = None
                 seq.prefix_cacheable = True
                 return []
-            if not any(cut[1]):
+            if config.layout == "fusion" and any(run for _, _, run in cut.parts):
+                cut, matched = self._fusion_cut(seq, prompt.token_ids, cut, config, fuse)
+            if not matched and (cut is None or not any(run for _, _, run in cut.parts)):
                 # First sight: nothing to borrow. A plain prefill computes exactly the KV its
                 # parts would get (S, then the span after S), so it runs as one, prefix cache
                 # included, and its parts are stored from its KV afterwards (`learn`).
                 seq.chunk_plan = None
                 seq.prefix_cacheable = True
-                seq.learn = cut[0]
+                seq.learn = None if cut is None else self._parts(prompt.token_ids, cut)[0]
                 return []
-            prompt, runs = cut
+            prompt, runs = self._parts(prompt.token_ids, cut)
             seq.chunk_plan = ChunkPlan(prompt, config)
             # Pinned before anything is created: a new entry's pages may come from evicting an
             # unpinned entry, which must not be one this request is about to borrow from.
@@ -229,7 +254,9 @@ class ChunkManager:
                 )
                 state.slices.append((0, len(chunk)))
                 if runs is not None and hit is False:
-                    self.separator_free["learned_tokens"] += len(chunk)
+                    # Fusion: a matched run whose KV was not exact after S is computed anew.
+                    counter = "fusion_computed_tokens" if matched and matched[i] else "learned_tokens"
+                    self.separator_free[counter] += len(chunk)
             if hit is not None:  # a load's hit or miss is counted when it ends
                 self._count(hit, len(chunk))
             state.entries.append(entry)
@@ -240,6 +267,22 @@ class ChunkManager:
         else:
             seq.position_base = prompt.question_position()
         return jobs
+
+    def _fusion_cut(
+        self, seq: Sequence, token_ids: tuple[int, ...], cut: Plan, config: ChunkConfig, fuse: Fuse | None
+    ) -> tuple[Plan | None, tuple[bool, ...]]:
+        """Layout "fusion": the plan of `cut`'s documents (matcher.fusion_documents) once `fuse`
+        has made `seq` a fusion request over them, and which were matched; else (fewer than two
+        matched, streams that do not fit) a first sight's plan."""
+        docs = fusion_documents(token_ids, cut, self.index, config.separator_free_min_tokens)
+        if docs is not None and fuse is not None:
+            prompt = self._parts(token_ids, docs.plan)[0]
+            if fuse(seq, prompt, config, self._private_worst(docs.plan)):
+                self.separator_free["fusion"] += 1
+                self.separator_free["fusion_dropped_tokens"] += docs.dropped
+                return docs.plan, docs.matched
+        self.separator_free["fusion_plain"] += 1
+        return self.plan(token_ids, config, _NO_INDEX), ()
 
     def _canonicalize(
         self, sys_ids: tuple[int, ...], chunk: tuple[int, ...], sys_entry: Entry, jobs: list[Sequence]
@@ -262,9 +305,12 @@ class ChunkManager:
         jobs.append(self._fill_job(entry, sys_entry, len(sys_ids), canonical=True))
         self.separator_free["canonical_jobs"] += 1
 
-    def plan(self, token_ids: tuple[int, ...] | list[int], config: ChunkConfig) -> Plan | None:
-        """How admission cuts a plain prompt now (matcher.plan on this pool); a prompt whose matches
-        cover too little of its span is planned as a first sight (one gap, nothing borrowed)."""
+    def plan(
+        self, token_ids: tuple[int, ...] | list[int], config: ChunkConfig, index: SpanIndex | None = None
+    ) -> Plan | None:
+        """How admission cuts a plain prompt now (matcher.plan on this pool, or on `index`); a
+        prompt whose matches cover too little of its span is planned as a first sight (one gap,
+        nothing borrowed)."""
 
         def system_end(lo: int, hi: int) -> int:
             # The shortest S already in the pool that the prompt extends (its documents' canonical
@@ -277,7 +323,8 @@ class ChunkManager:
                         return end
             return hi
 
-        cut = plan(token_ids, self.index, config.separator_free_min_tokens, config.max_chunks, system_end)
+        index = self.index if index is None else index
+        cut = plan(token_ids, index, config.separator_free_min_tokens, config.max_chunks, system_end)
         if cut is None:
             return None
         reused = sum(b - a for a, b, run in cut.parts if run is not None)
@@ -287,22 +334,29 @@ class ChunkManager:
             cut = plan(token_ids, _NO_INDEX, config.separator_free_min_tokens, config.max_chunks)
         return cut
 
-    def _cut(
-        self, token_ids: tuple[int, ...], config: ChunkConfig
-    ) -> tuple[ChunkedPrompt, list[Run | None]] | None:
-        """A plain prompt as S, chunks (matched runs or gaps) and Q; None when there is nothing to
-        reuse or learn, or when computing its gaps in paged blocks (should the pool refuse them)
-        could not fit beside the prompt itself."""
+    def _cut(self, token_ids: tuple[int, ...], config: ChunkConfig) -> Plan | None:
+        """A plain prompt's plan: S, chunks (matched runs or gaps) and Q; None when there is
+        nothing to reuse or learn, or when computing its gaps in paged blocks (should the pool
+        refuse them) could not fit beside the prompt itself."""
         cut = self.plan(token_ids, config)
         if cut is None:
             return None
-        gaps = [b - a for a, b, run in cut.parts if run is None]
-        blocks = self.blocks
-        worst = blocks.blocks_for(len(token_ids) + 1) + blocks.blocks_for(cut.sys_end)
-        worst += sum(blocks.blocks_for(g) for g in gaps)
-        if worst > blocks.num_blocks or cut.q_start - cut.sys_end < config.blend_min_tokens:
+        # Under fusion the request holds its streams' blocks, not the prompt's: checked there.
+        worst = 0 if config.layout == "fusion" else self.blocks.blocks_for(len(token_ids) + 1)
+        worst += self._private_worst(cut)
+        if worst > self.blocks.num_blocks or cut.q_start - cut.sys_end < config.blend_min_tokens:
             return None
         self.separator_free["cut"] += 1
+        return cut
+
+    def _private_worst(self, cut: Plan) -> int:
+        """KV blocks a plan's S and computed chunks take should the pool refuse them all."""
+        gaps = [b - a for a, b, run in cut.parts if run is None]
+        return self.blocks.blocks_for(cut.sys_end) + sum(self.blocks.blocks_for(g) for g in gaps)
+
+    @staticmethod
+    def _parts(token_ids: tuple[int, ...], cut: Plan) -> tuple[ChunkedPrompt, list[Run | None]]:
+        """A plan's S, chunks and Q as token ids, and each chunk's run (None: computed)."""
         prompt = ChunkedPrompt(
             tuple(token_ids[: cut.sys_end]),
             tuple(tuple(token_ids[a:b]) for a, b, _ in cut.parts),

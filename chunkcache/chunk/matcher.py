@@ -96,13 +96,27 @@ class Run:
             n + self.entry_start == len(sys_ids) and entry_sys + entry_tokens[: self.entry_start] == sys_ids
         )
 
+    def after(self, sys_ids: tuple[int, ...]) -> Run | None:
+        """The part of the run whose KV was computed right after exactly `sys_ids` (its entry's S
+        and the entry's tokens before it), so that S + that part read from the pool is exactly a
+        prefill's KV (layout "fusion"); None where no part was. The part starts where the
+        entry's context is `sys_ids`: a run extended left over glue that its entry also holds
+        (a blank line) loses those tokens."""
+        entry_sys, entry_tokens = self.entry.token_ids
+        skip = len(sys_ids) - len(entry_sys) - self.entry_start
+        at = self.entry_start + skip
+        if not 0 <= skip < self.length or entry_sys + entry_tokens[:at] != sys_ids:
+            return None
+        return Run(self.start + skip, self.length - skip, self.entry, at)
+
 
 @dataclass(frozen=True)
 class Plan:
     """A plain prompt as parts: S, then chunks (each a matched run or a gap), then Q."""
 
     sys_end: int
-    # (start, end, run or None for a gap) of every chunk, in order, covering [sys_end, q_start).
+    # (start, end, run or None for a gap) of every chunk, in order, covering [sys_end, q_start)
+    # (but for a fusion plan's glue, `fusion_documents`).
     parts: tuple[tuple[int, int, Run | None], ...]
     q_start: int
 
@@ -146,22 +160,32 @@ class SpanIndex:
         self._size = sum(map(len, self._refs.values()))
         self._swept_size = self._size
 
-    def match(self, token_ids: Sequence[int], found: list[tuple[int, int]], min_tokens: int) -> list[Run]:
-        """Non-overlapping runs of `token_ids` found in entries, left to right, each the best
-        verified extension of an anchor's candidates of at least `min_tokens` (aligned with its
-        entry's start first, then the longest; an aligned one may take back the previous run's
-        tail); `found` are the prompt's anchors."""
+    def match(
+        self,
+        token_ids: Sequence[int],
+        found: list[tuple[int, int]],
+        min_tokens: int,
+        start: int = 0,
+        fit: Callable[[Run], Run | None] | None = None,
+    ) -> list[Run]:
+        """Non-overlapping runs of `token_ids` from `start` on found in entries, left to right,
+        each the best verified extension of an anchor's candidates of at least `min_tokens`
+        (aligned with its entry's start first, then the longest; an aligned one may take back the
+        previous run's tail); `found` are the prompt's anchors. `fit` keeps a part of each
+        candidate (None: none of it)."""
         runs: list[Run] = []
-        covered = 0
+        covered = start
         for pos, h in found:
             if pos < covered:
                 continue
             # An aligned run may take back the tail of the previous run (the blank line between
             # two documents that both runs' entries hold), down to min_tokens of it.
-            floor = runs[-1].start + min_tokens if runs else 0
+            floor = runs[-1].start + min_tokens if runs else start
             best: Run | None = None
             for entry, off in self._live_refs(h):
                 run = _extend(token_ids, pos, entry, off, floor, covered)
+                if run is not None and fit is not None:
+                    run = fit(run)
                 # An aligned run (from its entry's start) is KV computed right after that entry's
                 # S, as a separator chunk's is: preferred to a longer slice from inside another
                 # entry, whose KV carries the context it was learned in.
@@ -265,3 +289,64 @@ def plan(
     if at < q_start:
         parts.append((at, q_start, None))
     return Plan(sys_end, tuple(parts), q_start)
+
+
+@dataclass(frozen=True)
+class FusionDocuments:
+    """A cut plain prompt as layout "fusion"'s documents: `plan`'s parts are the documents, each an
+    exact run (borrowed: S + the run is a prefill's KV) or None (computed right after S)."""
+
+    plan: Plan
+    # Per document: whether it was found in the pool (matched), exact or not.
+    matched: tuple[bool, ...]
+    # Tokens between documents that no stream holds (glue, as a separator prompt's separators).
+    dropped: int
+
+
+def fusion_documents(
+    token_ids: Sequence[int], cut: Plan, index: SpanIndex, min_tokens: int
+) -> FusionDocuments | None:
+    """`cut`'s span as fusion documents; None when fewer than two were matched (one stream or
+    none would hold what the cache knows: a plain prefill serves the prompt as well).
+
+    Every stream is S + Ci + Q and must be exactly a prefill of those tokens, so a document is
+    borrowed only where its KV was computed right after this very S (`Run.after`): the span is
+    matched again on `index` keeping only such runs, and what they leave is cut where `cut`'s
+    parts end. A piece matched in `cut` but not exact (a slice from inside a learned span, KV
+    computed after other documents) is computed after S as its own entry, keyed as a separator
+    chunk (the canonical entry: found exact next time), never re-read from another context. A gap
+    before the first document shorter than `min_tokens` joins S (the instructions' tail); the gap
+    after the last one joins Q (the question's head, or a new document every stream then reads);
+    an unmatched piece between documents shorter than `min_tokens` is glue (a blank line, a token
+    tokenized apart at an edge: dropped, as a separator prompt's separators are), a longer one is
+    a new document, computed after S and cached."""
+    parts = list(cut.parts)
+    sys_end, q_start = cut.sys_end, cut.q_start
+    if parts and parts[0][2] is None and parts[0][1] - parts[0][0] < min_tokens:
+        sys_end = parts.pop(0)[1]
+    if parts and parts[-1][2] is None:
+        q_start = parts.pop()[0]
+    sys_ids = tuple(token_ids[:sys_end])
+    found = [(p, h) for p, h in anchors(token_ids[:q_start]) if p >= sys_end]
+    exact = [
+        Run(r.start, min(r.end, q_start) - r.start, r.entry, r.entry_start)
+        for r in index.match(token_ids, found, min_tokens, sys_end, lambda r: r.after(sys_ids))
+        if min(r.end, q_start) - r.start >= min_tokens
+    ]
+    cuts = {b for _, b, _ in parts if not any(r.start < b < r.end for r in exact)}  # not inside a run
+    ends = sorted(cuts | {r.start for r in exact} | {r.end for r in exact})
+    docs: list[tuple[int, int, Run | None]] = []
+    matched: list[bool] = []
+    dropped, at = 0, sys_end
+    for end in (e for e in ends if sys_end < e <= q_start):
+        run = next((r for r in exact if r.start == at), None)
+        known = run is not None or any(r is not None and a <= at < b for a, b, r in parts)
+        if run is None and end - at < min_tokens:
+            dropped += end - at  # glue
+        else:
+            docs.append((at, end, run))
+            matched.append(known)
+        at = end
+    if sum(matched) < 2:
+        return None
+    return FusionDocuments(Plan(sys_end, tuple(docs), q_start), tuple(matched), dropped)

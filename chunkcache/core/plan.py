@@ -47,6 +47,9 @@ class PlainPrompt:
     """A plain prompt waiting for admission, where it is searched for cached chunks."""
 
     token_ids: tuple[int, ...]
+    # The request's own max_tokens (None: open, capped where the prompt runs: as one plain
+    # prefill, or, under layout "fusion", as several streams sharing the KV cache).
+    max_tokens: int | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from chunkcache.chunk.manager import ChunkManager
+from chunkcache.chunk.manager import ChunkManager, Fuse
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.sequence import Sequence, SequenceKind
@@ -36,6 +36,7 @@ class ChunkSteps:
         schedule: Callable[[Sequence], None],
         start_job: Callable[[Sequence], None],
         finish: Callable[[Sequence], None],
+        fuse: Fuse,
     ) -> None:
         self.chunks = chunks
         self.runner = runner
@@ -43,6 +44,8 @@ class ChunkSteps:
         # the engine answers aborts and failures for); finish: end a sequence (the engine's).
         self._start_job = start_job
         self._finish = finish
+        # Makes a separator-free request a fusion request over its documents (RequestIntake.fuse).
+        self._fuse = fuse
         self.follow_ups = FollowUps(config, blocks, generator, schedule)
         self._prewarms: list[Sequence] = []
 
@@ -50,7 +53,7 @@ class ChunkSteps:
         """A new sequence with a chunk plan: pin its entries and start the jobs of missing ones,
         unless it reads them from the prefix cache (a follow-up). Raises when admission fails."""
         if not self.follow_ups.reads_cached_prefix(seq):
-            for job in self.chunks.admit(seq):
+            for job in self.chunks.admit(seq, self._fuse):
                 self._start_job(job)
         if seq.kind is SequenceKind.PREWARM:
             self._prewarms.append(seq)

@@ -48,7 +48,7 @@ class LLMEngine:
         if self.chunks is not None:
             self.chunk_steps = ChunkSteps(
                 self.chunks, config.chunk, self.blocks, self.runner, self._generator,
-                self.scheduler.add, self._start_job, self._finish,
+                self.scheduler.add, self._start_job, self._finish, self.intake.fuse,
             )  # fmt: skip
         # Online shadow checks of chunked requests, and the controller they steer (fidelity/).
         self.shadows = ShadowChecks(

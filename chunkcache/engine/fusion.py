@@ -112,10 +112,19 @@ def pair_tokens(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
     return max(map(len, prompt.chunks)) if wants_pair(prompt, config) else 0
 
 
+def stream_count(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
+    """How many streams a fusion request over `prompt` decodes (document, pair, no-document)."""
+    return len(prompt.chunks) + int(wants_pair(prompt, config)) + int(config.fusion_amateur)
+
+
+def fits_one_batch(streams: int, limits: SchedulerConfig) -> bool:
+    return streams <= min(limits.max_num_seqs, limits.max_num_batched_tokens)
+
+
 def num_streams(prompt: ChunkedPrompt, config: ChunkConfig, limits: SchedulerConfig) -> int:
     """How many streams a fusion request decodes; they run in one batch, so they must fit one."""
-    streams = len(prompt.chunks) + int(wants_pair(prompt, config)) + int(config.fusion_amateur)
-    if streams > min(limits.max_num_seqs, limits.max_num_batched_tokens):
+    streams = stream_count(prompt, config)
+    if not fits_one_batch(streams, limits):
         raise InvalidRequestError(
             f"layout fusion decodes {streams} streams (one per document) in one batch, more than "
             f"max_num_seqs {limits.max_num_seqs} or max_num_batched_tokens {limits.max_num_batched_tokens}",

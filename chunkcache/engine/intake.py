@@ -23,7 +23,7 @@ from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, PlainPrompt
 from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.engine.blend import kv_options
 from chunkcache.engine.build import EngineParts
-from chunkcache.engine.fusion import FusionGroup, num_streams, pair_tokens
+from chunkcache.engine.fusion import FusionGroup, fits_one_batch, num_streams, pair_tokens, stream_count
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.fidelity.shadow import DEFAULT_CONFIG
@@ -204,10 +204,33 @@ class RequestIntake:
         cache_salt: str | None,
     ) -> PlainPrompt | None:
         """Separator-free matching: a plain prompt is cut at admission, where the pool is known."""
-        on = chunked is None and self.chunks is not None and cfg.separator_free and cfg.layout == "offset"
+        on = chunked is None and self.chunks is not None and cfg.separator_free and cfg.layout != "isolated"
         if on and params.prompt_logprobs is None and cache_salt is None:
-            return PlainPrompt(tuple(token_ids))
+            return PlainPrompt(tuple(token_ids), params.max_tokens)
         return None
+
+    def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig, reserve: int) -> bool:
+        """Admission (ChunkManager.admit, on the step thread): make a separator-free request, cut
+        into documents, a fusion request over them (its own tokens Q, one stream per document),
+        if its streams fit one batch and, with its max_tokens (an open one capped for them, as for
+        a chunked prompt), the KV cache beside `reserve` blocks (its entries, should the pool
+        refuse them); False leaves it untouched (it runs as a plain prefill)."""
+        assert seq.chunk_plan is not None and isinstance(seq.chunk_plan.prompt, PlainPrompt)
+        requested = seq.chunk_plan.prompt.max_tokens
+        copies = stream_count(prompt, cfg)
+        if not fits_one_batch(copies, self.config.scheduler):
+            return False
+        own, extra = len(prompt.question_token_ids), pair_tokens(prompt, cfg)
+        room = self._room(own, copies, extra, reserve)
+        if room < 1 or (requested is not None and requested > room):
+            return False
+        open_room = self.max_model_len - len(seq.prompt_token_ids)
+        max_tokens = requested if requested is not None or room >= open_room else room
+        seq.params = dataclasses.replace(seq.params, max_tokens=max_tokens)
+        seq.token_ids = list(prompt.question_token_ids)
+        seq.num_own_prompt_tokens = own
+        FusionGroup.create(seq, prompt, cfg)
+        return True
 
     def _check_length(self, params: SamplingParams, prompt_len: int) -> None:
         """The prompt, and its output if max_tokens is given, fit max_model_len."""
@@ -247,12 +270,7 @@ class RequestIntake:
         as it is capped at max_model_len otherwise. A fusion request's `copies` streams share it
         (its pair stream holding `extra` tokens more)."""
         capacity = self.blocks.num_blocks // copies * self.blocks.block_size
-        lo, hi = -1, self.blocks.num_blocks * self.blocks.block_size  # room: the most outputs that fit
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            fits = self._blocks_needed(own_tokens, mid, copies, extra) <= self.blocks.num_blocks
-            lo, hi = (mid, hi) if fits else (lo, mid - 1)
-        room = lo
+        room = self._room(own_tokens, copies, extra)
         if params.max_tokens is not None:
             if params.max_tokens > room:
                 raise InvalidRequestError(
@@ -265,6 +283,16 @@ class RequestIntake:
         if room < self.max_model_len - prompt_len:
             return dataclasses.replace(params, max_tokens=room)
         return params
+
+    def _room(self, own_tokens: int, copies: int, extra: int, reserve: int = 0) -> int:
+        """The most output tokens `copies` streams of `own_tokens` (one `extra` more) fit the
+        whole KV cache with (but `reserve` blocks); -1 where not even the prompt does."""
+        lo, hi = -1, self.blocks.num_blocks * self.blocks.block_size
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            fits = self._blocks_needed(own_tokens, mid, copies, extra) + reserve <= self.blocks.num_blocks
+            lo, hi = (mid, hi) if fits else (lo, mid - 1)
+        return lo
 
     def _set_blend_key(self, seq: Sequence, chunked: ChunkedPrompt, cfg: ChunkConfig) -> None:
         """Layout "offset": the key its blended blocks are registered (and found) under."""
