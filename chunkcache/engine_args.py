@@ -104,7 +104,7 @@ OPTION_HELP: dict[str, str] = {
     "them reads prompts' token ids); otherwise a wildcard host binds 127.0.0.1",
     "fidelity_target": "share of full prefill's replies/answers reuse must keep, in (0, 1]: at start the "
     "engine serves chunked prompts with the fastest configuration of the model's profile (chunkcache "
-    "calibrate) that kept that much, else the most accurate one (default: off, the model's own defaults)",
+    "calibrate) that kept that much by the lower end of its 95% interval, else the most accurate one (default: off, the model's own defaults)",
     "fidelity_profile": "with fidelity_target: a profile file, or a folder of profiles named by model "
     "identity (default: $CHUNKCACHE_FIDELITY_DIR, else ~/.cache/chunkcache/fidelity)",
     "fidelity_sample_rate": "share of greedy chunked requests served by the engine's reuse configuration "

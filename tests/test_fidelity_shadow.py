@@ -197,11 +197,14 @@ def test_shadows_keep_the_request_salt(model: Path) -> None:
 def _profile_file(model: Path, tmp_path: Path, rungs: list[tuple[str, dict[str, Any], float, float]]) -> Path:
     loaded = load_model(str(model), "cpu", "float32", None, None, True)
     ident = identity(loaded.model, loaded.tokenizer, loaded.name)
+    n = 1000  # the gate ranks by the kept share's 95% lower bound: 950 of 1,000 is at least 93.5%
     configs = tuple(
-        profiles.Measured(name, options, 10, 10, int(10 * kept), kept, kept, None, 0.5, 1 / speed, speed)
+        profiles.Measured(
+            name, options, n, n, round(n * kept), round(n * kept) / n, kept, None, 0.5, 1 / speed, speed
+        )
         for name, options, kept, speed in rungs
     )
-    profile = profiles.Profile(Path(model).name, ident, "cpu", "float32", "test", 6, 10, None, None, configs)
+    profile = profiles.Profile(Path(model).name, ident, "cpu", "float32", "test", 6, n, None, None, configs)
     path = tmp_path / "profile.json"
     path.write_text(profile.to_json())
     return path

@@ -1,8 +1,8 @@
 """The fidelity controller: moves the engine's reuse configuration along its profile as shadow
 checks (shadow.py) report how much of full prefill's replies it keeps on live traffic.
 
-The profile's configurations form a ladder, fastest first, each rung more accurate (by the
-calibration's kept share) than every faster one; configurations that are slower and no more
+The profile's configurations form a ladder, fastest first, each rung more accurate (by the lower
+bound of the calibration's kept share, as the gate ranks them) than every faster one; configurations that are slower and no more
 accurate than a faster one are left out, as no move would ever want them. The engine starts on
 the gate's choice. After each move the controller waits for `fidelity_window` (K) checks of the
 new configuration; then, judged on its last K checks, it climbs one rung when their agreement is
@@ -39,14 +39,15 @@ class Rung:
 
 
 def ladder(profile: Profile) -> list[Measured]:
-    """The complete configurations, fastest first, each more accurate than all faster ones (ties in
-    speed: the more accurate, then the one listed first, as the gate breaks them)."""
+    """The complete configurations, fastest first, each more accurate than all faster ones by the
+    lower bound of its kept share (ties in speed: the higher bound, then the one listed first, as
+    the gate ranks them, so that the gate's choice is always a rung)."""
     complete = [c for c in profile.configurations if c.complete]
     order = {c.name: i for i, c in enumerate(complete)}
-    ranked = sorted(complete, key=lambda c: (-(c.speedup or 0.0), -(c.kept_fraction or 0.0), order[c.name]))
+    ranked = sorted(complete, key=lambda c: (-(c.speedup or 0.0), -c.kept_lower, order[c.name]))
     rungs: list[Measured] = []
     for c in ranked:
-        if not rungs or (c.kept_fraction or 0.0) > (rungs[-1].kept_fraction or 0.0):
+        if not rungs or c.kept_lower > rungs[-1].kept_lower:
             rungs.append(c)
     return rungs
 
