@@ -288,7 +288,7 @@ class ChunkConfig:
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
-    def with_request_options(self, options: ReuseOptions, num_layers: int) -> ChunkConfig:
+    def with_request_options(self, options: ReuseOptions, num_layers: int | None) -> ChunkConfig:
         """This config with a request's own chunk options, validated for the model."""
         fields = {REQUEST_CHUNK_OPTIONS[name]: value for name, value in options.given().items()}
         merged = dataclasses.replace(self, **fields)
@@ -344,6 +344,44 @@ class ReuseOptions:
             for f in dataclasses.fields(self)
             if getattr(self, f.name) is not None
         }
+
+    def to_mapping(self) -> dict[str, object]:
+        """The options set, tuples as lists: what `from_mapping` reads back (a profile's JSON)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.given().items()}
+
+    @classmethod
+    def checked(cls, options: Mapping[str, object]) -> ReuseOptions:
+        """`from_mapping`, with each value's type checked and the values checked as ChunkConfig
+        checks them over its defaults (the model's depth is not known: check layers out of range
+        are found when the engine merges them). For options read from a file (a fidelity profile),
+        so that a malformed one is an error at start, not when a request first uses it. A
+        ValueError names the field."""
+        hints = typing.get_type_hints(cls)
+        for name, value in options.items():
+            if name in hints and value is not None and not _has_type(value, hints[name]):
+                raise ValueError(f"{name} must be {_type_name(hints[name])}, got {value!r}")
+        reuse = cls.from_mapping(options)
+        ChunkConfig().with_request_options(reuse, None)
+        return reuse
+
+
+def _has_type(value: object, tp: Any) -> bool:
+    """Whether a JSON-read `value` fits a ReuseOptions field's type (`X | None`; X a scalar or
+    tuple[X, ...], given as a list); an int is a float, a bool is neither."""
+    (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is tuple:
+        item = typing.get_args(tp)[0]
+        return isinstance(value, list | tuple) and all(_has_type(v, item | None) for v in value)
+    if isinstance(value, bool) or tp is bool:
+        return tp is bool and isinstance(value, bool)
+    return isinstance(value, int | float) and math.isfinite(value) if tp is float else isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is tuple:
+        return {int: "a list of integers", float: "a list of numbers"}[typing.get_args(tp)[0]]
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
 
 
 # ReuseOptions name -> the ChunkConfig field it overrides (the same name, but for the layout).

@@ -41,7 +41,7 @@ def _measured(name: str, kept: float | None, speedup: float | None, n: int = 10_
     """`kept` of `n` prompts kept: a large n puts the 95% lower bound within a point of it."""
     count = round(n * (kept or 0))
     return profiles.Measured(
-        name, {"chunk_layout": "isolated"}, n, n, count, None if kept is None else count / n, kept, None,
+        name, ReuseOptions(chunk_layout="isolated"), n, n, count, None if kept is None else count / n, kept, None,
         0.0, None if speedup is None else 1 / speedup, speedup,
     )  # fmt: skip
 
@@ -113,6 +113,10 @@ def test_few_prompts_do_not_pass_a_target_by_luck() -> None:
         (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "kept_fraction": 0.5}]}), r"kept_fraction 0.5 is not kept / counted \(10000 / 10000\)"),
         (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "kept": 10001}]}), "kept <= counted <= prompts"),
         (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"bogus": 1}}]}), "unknown chunk options"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"chunk_layout": "diagonal"}}]}), r"configurations\[0\] \(a\): options: chunk_layout 'diagonal' is not one of"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"blend_check_layers": ["1"]}}]}), r"\(a\): options: blend_check_layers must be a list of integers, got \['1'\]"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"fusion_amateur": 1}}]}), r"\(a\): options: fusion_amateur must be true or false, got 1"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"blend_check_layers": [1], "blend_recompute_ratios": [1.5]}}]}), r"\(a\): options: blend_recompute_ratios must be in \[0, 1\]"),
         (lambda raw: json.dumps({k: v for k, v in raw.items() if k != "model"}), "missing or malformed field"),
     ],
 )  # fmt: skip
@@ -203,9 +207,8 @@ def test_calibrate_writes_a_profile_the_engine_loads(
         llm = LLM(str(model), fidelity_target=0.5, fidelity_profile=str(out), **ENGINE)
     try:
         chosen = profiles.choose(profile, 0.5).chosen
-        expected = llm.engine.config.chunk.with_request_options(
-            ReuseOptions.from_mapping(chosen.options), llm.engine.spec.num_layers
-        )
+        assert isinstance(chosen.options, ReuseOptions)  # typed when the profile was read
+        expected = llm.engine.config.chunk.with_request_options(chosen.options, llm.engine.spec.num_layers)
         assert llm.engine.config.chunk == expected
         assert f"use {chosen.name}" in caplog.text
         # The log line gives n, the estimate and the bound (two prompts: nothing meets 0.5).
@@ -272,6 +275,29 @@ def test_calibrate_resumes_where_it_stopped(
 def test_dataclass_round_trip() -> None:
     p = _profile(_measured("a", 1.0, 2.0))
     assert profiles.parse(p.to_json(), "x") == dataclasses.replace(p)
+    blend = ReuseOptions(chunk_layout="offset", blend_check_layers=(1,), blend_recompute_ratios=(0.3,))
+    p = _profile(dataclasses.replace(_measured("b", 1.0, 2.0), options=blend))
+    assert json.loads(p.to_json())["configurations"][0]["options"] == {
+        "chunk_layout": "offset", "blend_check_layers": [1], "blend_recompute_ratios": [0.3],
+    }  # fmt: skip
+    assert profiles.parse(p.to_json(), "x").configurations[0].options == blend
+
+
+def test_check_layers_beyond_the_model_are_refused_at_start(
+    calibrated: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """Parsing cannot know the model's depth; the gate, merging for the model, names them."""
+    model, _, out = calibrated
+    path, _ = _files(out)
+    raw = json.loads(path.read_text())
+    for c in raw["configurations"]:
+        c["options"] = {"chunk_layout": "offset", "blend_check_layers": [7], "blend_recompute_ratios": [0.3]}
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps(raw))
+    with pytest.raises(
+        profiles.ProfileError, match=r"deep.json: [^:]+: blend_check_layers \[7\] out of range"
+    ):
+        LLM(str(model), fidelity_target=0.5, fidelity_profile=str(deep), **ENGINE)
 
 
 def test_command_line_mistakes_are_one_line_errors(

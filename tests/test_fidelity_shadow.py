@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkcache import LLM, SamplingParams
+from chunkcache.config import ReuseOptions
 from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.fidelity import profile as profiles
@@ -200,7 +201,17 @@ def _profile_file(model: Path, tmp_path: Path, rungs: list[tuple[str, dict[str, 
     n = 1000  # the gate ranks by the kept share's 95% lower bound: 950 of 1,000 is at least 93.5%
     configs = tuple(
         profiles.Measured(
-            name, options, n, n, round(n * kept), round(n * kept) / n, kept, None, 0.5, 1 / speed, speed
+            name,
+            ReuseOptions.from_mapping(options),
+            n,
+            n,
+            round(n * kept),
+            round(n * kept) / n,
+            kept,
+            None,
+            0.5,
+            1 / speed,
+            speed,
         )
         for name, options, kept, speed in rungs
     )

@@ -19,7 +19,7 @@ import enum
 import logging
 from dataclasses import dataclass
 
-from chunkcache.config import ChunkConfig, FidelityConfig, ReuseOptions
+from chunkcache.config import ChunkConfig, FidelityConfig
 from chunkcache.fidelity.profile import Measured, Profile, ProfileError
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Controller:
         self.rungs: list[Rung] = []
         for c in ladder(profile):
             try:
-                chunk = base.with_request_options(ReuseOptions.from_mapping(c.options), num_layers)
+                chunk = base.with_request_options(c.options, num_layers)
             except ValueError as e:
                 raise ProfileError(f"fidelity_profile: {c.name}: {e}") from None
             self.rungs.append(Rung(c.name, chunk, c.kept_fraction or 0.0, c.speedup or 0.0))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from chunkcache import envs
 from chunkcache.chunk.tiers.identity import model_identity
-from chunkcache.config import EngineConfig, ReuseOptions
+from chunkcache.config import EngineConfig
 from chunkcache.fidelity import profile as profiles
 
 if TYPE_CHECKING:
@@ -69,9 +69,7 @@ def resolve(config: EngineConfig, loaded: LoadedModel) -> Gated:
     profile = profiles.load(path, ident)
     choice = profiles.choose(profile, target)
     try:
-        chunk = config.chunk.with_request_options(
-            ReuseOptions.from_mapping(choice.chosen.options), loaded.spec.num_layers
-        )
+        chunk = config.chunk.with_request_options(choice.chosen.options, loaded.spec.num_layers)
     except ValueError as e:
         raise profiles.ProfileError(f"fidelity_profile {path}: {choice.chosen.name}: {e}") from None
     logger.log(

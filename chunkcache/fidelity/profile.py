@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkcache.config import REQUEST_CHUNK_OPTIONS
+from chunkcache.config import REQUEST_CHUNK_OPTIONS, ReuseOptions
 
 FORMAT = "chunkcache-fidelity-profile-v1"
 
@@ -34,7 +34,7 @@ class Measured:
     finish (no prompt measured) has `kept_fraction` or `speedup` None and is never chosen."""
 
     name: str
-    options: dict[str, Any]  # flat per-request chunk options
+    options: ReuseOptions  # checked when the profile is read (ReuseOptions.checked)
     prompts: int  # prompts measured
     counted: int  # prompts with something to keep (see the module's docstring)
     kept: int
@@ -90,6 +90,8 @@ class Profile:
 
     def to_json(self) -> str:
         body = {"format": FORMAT, **asdict(self)}
+        for raw, measured in zip(body["configurations"], self.configurations, strict=True):
+            raw["options"] = measured.options.to_mapping()  # the options set, flat, as they are read
         return json.dumps(body, indent=1)
 
 
@@ -121,6 +123,10 @@ def _measured(raw: Any, where: str) -> Measured:
     unknown = sorted(set(options) - set(REQUEST_CHUNK_OPTIONS))
     if unknown:
         raise ProfileError(f"{where}: unknown chunk options {unknown}")
+    try:
+        reuse = ReuseOptions.checked(options)
+    except ValueError as e:
+        raise ProfileError(f"{where}: options: {e}") from None
     counts = {}
     for key in ("prompts", "counted", "kept"):
         value = raw.get(key, 0)
@@ -141,7 +147,7 @@ def _measured(raw: Any, where: str) -> Measured:
     inf = math.inf
     return Measured(
         name,
-        options,
+        reuse,
         **counts,
         kept_fraction=kept_fraction,
         identical=_number(raw, "identical", where, 0.0, 1.0),
