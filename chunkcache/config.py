@@ -427,10 +427,13 @@ class FidelityConfig:
     target: float | None = None
     # A profile file, or a folder of profiles named by model identity; None = envs.fidelity_dir().
     profile: str | None = None
-    # Share of greedy chunked requests served by the engine's configuration that are re-run as a
-    # full prefill in background time and compared (fidelity/shadow.py), in [0, 1]; None = 0.01
-    # with a target, else 0 (`effective_sample_rate`).
+    # Share of chunked requests served by the engine's configuration that are re-run as a full
+    # prefill in background time and compared (fidelity/shadow.py), in [0, 1]; None = 0.01 with a
+    # target, else 0 (`effective_sample_rate`).
     sample_rate: float | None = None
+    # A sampled reply (temperature > 0) is compared by its next-token distributions over its first
+    # this many tokens, the shadow teacher-forced on the served reply (a greedy one token by token).
+    distribution_steps: int = 4
     # Shadow checks the controller (fidelity/controller.py) judges a configuration by, and waits
     # for after each move: no move comes sooner than this many checks of the new configuration.
     window: int = 20
@@ -454,6 +457,9 @@ class FidelityConfig:
             isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r) or not 0 <= r <= 1
         ):
             raise ValueError(f"fidelity_sample_rate must be a fraction in [0, 1], got {r!r}")
+        k = self.distribution_steps
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
+            raise ValueError(f"fidelity_distribution_steps must be an integer in [1, 64], got {k!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"fidelity_window must be an integer >= 1, got {self.window!r}")
         m = self.margin
@@ -609,6 +615,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "fidelity_target": ("fidelity", "target"),
     "fidelity_profile": ("fidelity", "profile"),
     "fidelity_sample_rate": ("fidelity", "sample_rate"),
+    "fidelity_distribution_steps": ("fidelity", "distribution_steps"),
     "fidelity_window": ("fidelity", "window"),
     "fidelity_margin": ("fidelity", "margin"),
 }

@@ -81,8 +81,9 @@ class Controller:
     def current(self) -> Rung:
         return self.rungs[self.index]
 
-    def observe(self, name: str, window: list[bool]) -> Move | None:
-        """A check of configuration `name` ended; `window` is its last checks (newest last). Returns
+    def observe(self, name: str, window: list[float]) -> Move | None:
+        """A check of configuration `name` ended; `window` is its last checks' scores in [0, 1]
+        (shadow.py: 1 = what full prefill would have served; newest last). Returns
         the move made, if any. Checks of another configuration (one the engine has left; requests
         served before a move) are not counted."""
         if name != self.current.name:
