@@ -149,14 +149,14 @@ class ShadowChecks:
         pending = self._pending.pop(id(shadow))
         name = pending.name
         full, shadow.step_logprobs = shadow.step_logprobs, None
-        if shadow.error is not None:
+        if shadow.error is not None or (pending.served is not None and not full):
             self._count(name, "error")
             return None
         if pending.served is None:
             score, verdict = self._greedy(shadow.output_token_ids, pending.reply)
             self._count(name, "agree" if score == 1.0 else "disagree")
         else:
-            assert full is not None
+            assert full
             score, verdict = self._distributions(name, pending.served, full)
         window = self.recent.setdefault(name, deque(maxlen=self.window))
         window.append(score)
