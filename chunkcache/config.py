@@ -290,7 +290,7 @@ class ChunkConfig:
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
-    def with_request_options(self, options: ReuseOptions, num_layers: int) -> ChunkConfig:
+    def with_request_options(self, options: ReuseOptions, num_layers: int | None) -> ChunkConfig:
         """This config with a request's own chunk options, validated for the model."""
         fields = {REQUEST_CHUNK_OPTIONS[name]: value for name, value in options.given().items()}
         merged = dataclasses.replace(self, **fields)
@@ -347,6 +347,44 @@ class ReuseOptions:
             if getattr(self, f.name) is not None
         }
 
+    def to_mapping(self) -> dict[str, object]:
+        """The options set, tuples as lists: what `from_mapping` reads back (a profile's JSON)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.given().items()}
+
+    @classmethod
+    def checked(cls, options: Mapping[str, object]) -> ReuseOptions:
+        """`from_mapping`, with each value's type checked and the values checked as ChunkConfig
+        checks them over its defaults (the model's depth is not known: check layers out of range
+        are found when the engine merges them). For options read from a file (a fidelity profile),
+        so that a malformed one is an error at start, not when a request first uses it. A
+        ValueError names the field."""
+        hints = typing.get_type_hints(cls)
+        for name, value in options.items():
+            if name in hints and value is not None and not _has_type(value, hints[name]):
+                raise ValueError(f"{name} must be {_type_name(hints[name])}, got {value!r}")
+        reuse = cls.from_mapping(options)
+        ChunkConfig().with_request_options(reuse, None)
+        return reuse
+
+
+def _has_type(value: object, tp: Any) -> bool:
+    """Whether a JSON-read `value` fits a ReuseOptions field's type (`X | None`; X a scalar or
+    tuple[X, ...], given as a list); an int is a float, a bool is neither."""
+    (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is tuple:
+        item = typing.get_args(tp)[0]
+        return isinstance(value, list | tuple) and all(_has_type(v, item | None) for v in value)
+    if isinstance(value, bool) or tp is bool:
+        return tp is bool and isinstance(value, bool)
+    return isinstance(value, int | float) and math.isfinite(value) if tp is float else isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    (tp,) = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is tuple:
+        return {int: "a list of integers", float: "a list of numbers"}[typing.get_args(tp)[0]]
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[tp]
+
 
 # ReuseOptions name -> the ChunkConfig field it overrides (the same name, but for the layout).
 REQUEST_CHUNK_OPTIONS: dict[str, str] = {
@@ -391,10 +429,13 @@ class FidelityConfig:
     target: float | None = None
     # A profile file, or a folder of profiles named by model identity; None = envs.fidelity_dir().
     profile: str | None = None
-    # Share of greedy chunked requests served by the engine's configuration that are re-run as a
-    # full prefill in background time and compared (fidelity/shadow.py), in [0, 1]; None = 0.01
-    # with a target, else 0 (`effective_sample_rate`).
+    # Share of chunked requests served by the engine's configuration that are re-run as a full
+    # prefill in background time and compared (fidelity/shadow.py), in [0, 1]; None = 0.01 with a
+    # target, else 0 (`effective_sample_rate`).
     sample_rate: float | None = None
+    # A sampled reply (temperature > 0) is compared by its next-token distributions over its first
+    # this many tokens, the shadow teacher-forced on the served reply (a greedy one token by token).
+    distribution_steps: int = 4
     # Shadow checks the controller (fidelity/controller.py) judges a configuration by, and waits
     # for after each move: no move comes sooner than this many checks of the new configuration.
     window: int = 20
@@ -418,6 +459,9 @@ class FidelityConfig:
             isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r) or not 0 <= r <= 1
         ):
             raise ValueError(f"fidelity_sample_rate must be a fraction in [0, 1], got {r!r}")
+        k = self.distribution_steps
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
+            raise ValueError(f"fidelity_distribution_steps must be an integer in [1, 64], got {k!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"fidelity_window must be an integer >= 1, got {self.window!r}")
         m = self.margin
@@ -573,6 +617,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "fidelity_target": ("fidelity", "target"),
     "fidelity_profile": ("fidelity", "profile"),
     "fidelity_sample_rate": ("fidelity", "sample_rate"),
+    "fidelity_distribution_steps": ("fidelity", "distribution_steps"),
     "fidelity_window": ("fidelity", "window"),
     "fidelity_margin": ("fidelity", "margin"),
 }

@@ -104,12 +104,14 @@ OPTION_HELP: dict[str, str] = {
     "them reads prompts' token ids); otherwise a wildcard host binds 127.0.0.1",
     "fidelity_target": "share of full prefill's replies/answers reuse must keep, in (0, 1]: at start the "
     "engine serves chunked prompts with the fastest configuration of the model's profile (chunkcache "
-    "calibrate) that kept that much, else the most accurate one (default: off, the model's own defaults)",
+    "calibrate) that kept that much by the lower end of its 95-percent (Wilson) interval, else the most accurate one (default: off, the model's own defaults)",
     "fidelity_profile": "with fidelity_target: a profile file, or a folder of profiles named by model "
     "identity (default: $CHUNKCACHE_FIDELITY_DIR, else ~/.cache/chunkcache/fidelity)",
-    "fidelity_sample_rate": "share of greedy chunked requests served by the engine's reuse configuration "
-    "that are re-run as a full prefill in background time and compared token by token, in [0, 1] "
-    "(default: 0.01 with fidelity_target, else 0)",
+    "fidelity_sample_rate": "share of chunked requests served by the engine's reuse configuration that "
+    "are re-run as a full prefill in background time and compared with it (greedy replies token by token, "
+    "sampled ones by their next-token distributions), in [0, 1] (default: 0.01 with fidelity_target, else 0)",
+    "fidelity_distribution_steps": "a sampled reply's shadow check compares the next-token distributions "
+    "(total variation) of its first this many tokens with full prefill's, teacher-forced on the reply",
     "fidelity_window": "shadow checks the controller judges a configuration by (rolling agreement), and "
     "waits for after each move before the next; with a profile it climbs to a more accurate "
     "configuration below fidelity_target, steps back towards speed above target + fidelity_margin",

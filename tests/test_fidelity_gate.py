@@ -37,10 +37,12 @@ LINES = [
 EXTRA = {"documents": ["a small boat on the lake", "the lake is calm"], "question": "what is on the lake?"}
 
 
-def _measured(name: str, kept: float | None, speedup: float | None) -> profiles.Measured:
+def _measured(name: str, kept: float | None, speedup: float | None, n: int = 10_000) -> profiles.Measured:
+    """`kept` of `n` prompts kept: a large n puts the 95% lower bound within a point of it."""
+    count = round(n * (kept or 0))
     return profiles.Measured(
-        name, {"chunk_layout": "isolated"}, 10, 10, int(10 * (kept or 0)), kept, kept, None, 0.0,
-        None if speedup is None else 1 / speedup, speedup,
+        name, ReuseOptions(chunk_layout="isolated"), n, n, count, None if kept is None else count / n, kept, None,
+        0.0, None if speedup is None else 1 / speedup, speedup,
     )  # fmt: skip
 
 
@@ -78,7 +80,27 @@ def test_unmet_target_takes_the_most_accurate() -> None:
     p = _profile(_measured("fast", 0.6, 10.0), _measured("best", 0.9, 2.0))
     choice = profiles.choose(p, 0.95)
     assert choice.chosen.name == "best" and not choice.met
-    assert "no configuration meets the target 0.95" in choice.reason(0.95)
+    assert "no configuration's 95% lower bound meets the target 0.95" in choice.reason(0.95)
+    # Most accurate by the bound: 95 of 100 (at least 88.8%) over 10 of 10 (at least 72.2%).
+    few = _profile(_measured("ten", 1.0, 3.0, n=10), _measured("hundred", 0.95, 2.0, n=100))
+    assert profiles.choose(few, 0.99).chosen.name == "hundred"
+
+
+def test_few_prompts_do_not_pass_a_target_by_luck() -> None:
+    """14 of 14 estimates 100% but bounds it at 78%; 990 of 1,000 bounds it at 98.2%."""
+    few, many = _measured("few", 1.0, 4.0, n=14), _measured("many", 0.99, 2.0, n=1000)
+    assert round(few.kept_lower, 3) == 0.785 and round(many.kept_lower, 3) == 0.982
+    choice = profiles.choose(_profile(few, many), 0.95)
+    assert choice.chosen.name == "many" and choice.met and choice.unsure == (few,)
+    reason = choice.reason(0.95)
+    assert "kept 990 of 1000 (estimate 99.0%, 95% lower bound 98.2%)" in reason
+    assert "meeting it by estimate only (too few prompts): few (kept 14 of 14 (estimate 100.0%" in reason
+    # With more prompts at the same share the fast one passes, and nothing is unsure.
+    choice = profiles.choose(_profile(_measured("few", 1.0, 4.0, n=200), many), 0.95)
+    assert choice.chosen.name == "few" and choice.unsure == ()
+    # Alone, the small sample is the most accurate there is: chosen, but not as meeting the target.
+    alone = profiles.choose(_profile(few), 0.95)
+    assert alone.chosen.name == "few" and not alone.met
 
 
 @pytest.mark.parametrize(
@@ -88,7 +110,13 @@ def test_unmet_target_takes_the_most_accurate() -> None:
         (lambda raw: json.dumps({**raw, "format": "other"}), "'format' field"),
         (lambda raw: json.dumps({**raw, "configurations": []}), "non-empty list"),
         (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "kept_fraction": 2}]}), "kept_fraction 2"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "kept_fraction": 0.5}]}), r"kept_fraction 0.5 is not kept / counted \(10000 / 10000\)"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "kept": 10001}]}), "kept <= counted <= prompts"),
         (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"bogus": 1}}]}), "unknown chunk options"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"chunk_layout": "diagonal"}}]}), r"configurations\[0\] \(a\): options: chunk_layout 'diagonal' is not one of"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"blend_check_layers": ["1"]}}]}), r"\(a\): options: blend_check_layers must be a list of integers, got \['1'\]"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"fusion_amateur": 1}}]}), r"\(a\): options: fusion_amateur must be true or false, got 1"),
+        (lambda raw: json.dumps({**raw, "configurations": [{**raw["configurations"][0], "options": {"blend_check_layers": [1], "blend_recompute_ratios": [1.5]}}]}), r"\(a\): options: blend_recompute_ratios must be in \[0, 1\]"),
         (lambda raw: json.dumps({k: v for k, v in raw.items() if k != "model"}), "missing or malformed field"),
     ],
 )  # fmt: skip
@@ -179,12 +207,13 @@ def test_calibrate_writes_a_profile_the_engine_loads(
         llm = LLM(str(model), fidelity_target=0.5, fidelity_profile=str(out), **ENGINE)
     try:
         chosen = profiles.choose(profile, 0.5).chosen
-        expected = llm.engine.config.chunk.with_request_options(
-            ReuseOptions.from_mapping(chosen.options), llm.engine.spec.num_layers
-        )
+        assert isinstance(chosen.options, ReuseOptions)  # typed when the profile was read
+        expected = llm.engine.config.chunk.with_request_options(chosen.options, llm.engine.spec.num_layers)
         assert llm.engine.config.chunk == expected
         assert f"use {chosen.name}" in caplog.text
-        assert "rests on" in caplog.text  # two prompts: the gate says how little that is
+        # The log line gives n, the estimate and the bound (two prompts: nothing meets 0.5).
+        assert f"kept {chosen.kept} of {chosen.counted} (estimate" in caplog.text
+        assert "95% lower bound" in caplog.text and "no configuration's 95% lower bound" in caplog.text
     finally:
         llm.close()
 
@@ -209,14 +238,15 @@ def test_unmet_target_is_logged_and_another_models_profile_refused(
     path, _ = _files(out)
     raw = json.loads(path.read_text())
     for i, c in enumerate(raw["configurations"]):  # nothing meets 0.99; the 2nd is the most accurate
-        c["kept_fraction"] = 0.9 if i == 1 else 0.5
+        c.update(prompts=100, counted=100, kept=90 if i == 1 else 50, kept_fraction=0.9 if i == 1 else 0.5)
     unmet = tmp_path / "unmet.json"
     unmet.write_text(json.dumps(raw))
     with caplog.at_level(logging.WARNING, logger="chunkcache.fidelity.gate"):
         llm = LLM(str(model), fidelity_target=0.99, fidelity_profile=str(unmet), **ENGINE)
     llm.close()
     assert (
-        f"use {raw['configurations'][1]['name']}" in caplog.text and "no configuration meets" in caplog.text
+        f"use {raw['configurations'][1]['name']}" in caplog.text
+        and "no configuration's 95% lower bound" in caplog.text
     )
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**raw, "identity": "f" * 64}))
@@ -245,6 +275,29 @@ def test_calibrate_resumes_where_it_stopped(
 def test_dataclass_round_trip() -> None:
     p = _profile(_measured("a", 1.0, 2.0))
     assert profiles.parse(p.to_json(), "x") == dataclasses.replace(p)
+    blend = ReuseOptions(chunk_layout="offset", blend_check_layers=(1,), blend_recompute_ratios=(0.3,))
+    p = _profile(dataclasses.replace(_measured("b", 1.0, 2.0), options=blend))
+    assert json.loads(p.to_json())["configurations"][0]["options"] == {
+        "chunk_layout": "offset", "blend_check_layers": [1], "blend_recompute_ratios": [0.3],
+    }  # fmt: skip
+    assert profiles.parse(p.to_json(), "x").configurations[0].options == blend
+
+
+def test_check_layers_beyond_the_model_are_refused_at_start(
+    calibrated: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """Parsing cannot know the model's depth; the gate, merging for the model, names them."""
+    model, _, out = calibrated
+    path, _ = _files(out)
+    raw = json.loads(path.read_text())
+    for c in raw["configurations"]:
+        c["options"] = {"chunk_layout": "offset", "blend_check_layers": [7], "blend_recompute_ratios": [0.3]}
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps(raw))
+    with pytest.raises(
+        profiles.ProfileError, match=r"deep.json: [^:]+: blend_check_layers \[7\] out of range"
+    ):
+        LLM(str(model), fidelity_target=0.5, fidelity_profile=str(deep), **ENGINE)
 
 
 def test_command_line_mistakes_are_one_line_errors(

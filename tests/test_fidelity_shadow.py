@@ -2,7 +2,8 @@
 re-run as a full prefill in background time and compared token by token; the controller moves the
 engine along its profile when the rolling agreement misses the target, and back when it is met
 with a margin. The tiny model's layout "isolated" is lossy (its greedy replies differ from full
-prefill's on these prompts), layout "offset" recomputing every chunk token at layer 0 is exact."""
+prefill's on these prompts, and its sampled replies' next-token distributions are far from full
+prefill's), layout "offset" recomputing every chunk token at layer 0 is exact."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkcache import LLM, SamplingParams
+from chunkcache.config import ReuseOptions
 from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.fidelity import profile as profiles
@@ -25,6 +28,7 @@ from chunkcache.fidelity.shadow import MAX_QUEUED
 from chunkcache.model.loader import load_model
 from chunkcache.server.metrics import ServerMetrics
 from tests.support.engines import tiny_llm
+from tests.support.oracle import hf_teacher_forced_logprobs
 from tests.support.tiny_checkpoint import corpus
 
 SEP = " # # "
@@ -78,15 +82,14 @@ def test_shadow_checks_compare_with_full_prefill(model: Path, options: dict[str,
         engine = llm.engine
         _serve(engine, 0, 4)
         fid = _fidelity(engine)
-        assert fid["configs"] == {"default": {result: 4, "agreement": 1.0 if result == "agree" else 0.0}}
+        agreement = 1.0 if result == "agree" else 0.0
+        assert fid["configs"] == {"default": {result: 4, "agreement": agreement, "total_variation": None}}
         # Every shadow's KV blocks are back (free, or cached and evictable).
         assert fid["pending"] == 0 and not engine.scheduler.running and not engine.scheduler.waiting
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
         # Requests with their own chunk options are not sampled: they say nothing of the engine's.
         for i in range(4, 6):
             engine.add_request(f"own{i}", _prompt(i), GREEDY, chunk_options=LOSSY)
-        # Sampled replies are not compared (only greedy agreement is built).
-        engine.add_request("sampled", _prompt(7), SamplingParams(temperature=1.0, max_tokens=4, seed=1))
         _drain(engine)
         assert _fidelity(engine)["configs"] == fid["configs"]
     finally:
@@ -197,11 +200,24 @@ def test_shadows_keep_the_request_salt(model: Path) -> None:
 def _profile_file(model: Path, tmp_path: Path, rungs: list[tuple[str, dict[str, Any], float, float]]) -> Path:
     loaded = load_model(str(model), "cpu", "float32", None, None, True)
     ident = identity(loaded.model, loaded.tokenizer, loaded.name)
+    n = 1000  # the gate ranks by the kept share's 95% lower bound: 950 of 1,000 is at least 93.5%
     configs = tuple(
-        profiles.Measured(name, options, 10, 10, int(10 * kept), kept, kept, None, 0.5, 1 / speed, speed)
+        profiles.Measured(
+            name,
+            ReuseOptions.from_mapping(options),
+            n,
+            n,
+            round(n * kept),
+            round(n * kept) / n,
+            kept,
+            None,
+            0.5,
+            1 / speed,
+            speed,
+        )
         for name, options, kept, speed in rungs
     )
-    profile = profiles.Profile(Path(model).name, ident, "cpu", "float32", "test", 6, 10, None, None, configs)
+    profile = profiles.Profile(Path(model).name, ident, "cpu", "float32", "test", 6, n, None, None, configs)
     path = tmp_path / "profile.json"
     path.write_text(profile.to_json())
     return path
@@ -250,10 +266,98 @@ def test_controller_climbs_when_lossy_and_steps_back_when_met(
         llm.close()
 
 
+def _sampled(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, max_tokens=6, seed=seed)
+
+
+def _record_checks(engine: LLMEngine) -> list[dict[str, Any]]:
+    """Each finished shadow's prompt, forced tokens and output, and the distributions compared."""
+    checks: list[dict[str, Any]] = []
+    shadows = engine.shadows
+    finished, distributions = shadows.finished, shadows._distributions
+
+    def on_finished(shadow: Sequence) -> Any:
+        checks.append({"ids": shadow.prompt_token_ids, "forced": shadow.forced_token_ids,
+                       "output": list(shadow.output_token_ids)})  # fmt: skip
+        return finished(shadow)
+
+    def on_distributions(name: str, served: list[Any], full: list[Any]) -> Any:
+        checks[-1].update(served=list(served), full=list(full))
+        return distributions(name, served, full)
+
+    shadows.finished = on_finished  # type: ignore[method-assign]
+    shadows._distributions = on_distributions  # type: ignore[method-assign]
+    return checks
+
+
+@pytest.mark.parametrize("options", [EXACT, LOSSY], ids=["exact", "lossy"])
+def test_sampled_replies_are_compared_by_their_next_token_distributions(
+    model: Path, options: dict[str, Any]
+) -> None:
+    """The shadow of a sampled reply is teacher-forced on it, and its distributions are full
+    prefill's (transformers on the prompt and the served tokens); reuse that is exact serves the
+    same distributions, lossy reuse measurably other ones."""
+    llm = _llm(model, options, fidelity_distribution_steps=3)
+    try:
+        engine = llm.engine
+        checks = _record_checks(engine)
+        for i in range(3):
+            engine.add_request(f"s{i}", _prompt(i), _sampled(i))
+        _drain(engine)
+        fid = _fidelity(engine)["configs"]["default"]
+        assert fid["distribution"] == 3 and set(fid) == {"distribution", "agreement", "total_variation"}
+        for check in checks:
+            assert check["forced"] is not None and check["output"] == check["forced"]  # teacher-forced
+            assert len(check["forced"]) == len(check["served"]) == len(check["full"]) == 3
+            oracle = hf_teacher_forced_logprobs(model, check["ids"], check["forced"])
+            torch.testing.assert_close(torch.stack(check["full"]), oracle, atol=1e-4, rtol=0)
+            if options is EXACT:
+                torch.testing.assert_close(torch.stack(check["served"]), oracle, atol=1e-4, rtol=0)
+        if options is EXACT:
+            assert fid["total_variation"] < 1e-4 and fid["agreement"] > 0.999
+        else:
+            assert fid["total_variation"] > 0.1 and fid["agreement"] < 0.5
+        # Nothing kept: no shadow pending, every block back, no request holds vocab rows.
+        assert _fidelity(engine)["pending"] == 0
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        assert all(seq.step_logprobs is None for seq in engine._requests.values())
+    finally:
+        llm.close()
+
+
+def test_controller_moves_on_sampled_traffic(model: Path, tmp_path: Path) -> None:
+    """Sampled replies alone drive the controller: the lossy rung's distributions miss the
+    target, the exact one's meet it with the margin."""
+    path = _profile_file(model, tmp_path, [("isolated", LOSSY, 0.95, 8.0), ("exact", EXACT, 1.0, 1.2)])
+    window = 2
+    llm = tiny_llm(
+        model, threads=1, fidelity_target=0.9, fidelity_profile=str(path), fidelity_sample_rate=1.0,
+        fidelity_window=window, fidelity_distribution_steps=2,
+    )  # fmt: skip
+    try:
+        engine = llm.engine
+        ctl = engine.shadows.controller
+        assert ctl is not None and ctl.current.name == "isolated"
+        history = []
+        for i in range(3 * window):
+            engine.add_request(f"s{i}", _prompt(i), _sampled(i))
+            _drain(engine)
+            history.append(ctl.current.name)
+        assert history == ["isolated", "exact", "exact", "isolated", "isolated", "exact"]
+        fid = _fidelity(engine)
+        assert fid["moves"] == {"up": 2, "down": 1}
+        assert fid["configs"]["isolated"]["distribution"] == 2 * window
+        assert fid["configs"]["exact"]["total_variation"] < 1e-4
+    finally:
+        llm.close()
+
+
 def test_metrics_parse(model: Path) -> None:
     llm = _llm(model, LOSSY)
     try:
         _serve(llm.engine, 0, 2)
+        llm.engine.add_request("sampled", _prompt(3), _sampled(3))
+        _drain(llm.engine)
         metrics = ServerMetrics("tiny")
         metrics.update_engine_stats(llm.engine.stats())
         families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
@@ -263,8 +367,11 @@ def test_metrics_parse(model: Path) -> None:
             if s.name.endswith("_total")
         }
         assert checks[("default", "disagree")] == 2 and checks[("default", "agree")] == 0
+        assert checks[("default", "distribution")] == 1
         (agreement,) = families["chunkcache_fidelity_agreement"].samples
-        assert agreement.labels == {"config": "default"} and agreement.value == 0.0
+        assert agreement.labels == {"config": "default"} and 0.0 <= agreement.value < 1 / 3
+        (variation,) = families["chunkcache_fidelity_total_variation"].samples
+        assert variation.labels == {"config": "default"} and 0.1 < variation.value <= 1.0
     finally:
         llm.close()
 
@@ -316,7 +423,11 @@ def test_a_live_request_takes_a_running_shadows_blocks(model: Path) -> None:
         assert _fidelity(engine)["pending"] == 1
         assert not any(s.kind is SequenceKind.SHADOW for s in engine.scheduler.running)
         _drain(engine)
-        assert _fidelity(engine)["configs"]["default"] == {"agree": 1, "agreement": 1.0}
+        assert _fidelity(engine)["configs"]["default"] == {
+            "agree": 1,
+            "agreement": 1.0,
+            "total_variation": None,
+        }
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     finally:
         llm.close()

@@ -155,6 +155,14 @@ class Sequence:
     # The engine's reuse configuration (fidelity/controller.py's name) this chunked request was
     # served with, where it gave no chunk options of its own: what a shadow check of it judges.
     fidelity_config: str | None = None
+    # Drawn for a shadow check at admission (fidelity/shadow.py). A sampled request so drawn, and
+    # its shadow, keep the log-softmax of the raw next-token distribution of each of their first
+    # `record_steps` tokens (engine/postprocess.py); the shadow appends `forced_token_ids` (the
+    # served reply) instead of its own samples, so both are read on the same tokens.
+    shadow_drawn: bool = False
+    step_logprobs: list[torch.Tensor] | None = None
+    record_steps: int = 0
+    forced_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.num_own_prompt_tokens:

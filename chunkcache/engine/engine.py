@@ -198,6 +198,7 @@ class LLMEngine:
                 self.scheduler.add(stream)
         else:
             self.scheduler.add(seq)
+        self.shadows.admitted(seq)
         return True
 
     def _start_job(self, job: Sequence) -> None:

@@ -37,7 +37,19 @@ def sample_batch(
         return []
     histories = [History(s.prompt_token_ids, s.output_token_ids, s.grammar) for s in seqs]
     sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], histories, eos_token_ids)
+    for row, (seq, s) in enumerate(zip(seqs, sampled, strict=True)):
+        _shadow_step(seq, s, logits[row])
     return list(zip(seqs, sampled, strict=True))
+
+
+def _shadow_step(seq: Sequence, s: Sampled, logits: torch.Tensor) -> None:
+    """A shadow check's part of a step (fidelity/shadow.py): keep the raw next-token distribution
+    of a sequence that records its first steps (a sampled request drawn for a check, its shadow),
+    and make a teacher-forced shadow take the served reply's token instead of its own."""
+    if seq.step_logprobs is not None and len(seq.step_logprobs) < seq.record_steps:
+        seq.step_logprobs.append(torch.log_softmax(logits.float(), dim=-1))
+    if seq.forced_token_ids is not None and s.error is None:
+        s.token_id = seq.forced_token_ids[seq.num_output_tokens]
 
 
 def append_token(seq: Sequence, s: Sampled, now: float, detokenizer: Detokenizer) -> None:

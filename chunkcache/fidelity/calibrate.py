@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from chunkcache.config import ReuseOptions
 from chunkcache.errors import InvalidRequestError
 from chunkcache.fidelity import measure
 from chunkcache.fidelity import profile as profiles
@@ -126,7 +127,7 @@ def _measured(name: str, options: ChunkOptions, records: list[dict[str, Any]]) -
     n = len(rows)
     return profiles.Measured(
         name,
-        options,
+        ReuseOptions.from_mapping(options),
         prompts=n,
         counted=counted,
         kept=kept,

@@ -1,8 +1,8 @@
 """The fidelity controller: moves the engine's reuse configuration along its profile as shadow
 checks (shadow.py) report how much of full prefill's replies it keeps on live traffic.
 
-The profile's configurations form a ladder, fastest first, each rung more accurate (by the
-calibration's kept share) than every faster one; configurations that are slower and no more
+The profile's configurations form a ladder, fastest first, each rung more accurate (by the lower
+bound of the calibration's kept share, as the gate ranks them) than every faster one; configurations that are slower and no more
 accurate than a faster one are left out, as no move would ever want them. The engine starts on
 the gate's choice. After each move the controller waits for `fidelity_window` (K) checks of the
 new configuration; then, judged on its last K checks, it climbs one rung when their agreement is
@@ -19,7 +19,7 @@ import enum
 import logging
 from dataclasses import dataclass
 
-from chunkcache.config import ChunkConfig, FidelityConfig, ReuseOptions
+from chunkcache.config import ChunkConfig, FidelityConfig
 from chunkcache.fidelity.profile import Measured, Profile, ProfileError
 
 logger = logging.getLogger(__name__)
@@ -39,14 +39,15 @@ class Rung:
 
 
 def ladder(profile: Profile) -> list[Measured]:
-    """The complete configurations, fastest first, each more accurate than all faster ones (ties in
-    speed: the more accurate, then the one listed first, as the gate breaks them)."""
+    """The complete configurations, fastest first, each more accurate than all faster ones by the
+    lower bound of its kept share (ties in speed: the higher bound, then the one listed first, as
+    the gate ranks them, so that the gate's choice is always a rung)."""
     complete = [c for c in profile.configurations if c.complete]
     order = {c.name: i for i, c in enumerate(complete)}
-    ranked = sorted(complete, key=lambda c: (-(c.speedup or 0.0), -(c.kept_fraction or 0.0), order[c.name]))
+    ranked = sorted(complete, key=lambda c: (-(c.speedup or 0.0), -c.kept_lower, order[c.name]))
     rungs: list[Measured] = []
     for c in ranked:
-        if not rungs or (c.kept_fraction or 0.0) > (rungs[-1].kept_fraction or 0.0):
+        if not rungs or c.kept_lower > rungs[-1].kept_lower:
             rungs.append(c)
     return rungs
 
@@ -62,7 +63,7 @@ class Controller:
         self.rungs: list[Rung] = []
         for c in ladder(profile):
             try:
-                chunk = base.with_request_options(ReuseOptions.from_mapping(c.options), num_layers)
+                chunk = base.with_request_options(c.options, num_layers)
             except ValueError as e:
                 raise ProfileError(f"fidelity_profile: {c.name}: {e}") from None
             self.rungs.append(Rung(c.name, chunk, c.kept_fraction or 0.0, c.speedup or 0.0))
@@ -80,8 +81,9 @@ class Controller:
     def current(self) -> Rung:
         return self.rungs[self.index]
 
-    def observe(self, name: str, window: list[bool]) -> Move | None:
-        """A check of configuration `name` ended; `window` is its last checks (newest last). Returns
+    def observe(self, name: str, window: list[float]) -> Move | None:
+        """A check of configuration `name` ended; `window` is its last checks' scores in [0, 1]
+        (shadow.py: 1 = what full prefill would have served; newest last). Returns
         the move made, if any. Checks of another configuration (one the engine has left; requests
         served before a move) are not counted."""
         if name != self.current.name:

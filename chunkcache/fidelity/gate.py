@@ -3,8 +3,9 @@
 With `fidelity_target` set, the engine computes its model's identity (the tiers' hash: weights
 and vocabulary, chunk/tiers/identity.py), finds the profile (`fidelity_profile`: a file, or a
 folder of profiles named by identity; default `envs.fidelity_dir()`), and serves chunked prompts
-with the fastest configuration whose measured kept fraction meets the target, else with the most
-accurate one. Without a profile it keeps the model's default reuse and says how to make one. A
+with the fastest configuration whose measured kept share meets the target by the lower end of its
+95% interval (profile.choose: a share measured on few prompts is not trusted to its estimate),
+else with the most accurate one. Without a profile it keeps the model's default reuse and says how to make one. A
 request's own chunk options still override the chosen configuration.
 """
 
@@ -18,15 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from chunkcache import envs
 from chunkcache.chunk.tiers.identity import model_identity
-from chunkcache.config import EngineConfig, ReuseOptions
+from chunkcache.config import EngineConfig
 from chunkcache.fidelity import profile as profiles
 
 if TYPE_CHECKING:
     from chunkcache.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
-# Fewer counted prompts than this: near 90% kept, the 95% interval spans about 20 points or more.
-_FEW = 30
 
 
 def identity(model: Any, tokenizer: Any, weights_name: str) -> str:
@@ -70,9 +69,7 @@ def resolve(config: EngineConfig, loaded: LoadedModel) -> Gated:
     profile = profiles.load(path, ident)
     choice = profiles.choose(profile, target)
     try:
-        chunk = config.chunk.with_request_options(
-            ReuseOptions.from_mapping(choice.chosen.options), loaded.spec.num_layers
-        )
+        chunk = config.chunk.with_request_options(choice.chosen.options, loaded.spec.num_layers)
     except ValueError as e:
         raise profiles.ProfileError(f"fidelity_profile {path}: {choice.chosen.name}: {e}") from None
     logger.log(
@@ -80,10 +77,10 @@ def resolve(config: EngineConfig, loaded: LoadedModel) -> Gated:
         "fidelity gate: chunked prompts use %s (%s), from %s (%d prompts, %s)",
         choice.chosen.name, choice.reason(target), path, profile.prompts, profile.prompt_set,
     )  # fmt: skip
-    if choice.chosen.counted < _FEW:
+    if choice.unsure:
         logger.warning(
-            "fidelity gate: %s's kept share rests on %d prompts; `chunkcache calibrate --limit N` with a "
-            "larger N (it resumes) narrows it",
-            choice.chosen.name, choice.chosen.counted,
+            "fidelity gate: %s would meet the target %g by estimate but not by its 95%% lower bound; "
+            "`chunkcache calibrate --limit N` with a larger N (it resumes) narrows the interval",
+            ", ".join(c.name for c in choice.unsure), target,
         )  # fmt: skip
     return Gated(dataclasses.replace(config, chunk=chunk), profile, choice.chosen.name)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkcache.config import REQUEST_CHUNK_OPTIONS
+from chunkcache.config import REQUEST_CHUNK_OPTIONS, ReuseOptions
 
 FORMAT = "chunkcache-fidelity-profile-v1"
 
@@ -34,7 +34,7 @@ class Measured:
     finish (no prompt measured) has `kept_fraction` or `speedup` None and is never chosen."""
 
     name: str
-    options: dict[str, Any]  # flat per-request chunk options
+    options: ReuseOptions  # checked when the profile is read (ReuseOptions.checked)
     prompts: int  # prompts measured
     counted: int  # prompts with something to keep (see the module's docstring)
     kept: int
@@ -59,6 +59,21 @@ class Measured:
         half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
         return max(0.0, center - half), min(1.0, center + half)
 
+    @property
+    def kept_lower(self) -> float:
+        """The lower end of the kept share's 95% interval: what the gate and the controller rank
+        by, so that 14 of 14 (at least 78%) does not pass a 0.95 target that 400 of 410 (at least
+        95.3%) passes. 0 with nothing counted."""
+        interval = self.kept_interval()
+        return 0.0 if interval is None else interval[0]
+
+    def describe(self) -> str:
+        """n, the estimate and its lower bound, as the gate's log line and the table say them."""
+        return (
+            f"kept {self.kept} of {self.counted} (estimate {100 * (self.kept_fraction or 0):.1f}%, "
+            f"95% lower bound {100 * self.kept_lower:.1f}%)"
+        )
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -75,6 +90,8 @@ class Profile:
 
     def to_json(self) -> str:
         body = {"format": FORMAT, **asdict(self)}
+        for raw, measured in zip(body["configurations"], self.configurations, strict=True):
+            raw["options"] = measured.options.to_mapping()  # the options set, flat, as they are read
         return json.dumps(body, indent=1)
 
 
@@ -106,18 +123,33 @@ def _measured(raw: Any, where: str) -> Measured:
     unknown = sorted(set(options) - set(REQUEST_CHUNK_OPTIONS))
     if unknown:
         raise ProfileError(f"{where}: unknown chunk options {unknown}")
+    try:
+        reuse = ReuseOptions.checked(options)
+    except ValueError as e:
+        raise ProfileError(f"{where}: options: {e}") from None
     counts = {}
     for key in ("prompts", "counted", "kept"):
         value = raw.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ProfileError(f"{where}: {key} must be an integer >= 0, got {value!r}")
         counts[key] = value
+    if not counts["kept"] <= counts["counted"] <= counts["prompts"]:
+        raise ProfileError(f"{where}: needs kept <= counted <= prompts, got {counts}")
+    # The gate ranks by the interval of kept / counted: a kept_fraction saying otherwise is an edit
+    # that would mislead the log line and the table.
+    kept_fraction = _number(raw, "kept_fraction", where, 0.0, 1.0)
+    if kept_fraction is not None and (
+        not counts["counted"] or abs(kept_fraction - counts["kept"] / counts["counted"]) > 1e-9
+    ):
+        raise ProfileError(
+            f"{where}: kept_fraction {kept_fraction} is not kept / counted ({counts['kept']} / {counts['counted']})"
+        )
     inf = math.inf
     return Measured(
         name,
-        options,
+        reuse,
         **counts,
-        kept_fraction=_number(raw, "kept_fraction", where, 0.0, 1.0),
+        kept_fraction=kept_fraction,
         identical=_number(raw, "identical", where, 0.0, 1.0),
         accuracy=_number(raw, "accuracy", where, 0.0, 1.0),
         recomputed_share=_number(raw, "recomputed_share", where, 0.0, 1.0),
@@ -188,35 +220,51 @@ def load(path: Path, identity: str) -> Profile:
 @dataclass(frozen=True)
 class Choice:
     chosen: Measured
-    met: bool  # whether it meets the target (else it is the most accurate one)
+    met: bool  # whether its lower bound meets the target (else it is the most accurate one)
     skipped: tuple[str, ...]  # configurations without measurements
+    # Faster configurations whose estimate meets the target but whose lower bound does not: too
+    # few prompts to tell (a larger `calibrate --limit` may let them pass).
+    unsure: tuple[Measured, ...] = ()
 
     def reason(self, target: float) -> str:
         c = self.chosen
-        lo, hi = c.kept_interval() or (0.0, 1.0)
-        kept = f"kept {c.kept} of {c.counted} ({100 * (c.kept_fraction or 0):.1f}%, 95% CI {100 * lo:.0f}-{100 * hi:.0f}%)"
         speed = f"{c.speedup:.2f}x full prefill's warm TTFT"
         if self.met:
-            why = f"the fastest configuration meeting the target {target:g}: {kept} at {speed}"
+            why = f"the fastest configuration whose 95% lower bound meets the target {target:g}: {c.describe()} at {speed}"
         else:
-            why = f"no configuration meets the target {target:g}; the most accurate one: {kept} at {speed}"
+            why = (
+                f"no configuration's 95% lower bound meets the target {target:g}; the most accurate one: "
+                f"{c.describe()} at {speed}"
+            )
+        if self.unsure:
+            names = ", ".join(f"{u.name} ({u.describe()})" for u in self.unsure)
+            why += f"; faster, meeting it by estimate only (too few prompts): {names}"
         if self.skipped:
             why += f" (not measured, skipped: {', '.join(self.skipped)})"
         return why
 
 
 def choose(profile: Profile, target: float) -> Choice:
-    """The fastest configuration whose kept fraction meets `target` (ties: the more accurate,
-    then the one listed first); if none does, the most accurate (ties: the faster, then the one
-    listed first). Configurations without measurements are skipped."""
+    """The fastest configuration whose kept share's 95% lower bound (Wilson) meets `target` (ties:
+    the higher bound, then the one listed first); if none does, the one with the highest bound
+    (ties: the faster, then the one listed first). Configurations without measurements are
+    skipped. Ranking by the bound, not the estimate, is what keeps a configuration measured on a
+    handful of prompts from passing a 95% target by luck."""
     complete = [c for c in profile.configurations if c.complete]
     skipped = tuple(c.name for c in profile.configurations if not c.complete)
     if not complete:
         raise ProfileError(f"fidelity_profile for {profile.model!r} measured no configuration completely")
     order = {c.name: i for i, c in enumerate(complete)}
-    meeting = [c for c in complete if (c.kept_fraction or 0.0) >= target]
+    meeting = [c for c in complete if c.kept_lower >= target]
     if meeting:
-        best = min(meeting, key=lambda c: (-(c.speedup or 0.0), -(c.kept_fraction or 0.0), order[c.name]))
-        return Choice(best, True, skipped)
-    best = min(complete, key=lambda c: (-(c.kept_fraction or 0.0), -(c.speedup or 0.0), order[c.name]))
-    return Choice(best, False, skipped)
+        best = min(meeting, key=lambda c: (-(c.speedup or 0.0), -c.kept_lower, order[c.name]))
+    else:
+        best = min(complete, key=lambda c: (-c.kept_lower, -(c.speedup or 0.0), order[c.name]))
+    unsure = tuple(
+        c
+        for c in complete
+        if (c.kept_fraction or 0.0) >= target
+        and c.kept_lower < target
+        and (c.speedup or 0.0) > (best.speedup or 0.0)
+    )
+    return Choice(best, bool(meeting), skipped, unsure)

@@ -1,19 +1,30 @@
 """Online shadow checks: what reuse costs on live traffic, measured against full prefill.
 
-A sampled chunked request (served by the engine's reuse configuration, greedy) is re-run, once it
-has finished, as a plain prefill of the same prompt tokens: a SHADOW sequence, background work
-(the scheduler runs it on the token budget requests leave, and a waiting request takes its KV
-blocks back), under the request's own cache_salt (its blocks are hashed, and found, under that
-salt only), with the request's sampling params up to the served reply's length. The served reply
-"agrees" when the shadow's tokens are identical. Only greedy requests are sampled: a sampled
-reply has no single reply of full prefill to compare with (the first-token KL and the greedy
-continuation of a sampled prefix are not built). Requests with a JSON schema are not sampled
-either (their grammar state is the request's own).
+A chunked request served by the engine's reuse configuration is drawn for a check at admission
+(`fidelity_sample_rate`) and, once it has finished, re-run as a plain prefill of the same prompt
+tokens: a SHADOW sequence, background work (the scheduler runs it on the token budget requests
+leave, and a waiting request takes its KV blocks back), under the request's own cache_salt (its
+blocks are hashed, and found, under that salt only). Requests with a JSON schema are not drawn
+(their grammar state is the request's own).
 
-At most `MAX_QUEUED` shadows wait or run at once; a sampled request beyond that is dropped and
-counted. Results are kept per configuration (totals, and the last `fidelity_window` for the
-rolling agreement), reported by `stats()` (the engine's stats and /metrics) and logged, and
-handed to the controller (controller.py) where there is one.
+- A greedy reply is compared token by token: the shadow decodes greedily up to the served
+  reply's length, and the check scores 1 when its tokens are identical, else 0.
+- A sampled reply (temperature > 0) has no single reply of full prefill to compare with, so its
+  next-token distributions are: the request keeps the raw distribution of each of its first
+  k = `fidelity_distribution_steps` tokens, and the shadow, teacher-forced on the served tokens
+  (it appends them instead of its own), keeps full prefill's on the same prefixes. Per step the
+  total variation TV_i = 1/2 sum |p_i - q_i| is the least chance that a draw from each, coupled
+  as closely as can be, differs; the check scores prod (1 - TV_i): the chance that full prefill,
+  coupled step by step with the served draws, would have drawn the same first k tokens. (The
+  first step's KL(full || served) is logged beside it.)
+
+So a check's score is on one scale either way (1 = what full prefill would have served), and the
+rolling agreement is the mean score of a configuration's last `fidelity_window` checks.
+
+At most `MAX_QUEUED` shadows wait or run at once; a request drawn beyond that is dropped and
+counted. Results are kept per configuration (totals, the rolling agreement, sampled checks' mean
+TV per step), reported by `stats()` (the engine's stats and /metrics) and logged, and handed to
+the controller (controller.py) where there is one.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import logging
 import random
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +52,13 @@ MAX_QUEUED = 16
 DEFAULT_CONFIG = "default"
 
 
+@dataclass
+class _Pending:
+    name: str  # the configuration that served the request
+    reply: list[int]
+    served: list[torch.Tensor] | None  # a sampled reply's first steps' log-probs; None: greedy
+
+
 class ShadowChecks:
     def __init__(
         self,
@@ -52,25 +71,46 @@ class ShadowChecks:
     ) -> None:
         self.rate = config.effective_sample_rate
         self.window = config.window
+        self.steps = config.distribution_steps
         self.blocks = blocks
         self.max_model_len = max_model_len
         self._schedule = schedule
         self.controller = controller
         self._random = random.Random(seed)
         self._generator = torch.Generator().manual_seed(seed)
-        self._pending: dict[int, tuple[Sequence, str, list[int]]] = {}  # id(shadow) -> served
+        self._pending: dict[int, _Pending] = {}  # id(shadow) -> what was served
         self._number = 0
         self.checks: dict[str, dict[str, int]] = {}  # configuration -> result -> count
-        self.recent: dict[str, deque[bool]] = {}
-        self.dropped = 0  # sampled while MAX_QUEUED shadows were pending
+        self.recent: dict[str, deque[float]] = {}  # configuration -> last checks' scores
+        self._tv: dict[str, list[float]] = {}  # configuration -> [sum of TV over steps, steps]
+        self.dropped = 0  # drawn while MAX_QUEUED shadows were pending
 
     @property
     def current_config(self) -> str:
         return DEFAULT_CONFIG if self.controller is None else self.controller.current.name
 
+    def admitted(self, seq: Sequence) -> None:
+        """A request entered the engine: draw it for a check where it is eligible; a sampled one
+        drawn starts keeping its first steps' distributions."""
+        p = seq.params
+        if (
+            self.rate <= 0
+            or seq.kind is not SequenceKind.REQUEST
+            or seq.fidelity_config is None
+            or p.json_schema is not None
+            or self._random.random() >= self.rate
+        ):
+            return
+        seq.shadow_drawn = True
+        if p.temperature > 0:
+            seq.step_logprobs, seq.record_steps = [], self.steps
+
     def served(self, seq: Sequence) -> None:
-        """A request finished: sample it for a shadow check where it is eligible."""
-        if not self._eligible(seq) or self._random.random() >= self.rate:
+        """A request finished: if it was drawn, queue its shadow."""
+        served, seq.step_logprobs = seq.step_logprobs, None  # the request keeps no vocab rows
+        if not seq.shadow_drawn or seq.error is not None or seq.finish_reason not in ("stop", "length"):
+            return
+        if not seq.num_output_tokens or (served is not None and not served):
             return
         if len(self._pending) >= MAX_QUEUED:
             self.dropped += 1
@@ -83,9 +123,11 @@ class ShadowChecks:
             self._count(seq.fidelity_config or DEFAULT_CONFIG, "skipped")  # a full prefill cannot fit
             return
         p = seq.params
+        # Greedy: up to the served reply's length. Sampled: the recorded steps, teacher-forced.
+        length = len(reply) if served is None else len(served)
         params = dataclasses.replace(
-            p, max_tokens=len(reply), stop=None, logprobs=None, prompt_logprobs=None,
-            min_tokens=min(p.min_tokens, len(reply)),
+            p, temperature=0.0, max_tokens=length, stop=None, logprobs=None, prompt_logprobs=None,
+            min_tokens=min(p.min_tokens, length),
         )  # fmt: skip
         self._number += 1
         shadow = Sequence(
@@ -97,50 +139,72 @@ class ShadowChecks:
             cache_salt=seq.cache_salt,
         )
         shadow.generator = self._generator
-        self._pending[id(shadow)] = (shadow, seq.fidelity_config or DEFAULT_CONFIG, reply)
+        if served is not None:
+            shadow.forced_token_ids, shadow.step_logprobs, shadow.record_steps = reply[:length], [], length
+        self._pending[id(shadow)] = _Pending(seq.fidelity_config or DEFAULT_CONFIG, reply, served)
         self._schedule(shadow)
-
-    def _eligible(self, seq: Sequence) -> bool:
-        p = seq.params
-        return (
-            self.rate > 0
-            and seq.kind is SequenceKind.REQUEST
-            and seq.fidelity_config is not None
-            and seq.error is None
-            and seq.finish_reason in ("stop", "length")
-            and seq.num_output_tokens > 0
-            and p.temperature == 0
-            and p.json_schema is None
-        )
 
     def finished(self, shadow: Sequence) -> Move | None:
         """A shadow ended (done, or failed with its batch): compare, count, tell the controller."""
-        _, name, reply = self._pending.pop(id(shadow))
-        if shadow.error is not None:
+        pending = self._pending.pop(id(shadow))
+        name = pending.name
+        full, shadow.step_logprobs = shadow.step_logprobs, None
+        if shadow.error is not None or (pending.served is not None and not full):
             self._count(name, "error")
             return None
-        got = shadow.output_token_ids
-        agreed = got == reply
-        self._count(name, "agree" if agreed else "disagree")
+        if pending.served is None:
+            score, verdict = self._greedy(shadow.output_token_ids, pending.reply)
+            self._count(name, "agree" if score == 1.0 else "disagree")
+        else:
+            assert full
+            score, verdict = self._distributions(name, pending.served, full)
         window = self.recent.setdefault(name, deque(maxlen=self.window))
-        window.append(agreed)
+        window.append(score)
+        logger.info(
+            "shadow check of %s under %s: %s; rolling agreement %.2f over %d",
+            shadow.request_id.split("-of-", 1)[1], name, verdict, sum(window) / len(window), len(window),
+        )  # fmt: skip
+        return None if self.controller is None else self.controller.observe(name, list(window))
+
+    def _greedy(self, got: list[int], reply: list[int]) -> tuple[float, str]:
+        if got == reply:
+            return 1.0, "identical to full prefill"
         first = next(
             (i for i, (a, b) in enumerate(zip(got, reply, strict=False)) if a != b), min(len(got), len(reply))
         )
-        logger.info(
-            "shadow check of %s under %s: %s; rolling agreement %.2f over %d",
-            shadow.request_id.split("-of-", 1)[1], name,
-            "identical to full prefill" if agreed else f"differs from full prefill at token {first}",
-            sum(window) / len(window), len(window),
-        )  # fmt: skip
-        return None if self.controller is None else self.controller.observe(name, list(window))
+        return 0.0, f"differs from full prefill at token {first}"
+
+    def _distributions(
+        self, name: str, served: list[torch.Tensor], full: list[torch.Tensor]
+    ) -> tuple[float, str]:
+        """A sampled reply's score: prod (1 - TV) over the steps both recorded (module docstring)."""
+        steps = min(len(served), len(full))
+        tvs = [
+            0.5 * float((f.exp() - s.exp()).abs().sum())
+            for s, f in zip(served[:steps], full[:steps], strict=True)
+        ]
+        first, firsts = full[0], served[0]
+        kl = float((first.exp() * (first - firsts)).nan_to_num(0.0, posinf=float("inf")).sum())
+        total = self._tv.setdefault(name, [0.0, 0])
+        total[0] += sum(tvs)
+        total[1] += steps
+        self._count(name, "distribution")
+        score = 1.0
+        for tv in tvs:
+            score *= max(0.0, 1.0 - tv)
+        verdict = (
+            f"sampled reply, next-token total variation {' '.join(f'{tv:.3f}' for tv in tvs)} over its first "
+            f"{steps} tokens (first token KL(full || served) {kl:.3f}): agreement {score:.3f}"
+        )
+        return score, verdict
 
     def _count(self, name: str, result: str) -> None:
         counts = self.checks.setdefault(name, {})
         counts[result] = counts.get(result, 0) + 1
 
     def stats(self) -> dict[str, Any]:
-        """Per configuration: check counts by result and the rolling agreement; the current
+        """Per configuration: check counts by result (agree, disagree: greedy; distribution: sampled;
+        error, skipped), the rolling agreement and sampled checks' total variation; the current
         configuration, the controller's moves, shadows pending and dropped."""
         configs = {
             name: {
@@ -148,6 +212,8 @@ class ShadowChecks:
                 "agreement": sum(self.recent[name]) / len(self.recent[name])
                 if self.recent.get(name)
                 else None,
+                # Sampled replies' checks: the mean next-token total variation per step compared.
+                "total_variation": self._tv[name][0] / self._tv[name][1] if self._tv.get(name) else None,
             }
             for name, counts in self.checks.items()
         }

@@ -131,22 +131,32 @@ def _fidelity_metrics(fidelity: Mapping[str, Any]) -> Iterator[Metric]:
     checks = CounterMetricFamily(
         f"{PREFIX}_fidelity_checks",
         "Shadow checks of chunked requests against a full prefill, by configuration and result "
-        "(agree, disagree, error, skipped).",
+        "(agree, disagree: greedy replies; distribution: sampled replies; error, skipped).",
         labels=("config", "result"),
     )
     agreement = GaugeMetricFamily(
         f"{PREFIX}_fidelity_agreement",
-        "Share of the last fidelity_window shadow checks whose served reply was identical to full "
-        "prefill's (0-1), by configuration.",
+        "Mean score of the last fidelity_window shadow checks (0-1), by configuration: a greedy reply "
+        "scores 1 when identical to full prefill's, a sampled one prod(1 - total variation) over its "
+        "first tokens' next-token distributions.",
+        labels=("config",),
+    )
+    variation = GaugeMetricFamily(
+        f"{PREFIX}_fidelity_total_variation",
+        "Sampled replies' shadow checks: mean total variation between the served and full prefill's "
+        "next-token distributions per token compared (0-1), by configuration.",
         labels=("config",),
     )
     for name, counts in fidelity["configs"].items():
-        for result in ("agree", "disagree", "error", "skipped"):
+        for result in ("agree", "disagree", "distribution", "error", "skipped"):
             checks.add_metric((name, result), float(counts.get(result, 0)))
         if counts.get("agreement") is not None:
             agreement.add_metric((name,), float(counts["agreement"]))
+        if counts.get("total_variation") is not None:
+            variation.add_metric((name,), float(counts["total_variation"]))
     yield checks
     yield agreement
+    yield variation
     moves = CounterMetricFamily(
         f"{PREFIX}_fidelity_moves",
         "Moves of the fidelity controller between the profile's configurations, by direction.",
