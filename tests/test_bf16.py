@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.model import llama
+from chunkcache.model import linear, llama
+from chunkcache.model.linear import Linear
 from tests.support.oracle import hf_teacher_forced_logprobs
 
 PROMPTS = [
@@ -59,9 +61,56 @@ def _check(path: str, mean_bound: float, max_bound: float, **options: bool) -> L
     return llm
 
 
+@pytest.mark.parametrize("emulated", [True, False])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tiny_bf16_matches_transformers_bf16(checkpoint, arch: str) -> None:
-    _check(str(checkpoint(arch=arch)), mean_bound=0.07, max_bound=0.3)
+def test_tiny_bf16_matches_transformers_bf16(
+    checkpoint, monkeypatch: pytest.MonkeyPatch, arch: str, emulated: bool
+) -> None:
+    """Both bf16 product paths, whichever this CPU takes by itself: bf16 GEMMs (a CPU with a
+    oneDNN bf16 kernel) and the float32 blocks of "upcast" (one without)."""
+    monkeypatch.setattr(linear, "bf16_gemm_emulated", lambda weight: emulated)
+    llm = _check(str(checkpoint(arch=arch)), mean_bound=0.07, max_bound=0.3)
+    layouts = {
+        (m.narrow, m.wide, m.prefill) for m in llm.engine.runner.model.modules() if isinstance(m, Linear)
+    }
+    assert layouts == {("dense", "upcast", "upcast") if emulated else ("dense", "dense", "dense")}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 37, 300])
+@pytest.mark.parametrize(("gated", "bias", "with_residual"), [(False, True, True), (True, False, False)])
+def test_upcast_layout_is_float32_products_rounded_once(
+    monkeypatch: pytest.MonkeyPatch, rows: int, gated: bool, bias: bool, with_residual: bool
+) -> None:
+    """The "upcast" layout of a bf16 weight (600 rows: two whole blocks and a part) gives F.linear
+    of the float32 copies rounded to bf16 once, at 4 rows and more; 1-3 rows stay bf16 GEMV."""
+    monkeypatch.setattr(linear, "bf16_gemm_emulated", lambda weight: True)
+    gen = torch.Generator().manual_seed(rows)
+    n_in, n_out = 96, 600
+    lin = Linear(n_in, n_out, bias=bias, gated=gated).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n_out, n_in, generator=gen) * 0.1)
+        if lin.bias is not None:
+            lin.bias.copy_(torch.randn(n_out, generator=gen))
+    assert lin.prepare(pack=False, narrow_copy=True) == ("dense", "upcast", "upcast")
+    x = torch.randn(rows, n_in, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(rows, n_out // 2 if gated else n_out, generator=gen).to(torch.bfloat16)
+    residual = residual if with_residual else None
+    b = None if lin.bias is None else lin.bias.detach()
+    if rows < 4:
+        product = F.linear(x, lin.weight.detach(), b)
+    else:
+        product = F.linear(x.float(), lin.weight.detach().float(), None if b is None else b.float())
+        product = product.to(torch.bfloat16)
+    if gated:
+        product = F.silu(product[:, : n_out // 2]) * product[:, n_out // 2 :]
+    ref = product if residual is None else product + residual
+    with torch.inference_mode():
+        out = lin(x, residual)
+    assert out.dtype == torch.bfloat16
+    # Exact at 1-3 rows; from 4, a bias added after the product, not inside the GEMM, may round
+    # a value one bf16 step (2^-8 of it) the other way.
+    tol = 0 if rows < 4 else 8e-3
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("products", ["fused", "blas"])

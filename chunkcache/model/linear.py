@@ -9,6 +9,14 @@ On CPU in float32 three layouts of a weight serve `y = x W^T` (benchmarks/RESULT
   SwiGLU and the residual add fused in; 1.3-2.4x faster at 4-16 rows on Qwen2.5-0.5B's shapes,
   but slower than either plain layout at 1-3 rows.
 
+In bfloat16 the weight stays dense. Where torch has no oneDNN bf16 kernel for the CPU (no
+AVX512 core, no ARM BF16: `bf16_gemm_emulated`), a bf16 matrix product falls to torch's reference
+GEMM, ~10 GFLOP/s on one AMD EPYC (Zen 3, AVX2) core against MKL's ~80 in float32; there steps
+of 4 rows and more take the "upcast" layout (`upcast_product`): the product in float32, 256 weight
+rows at a time converted into a reused buffer, at float32 GEMM speed (6-7x the bf16 reference at
+512 rows, 1.5-3x at 4-64) with no float32 copy of the weights held. 1-3 rows keep bf16 GEMV,
+which streams the weight at ~9 GB/s there (the blocks measured 1.05-2.5x slower at 1-3 rows).
+
 `prepare()` picks a layout for steps of 1-3 rows ("narrow": a batch-1 to batch-3 decode step), one
 for 4-127 rows ("wide": batched decode) and one for 128 rows and more ("prefill"), and drops the
 dense tensor when none needs it. Packed weights may keep a second, plain layout for narrow steps
@@ -116,6 +124,40 @@ def _measure_packing(linear: Linear, rows: tuple[int, ...], repeats: int = 9) ->
     return best[True] < best[False]
 
 
+def bf16_gemm_emulated(weight: torch.Tensor) -> bool:
+    """Whether torch multiplies this weight with its slow reference GEMM: a CPU bf16 tensor where
+    oneDNN has no bf16 kernel for the CPU (torch's own test for routing bf16 products to oneDNN)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+# Weight rows per block of `upcast_product`: [256, in] in float32 is 1.5 MB at in=1536 and 9 MB at
+# 8960 (in L2 / L3 while the GEMM reads it); 128-512 measured alike, 1,024 up to 2.8x slower
+# at 16 rows, and blocks sized by bytes (64 KB-1 MB) slower for the 8960-wide input.
+_UPCAST_ROWS = 256
+
+
+def upcast_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x W^T + b` of bf16 tensors computed in float32 and rounded once, as F.linear on the
+    float32 copies would give (the same numbers): the weight converted `_UPCAST_ROWS` rows at a
+    time into one reused buffer, so no float32 copy of it is ever whole (converting the whole
+    weight per call measured 10-25% slower at 512 rows and up to 4x at 16)."""
+    xf = x.float()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    buffer = torch.empty(min(_UPCAST_ROWS, weight.shape[0]), weight.shape[1], device=x.device)
+    for start in range(0, weight.shape[0], _UPCAST_ROWS):
+        rows = weight[start : start + _UPCAST_ROWS]
+        block = buffer[: rows.shape[0]]
+        block.copy_(rows)
+        torch.mm(xf, block.t(), out=out[:, start : start + rows.shape[0]])
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
+
+
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     padded = x.new_zeros(_MIN_ROWS, x.shape[1])
     padded[: x.shape[0]] = x
@@ -183,7 +225,7 @@ class Linear(nn.Module):
     halves of it are materialised (the MLP measured 16% faster at 2048 rows, 14% at 256).
 
     `narrow` is the layout of steps of 1-3 rows, `wide` that of 4 to PREFILL_ROWS - 1 rows,
-    `prefill` that of more: "dense", "transposed" or "packed" (see the module docstring); all
+    `prefill` that of more: "dense", "transposed", "packed" or "upcast" (see the module docstring); all
     "dense" until `prepare()`.
     """
 
@@ -228,7 +270,11 @@ class Linear(nn.Module):
         copy of it), which prefill steps then take too unless `pack_prefill`.
 
         The dense tensor is dropped when no layout uses it; it is only freed if nothing else
-        holds it (a tied embedding does). Outside CPU float32 nothing changes."""
+        holds it (a tied embedding does). In bfloat16 where torch's bf16 GEMM is its reference
+        one (`bf16_gemm_emulated`), steps of 4 rows and more take "upcast"; elsewhere outside CPU
+        float32 nothing changes."""
+        if self.weight is not None and self.wide == "dense" and bf16_gemm_emulated(self.weight):
+            self.wide = self.prefill = "upcast"
         if self.weight is None or self.wide != "dense" or not plain_cpu_fp32(self.weight):
             return self.narrow, self.wide, self.prefill
         plain = self.plain_layout()
@@ -287,12 +333,14 @@ class Linear(nn.Module):
         return y if residual is None else y + residual
 
     def plain_product(self, x: torch.Tensor, layout: str) -> torch.Tensor:
-        """`x W^T + b` through BLAS in a plain layout ("transposed" or "dense")."""
+        """`x W^T + b` through BLAS in a plain layout ("transposed", "dense" or "upcast")."""
         if layout == "transposed":
             assert self.weight_t is not None
             bias = self.plain_bias
             return torch.mm(x, self.weight_t) if bias is None else torch.addmm(bias, x, self.weight_t)
         assert self.weight is not None
+        if layout == "upcast":
+            return upcast_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def hold_fused_weight(self, shared: torch.Tensor | None = None) -> bool:
