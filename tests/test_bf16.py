@@ -76,6 +76,19 @@ def test_tiny_bf16_matches_transformers_bf16(
     assert layouts == {("dense", "upcast", "upcast") if emulated else ("dense", "dense", "dense")}
 
 
+def _count_upcast_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """`linear.upcast_product` wrapped to record the rows of each call."""
+    calls: list[int] = []
+    real = linear.upcast_product
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(linear, "upcast_product", counted)
+    return calls
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 37, 300])
 @pytest.mark.parametrize(("gated", "bias", "with_residual"), [(False, True, True), (True, False, False)])
 def test_upcast_layout_is_float32_products_rounded_once(
@@ -84,6 +97,7 @@ def test_upcast_layout_is_float32_products_rounded_once(
     """The "upcast" layout of a bf16 weight (600 rows: two whole blocks and a part) gives F.linear
     of the float32 copies rounded to bf16 once, at 4 rows and more; 1-3 rows stay bf16 GEMV."""
     monkeypatch.setattr(linear, "bf16_gemm_emulated", lambda weight: True)
+    calls = _count_upcast_products(monkeypatch)
     gen = torch.Generator().manual_seed(rows)
     n_in, n_out = 96, 600
     lin = Linear(n_in, n_out, bias=bias, gated=gated).to(torch.bfloat16)
@@ -107,6 +121,9 @@ def test_upcast_layout_is_float32_products_rounded_once(
     with torch.inference_mode():
         out = lin(x, residual)
     assert out.dtype == torch.bfloat16
+    # torch's bf16 GEMM may give the same numbers (it accumulates in float32 too): the path is
+    # checked by the calls.
+    assert len(calls) == (rows >= 4)
     # Exact at 1-3 rows; from 4, a bias added after the product, not inside the GEMM, may round
     # a value one bf16 step (2^-8 of it) the other way.
     tol = 0 if rows < 4 else 8e-3
@@ -138,3 +155,23 @@ def test_smollm2_bf16_matches_transformers_bf16() -> None:
     path = model_path("smollm2")
     assert Path(path).suffix == ".gguf"
     _check(path, mean_bound=0.16, max_bound=0.7)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_dense_product_takes_the_linear_layouts_form(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """blend's K rows (a dense weight outside a Linear) are multiplied as a Linear would: bf16
+    GEMV at 1-3 rows, float32 blocks from 4 where the bf16 GEMM is torch's reference one."""
+    monkeypatch.setattr(linear, "bf16_gemm_emulated", lambda weight: True)
+    calls = _count_upcast_products(monkeypatch)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(300, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(300, generator=gen).to(torch.bfloat16)
+    if rows < 4:
+        ref = F.linear(x, weight, bias)
+    else:
+        ref = linear.upcast_product(x, weight, bias)
+        torch.testing.assert_close(ref, F.linear(x.float(), weight.float(), bias.float()).to(torch.bfloat16))
+    calls.clear()
+    assert torch.equal(linear.dense_product(x, weight, bias), ref)
+    assert len(calls) == (rows >= 4)

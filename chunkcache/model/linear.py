@@ -158,6 +158,15 @@ def upcast_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.to(x.dtype)
 
 
+def dense_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear on a dense weight outside a `Linear` (blend's K rows), in the form a `Linear`'s
+    dense layouts would take: `upcast_product` where 4 rows and more of a bf16 weight would fall
+    to torch's reference GEMM."""
+    if x.shape[0] >= _MIN_ROWS and bf16_gemm_emulated(weight):
+        return upcast_product(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     padded = x.new_zeros(_MIN_ROWS, x.shape[1])
     padded[: x.shape[0]] = x
