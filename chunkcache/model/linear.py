@@ -180,9 +180,9 @@ _CASCADE_LENGTH = 4096
 
 
 def _sum_blocks(n: int) -> int:
-    """Into how many equal blocks a reduction of n is split: the fewest of at most
-    `_CASCADE_LENGTH` each (1 where n is short, or has no such divisor)."""
-    return next((k for k in range(1, n + 1) if n % k == 0 and n // k <= _CASCADE_LENGTH), 1)
+    """Into how many equal blocks a reduction of n is split: the fewest (up to 64) of at most
+    `_CASCADE_LENGTH` each; 1 where n is short, or has no such divisor (a prime n)."""
+    return next((k for k in range(1, 65) if n % k == 0 and n // k <= _CASCADE_LENGTH), 1)
 
 
 def multiply_sum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
