@@ -3,7 +3,7 @@
 1. The ceiling: each projection of the model's layers (qkv, o, gate/up, down) timed alone at
    `--rows` rows on random tensors of its exact shape, in three forms: torch's bf16 GEMM (oneDNN's
    kernel where torch has one for the CPU, its reference GEMM elsewhere), the "upcast" layout
-   (`linear.upcast_product`: float32 products over 256-row blocks of the bf16 weight) and float32
+   (`upcast.upcast_product`: float32 products over 256-row blocks of the bf16 weight) and float32
    F.linear; per form, the layer's sum x the model's layers plus the lm_head's one row is the
    time of a prefill that did nothing but its GEMMs, and `--rows` / that time its tokens/s.
 2. A real prefill of `--rows` tokens through `--layers` decoder layers of the model's shapes with
@@ -33,10 +33,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from chunkcache.model.attention import AttentionMetadata, PrefillSegment
 from chunkcache.model.gguf_file import GGUFCheckpoint
-from chunkcache.model.linear import bf16_gemm_emulated, upcast_product
 from chunkcache.model.llama import LlamaForCausalLM
 from chunkcache.model.loader import model_path
 from chunkcache.model.spec import ModelSpec
+from chunkcache.model.upcast import bf16_gemm_emulated, upcast_product
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
 

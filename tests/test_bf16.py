@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.model import linear, llama
+from chunkcache.model import llama, upcast
 from chunkcache.model.linear import Linear
 from tests.support.oracle import hf_teacher_forced_logprobs
 
@@ -68,7 +68,7 @@ def test_tiny_bf16_matches_transformers_bf16(
 ) -> None:
     """Both bf16 product paths, whichever this CPU takes by itself: bf16 GEMMs (a CPU with a
     oneDNN bf16 kernel) and the float32 blocks of "upcast" (one without)."""
-    monkeypatch.setattr(linear, "bf16_gemm_emulated", lambda weight: emulated)
+    monkeypatch.setattr(upcast, "bf16_gemm_emulated", lambda weight: emulated)
     llm = _check(str(checkpoint(arch=arch)), mean_bound=0.07, max_bound=0.3)
     layouts = {
         (m.narrow, m.wide, m.prefill) for m in llm.engine.runner.model.modules() if isinstance(m, Linear)
@@ -77,15 +77,15 @@ def test_tiny_bf16_matches_transformers_bf16(
 
 
 def _count_upcast_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """`linear.upcast_product` wrapped to record the rows of each call."""
+    """`upcast.upcast_product` wrapped to record the rows of each call."""
     calls: list[int] = []
-    real = linear.upcast_product
+    real = upcast.upcast_product
 
     def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         calls.append(x.shape[0])
         return real(x, weight, bias)
 
-    monkeypatch.setattr(linear, "upcast_product", counted)
+    monkeypatch.setattr(upcast, "upcast_product", counted)
     return calls
 
 
@@ -96,7 +96,7 @@ def test_upcast_layout_is_float32_products_rounded_once(
 ) -> None:
     """The "upcast" layout of a bf16 weight (600 rows: two whole blocks and a part) gives F.linear
     of the float32 copies rounded to bf16 once, at 4 rows and more; 1-3 rows stay bf16 GEMV."""
-    monkeypatch.setattr(linear, "bf16_gemm_emulated", lambda weight: True)
+    monkeypatch.setattr(upcast, "bf16_gemm_emulated", lambda weight: True)
     calls = _count_upcast_products(monkeypatch)
     gen = torch.Generator().manual_seed(rows)
     n_in, n_out = 96, 600
@@ -161,7 +161,7 @@ def test_smollm2_bf16_matches_transformers_bf16() -> None:
 def test_dense_product_takes_the_linear_layouts_form(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
     """blend's K rows (a dense weight outside a Linear) are multiplied as a Linear would: bf16
     GEMV at 1-3 rows, float32 blocks from 4 where the bf16 GEMM is torch's reference one."""
-    monkeypatch.setattr(linear, "bf16_gemm_emulated", lambda weight: True)
+    monkeypatch.setattr(upcast, "bf16_gemm_emulated", lambda weight: True)
     calls = _count_upcast_products(monkeypatch)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
@@ -170,8 +170,8 @@ def test_dense_product_takes_the_linear_layouts_form(monkeypatch: pytest.MonkeyP
     if rows < 4:
         ref = F.linear(x, weight, bias)
     else:
-        ref = linear.upcast_product(x, weight, bias)
+        ref = upcast.upcast_product(x, weight, bias)
         torch.testing.assert_close(ref, F.linear(x.float(), weight.float(), bias.float()).to(torch.bfloat16))
     calls.clear()
-    assert torch.equal(linear.dense_product(x, weight, bias), ref)
+    assert torch.equal(upcast.dense_product(x, weight, bias), ref)
     assert len(calls) == (rows >= 4)

@@ -39,10 +39,11 @@ import torch
 
 from chunkcache.config import ChunkConfig
 from chunkcache.model.calibration import ContextCalibration, calibrated_attention
-from chunkcache.model.linear import Linear, dense_product
+from chunkcache.model.linear import Linear
 from chunkcache.model.llama import Attention, LlamaForCausalLM
 from chunkcache.model.rope import RopeTable, RotaryEmbedding
 from chunkcache.model.row_attention import attend_rows, plan_rows
+from chunkcache.model.upcast import dense_product
 
 
 @dataclass

@@ -10,9 +10,9 @@ On CPU in float32 three layouts of a weight serve `y = x W^T` (benchmarks/RESULT
   but slower than either plain layout at 1-3 rows.
 
 In bfloat16 the weight stays dense. Where torch has no oneDNN bf16 kernel for the CPU (no
-AVX512 core, no ARM BF16: `bf16_gemm_emulated`), a bf16 matrix product falls to torch's reference
+AVX512 core, no ARM BF16: `upcast.bf16_gemm_emulated`), a bf16 matrix product falls to torch's reference
 GEMM, ~10 GFLOP/s on one AMD EPYC (Zen 3, AVX2) core against MKL's ~80 in float32; there steps
-of 4 rows and more take the "upcast" layout (`upcast_product`): the product in float32, 256 weight
+of 4 rows and more take the "upcast" layout (`upcast.upcast_product`): the product in float32, 256 weight
 rows at a time converted into a reused buffer, at float32 GEMM speed (6-7x the bf16 reference at
 512 rows, 1.5-3x at 4-64) with no float32 copy of the weights held. 1-3 rows keep bf16 GEMV,
 which streams the weight at ~9 GB/s there (the blocks measured 1.05-2.5x slower at 1-3 rows).
@@ -41,6 +41,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from chunkcache.model import upcast
 
 _ops = torch.ops.mkldnn
 
@@ -122,49 +124,6 @@ def _measure_packing(linear: Linear, rows: tuple[int, ...], repeats: int = 9) ->
         for pack, times in runs.items():
             best[pack] += min(times)
     return best[True] < best[False]
-
-
-def bf16_gemm_emulated(weight: torch.Tensor) -> bool:
-    """Whether torch multiplies this weight with its slow reference GEMM: a CPU bf16 tensor where
-    oneDNN has no bf16 kernel for the CPU (torch's own test for routing bf16 products to oneDNN)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-
-
-# Weight rows per block of `upcast_product`: [256, in] in float32 is 1.5 MB at in=1536 and 9 MB at
-# 8960 (in L2 / L3 while the GEMM reads it); 128-512 measured alike, 1,024 up to 2.8x slower
-# at 16 rows, and blocks sized by bytes (64 KB-1 MB) slower for the 8960-wide input.
-_UPCAST_ROWS = 256
-
-
-def upcast_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x W^T + b` of bf16 tensors computed in float32 and rounded once, as F.linear on the
-    float32 copies would give (the same numbers): the weight converted `_UPCAST_ROWS` rows at a
-    time into one reused buffer, so no float32 copy of it is ever whole (converting the whole
-    weight per call measured 10-25% slower at 512 rows and up to 4x at 16)."""
-    xf = x.float()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
-    buffer = torch.empty(min(_UPCAST_ROWS, weight.shape[0]), weight.shape[1], device=x.device)
-    for start in range(0, weight.shape[0], _UPCAST_ROWS):
-        rows = weight[start : start + _UPCAST_ROWS]
-        block = buffer[: rows.shape[0]]
-        block.copy_(rows)
-        torch.mm(xf, block.t(), out=out[:, start : start + rows.shape[0]])
-    if bias is not None:
-        out += bias
-    return out.to(x.dtype)
-
-
-def dense_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear on a dense weight outside a `Linear` (blend's K rows), in the form a `Linear`'s
-    dense layouts would take: `upcast_product` where 4 rows and more of a bf16 weight would fall
-    to torch's reference GEMM."""
-    if x.shape[0] >= _MIN_ROWS and bf16_gemm_emulated(weight):
-        return upcast_product(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -302,9 +261,9 @@ class Linear(nn.Module):
 
         The dense tensor is dropped when no layout uses it; it is only freed if nothing else
         holds it (a tied embedding does). In bfloat16 where torch's bf16 GEMM is its reference
-        one (`bf16_gemm_emulated`), steps of 4 rows and more take "upcast"; elsewhere outside CPU
+        one (`upcast.bf16_gemm_emulated`), steps of 4 rows and more take "upcast"; elsewhere outside CPU
         float32 nothing changes."""
-        if self.weight is not None and self.wide == "dense" and bf16_gemm_emulated(self.weight):
+        if self.weight is not None and self.wide == "dense" and upcast.bf16_gemm_emulated(self.weight):
             self.wide = self.prefill = "upcast"
         if self.weight is None or self.wide != "dense" or not plain_cpu_fp32(self.weight):
             return self.narrow, self.wide, self.prefill
@@ -371,7 +330,7 @@ class Linear(nn.Module):
             return torch.mm(x, self.weight_t) if bias is None else torch.addmm(bias, x, self.weight_t)
         assert self.weight is not None
         if layout == "upcast":
-            return upcast_product(x, self.weight, self.bias)
+            return upcast.upcast_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def hold_fused_weight(self, shared: torch.Tensor | None = None) -> bool:
