@@ -10,12 +10,13 @@ On CPU in float32 three layouts of a weight serve `y = x W^T` (benchmarks/RESULT
   but slower than either plain layout at 1-3 rows.
 
 In bfloat16 the weight stays dense. Where torch has no oneDNN bf16 kernel for the CPU (no
-AVX512 core, no ARM BF16: `upcast.bf16_gemm_emulated`), a bf16 matrix product falls to torch's reference
-GEMM, ~10 GFLOP/s on one AMD EPYC (Zen 3, AVX2) core against MKL's ~80 in float32; there steps
-of 4 rows and more take the "upcast" layout (`upcast.upcast_product`): the product in float32, 256 weight
-rows at a time converted into a reused buffer, at float32 GEMM speed (6-7x the bf16 reference at
-512 rows, 1.5-3x at 4-64) with no float32 copy of the weights held. 1-3 rows keep bf16 GEMV,
-which streams the weight at ~9 GB/s there (the blocks measured 1.05-2.5x slower at 1-3 rows).
+AVX512 core, no ARM BF16: `upcast.bf16_gemm_emulated`), a bf16 matrix product falls to torch's
+reference GEMM, ~10 GFLOP/s on one AMD EPYC (Zen 3, AVX2) core against MKL's ~80 in float32;
+there steps of 4 rows and more take the "upcast" layout (`upcast.upcast_product`): the product
+in float32, 256 weight rows at a time converted into a reused buffer, at float32 GEMM speed
+(6-7x the bf16 reference at 512 rows, 1.5-3x at 4-64) with no float32 copy of the weights held.
+1-3 rows keep bf16 GEMV, which streams the weight at ~9 GB/s there (the blocks measured
+1.05-2.5x slower at 1-3 rows).
 
 `prepare()` picks a layout for steps of 1-3 rows ("narrow": a batch-1 to batch-3 decode step), one
 for 4-127 rows ("wide": batched decode) and one for 128 rows and more ("prefill"), and drops the
