@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.model import llama
+from chunkcache.model import llama, upcast
+from chunkcache.model.linear import Linear
 from tests.support.oracle import hf_teacher_forced_logprobs
 
 PROMPTS = [
@@ -59,9 +61,73 @@ def _check(path: str, mean_bound: float, max_bound: float, **options: bool) -> L
     return llm
 
 
+@pytest.mark.parametrize("emulated", [True, False])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tiny_bf16_matches_transformers_bf16(checkpoint, arch: str) -> None:
-    _check(str(checkpoint(arch=arch)), mean_bound=0.07, max_bound=0.3)
+def test_tiny_bf16_matches_transformers_bf16(
+    checkpoint, monkeypatch: pytest.MonkeyPatch, arch: str, emulated: bool
+) -> None:
+    """Both bf16 product paths, whichever this CPU takes by itself: bf16 GEMMs (a CPU with a
+    oneDNN bf16 kernel) and the float32 blocks of "upcast" (one without)."""
+    monkeypatch.setattr(upcast, "bf16_gemm_emulated", lambda weight: emulated)
+    llm = _check(str(checkpoint(arch=arch)), mean_bound=0.07, max_bound=0.3)
+    layouts = {
+        (m.narrow, m.wide, m.prefill) for m in llm.engine.runner.model.modules() if isinstance(m, Linear)
+    }
+    assert layouts == {("dense", "upcast", "upcast") if emulated else ("dense", "dense", "dense")}
+
+
+def _count_upcast_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """`upcast.upcast_product` wrapped to record the rows of each call."""
+    calls: list[int] = []
+    real = upcast.upcast_product
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(upcast, "upcast_product", counted)
+    return calls
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 37, 300])
+@pytest.mark.parametrize(("gated", "bias", "with_residual"), [(False, True, True), (True, False, False)])
+def test_upcast_layout_is_float32_products_rounded_once(
+    monkeypatch: pytest.MonkeyPatch, rows: int, gated: bool, bias: bool, with_residual: bool
+) -> None:
+    """The "upcast" layout of a bf16 weight (600 rows: two whole blocks and a part) gives F.linear
+    of the float32 copies rounded to bf16 once, at 4 rows and more; 1-3 rows stay bf16 GEMV."""
+    monkeypatch.setattr(upcast, "bf16_gemm_emulated", lambda weight: True)
+    calls = _count_upcast_products(monkeypatch)
+    gen = torch.Generator().manual_seed(rows)
+    n_in, n_out = 96, 600
+    lin = Linear(n_in, n_out, bias=bias, gated=gated).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n_out, n_in, generator=gen) * 0.1)
+        if lin.bias is not None:
+            lin.bias.copy_(torch.randn(n_out, generator=gen))
+    assert lin.prepare(pack=False, narrow_copy=True) == ("dense", "upcast", "upcast")
+    x = torch.randn(rows, n_in, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(rows, n_out // 2 if gated else n_out, generator=gen).to(torch.bfloat16)
+    residual = residual if with_residual else None
+    b = None if lin.bias is None else lin.bias.detach()
+    if rows < 4:
+        product = F.linear(x, lin.weight.detach(), b)
+    else:
+        product = F.linear(x.float(), lin.weight.detach().float(), None if b is None else b.float())
+        product = product.to(torch.bfloat16)
+    if gated:
+        product = F.silu(product[:, : n_out // 2]) * product[:, n_out // 2 :]
+    ref = product if residual is None else product + residual
+    with torch.inference_mode():
+        out = lin(x, residual)
+    assert out.dtype == torch.bfloat16
+    # torch's bf16 GEMM may give the same numbers (it accumulates in float32 too): the path is
+    # checked by the calls.
+    assert len(calls) == (rows >= 4)
+    # Exact at 1-3 rows; from 4, a bias added after the product, not inside the GEMM, may round
+    # a value one bf16 step (2^-8 of it) the other way.
+    tol = 0 if rows < 4 else 8e-3
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("products", ["fused", "blas"])
@@ -89,3 +155,23 @@ def test_smollm2_bf16_matches_transformers_bf16() -> None:
     path = model_path("smollm2")
     assert Path(path).suffix == ".gguf"
     _check(path, mean_bound=0.16, max_bound=0.7)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_dense_product_takes_the_linear_layouts_form(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """blend's K rows (a dense weight outside a Linear) are multiplied as a Linear would: bf16
+    GEMV at 1-3 rows, float32 blocks from 4 where the bf16 GEMM is torch's reference one."""
+    monkeypatch.setattr(upcast, "bf16_gemm_emulated", lambda weight: True)
+    calls = _count_upcast_products(monkeypatch)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(300, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(300, generator=gen).to(torch.bfloat16)
+    if rows < 4:
+        ref = F.linear(x, weight, bias)
+    else:
+        ref = upcast.upcast_product(x, weight, bias)
+        torch.testing.assert_close(ref, F.linear(x.float(), weight.float(), bias.float()).to(torch.bfloat16))
+    calls.clear()
+    assert torch.equal(upcast.dense_product(x, weight, bias), ref)
+    assert len(calls) == (rows >= 4)

@@ -36,7 +36,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from chunkcache.config import ChunkConfig
 from chunkcache.model.calibration import ContextCalibration, calibrated_attention
@@ -44,6 +43,7 @@ from chunkcache.model.linear import Linear
 from chunkcache.model.llama import Attention, LlamaForCausalLM
 from chunkcache.model.rope import RopeTable, RotaryEmbedding
 from chunkcache.model.row_attention import attend_rows, plan_rows
+from chunkcache.model.upcast import dense_product
 
 
 @dataclass
@@ -102,7 +102,7 @@ def _project_k(attn: Attention, x: torch.Tensor, rope: RopeTable) -> torch.Tenso
             None if bias is None else bias[rows].contiguous(),
         )
     weight, bias = _K_WEIGHTS[proj]
-    k = F.linear(x, weight, bias).view(x.shape[0], attn.num_kv_heads, attn.head_dim)
+    k = dense_product(x, weight, bias).view(x.shape[0], attn.num_kv_heads, attn.head_dim)
     if attn.k_norm is not None:
         k = attn.k_norm(k)
     return RotaryEmbedding.apply(rope, k)

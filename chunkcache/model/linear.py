@@ -9,6 +9,15 @@ On CPU in float32 three layouts of a weight serve `y = x W^T` (benchmarks/RESULT
   SwiGLU and the residual add fused in; 1.3-2.4x faster at 4-16 rows on Qwen2.5-0.5B's shapes,
   but slower than either plain layout at 1-3 rows.
 
+In bfloat16 the weight stays dense. Where torch has no oneDNN bf16 kernel for the CPU (no
+AVX512 core, no ARM BF16: `upcast.bf16_gemm_emulated`), a bf16 matrix product falls to torch's
+reference GEMM, ~10 GFLOP/s on one AMD EPYC (Zen 3, AVX2) core against MKL's ~80 in float32;
+there steps of 4 rows and more take the "upcast" layout (`upcast.upcast_product`): the product
+in float32, 256 weight rows at a time converted into a reused buffer, at float32 GEMM speed
+(6-7x the bf16 reference at 512 rows, 1.5-3x at 4-64) with no float32 copy of the weights held.
+1-3 rows keep bf16 GEMV, which streams the weight at ~9 GB/s there (the blocks measured
+1.05-2.5x slower at 1-3 rows).
+
 `prepare()` picks a layout for steps of 1-3 rows ("narrow": a batch-1 to batch-3 decode step), one
 for 4-127 rows ("wide": batched decode) and one for 128 rows and more ("prefill"), and drops the
 dense tensor when none needs it. Packed weights may keep a second, plain layout for narrow steps
@@ -33,6 +42,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from chunkcache.model import upcast
 
 _ops = torch.ops.mkldnn
 
@@ -122,11 +133,33 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     return padded
 
 
+# Inductor sums a reduction longer than this in a cascade (`CascadeSumHelper`, for accuracy)
+# whose bookkeeping on every vector step slowed the 8960-wide down projection's 1-row product
+# from ~9 to ~6 GB/s on one AVX2 EPYC core (bf16).
+_CASCADE_LENGTH = 4096
+
+
+def _sum_blocks(n: int) -> int:
+    """Into how many equal blocks a reduction of n is split: the fewest (up to 64) of at most
+    `_CASCADE_LENGTH` each; 1 where n is short, or has no such divisor (a prime n)."""
+    return next((k for k in range(1, 65) if n % k == 0 and n // k <= _CASCADE_LENGTH), 1)
+
+
 def multiply_sum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x W^T + b` for a few rows of x, written so that inductor makes it one loop that streams
     the [out, in] weight row by row, each row's dot product in vector registers. Eager, it would
-    materialise [rows, out, in]: only compiled graphs call it (`Linear.hold_fused_weight`)."""
-    y = (x[:, None, :] * weight[None]).sum(-1)
+    materialise [rows, out, in]: only compiled graphs call it (`Linear.hold_fused_weight`).
+
+    A row longer than `_CASCADE_LENGTH` is summed in blocks (float32 partial sums, then their
+    sum): each block a plain vector reduction, not inductor's cascade. On the 8960-wide down
+    projection (bf16, 1 row) that streamed at 9.0-9.2 GB/s against 6.2 unsplit (BLAS: 9.4)."""
+    rows, n = x.shape
+    k = _sum_blocks(int(n))
+    if k == 1:
+        y = (x[:, None, :] * weight[None]).sum(-1)
+    else:
+        blocks = (x.view(rows, 1, k, -1).float() * weight.view(1, -1, k, n // k).float()).sum(-1)
+        y = blocks.sum(-1).to(x.dtype)
     return y if bias is None else y + bias
 
 
@@ -183,7 +216,7 @@ class Linear(nn.Module):
     halves of it are materialised (the MLP measured 16% faster at 2048 rows, 14% at 256).
 
     `narrow` is the layout of steps of 1-3 rows, `wide` that of 4 to PREFILL_ROWS - 1 rows,
-    `prefill` that of more: "dense", "transposed" or "packed" (see the module docstring); all
+    `prefill` that of more: "dense", "transposed", "packed" or "upcast" (see the module docstring); all
     "dense" until `prepare()`.
     """
 
@@ -228,7 +261,11 @@ class Linear(nn.Module):
         copy of it), which prefill steps then take too unless `pack_prefill`.
 
         The dense tensor is dropped when no layout uses it; it is only freed if nothing else
-        holds it (a tied embedding does). Outside CPU float32 nothing changes."""
+        holds it (a tied embedding does). In bfloat16 where torch's bf16 GEMM is its reference
+        one (`upcast.bf16_gemm_emulated`), steps of 4 rows and more take "upcast"; elsewhere outside CPU
+        float32 nothing changes."""
+        if self.weight is not None and self.wide == "dense" and upcast.bf16_gemm_emulated(self.weight):
+            self.wide = self.prefill = "upcast"
         if self.weight is None or self.wide != "dense" or not plain_cpu_fp32(self.weight):
             return self.narrow, self.wide, self.prefill
         plain = self.plain_layout()
@@ -287,12 +324,14 @@ class Linear(nn.Module):
         return y if residual is None else y + residual
 
     def plain_product(self, x: torch.Tensor, layout: str) -> torch.Tensor:
-        """`x W^T + b` through BLAS in a plain layout ("transposed" or "dense")."""
+        """`x W^T + b` through BLAS in a plain layout ("transposed", "dense" or "upcast")."""
         if layout == "transposed":
             assert self.weight_t is not None
             bias = self.plain_bias
             return torch.mm(x, self.weight_t) if bias is None else torch.addmm(bias, x, self.weight_t)
         assert self.weight is not None
+        if layout == "upcast":
+            return upcast.upcast_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def hold_fused_weight(self, shared: torch.Tensor | None = None) -> bool:

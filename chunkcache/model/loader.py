@@ -77,7 +77,8 @@ def resolve_device(device: str) -> torch.device:
 
 def native_bf16_matmul() -> str | None:
     """The CPU's native bfloat16 matrix instructions, as torch (its cpuinfo / oneDNN) reports them,
-    or None. Without them oneDNN emulates bf16 products through float32 and bf16 only saves memory."""
+    or None. Without them bf16 products run through float32 (oneDNN's emulation on AVX512 CPUs,
+    `upcast.upcast_product` on others) and bf16 only saves memory."""
     if platform.machine().lower() in ("aarch64", "arm64"):
         # On ARM oneDNN's bf16 check is the CPU's BF16 extension (BFMMLA).
         return "ARM BF16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
