@@ -278,11 +278,20 @@ def apply_weights(
         if not isinstance(m, Linear) or m.weight is None:
             continue
         weight, bias = m.weight.detach(), None if m.bias is None else m.bias.detach()
+        sources = [] if raw is None else [raw(n) for n in source_names(name, tied)]
         if weights == "int8":
             parts: list[Part] = [Int8Part(weight)]
+        elif name == "lm_head" and tied and sources[0].qtype not in INT4_TYPES:
+            # The embedding's dense weight is held anyway for row lookups: the tied lm_head reads
+            # it exactly at no memory cost, where int8 measured worse on SmolLM2 (its Q8_0
+            # embedding: top-5 log-probs within 0.29 of transformers' over 4 prompts x 16 greedy
+            # tokens with it, 0.54 and one token changed with an int8 copy).
+            parts = [DensePart(weight)]
+            report.setdefault(
+                f"{sources[0].qtype} (tied lm_head)", Conversion("the embedding's dense weight")
+            )
         else:
-            assert raw is not None
-            parts = native_parts([raw(n) for n in source_names(name, tied)], weight.dtype, report)
+            parts = native_parts(sources, weight.dtype, report)
         m.quant = QuantProduct(parts, bias, weight.dtype)
         m.weight = None
         m.bias = None
