@@ -340,11 +340,11 @@ class Linear(nn.Module):
         return _ops._linear_pointwise(x, weights[0], biases[0], "none", [], "")
 
     def extra_repr(self) -> str:
-        has_bias = any(b is not None for b in (self.bias, self.plain_bias, *self.packed_bias))
+        has_bias = self.kind[3] or any(b is not None for b in self.packed_bias)
         held = (
             f"quant={self.quant.describe()}"
             if self.quant is not None
-            else (f"narrow={self.narrow}, wide={self.wide}, prefill={self.prefill}")
+            else f"narrow={self.narrow}, wide={self.wide}, prefill={self.prefill}"
         )
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={has_bias}, "
