@@ -9,8 +9,12 @@ the time it waited for a core on a shared machine). The ceiling: `torch.sum` ove
 bytes / time is the rate one core streams memory at; a decode step reads every weight but the
 embedding table once, so that rate over those bytes is the fastest decode this machine allows.
 
+With `--weights native` (or int8) the projections are weight-only quantized products
+(`model/quant.py`); "weights" is then the bytes the model holds (`loader._held_bytes`), and the
+1-row product time of each projection kind, summed over the layers, is printed for every mode.
+
     OMP_NUM_THREADS=1 python benchmarks/bench_default_model.py [--model qwen2.5-coder-1.5b]
-        [--dtype bfloat16] [--compile-decode]
+        [--dtype bfloat16] [--compile-decode] [--weights native]
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import time
 import torch
 
 from chunkcache import LLM, SamplingParams
+from chunkcache.model.linear import Linear
+from chunkcache.model.loader import _held_bytes
 
 
 def rss_bytes() -> int:
@@ -48,6 +54,23 @@ def ceiling_seconds(num_bytes: int, dtype: torch.dtype, repeats: int = 5) -> tup
     return statistics.median(walls), statistics.median(cpus)
 
 
+@torch.inference_mode()
+def kind_seconds(net: torch.nn.Module, repeats: int = 3) -> dict[tuple, float]:
+    """Per projection kind (`Linear.kind`), the CPU seconds of one 1-row forward of every
+    projection of that kind in model order (fastest of `repeats` passes): a decode step's share."""
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    best: dict[tuple, float] = {}
+    for _ in range(repeats):
+        spent: dict[tuple, float] = {}
+        for m in linears:
+            x = torch.randn(1, m.in_features, dtype=net.embed_tokens.weight.dtype)
+            start = time.thread_time()
+            m(x)
+            spent[m.kind] = spent.get(m.kind, 0.0) + time.thread_time() - start
+        best = {k: min(v, best.get(k, v)) for k, v in spent.items()}
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -58,6 +81,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weights", default="dense", choices=("dense", "native", "int8"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     before = rss_bytes()
@@ -71,11 +95,12 @@ def main() -> None:
         enable_chunk_cache=False,
         enable_prefix_caching=False,
         compile_decode=args.compile_decode,
+        weights=args.weights,
     )
     load_s = time.perf_counter() - start
     rss = rss_bytes() - before
     net = llm.engine.runner.model
-    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    weights = _held_bytes(net)
     embedding = net.embed_tokens.weight.numel() * net.embed_tokens.weight.element_size()
     tied = net.lm_head.weight is net.embed_tokens.weight
     streamed = weights if tied else weights - embedding  # the lm_head reads the table when tied
@@ -83,10 +108,14 @@ def main() -> None:
         k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in llm.engine.runner.kv_caches
     )
     print(
-        f"model {llm.engine.model_name} {args.dtype}: load {load_s:.1f} s; RSS after load {rss / 1e9:.2f} GB, "
+        f"model {llm.engine.model_name} {args.dtype}, weights {args.weights}: load {load_s:.1f} s; RSS after load {rss / 1e9:.2f} GB, "
         f"weights {weights / 1e9:.2f} GB, KV cache {kv / 1e9:.2f} GB: RSS / (weights + KV) "
         f"{rss / (weights + kv):.2f}x"
     )
+    for (out_f, in_f, gated, _), seconds in kind_seconds(net).items():
+        print(
+            f"1-row products {in_f}x{out_f}{' gated' if gated else ''}: {seconds * 1e3:.1f} ms CPU per step"
+        )
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     ttfts, ttft_cpus = [], []
     for r in range(args.repeats + 1):  # the first is a warm-up
@@ -129,7 +158,8 @@ def main() -> None:
         f"({weights / sum_cpu / 1e9:.1f} GB/s): {cpu_rate / cpu_ceiling:.0%}"
     )
     print(
-        f"SUMMARY bench_default_model: load_s={load_s:.1f} rss_over_weights={rss / weights:.2f} "
+        f"SUMMARY bench_default_model: weights={args.weights} rss_gb={rss / 1e9:.2f} "
+        f"prefill_cpu_tok_s={prefill_cpu:.0f} decode_cpu_tok_s={cpu_rate:.2f} load_s={load_s:.1f} rss_over_weights={rss / weights:.2f} "
         f"prefill_tok_s={args.prompt_tokens / ttft:.0f} decode_tok_s={rate:.2f} ({mode}) "
         f"ceiling_tok_s={ceiling:.2f} decode_of_ceiling={rate / ceiling:.2f}"
     )

@@ -29,6 +29,8 @@ BLEND_UNITS = ("token", "chunk")
 _FRESH_KV_SELECTORS = ("k_deviation", "v_deviation", "threshold")
 HASH_ALGORITHMS = ("sha256", "sha512", "blake2b", "sha3_256")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# How the projections hold their weights (model/quant.py, whose WEIGHTS is this same tuple).
+WEIGHTS = ("dense", "native", "int8")
 # How a chat request's documents are written into the conversation (chunk/documents.py).
 # `{title}` is the document's title and a newline, or nothing for a document without a title.
 DEFAULT_DOCUMENTS_FORMAT = "{title}{text}\n\n"
@@ -498,6 +500,10 @@ class EngineConfig:
     # compiled at engine start (12-50 s on two CPU cores) and needs a C++ compiler there. Off by
     # default for that start-up cost.
     compile_decode: bool = False
+    # CPU: dense (the checkpoint's weights in `dtype`), native (a GGUF's own quantized weights,
+    # 4-bit codes kept as they are), int8 (per output channel); model/quant.py. Dense until the
+    # answers native weights keep are measured (issue 38).
+    weights: str = "dense"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
@@ -507,6 +513,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights {self.weights!r} is not one of {', '.join(WEIGHTS)}")
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"threads must be > 0, got {self.threads}")
         self.cache.validate()
@@ -580,6 +588,7 @@ _TOP_LEVEL = (
     "threads",
     "narrow_weights",
     "compile_decode",
+    "weights",
 )
 # ChunkConfig fields whose flat option name is the field's own (blend, calibration, fusion options).
 _SAME_NAME_PREFIXES = ("blend_", "calibration_", "separator_free", "fusion_")
@@ -627,6 +636,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
 # the command line offers them as choices.
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
+    "weights": WEIGHTS,
     "prefix_caching_hash_algo": BLOCK_HASH_ALGORITHMS,
     "chunk_cache_hash_algorithm": HASH_ALGORITHMS,
     "chunk_layout": CHUNK_LAYOUTS,

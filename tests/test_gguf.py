@@ -67,13 +67,13 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _random_k_quant(shape: tuple[int, int], qtype: Q, seed: int) -> np.ndarray:
+def _random_k_quant(shape: tuple[int, int], qtype: Q, seed: int, d: float = 0.002) -> np.ndarray:
     """Valid K-quant bytes for a [rows, cols] tensor (gguf can read but not write K-quants):
-    random quants and scales, with the f16 super-block scales set to small finite values."""
+    random quants and scales, with the f16 super-block scales set to small finite values (`d`)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(shape[0] * shape[1] // block, size), dtype=np.uint8)
-    scale = np.full((blocks.shape[0],), 0.002, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    scale = np.full((blocks.shape[0],), d, dtype=np.float16).view(np.uint8).reshape(-1, 2)
     if qtype == Q.Q6_K:  # ... ql, qh, scales (int8), d (f16) last
         blocks[:, -2:] = scale
     else:  # Q4_K / Q5_K: d (f16), dmin (f16) first

@@ -74,7 +74,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
     config.validate()
     set_threads(config.threads)
     loaded = load_model(
-        config.model, config.device, config.dtype, config.tokenizer, config.adapter, config.narrow_weights
+        config.model,
+        config.device,
+        config.dtype,
+        config.tokenizer,
+        config.adapter,
+        config.narrow_weights,
+        config.weights,
     )
     if loaded.device.type == "cpu":
         # Activations freed by a step stay mapped for the next one (chunkcache/malloc.py).

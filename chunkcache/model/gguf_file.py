@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from chunkcache.errors import ModelLoadError
+from chunkcache.model.quant import RawTensor
 
 # general.architecture -> transformers architecture. llama.cpp writes Mistral models as "llama";
 # like transformers, we tell them apart by general.name.
@@ -91,6 +92,7 @@ class GGUFCheckpoint:
     arch: str  # the key prefix of the metadata (general.architecture)
     config: dict[str, Any]
     _reader: Any
+    _by_name: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, file: Path) -> GGUFCheckpoint:
@@ -130,6 +132,23 @@ class GGUFCheckpoint:
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
                 array = _unpermute(array, kv_heads)
             yield name, torch.from_numpy(np.array(array, copy=True))
+
+    def raw(self, name: str) -> RawTensor:
+        """The 2-D tensor `name` (its transformers name) as the file stores it, quantized blocks
+        and all (`weights=native`), its rows in transformers' order: llama.cpp permutes whole
+        rows of Llama's Q/K, and a row's blocks are its own, so the rows are unpermuted as bytes."""
+        if not self._by_name:
+            self._by_name.update((hf_name(t.name), t) for t in self._reader.tensors)
+        t = self._by_name.get(name)
+        if t is None or len(t.shape) != 2:
+            raise ModelLoadError(f"{self.file.name}: no 2-D tensor {name!r} to serve quantized")
+        rows, cols = (int(d) for d in reversed(t.shape.tolist()))
+        data = np.asarray(t.data).reshape(rows, -1)
+        if self.arch in _PERMUTED and name.endswith("q_proj.weight"):
+            data = _unpermute(data, self.config["num_attention_heads"])
+        elif self.arch in _PERMUTED and name.endswith("k_proj.weight"):
+            data = _unpermute(data, self.config["num_key_value_heads"])
+        return RawTensor(name, t.tensor_type.name, np.ascontiguousarray(data), (rows, cols))
 
 
 def hf_name(name: str) -> str:

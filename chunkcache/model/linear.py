@@ -38,12 +38,16 @@ it like one, and a merged projection (q/k/v, gate/up) stays one tensor in the ch
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from chunkcache.model import upcast
+
+if TYPE_CHECKING:
+    from chunkcache.model.quant import QuantProduct
 
 _ops = torch.ops.mkldnn
 
@@ -238,11 +242,15 @@ class Linear(nn.Module):
         # `hold_fused_weight()`: the [out, in] weight (and bias) of 1-3 row products written as a
         # multiply-sum under torch.compile; a view of `weight` where that is held, else a copy.
         self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # `model/quant.py` (engine option `weights`): a weight-only quantized product that
+        # serves every row count, the dense weight dropped.
+        self.quant: QuantProduct | None = None
 
     @property
     def kind(self) -> ProjectionKind:
         """What a layout's speed depends on: the shape, SwiGLU, a bias."""
         has_bias = self.bias is not None or self.plain_bias is not None
+        has_bias = has_bias or (self.quant is not None and self.quant.bias is not None)
         return (self.out_features, self.in_features, self.gated, has_bias)
 
     @property
@@ -299,6 +307,8 @@ class Linear(nn.Module):
         view where the dense or transposed tensor is held, a new tensor from oneDNN's layout)."""
         if self.weight is not None:
             return self.weight.detach(), None if self.bias is None else self.bias.detach()
+        if self.quant is not None:
+            return self.quant.dense(self.in_features, self.quant.dtype), self.quant.bias
         bias = self.plain_bias
         if self.weight_t is not None:
             return self.weight_t.t(), bias
@@ -309,7 +319,9 @@ class Linear(nn.Module):
         when packed, so the sum costs no extra pass over the output)."""
         rows = x.shape[0]
         layout = self.narrow if rows < _MIN_ROWS else self.wide if rows < PREFILL_ROWS else self.prefill
-        if self.fused is not None and rows < _MIN_ROWS and torch.compiler.is_compiling():
+        if self.quant is not None:
+            y = self.quant(x)
+        elif self.fused is not None and rows < _MIN_ROWS and torch.compiler.is_compiling():
             y = multiply_sum(x, *self.fused)
         elif layout == "packed":
             if rows >= _MIN_ROWS:
@@ -367,8 +379,13 @@ class Linear(nn.Module):
         return _ops._linear_pointwise(x, weights[0], biases[0], "none", [], "")
 
     def extra_repr(self) -> str:
-        has_bias = any(b is not None for b in (self.bias, self.plain_bias, *self.packed_bias))
+        has_bias = self.kind[3] or any(b is not None for b in self.packed_bias)
+        held = (
+            f"quant={self.quant.describe()}"
+            if self.quant is not None
+            else f"narrow={self.narrow}, wide={self.wide}, prefill={self.prefill}"
+        )
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={has_bias}, "
-            f"gated={self.gated}, narrow={self.narrow}, wide={self.wide}, prefill={self.prefill}"
+            f"gated={self.gated}, {held}"
         )

@@ -28,6 +28,7 @@ from chunkcache.model.adapter import LoraAdapter
 from chunkcache.model.gguf_file import GGUFCheckpoint, load_gguf_tokenizer
 from chunkcache.model.linear import Linear
 from chunkcache.model.llama import LlamaForCausalLM
+from chunkcache.model.quant import WEIGHTS, apply_weights
 from chunkcache.model.rope import RotaryEmbedding
 from chunkcache.model.source import find_gguf, resolve_model_path
 from chunkcache.model.spec import ModelSpec
@@ -232,14 +233,18 @@ def load_model(
     tokenizer: str | None = None,
     adapter: str | None = None,
     narrow_weights: bool = True,
+    weights: str = "dense",
 ) -> LoadedModel:
     """The model at `model` (directory, .gguf file or hub id) on `device`, with its tokenizer, or
     with the one in the directory `tokenizer` where given; a LoRA `adapter` (peft's format) is
-    merged into the weights. `narrow_weights`: see `LlamaForCausalLM.prepare`."""
+    merged into the weights. `narrow_weights`: see `LlamaForCausalLM.prepare`. `weights`: how
+    the projections hold their weights (`model/quant.py`): dense, native (a GGUF's own
+    quantization), int8 (per output channel)."""
     start = time.perf_counter()
     path = resolve_model_path(model)
     lora = LoraAdapter.open(adapter) if adapter is not None else None
     gguf = find_gguf(path)
+    _check_weights(weights, gguf, adapter)
     if gguf is not None:
         checkpoint = GGUFCheckpoint.open(gguf)
         hf, read, name = checkpoint.config, checkpoint.tensors, gguf.stem
@@ -269,7 +274,11 @@ def load_model(
     for layer in net.layers:
         layer.self_attn.rotary = rotary
     net.eval()
-    weights = sum(p.numel() * p.element_size() for p in net.parameters())  # a tied one once
+    if weights != "dense":
+        if dev.type != "cpu":
+            raise ModelLoadError(f"weights {weights!r} are CPU kernels; on {dev.type} use weights 'dense'")
+        apply_weights(net, weights, checkpoint.raw if gguf is not None else None, spec.tie_word_embeddings)
+    size = _held_bytes(net)  # the weights as loaded (quantized ones included), a tied one once
     # After every weight is in place: the layouts are built from the final (merged, tied) tensors.
     net.prepare(narrow_weights)
     if tokenizer is not None:
@@ -281,8 +290,25 @@ def load_model(
     # A GGUF's metadata is its whole config: a generation_config.json beside it belongs to something else.
     gen = path / "generation_config.json" if gguf is None else None
     why = f"{str(torch_dtype).removeprefix('torch.')} on {dev} ({reason})"
-    _log_loaded(net, name, weights, why, time.perf_counter() - start)
+    if weights != "dense":
+        why += f", weights {weights}"
+    _log_loaded(net, name, size, why, time.perf_counter() - start)
     return LoadedModel(net, spec, tok, path, name, _eos_ids(gen, tok, hf), torch_dtype, dev)
+
+
+def _check_weights(weights: str, gguf: Path | None, adapter: str | None) -> None:
+    if weights not in WEIGHTS:
+        raise ModelLoadError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}")
+    if weights == "native" and gguf is None:
+        raise ModelLoadError(
+            "weights 'native' keeps a GGUF file's quantization; this checkpoint is not GGUF "
+            "(use weights 'int8' to quantize it, or 'dense')"
+        )
+    if weights == "native" and adapter is not None:
+        raise ModelLoadError(
+            "weights 'native' serves the file's quantized weights, into which a LoRA adapter cannot be "
+            "merged; use weights 'dense' or 'int8' with an adapter"
+        )
 
 
 def _held_bytes(net: LlamaForCausalLM) -> int:
@@ -293,6 +319,7 @@ def _held_bytes(net: LlamaForCausalLM) -> int:
     for m in net.modules():
         if isinstance(m, Linear):
             tensors += [t for t in (m.weight_t, *m.packed, *(m.fused or ())) if t is not None]
+            tensors += m.quant.tensors() if m.quant is not None else []
     for t in tensors:
         if t.layout == torch.strided:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()

@@ -1,0 +1,96 @@
+"""The weight-only quantized kernels against dense products, per projection kind of a model's
+shapes (default: Qwen2.5-Coder-1.5B's), at the row counts of a batch-1 decode, a batched decode
+and a prefill piece: what `weights native` / `int8` trade (model/quant.py).
+
+Random weights of each shape, no model loaded (so no 1.5B lock): dense float32 in the faster
+plain layout (`x @ W^T` on the transposed weight or `F.linear`, whichever is faster), dense
+bfloat16 (`F.linear`), int4 with groups of 32 (`_weight_int4pack_mm_for_cpu`, bfloat16
+activations) and int8 per channel (`_weight_int8pack_mm`, bfloat16 activations). Each time is
+the fastest of `--repeats` runs in this thread's CPU time (one thread: a shared machine's queue
+for a core does not inflate it; its memory traffic still does).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_quant_kernels.py [--rows 1 64 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# Qwen2.5-Coder-1.5B: (name, out, in) of each projection kind, and how many a decode step runs.
+SHAPES = {
+    "qkv": (2048, 1536, 28),
+    "o": (1536, 1536, 28),
+    "gate_up": (17920, 1536, 28),
+    "down": (1536, 8960, 28),
+    "lm_head": (151936, 1536, 1),
+}
+
+
+def best_ms(fn: Callable[..., torch.Tensor], args: tuple, repeats: int) -> float:
+    fn(*args)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn(*args)
+        best = min(best, time.thread_time() - start)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    step: dict[tuple[str, int], float] = {}
+    for name, (out_f, in_f, count) in SHAPES.items():
+        w = torch.randn(out_f, in_f) * 0.02
+        wt, wb = w.t().contiguous(), w.to(torch.bfloat16)
+        codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        scale_zeros = (torch.rand(in_f // 32, out_f, 2) * 0.01).to(torch.bfloat16)
+        w8, s8 = (
+            torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8),
+            torch.rand(out_f).to(torch.bfloat16),
+        )
+        for rows in args.rows:
+            x = torch.randn(rows, in_f)
+            xb = x.to(torch.bfloat16)
+            r = args.repeats
+            ms = {
+                "fp32": min(best_ms(torch.mm, (x, wt), r), best_ms(F.linear, (x, w), r)),
+                "bf16": best_ms(F.linear, (xb, wb), r),
+                "int4": best_ms(torch.ops.aten._weight_int4pack_mm_for_cpu, (xb, packed, 32, scale_zeros), r),
+                "int8": best_ms(torch.ops.aten._weight_int8pack_mm, (xb, w8, s8), r),
+            }
+            for form, t in ms.items():
+                step[form, rows] = step.get((form, rows), 0.0) + t * count
+            print(
+                f"{name} {in_f}x{out_f} rows {rows}: "
+                + " ".join(f"{form} {t:.2f} ms" for form, t in ms.items())
+                + f" (int4 {ms['fp32'] / ms['int4']:.2f}x fp32's speed, int8 {ms['fp32'] / ms['int8']:.2f}x)",
+                flush=True,
+            )
+    for rows in args.rows:
+        print(
+            f"all projections of one step at {rows} rows: "
+            + " ".join(f"{form} {step[form, rows]:.0f} ms" for form in ("fp32", "bf16", "int4", "int8"))
+        )
+    print(
+        "SUMMARY bench_quant_kernels: "
+        + " ".join(f"rows{r}_int4_vs_fp32={step['fp32', r] / step['int4', r]:.2f}x" for r in args.rows)
+        + " "
+        + " ".join(f"rows{r}_int8_vs_fp32={step['fp32', r] / step['int8', r]:.2f}x" for r in args.rows)
+    )
+
+
+if __name__ == "__main__":
+    main()

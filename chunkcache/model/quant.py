@@ -1,0 +1,298 @@
+"""Weight-only quantized products on CPU: a GGUF's own quantized weights served as they come
+(engine option `weights`: `native`), or a float checkpoint's quantized to int8 per output channel
+(`int8`), instead of dequantizing every weight to the model's dtype at load (`dense`).
+
+A batch-1 decode step reads every weight once, so the bytes held per weight bound it; a
+dequantized 4-bit file holds 8x (float32) or 4x (bfloat16) the bytes it came with. torch ships
+two CPU kernels for weight-only products, and both take bfloat16 activations (their float32 path
+measured 10-70x slower on an AVX2 EPYC, their float16 one ~15x; benchmarks/RESULTS.md):
+
+- `_weight_int4pack_mm_for_cpu`: 4-bit codes q in [0, 16) with a scale s and a zero z per group
+  of 32 inputs and output channel, w = (q - 8) * s + z (found by a probe against a
+  dequantize-then-matmul: neither q * s + z nor q * s - z). Q4_0 (w = d (q - 8)), Q4_1
+  (w = d q + m) and Q4_K (w = d sc q - dmin m per sub-block of 32) are all w = scale * q + min
+  per group of 32 with the file's own codes, so they go in *with their codes unchanged*:
+  s = scale, z = min + 8 scale. Only s and z are rounded, to bfloat16 (the kernel's dtype).
+- `_weight_int8pack_mm`: int8 codes with one scale per output channel. Q8_0's scale is per block
+  of 32 and Q5_x/Q6_K's per 16-32, so no GGUF type fits it exactly: those are re-quantized per
+  channel from the file's dequantized values, and the error that adds is measured and logged.
+
+Other types (F32/F16/BF16, Q2_K, Q3_K) stay dense (today's path), the quantized ones with a
+warning naming the type. A merged projection (q/k/v, gate/up) whose parts differ in type (the
+1.5B's Q4_K q/k beside a Q6_K v) is one `QuantProduct` of several parts, each in its own form,
+outputs concatenated.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# The engine option `weights` (config.WEIGHTS is this tuple).
+WEIGHTS = ("dense", "native", "int8")
+GROUP = 32  # inputs per int4 scale/zero: every 4-bit GGUF type's block or sub-block
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # re-quantized per channel
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+# Weight rows sampled per tensor to measure a conversion's error (the log line at load).
+_ERROR_ROWS = 64
+
+
+@dataclass
+class RawTensor:
+    """One 2-D GGUF tensor as stored: `data` [rows, bytes per row] of `qtype`'s blocks (rows in
+    transformers' order), `shape` (rows, cols) of the weight it encodes."""
+
+    name: str
+    qtype: str
+    data: np.ndarray
+    shape: tuple[int, int]
+
+    def dequantize(self, rows: slice = slice(None)) -> np.ndarray:
+        """The float32 weight (of `rows`), as gguf dequantizes it: the reference of every form."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        out = dequantize(self.data[rows], GGMLQuantizationType[self.qtype])
+        return np.asarray(out, dtype=np.float32).reshape(-1, self.shape[1])
+
+
+def affine_int4(raw: RawTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A 4-bit tensor's own codes and its affine per group of 32, w = scale * q + minimum:
+    (q uint8 [rows, cols], scale and minimum float32 [rows, cols / 32]), computed as gguf's
+    dequantization computes them (float32 products of the file's float16 factors)."""
+    rows, cols = raw.shape
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    blocks = raw.data.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[raw.qtype]][1])
+    if raw.qtype in ("Q4_0", "Q4_1"):
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+        if raw.qtype == "Q4_0":
+            minimum, qs = -8 * d, blocks[:, 2:]
+        else:
+            minimum, qs = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0], blocks[:, 4:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # low nibbles are elements 0-15
+        scale = d
+    elif raw.qtype == "Q4_K":
+        from gguf.quants import Q4_K
+
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = d * sc.astype(np.float32)  # [blocks, 8]
+        minimum = -(dmin * m.astype(np.float32))
+        # Per 64 elements, 32 bytes: low nibbles are the first sub-block of 32, high the second.
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(-1, 256)
+    else:
+        raise ValueError(f"{raw.name}: {raw.qtype} is not a 4-bit affine type ({', '.join(INT4_TYPES)})")
+    groups = cols // GROUP
+    return (
+        np.ascontiguousarray(q.reshape(rows, cols), dtype=np.uint8),
+        scale.reshape(rows, groups).astype(np.float32),
+        minimum.reshape(rows, groups).astype(np.float32),
+    )
+
+
+class Int4Part:
+    """Output rows whose weight is 4-bit codes with a bfloat16 scale and zero per group of 32."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+        self.rows = q.shape[0]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+        zero = minimum + 8 * scale  # the kernel's w = (q - 8) s + z
+        self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.scale_zeros)
+
+
+class Int8Part:
+    """Output rows quantized to int8 with one bfloat16 scale per row (symmetric, absmax / 127)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.rows = weight.shape[0]
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
+        self.codes = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scales = scale
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.codes, self.scales)
+
+
+class DensePart:
+    """Output rows kept as a float weight (a type no kernel takes): the model's dtype, F.linear."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.rows, self.weight = weight.shape[0], weight.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+
+Part = Int4Part | Int8Part | DensePart
+
+
+class QuantProduct:
+    """`x W^T + b` of a Linear whose weight is held in quantized parts of output rows (in order).
+    The kernels take bfloat16 x and give bfloat16 y: x is cast in, y back to x's dtype."""
+
+    def __init__(self, parts: list[Part], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.parts, self.bias, self.dtype = parts, bias, dtype  # dtype: the model's (dense_weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        ys = [p(x if isinstance(p, DensePart) else xb).to(x.dtype) for p in self.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def dense(self, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] the kernels multiply by, read back through them (the identity's
+        product, in row blocks), in `dtype`: exact up to the kernels' bfloat16 output rounding.
+        For the code that needs a dense weight (blend's K rows), not for serving."""
+        cols = []
+        for start in range(0, in_features, 1024):
+            eye = torch.zeros(min(1024, in_features - start), in_features, dtype=dtype)
+            eye[:, start : start + eye.shape[0]].fill_diagonal_(1)
+            xb = eye.to(torch.bfloat16)
+            cols.append(
+                torch.cat([p(eye if isinstance(p, DensePart) else xb).to(dtype) for p in self.parts], -1)
+            )
+        return torch.cat(cols).t().contiguous()
+
+    def tensors(self) -> list[torch.Tensor]:
+        held = [t for p in self.parts for t in p.tensors()]
+        return held if self.bias is None else [*held, self.bias]
+
+    def describe(self) -> str:
+        return "+".join(type(p).__name__.removesuffix("Part").lower() for p in self.parts)
+
+
+@dataclass
+class Conversion:
+    """What one type became, and the error that added (relative Frobenius norm of the weight,
+    over up to `_ERROR_ROWS` sampled rows per tensor), for the log line at load."""
+
+    form: str
+    error_sq: float = 0.0
+    norm_sq: float = 0.0
+    tensors: int = 0
+
+    @property
+    def error(self) -> float:
+        return (self.error_sq / self.norm_sq) ** 0.5 if self.norm_sq else 0.0
+
+
+def native_parts(raws: list[RawTensor], dtype: torch.dtype, report: dict[str, Conversion]) -> list[Part]:
+    """The parts of a (merged) projection made of the GGUF tensors `raws`, in order; consecutive
+    tensors of the same form share one part (one kernel call). `report` gathers per type the form
+    it took and the error measured against gguf's dequantization."""
+    pieces: list[tuple[type, list[torch.Tensor]]] = []  # (part class, its arguments, rows stacked)
+    for raw in raws:
+        rows = slice(0, min(_ERROR_ROWS, raw.shape[0]))
+        reference = raw.dequantize(rows)
+        if raw.qtype in INT4_TYPES and raw.shape[1] % GROUP == 0:
+            q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
+            args = [q, scale, minimum]
+            s = scale[rows].to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
+            z = (minimum[rows] + 8 * scale[rows]).to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
+            served = ((q[rows].float() - 8) * s + z).numpy()
+            kind, form = Int4Part, "int4 (own codes, bfloat16 scales and zeros)"
+        elif raw.qtype in INT8_TYPES:
+            args = [torch.from_numpy(raw.dequantize())]
+            part = Int8Part(args[0][rows])
+            served = (part.codes.float() * part.scales.float()[:, None]).numpy()
+            kind, form = Int8Part, "int8 per channel (re-quantized)"
+        else:
+            if raw.qtype not in _FLOAT_TYPES and raw.qtype not in report:
+                logger.warning(
+                    "weights native: %s (%s) has no quantized kernel here; served dequantized",
+                    raw.qtype,
+                    raw.name,
+                )
+            args = [torch.from_numpy(raw.dequantize()).to(dtype)]
+            served = args[0][rows].float().numpy()
+            kind, form = DensePart, f"dense {str(dtype).removeprefix('torch.')}"
+        entry = report.setdefault(raw.qtype, Conversion(form))
+        entry.error_sq += float(np.square(served - reference).sum())
+        entry.norm_sq += float(np.square(reference).sum())
+        entry.tensors += 1
+        if pieces and pieces[-1][0] is kind:
+            pieces[-1][1].append(args)
+        else:
+            pieces.append((kind, [args]))
+    return [kind(*(torch.cat(column) for column in zip(*group, strict=True))) for kind, group in pieces]
+
+
+def log_conversions(report: dict[str, Conversion]) -> None:
+    for qtype, c in sorted(report.items()):
+        logger.info(
+            "weights native: %d %s tensor(s) -> %s; weight error %.2e relative to the file's values",
+            c.tensors, qtype, c.form, c.error,
+        )  # fmt: skip
+
+
+# A merged projection's GGUF tensors (transformers names), in the order its rows are merged.
+_MERGED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def source_names(module: str, tied: bool) -> list[str]:
+    """The checkpoint tensors (transformers names) the Linear `module` of the model was made of."""
+    if module == "lm_head":
+        return ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    layer, rest = module.split(".", 2)[:2], module.split(".", 2)[2]
+    prefix = "model." + ".".join(layer) + "."
+    return [f"{prefix}{part}.weight" for part in _MERGED.get(rest, (rest,))]
+
+
+def apply_weights(
+    net: torch.nn.Module, weights: str, raw: Callable[[str], RawTensor] | None, tied: bool
+) -> None:
+    """Give every Linear of `net` a quantized product and drop its dense weight: `native`, the
+    GGUF tensors `raw(name)` in their own forms; `int8`, the loaded weight per output channel.
+    The dense weights are read here, so they must be the final ones (tied, merged)."""
+    from chunkcache.model.linear import Linear
+
+    report: dict[str, Conversion] = {}
+    for name, m in net.named_modules():
+        if not isinstance(m, Linear) or m.weight is None:
+            continue
+        weight, bias = m.weight.detach(), None if m.bias is None else m.bias.detach()
+        sources = [] if raw is None else [raw(n) for n in source_names(name, tied)]
+        if weights == "int8":
+            parts: list[Part] = [Int8Part(weight)]
+        elif name == "lm_head" and tied and sources[0].qtype not in INT4_TYPES:
+            # The embedding's dense weight is held anyway for row lookups: the tied lm_head reads
+            # it exactly at no memory cost, where int8 measured worse on SmolLM2 (its Q8_0
+            # embedding: top-5 log-probs within 0.29 of transformers' over 4 prompts x 16 greedy
+            # tokens with it, 0.54 and one token changed with an int8 copy).
+            parts = [DensePart(weight)]
+            report.setdefault(
+                f"{sources[0].qtype} (tied lm_head)", Conversion("the embedding's dense weight")
+            )
+        else:
+            parts = native_parts(sources, weight.dtype, report)
+        m.quant = QuantProduct(parts, bias, weight.dtype)
+        m.weight = None
+        m.bias = None
+    log_conversions(report)
