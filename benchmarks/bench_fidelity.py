@@ -78,6 +78,11 @@ MODES: dict[str, dict[str, Any] | None] = {
     # documents whose streams find Q most likely; one more expert, or the only document stream read.
     "fusion/contrastive/pair": _fusion("contrastive", fusion_amateur=True, fusion_pair="expert"),
     "fusion/contrastive/pairlead": _fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
+    # The pair only where the two most relevant documents are close (fusion_pair_margin; 0.2 chosen
+    # on SmolLM2's tune questions by benchmarks/fusion_pair_margin.py).
+    "fusion/contrastive/pairlead/m0.2": _fusion(
+        "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=0.2
+    ),
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
     "blend@0.15": _offset([1], [0.15]),
@@ -280,7 +285,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
+    for k, r in enumerate(rows):
         if "speedup_wall" not in r or r["mode"] == CLOSED:
             continue
         is_full = r["mode"] == "full"
@@ -294,7 +299,11 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
             capsize=3,
         )
         ax.annotate(
-            r["mode"], (r["speedup_wall"], 100 * r["accuracy"]), textcoords="offset points", xytext=(5, 4)
+            r["mode"],
+            (r["speedup_wall"], 100 * r["accuracy"]),
+            textcoords="offset points",
+            xytext=(5, 4 if k % 2 else -12),  # alternate sides: close points' names do not overlap
+            fontsize=8,
         )
     full = next(r for r in rows if r["mode"] == "full")
     ax.axhline(100 * full["accuracy"] * 0.95, linestyle=":", color="grey", label="95% of full's accuracy")

@@ -149,6 +149,12 @@ class ChunkConfig:
     # computed: |Cj| more prefill tokens, before the first token) as one more expert of the rule;
     # "lead" makes it the only document stream the rule reads (the others still run, unread).
     fusion_pair: str = "none"
+    # The pair stream joins only when the two most relevant documents are close: their streams'
+    # relevance (mean log-likelihood of Q's tokens, nats) differ by at most this. A question about
+    # one document names it, so its stream stands out and the request decodes on without the pair
+    # (no document prefilled); a question about two names both. 100 (the default): always (a
+    # mean log-likelihood gap of 100 nats per token does not occur).
+    fusion_pair_margin: float = 100.0
     # Lower tiers under the pool (chunkcache/chunk/tiers/): a local directory of safetensors files
     # within `disk_gb`, and a Redis shared by replicas (`redis://host:port/db`). None = no tier.
     disk_dir: str | None = None
@@ -241,7 +247,7 @@ class ChunkConfig:
             raise ValueError(f"fusion_pair {self.fusion_pair!r} is not one of {FUSION_PAIRS}")
         if self.fusion_rule == "contrastive" and not self.fusion_amateur:
             raise ValueError("fusion_amateur must be true for fusion_rule 'contrastive' (its contrast)")
-        for name in ("fusion_contrast_weight", "fusion_relevance_weight"):
+        for name in ("fusion_contrast_weight", "fusion_relevance_weight", "fusion_pair_margin"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
                 raise ValueError(f"{name} must be a number in [0, 100], got {value!r}")
@@ -328,6 +334,7 @@ class ReuseOptions:
     fusion_contrast_weight: float | None = None
     fusion_relevance_weight: float | None = None
     fusion_pair: str | None = None
+    fusion_pair_margin: float | None = None
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, object]) -> ReuseOptions:

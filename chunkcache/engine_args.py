@@ -96,6 +96,9 @@ OPTION_HELP: dict[str, str] = {
     "fusion_pair": "layout fusion: add the exact stream S + Ci + Cj + Q over the two documents whose streams "
     "find the question most likely (one document more prefilled): none, expert (one more stream under the "
     "rule), lead (the only document stream the rule reads)",
+    "fusion_pair_margin": "layout fusion with fusion_pair: add the pair stream only when the two most relevant "
+    "documents' relevance (mean log-likelihood of the question, nats) differ by at most this, in [0, 100] "
+    "(100: always)",
     "kv_events_endpoint": "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 (default: off)",
     "kv_events_topic": "KV event topic (default: kv@<instance>@<model>)",
     "kv_events_replay_endpoint": "ZMQ ROUTER endpoint serving missed event batches by sequence number",

@@ -369,6 +369,31 @@ def test_the_pair_under_the_rule_matches_a_reference_over_transformers(checkpoin
     llm.check_integrity()
 
 
+def test_the_pair_joins_only_when_the_two_most_relevant_documents_are_close(checkpoint, monkeypatch) -> None:
+    """fusion_pair_margin: the pair stream joins when the top two relevances differ by at most the
+    margin (then "lead" as above), else the request decodes as plain contrastive fusion."""
+    path = checkpoint(arch="llama")
+    llm = _llm(path)
+    doc_ids = [2, 0, 1]
+    contexts, q = _pair_contexts(path, llm, doc_ids, PAIR_QUESTION)
+    top = sorted((_relevance(path, ctx, q) for ctx in contexts[:-2]), reverse=True)
+    gap = top[0] - top[1]
+    assert gap > 1e-3  # the margins below fall clearly on either side of it
+    with_pair = _reference_greedy(path, contexts[-2:], q)
+    without = _reference_greedy(path, [*contexts[:-2], contexts[-1]], q)
+    assert with_pair != without  # otherwise this test could not tell them apart
+    joined: list[int] = []
+    original = FusionGroup.add_pair
+    monkeypatch.setattr(FusionGroup, "add_pair", lambda self, rows: joined.append(1) or original(self, rows))
+    for margin, expected, pairs in ((gap * 0.9, without, 0), (gap * 1.1, with_pair, 1)):
+        joined.clear()
+        options = {"fusion_pair": "lead", "fusion_pair_margin": margin}
+        out = llm.generate(_prompt(doc_ids, PAIR_QUESTION), GREEDY, chunk_options=options)[0]
+        assert out.outputs[0].token_ids == expected, margin
+        assert len(joined) == pairs
+        llm.check_integrity()
+
+
 @pytest.mark.parametrize("pair", ["expert", "lead"])
 def test_pair_groups_batched_preempted_and_aborted_give_everything_back(checkpoint, pair: str) -> None:
     path = checkpoint(arch="llama")
@@ -425,6 +450,7 @@ def test_pair_groups_batched_preempted_and_aborted_give_everything_back(checkpoi
         ({"fusion_relevance_weight": float("nan")}, "fusion_relevance_weight"),
         ({"fusion_amateur": "yes"}, "fusion_amateur"),
         ({"fusion_pair": "triple"}, "fusion_pair"),
+        ({"fusion_pair_margin": -0.5}, "fusion_pair_margin"),
         ({"chunk_layout": "fused"}, "chunk_layout"),
     ],
 )

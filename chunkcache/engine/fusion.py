@@ -13,6 +13,9 @@ without the second document answer it from memory. `fusion_pair` adds the exact 
 S + Ci + Cj + Q over the two documents whose streams find Q most likely (known after the first
 step: the pair stream joins then, borrowing Ci's slots and computing Cj + Q; the others wait,
 their first rows kept, until its first row), as one more expert or as the only document stream.
+With `fusion_pair_margin` it joins only when those two documents' relevances are close (a
+question about one document names it, and its stream stands out); otherwise the request decodes
+on without it, as plain fusion, and saves the pair's prefill.
 
 The request's own Sequence holds the reply (text, stop conditions, logprobs, usage) and pins the
 pool entries; it is never scheduled. Its streams are sequences that the scheduler moves as one
@@ -148,6 +151,7 @@ class FusionGroup:
     # in `streams` (after the document streams, before the no-document one) once it exists, and
     # `first_rows` the other streams' first logits, kept until the pair stream yields its own.
     pair_mode: FusionPair = FusionPair.NONE
+    pair_margin: float = 100.0
     pair: int | None = None
     first_rows: torch.Tensor | None = None
     # Per stream, log p(Q[j] | its context, Q[:j]) for j >= 1 by position (a stream recomputed after
@@ -169,6 +173,7 @@ class FusionGroup:
             combiner_for(config),
             prompt,
             pair_mode=FusionPair(config.fusion_pair) if wants_pair(prompt, config) else FusionPair.NONE,
+            pair_margin=config.fusion_pair_margin,
         )
         for k, (context, base) in enumerate(contexts):
             group._add_stream(k, [*context, *q], [], base, k)
@@ -195,14 +200,30 @@ class FusionGroup:
         self.question_logprobs.insert(at, [None] * max(len(self.prompt.question_token_ids) - 1, 0))
         return stream
 
+    def _top_two(self) -> tuple[int, int]:
+        """The two documents whose streams give Q the highest relevance, most relevant first."""
+        n = len(self.prompt.chunks)
+        relevance = self.relevance()[:n].tolist()
+        i, j = sorted(range(n), key=lambda k: (-relevance[k], k))[:2]
+        return i, j
+
+    def pair_wanted(self) -> bool:
+        """After the first step: whether the two most relevant documents are close enough
+        (`fusion_pair_margin`) for the pair stream to join; if not, the group decodes on without."""
+        i, j = self._top_two()
+        relevance = self.relevance()
+        if float(relevance[i] - relevance[j]) <= self.pair_margin:
+            return True
+        self.pair_mode = FusionPair.NONE
+        return False
+
     def add_pair(self, rows: torch.Tensor) -> Sequence:
         """After the first step (every stream's Q computed, so their relevance known): keep their
         logits `rows` and add the exact stream S + Ci + Cj + Q over the two most relevant
         documents, in prompt order, Ci borrowed (its stream's slots), Cj and Q computed."""
         prompt = self.prompt
         n = len(prompt.chunks)
-        relevance = self.relevance()[:n].tolist()
-        i, j = sorted(sorted(range(n), key=lambda k: (-relevance[k], k))[:2])
+        i, j = sorted(self._top_two())
         first = prompt.sys_token_ids + prompt.chunks[i]
         ids = [*first, *prompt.chunks[j], *prompt.question_token_ids]
         stream = self._add_stream(n, ids, prompt.chunks[j], len(first), i)
@@ -310,7 +331,7 @@ def fuse_rows(
             continue  # combined at its first stream
         if len(rows) == len(group.streams):
             stream_rows = logits[[rows[id(s)] for s in group.streams]]
-            if group.pair_mode is not FusionPair.NONE and group.pair is None:
+            if group.pair_mode is not FusionPair.NONE and group.pair is None and group.pair_wanted():
                 changes.joined.append(group.add_pair(stream_rows))
                 continue
         elif group.first_rows is not None and list(rows) == [id(group.streams[group.pair or 0])]:

