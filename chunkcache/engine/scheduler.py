@@ -19,8 +19,8 @@ A fusion request's streams are one unit throughout: admitted, preempted and fini
 their prompts ending in the same step (a pair stream's extra document first: the others wait) and
 each then decoding one token per step; a unit is short or long by its members' tokens together,
 and takes at most one piece's worth of them per step. A blend prefill is split by layers
-(engine/blend.py's `BlendRun`): a piece runs as many of its layers as `long_prefill_token_threshold`
-tokens' worth of work holds, a layer of R running tokens costing R / num_layers tokens. When a running request
+(engine/blend.py's `BlendRun`): a piece runs as many of its layers as one piece's worth of tokens
+holds (engine/pieces.py sizes every piece). When a running request
 needs a block and none is free, background work yields first, then the most recently
 admitted sequence: its blocks are freed and it is recomputed later (its prefix-cached blocks
 usually survive). Background work gives its blocks back instead (a yield, not a preemption), also
@@ -39,6 +39,7 @@ from chunkcache.config import SchedulerConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.sequence import Sequence, Status
 from chunkcache.engine.decode_guard import DecodeGuard
+from chunkcache.engine.pieces import Piece, piece_for, remaining, unit_of, unit_remaining, units
 
 # Tokens background work is guaranteed in a step once it has waited BACKGROUND_MAX_WAIT_STEPS
 # steps in a row: a request pays at most this for it (32 tokens of SmolLM2: ~0.13 s on one CPU
@@ -47,21 +48,10 @@ BACKGROUND_STEP_TOKENS = 32
 BACKGROUND_MAX_WAIT_STEPS = 8
 
 
-@dataclass(frozen=True)
-class Piece:
-    """What a unit does in a step: per member, the own tokens it computes (blocks are grown for
-    them), and what that takes of the budget. A blend's piece that does not reach its last layer
-    runs its layers up to `layers` only: it holds blocks for every token from its first piece on,
-    and its tokens count as computed in the piece that runs its last layer."""
-
-    counts: list[int]
-    cost: int
-    layers: int | None = None
-
-
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
+    # Own tokens whose KV each has after this step (a blend's, all of them in its last piece).
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     budget: int = 0  # tokens this step may still take
@@ -85,35 +75,8 @@ class ScheduledBatch:
         self.has_long = self.has_long or long
 
 
-def _unit(seq: Sequence) -> list[Sequence]:
-    """What is scheduled together with `seq`: a fusion request's streams (engine/fusion.py) are
-    admitted, given tokens and preempted as one, so that they stay in step; else `seq` alone."""
-    return seq.fusion.streams if seq.fusion is not None else [seq]
-
-
-def _units(seqs: list[Sequence]) -> list[list[Sequence]]:
-    """`seqs` grouped into units, in order of each unit's first member."""
-    seen: set[int] = set()
-    units = []
-    for seq in seqs:
-        if id(seq) not in seen:
-            unit = _unit(seq)
-            seen.update(map(id, unit))
-            units.append(unit)
-    return units
-
-
-def _remaining(seq: Sequence) -> int:
-    return seq.num_tokens - seq.num_computed
-
-
-def _unit_remaining(seq: Sequence) -> int:
-    """Tokens `seq`'s unit has left to compute (a fusion request's streams together)."""
-    return sum(map(_remaining, _unit(seq)))
-
-
 def _is_decode(seq: Sequence) -> bool:
-    return not seq.kind.is_background and _remaining(seq) == 1
+    return not seq.kind.is_background and remaining(seq) == 1
 
 
 class Scheduler:
@@ -128,7 +91,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.blocks = blocks
-        self.num_layers = num_layers  # of the model: what a layer of a blend costs (`_blend_piece`)
+        self.num_layers = num_layers  # of the model: what a layer of a blend costs (engine/pieces.py)
         # The chunk manager decides when a sequence's borrowed KV exists (fill jobs done).
         self.is_ready = is_ready
         self.waiting: deque[Sequence] = deque()
@@ -162,7 +125,7 @@ class Scheduler:
         self._serve_running(batch, _is_decode)
         batch.decodes = len(batch.seqs) - reserved
         if not batch.preempted:
-            self._admit(batch, lambda s: not s.kind.is_background and _unit_remaining(s) <= short)
+            self._admit(batch, lambda s: not s.kind.is_background and unit_remaining(s) <= short)
         # Long prefills and background work wait while running streams fall behind (decode_guard).
         if not batch.preempted and self.decode_guard.allows_prefill(batch.decodes > 0):
             self._serve_running(batch, lambda s: not s.kind.is_background)
@@ -182,21 +145,21 @@ class Scheduler:
 
     def _serve_running(self, batch: ScheduledBatch, wanted: Callable[[Sequence], bool]) -> None:
         """Give the running units `wanted` picks their next tokens (a preemption ends the pass)."""
-        for unit in _units(self.running):
+        for unit in units(self.running):
             seq = unit[0]
             if batch.budget <= 0 or batch.preempted:
                 return
             if seq.status != Status.RUNNING or seq in batch.seqs or not wanted(seq):
                 continue
             piece = self._piece(unit, batch)
-            long = _unit_remaining(seq) > self.long_prefill_token_threshold
+            long = unit_remaining(seq) > self.long_prefill_token_threshold
             if piece.cost > 0 and self._grow_or_preempt(unit, piece.counts, batch):
                 batch.add(unit, piece, long)
 
     def _admit(self, batch: ScheduledBatch, wanted: Callable[[Sequence], bool]) -> None:
         """Admit the waiting units `wanted` picks, first come first served, while the budget,
         `max_num_seqs` and free blocks allow."""
-        for unit in _units(list(self.waiting)):
+        for unit in units(list(self.waiting)):
             seq = unit[0]
             if batch.budget <= 0 or len(self.running) + len(unit) > self.max_num_seqs:
                 return
@@ -205,7 +168,7 @@ class Scheduler:
             self._match_prefix(seq)
             piece = self._piece(unit, batch)
             n = piece.cost
-            long = _unit_remaining(seq) > self.long_prefill_token_threshold
+            long = unit_remaining(seq) > self.long_prefill_token_threshold
             if n <= 0 or not self._grow_for_admission(unit, piece.counts, batch):
                 # A waiting sequence holds no blocks: the prefix blocks it just matched go back
                 # (still cached), or a running sequence could starve for them while it waits.
@@ -248,7 +211,7 @@ class Scheduler:
             if job is not None:
                 self._yield(job, batch)
                 continue
-            for member in reversed(_unit(victims[0])):
+            for member in reversed(unit_of(victims[0])):
                 self._preempt(member, batch)
             if seq.status != Status.RUNNING:
                 return False
@@ -278,46 +241,9 @@ class Scheduler:
         return all(self._grow(m, m.num_computed + n) for m, n in zip(unit, counts, strict=True))
 
     def _piece(self, unit: list[Sequence], batch: ScheduledBatch) -> Piece:
-        """The unit's piece in this step: what is left, within one piece's worth of tokens
-        (`long_prefill_token_threshold`, together) and the budget left. A fusion pair stream has a
-        document to compute before its Q (engine/fusion.py): the others get 0 until their Q ends
-        in the same step as its, so that every stream yields its first logits in one step."""
-        seq = unit[0]
-        if len(unit) == 1 and seq.blend is not None and seq.num_computed == 0:
-            return self._blend_piece(seq, batch)
-        left = [_remaining(m) for m in unit]
-        most = max(left)
-
-        def counts(lead: int) -> list[int]:  # the longest member's count is `lead`
-            return [max(0, lead - (most - r)) for r in left]
-
-        # At least a token to each of the longest members, so that a unit of more members than a
-        # piece has tokens still moves.
-        room = min(batch.budget, max(self.long_prefill_token_threshold, sum(counts(1))))
-        lo, hi = 0, most
-        while lo < hi:  # the largest lead whose total fits the room
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if sum(counts(mid)) <= room else (lo, mid - 1)
-        tokens = counts(lo)
-        return Piece(tokens, sum(tokens))
-
-    def _blend_piece(self, seq: Sequence, batch: ScheduledBatch) -> Piece:
-        """A blend prefill's next layers: as many as one piece's worth of tokens (and the budget
-        left) holds, a layer of R running tokens costing R / num_layers (before its first layer
-        every token counts as running). At least one layer where no other long prefill runs in
-        this step, so that a layer larger than a piece still runs (and a blend never waits behind
-        long prefills for ever)."""
-        run = seq.blend_run
-        done, rows = (run.next_layer, run.rows) if run is not None else (0, _remaining(seq))
-        left, rows = self.num_layers - done, max(rows, 1)
-        room = min(batch.budget, self.long_prefill_token_threshold)
-        layers = min(left, room * self.num_layers // rows)
-        if layers == 0 and not batch.has_long and batch.budget > 0:
-            layers = 1
-        if layers == 0:
-            return Piece([0], 0)
-        cost = -(-layers * rows // self.num_layers)
-        return Piece([_remaining(seq)], cost, None if layers == left else done + layers)
+        return piece_for(
+            unit, batch.budget, self.long_prefill_token_threshold, self.num_layers, batch.has_long
+        )
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Start a new sequence from its blocks in the prefix cache. Only prefix-cacheable
