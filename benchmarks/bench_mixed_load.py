@@ -6,7 +6,8 @@ same engine, against the same requests on an idle engine, interleaved repetition
   long     a 4,000-token prompt (prefilled in pieces of `long_prefill_token_threshold`)
   prewarm  a prewarm of 60 documents (background work: it runs on what requests leave)
   blend    a first-sight chunked prompt of 4 x 1,000-token documents (fill jobs, then the blend,
-           which runs in one step: it is not split)
+           its layers in pieces of the budget; under layout fusion, the 1.5B's default, the
+           streams and the pair stream's document instead)
 
 Each short request's TTFT counts from the start of the step that was running when it arrived (the
 worst case: a server's request waits for that step), in wall and in process CPU time. A stream
