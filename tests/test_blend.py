@@ -188,7 +188,7 @@ def test_blend_failure_falls_back_to_plain_prefill(checkpoint, monkeypatch) -> N
     def broken(*args, **kwargs):
         raise RuntimeError("injected blend failure")
 
-    monkeypatch.setattr(runner_module, "blend_prefill", broken)
+    monkeypatch.setattr(runner_module.BlendRun, "run", broken)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     outs = llm.generate([_prompt([0, 1]), _prompt([2, 1])], greedy, chunk_options={"chunk_layout": "offset"})
     for out in outs:
@@ -283,7 +283,7 @@ def test_eval_cli_runs_every_mode(checkpoint, tmp_path, capsys) -> None:
 
 
 def test_query_attention_scores_match_explicit_softmax() -> None:
-    from chunkcache.engine.blend import _query_attention
+    from chunkcache.engine.blend_select import query_attention as _query_attention
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(7, 4, 8, generator=gen)  # 7 rows, 4 query heads, head dim 8
@@ -356,7 +356,7 @@ def test_check_layer_recomputes_the_tokens_transformers_ranks_first(checkpoint, 
 
     path = checkpoint(arch=arch, num_hidden_layers=3)
     llm = _llm(path)
-    results = _record(monkeypatch, runner, "blend_prefill")
+    results = _record(monkeypatch, runner.BlendRun, "result")
     docs, ratio = [2, 3, 1], 0.3
     options = {
         "chunk_layout": "offset",
@@ -569,7 +569,7 @@ def test_stored_selector_runs_only_the_chosen_tokens(checkpoint, monkeypatch) ->
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path)
-    results = _record(monkeypatch, runner, "blend_prefill")
+    results = _record(monkeypatch, runner.BlendRun, "result")
     docs, ratio = [1, 3, 2], 0.3
     out = llm.generate(_prompt(docs), FIRST, chunk_options=_stored(0, ratio))[0]
     sys_ids, chunks, q_ids = _parts(llm, docs)

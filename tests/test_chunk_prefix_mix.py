@@ -103,9 +103,11 @@ def test_chunked_and_plain_requests_mix(checkpoint, prefix_caching: bool, layout
     llm.check_integrity()
 
 
-def test_blend_is_admitted_whole_under_a_small_token_budget(checkpoint) -> None:
-    """A blend prefill cannot be split: admitted with the budget's share of its blocks only, it
-    failed (shape mismatch) and silently fell back to a plain prefill."""
+def test_blend_holds_all_its_blocks_under_a_small_token_budget(checkpoint) -> None:
+    """A blend prefill under a small budget runs its layers in pieces, every token's KV written at
+    each layer, so it holds blocks for all its tokens from its first piece on (admitted with the
+    budget's share of its blocks only, it once failed, shape mismatch, and silently fell back to a
+    plain prefill)."""
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _llm(path, max_num_batched_tokens=32)
     llm.generate(PROMPT, FIRST, chunk_options=ISOLATED)  # warm the pool

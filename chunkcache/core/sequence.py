@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from chunkcache.config import ChunkConfig
     from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, FillJob, RequestChunks
+    from chunkcache.engine.blend import BlendRun
     from chunkcache.engine.fusion import FusionGroup
     from chunkcache.model.calibration import ContextCalibration
 
@@ -124,9 +125,12 @@ class Sequence:
     chunks: RequestChunks | None = None
     # A fill job's entry (kinds CHUNK_FILL, CANONICAL_FILL, PREWARM_FILL).
     fill: FillJob | None = None
-    # Layout "offset": the prompt is prefilled by blend, in one piece, with these options. Cleared
-    # on preemption, after which the request is recomputed by a plain prefill.
+    # Layout "offset": the prompt is prefilled by blend with these options. Cleared on preemption,
+    # after which the request is recomputed by a plain prefill.
     blend: ChunkConfig | None = None
+    # The blend under way, where it spans steps (its layers run in pieces of the token budget);
+    # its tokens count as computed in the step that runs its last layer.
+    blend_run: BlendRun | None = None
     blend_reused_tokens: int = 0
     blend_recomputed_tokens: int = 0
     blend_fallback: bool = False

@@ -27,6 +27,12 @@ question (causal attention; the selectors but `query_attention` rank chunk token
 hold), so a follow-up with the same S and chunks in the same order reads it and computes only
 its question (and the last chunk's tokens after its last full block, which therefore always run
 here too: `BlendInput.fresh_from`).
+
+A large blend need not run in one step: `BlendRun` runs its layers in as many calls as the
+scheduler's token budget asks (engine/scheduler.py), each layer writing its KV as it goes. The
+split is by layers, not by token groups, because a layer's choice of tokens (at a check layer)
+needs every running token's fresh K at once, and because a split by layers runs exactly the
+operations of an unsplit blend: the blended KV and answer do not change.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from chunkcache.config import ChunkConfig
+from chunkcache.engine.blend_select import Evidence, Tokens, keep_rows, query_attention
 from chunkcache.model.calibration import ContextCalibration, calibrated_attention
 from chunkcache.model.linear import Linear
 from chunkcache.model.llama import Attention, LlamaForCausalLM
@@ -159,172 +166,125 @@ def kv_options(cfg: ChunkConfig) -> tuple[object, ...] | None:
     )
 
 
-def _deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
-    return (fresh - cached).pow(2).sum(dim=(1, 2))
+class BlendRun:
+    """One blend prefill, run layer by layer so that it can span several steps (the per-step
+    token budget, engine/scheduler.py): `run(stop)` runs the layers up to `stop`, and the next call
+    goes on from there. Between calls it keeps what a layer hands the next (the running tokens and
+    their hidden states), and each layer writes its blended KV to the request's blocks as it runs,
+    so running the layers in any number of calls is exactly one pass over them: the same
+    operations on the same tensors, the same result. A row of one layer costs about 1 / num_layers
+    of a token's forward: `rows` is what the scheduler sizes a piece by."""
 
+    @torch.inference_mode()
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        inp: BlendInput,
+        cfg: ChunkConfig,
+    ) -> None:
+        self.model, self.kv_caches, self.inp, self.cfg = model, kv_caches, inp, cfg
+        device = inp.token_ids.device
+        self.total = total = inp.token_ids.numel()
+        self.cached_len = cached_len = inp.cached_slots.numel()
+        self.positions = torch.arange(total, device=device)
+        self.is_chunk = is_chunk = torch.zeros(total, dtype=torch.bool, device=device)
+        is_chunk[inp.num_sys : cached_len] = True
+        boundary = torch.zeros(total, dtype=torch.bool, device=device)
+        chunk_id = torch.full((total,), -1, dtype=torch.long, device=device)
+        for i, (start, length) in enumerate(inp.chunk_spans):
+            boundary[start : start + min(cfg.blend_boundary_tokens, length)] = True
+            chunk_id[start : start + length] = i
+        if inp.fresh_from is not None:
+            boundary[max(inp.fresh_from, inp.num_sys) : cached_len] = True
+        self.num_chunk_tokens = num_chunk_tokens = cached_len - inp.num_sys
+        self.tokens = Tokens(is_chunk, boundary, chunk_id, num_chunk_tokens)
+        self.check = dict(zip(cfg.blend_check_layers, cfg.blend_recompute_ratios, strict=True))
+        rotary = model.rotary
 
-def _query_attention(q: torch.Tensor, keys: torch.Tensor, num_query: int, scale: float) -> torch.Tensor:
-    """Attention that the question's rows (the last `num_query` of `q`) pay to each key, summed
-    over the question's tokens and heads: [K]. The question sees every key, so no mask."""
-    heads, kv_heads = q.shape[1], keys.shape[1]
-    qq = q[-num_query:].float()  # [Q, H, D]
-    kk = keys.float().repeat_interleave(heads // kv_heads, dim=1)  # [K, H, D]
-    probs = torch.einsum("qhd,khd->hqk", qq, kk).mul_(scale).softmax(dim=-1)
-    return probs.sum(dim=(0, 1))
+        running = torch.ones(total, dtype=torch.bool, device=device)  # S never runs: its KV is exact
+        running[: inp.num_sys] = False
+        if _exact_never_chosen(cfg, num_chunk_tokens, inp.num_exact - inp.num_sys):
+            # Nor the exact first chunk (25% of the chunk tokens with 4 chunks): same KV, no choice
+            # to make, so its layer-0 work (and its K at the check layer) is skipped. Boundary
+            # tokens still run, as everywhere.
+            running[inp.num_sys : inp.num_exact] = boundary[inp.num_sys : inp.num_exact]
+        self.active = active = running.nonzero().squeeze(1)  # tokens still running, ascending
+        self.h = model.embed_tokens(inp.token_ids[active])
+        spec = model.spec
+        # One layer's KV list [T, Hk, D]: the cached KV (K re-rotated) with the running tokens' fresh
+        # KV written over it. Reused by every layer; the request's blocks get a copy of each.
+        self.k_all = torch.empty((total, spec.num_kv_heads, spec.head_dim), dtype=self.h.dtype, device=device)
+        self.v_all = torch.empty_like(self.k_all)
+        # R(delta) is the same at every layer: its cos/sin once per request.
+        self.cos, self.sin = rotary.rerotation(inp.cached_delta, self.k_all.dtype)
+        self._moved()  # the running tokens' attention plan and RoPE: they change at check layers only
+        self.prior = None
+        if cfg.blend_selector in _EARLY_SELECTORS:
+            # Without stored scores only where no ranking is needed (`needs_stored_scores`).
+            assert inp.prior is not None or not needs_stored_scores(cfg), "no stored scores to rank by"
+            self.prior = torch.zeros(total, dtype=torch.float32, device=device)
+            if inp.prior is not None:
+                self.prior[:cached_len] = inp.prior.to(device)
+            self.prior[inp.num_sys : inp.num_exact] = -1.0  # exact already: chosen last (scores are >= 0)
+        self.next_layer = 0
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
 
-@dataclass
-class _Evidence:
-    """What the selectors rank the running rows by at a check layer; each reads its own part.
-    Fresh K/V and the cached K/V are of the running rows (cached: clamped to a cached token)."""
+    @property
+    def rows(self) -> int:
+        """Tokens running in the next layer (fewer after a check layer)."""
+        return self.active.numel()
 
-    k_fresh: torch.Tensor | None = None
-    v_fresh: torch.Tensor | None = None  # None where the selector does not read it (`_K_SELECTORS`)
-    k_cached: torch.Tensor | None = None
-    v_cached: torch.Tensor | None = None
-    attention: torch.Tensor | None = None  # `query_attention`
-    prior: torch.Tensor | None = None  # `stored_deviation`
+    @property
+    def done(self) -> bool:
+        return self.next_layer == self.num_layers
 
+    def _moved(self) -> None:
+        spec = self.model.spec
+        self.plan = plan_rows(self.active, spec.num_heads, spec.num_kv_heads, self.h.dtype)
+        self.rope = self.model.rotary.table(self.positions[self.active], self.h.dtype)
 
-def _scores(cfg: ChunkConfig, idx: torch.Tensor, ev: _Evidence) -> torch.Tensor:
-    """Per candidate row `idx`: how much recomputing it matters (larger = recompute first); for
-    "threshold", the deviation relative to the cached K's norm, compared with the threshold."""
-    if cfg.blend_selector == "query_attention":
-        assert ev.attention is not None
-        return ev.attention[idx]
-    if cfg.blend_selector == "stored_deviation":
-        assert ev.prior is not None
-        return ev.prior[idx]
-    if cfg.blend_selector == "v_deviation":
-        assert ev.v_fresh is not None and ev.v_cached is not None
-        return _deviation(ev.v_fresh[idx], ev.v_cached[idx])
-    assert ev.k_fresh is not None and ev.k_cached is not None
-    deviation = _deviation(ev.k_fresh[idx], ev.k_cached[idx])
-    if cfg.blend_selector == "threshold":
-        return deviation / ev.k_cached[idx].pow(2).sum(dim=(1, 2)).clamp_min(1e-12)
-    return deviation
+    @torch.inference_mode()
+    def run(self, stop: int) -> None:
+        """Run the layers from the next one up to `stop` (exclusive)."""
+        for layer_index in range(self.next_layer, min(stop, self.num_layers)):
+            self._layer(layer_index)
+            self.next_layer = layer_index + 1
 
-
-@dataclass(frozen=True)
-class _Tokens:
-    """What a request's tokens are, per token of the prompt [T]."""
-
-    is_chunk: torch.Tensor  # bool: a chunk token (a candidate)
-    boundary: torch.Tensor  # bool: a chunk token that always runs
-    chunk_id: torch.Tensor  # long: its chunk's index, -1 elsewhere
-    num_chunk_tokens: int
-
-
-def _keep(
-    cfg: ChunkConfig, ratio: float, tokens: _Tokens, active: torch.Tensor, evidence: _Evidence
-) -> torch.Tensor:
-    """Rows of the tokens still running (`active`, ascending) that keep running: Q, boundary and
-    selected chunk tokens; the evidence is per running row."""
-    chunk_rows, chunk_ids = tokens.is_chunk[active], tokens.chunk_id[active]
-    keep = ~chunk_rows | tokens.boundary[active]
-    idx = chunk_rows.nonzero().squeeze(1)
-    if idx.numel() == 0:
-        return keep
-    score = _scores(cfg, idx, evidence)
-    if cfg.blend_selector == "threshold":
-        keep[idx[score > cfg.blend_threshold]] = True
-        return keep
-    budget = min(idx.numel(), math.ceil(ratio * tokens.num_chunk_tokens - 1e-9))
-    if budget <= 0:
-        return keep
-    if cfg.blend_unit == "token":
-        keep[idx[torch.topk(score, budget).indices]] = True
-        return keep
-    # Whole chunks, best summed score first, each taken if it still fits in the budget.
-    ids = chunk_ids[idx]
-    totals = torch.zeros(int(ids.max()) + 1, dtype=score.dtype, device=score.device)
-    totals.index_add_(0, ids, score)
-    sizes = torch.bincount(ids, minlength=totals.numel())
-    for chunk in torch.argsort(totals, descending=True).tolist():
-        size = int(sizes[chunk])
-        if 0 < size <= budget:
-            keep[idx[ids == chunk]] = True
-            budget -= size
-    return keep
-
-
-@torch.inference_mode()
-def blend_prefill(
-    model: LlamaForCausalLM,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    inp: BlendInput,
-    cfg: ChunkConfig,
-) -> BlendResult:
-    device = inp.token_ids.device
-    total = inp.token_ids.numel()
-    cached_len = inp.cached_slots.numel()
-    positions = torch.arange(total, device=device)
-    is_chunk = torch.zeros(total, dtype=torch.bool, device=device)
-    is_chunk[inp.num_sys : cached_len] = True
-    boundary = torch.zeros(total, dtype=torch.bool, device=device)
-    chunk_id = torch.full((total,), -1, dtype=torch.long, device=device)
-    for i, (start, length) in enumerate(inp.chunk_spans):
-        boundary[start : start + min(cfg.blend_boundary_tokens, length)] = True
-        chunk_id[start : start + length] = i
-    if inp.fresh_from is not None:
-        boundary[max(inp.fresh_from, inp.num_sys) : cached_len] = True
-    num_chunk_tokens = cached_len - inp.num_sys
-    tokens = _Tokens(is_chunk, boundary, chunk_id, num_chunk_tokens)
-    check = dict(zip(cfg.blend_check_layers, cfg.blend_recompute_ratios, strict=True))
-    rotary = model.rotary
-
-    running = torch.ones(total, dtype=torch.bool, device=device)  # S never runs: its KV is exact
-    running[: inp.num_sys] = False
-    if _exact_never_chosen(cfg, num_chunk_tokens, inp.num_exact - inp.num_sys):
-        # Nor the exact first chunk (25% of the chunk tokens with 4 chunks): same KV, no choice
-        # to make, so its layer-0 work (and its K at the check layer) is skipped. Boundary
-        # tokens still run, as everywhere.
-        running[inp.num_sys : inp.num_exact] = boundary[inp.num_sys : inp.num_exact]
-    active = running.nonzero().squeeze(1)  # tokens still running, ascending
-    h = model.embed_tokens(inp.token_ids[active])
-    spec = model.spec
-    # One layer's KV list [T, Hk, D]: the cached KV (K re-rotated) with the running tokens' fresh
-    # KV written over it. Reused by every layer; the request's blocks get a copy of each.
-    k_all = torch.empty((total, spec.num_kv_heads, spec.head_dim), dtype=h.dtype, device=device)
-    v_all = torch.empty_like(k_all)
-    k_old, v_old = k_all[:cached_len], v_all[:cached_len]
-    # R(delta) is the same at every layer: its cos/sin once per request.
-    cos, sin = rotary.rerotation(inp.cached_delta, k_all.dtype)
-    plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)  # changes at check layers only
-    rope = rotary.table(positions[active], h.dtype)  # so does the running tokens' RoPE
-    prior = None
-    if cfg.blend_selector in _EARLY_SELECTORS:
-        # Without stored scores only where no ranking is needed (`needs_stored_scores`).
-        assert inp.prior is not None or not needs_stored_scores(cfg), "no stored scores to rank by"
-        prior = torch.zeros(total, dtype=torch.float32, device=device)
-        if inp.prior is not None:
-            prior[:cached_len] = inp.prior.to(device)
-        prior[inp.num_sys : inp.num_exact] = -1.0  # exact already: chosen last (scores are >= 0)
-    for layer_index, layer in enumerate(model.layers):
-        k_cache, v_cache = kv_caches[layer_index]
+    def _layer(self, layer_index: int) -> None:
+        inp, cfg, model = self.inp, self.cfg, self.model
+        layer = model.layers[layer_index]
+        k_cache, v_cache = self.kv_caches[layer_index]
         attn = layer.self_attn
+        cached_len, k_all, v_all = self.cached_len, self.k_all, self.v_all
+        k_old, v_old = k_all[:cached_len], v_all[:cached_len]
         # index_select, not k_cache[slots]: the advanced-indexing gather is ~5x slower on CPU.
         torch.index_select(k_cache, 0, inp.cached_slots, out=k_old)
         torch.index_select(v_cache, 0, inp.cached_slots, out=v_old)
-        rotary.rerotate_(k_old, cos, sin)
+        model.rotary.rerotate_(k_old, self.cos, self.sin)
+        h = self.h
         x = layer.input_layernorm(h)
-        ratio = check.get(layer_index)
-        if ratio is not None and prior is not None:
+        ratio = self.check.get(layer_index)
+        if ratio is not None and self.prior is not None:
             # Ranked by what the entries stored: chosen before this layer's projection, which the
             # others skip (at layer 0 they never run).
-            keep = _keep(cfg, ratio, tokens, active, _Evidence(prior=prior[active]))
-            active, h, x = active[keep], h[keep], x[keep]
-            rope = rotary.table(positions[active], h.dtype)
-            plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)
+            keep = keep_rows(cfg, ratio, self.tokens, self.active, Evidence(prior=self.prior[self.active]))
+            self.active, h, x = self.active[keep], h[keep], x[keep]
+            self.h = h
+            self._moved()
             ratio = None
         k_only = ratio is not None and cfg.blend_selector in _K_SELECTORS and ratio < 1.0
         v_fresh: torch.Tensor | None = None
         if k_only:
-            k = _project_k(attn, x, rope)
+            k = _project_k(attn, x, self.rope)
         else:
-            q, k, v = attn.project(x, rope)
+            q, k, v = attn.project(x, self.rope)
             v_fresh = v
         if ratio is not None:
+            active = self.active
             # Compare only the chunk rows with their cached counterparts (indices < cached_len).
             safe = active.clamp(max=cached_len - 1)
             attention = None
@@ -332,35 +292,41 @@ def blend_prefill(
                 # The question's view of this layer: fresh keys where tokens still run.
                 keys = k_all.clone()
                 keys[active] = k
-                attention = _query_attention(q, keys, total - cached_len, attn.scale)[active]
-            evidence = _Evidence(k, v_fresh, k_old[safe], v_old[safe], attention)
-            keep = _keep(cfg, ratio, tokens, active, evidence)
-            active = active[keep]
-            rope = rotary.table(positions[active], h.dtype)
+                attention = query_attention(q, keys, self.total - cached_len, attn.scale)[active]
+            evidence = Evidence(k, v_fresh, k_old[safe], v_old[safe], attention)
+            keep = keep_rows(cfg, ratio, self.tokens, active, evidence)
+            self.active = active[keep]
+            self.h = h = h[keep]
+            self._moved()
             if k_only:
-                h, x = h[keep], x[keep]
-                q, k, v = attn.project(x, rope)
+                q, k, v = attn.project(x[keep], self.rope)
             else:
-                h, q, k, v = h[keep], q[keep], k[keep], v[keep]
-            plan = plan_rows(active, spec.num_heads, spec.num_kv_heads, h.dtype)
+                q, k, v = q[keep], k[keep], v[keep]
+        active = self.active
         k_all.index_copy_(0, active, k)
         v_all.index_copy_(0, active, v)
         k_cache.index_copy_(0, inp.own_slots, k_all)
         v_cache.index_copy_(0, inp.own_slots, v_all)
-        o = attend_rows(q, k_all, v_all, plan, attn.scale)
+        o = attend_rows(q, k_all, v_all, self.plan, attn.scale)
         if inp.calibration is not None:
             # Q's rows are the last ones still running: every chunk and S row comes first.
-            nq = total - cached_len
+            nq = self.total - cached_len
             o[-nq:] = calibrated_attention(q[-nq:], k_all, v_all, active[-nq:], inp.calibration, attn.scale)
         # The residual adds fused into the projections, as in the model's own forward.
         h = attn.o_proj(o.reshape(active.numel(), -1), h)
-        h = layer.mlp(layer.post_attention_layernorm(h), residual=h)
-    recomputed_chunks = int(is_chunk[active].sum())
-    reused = torch.ones(cached_len, dtype=torch.bool, device=device)
-    reused[active[active < cached_len]] = False
-    return BlendResult(
-        hidden=model.norm(h[-1:]),
-        reused_tokens=num_chunk_tokens - recomputed_chunks,
-        recomputed_tokens=recomputed_chunks + total - cached_len,
-        reused=reused,
-    )
+        self.h = layer.mlp(layer.post_attention_layernorm(h), residual=h)
+
+    @torch.inference_mode()
+    def result(self) -> BlendResult:
+        """What the blend gives once every layer ran."""
+        assert self.done, "the blend has layers left to run"
+        active, cached_len = self.active, self.cached_len
+        recomputed_chunks = int(self.is_chunk[active].sum())
+        reused = torch.ones(cached_len, dtype=torch.bool, device=active.device)
+        reused[active[active < cached_len]] = False
+        return BlendResult(
+            hidden=self.model.norm(self.h[-1:]),
+            reused_tokens=self.num_chunk_tokens - recomputed_chunks,
+            recomputed_tokens=recomputed_chunks + self.total - cached_len,
+            reused=reused,
+        )

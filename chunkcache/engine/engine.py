@@ -40,7 +40,7 @@ class LLMEngine:
         self.model_name, self.max_model_len = parts.model_name, parts.max_model_len
         self.blocks, self.runner, self.chunks = parts.blocks, parts.runner, parts.chunks
         self.publisher = parts.publisher
-        self.scheduler = Scheduler(config.scheduler, self.blocks, is_ready=self._is_ready)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self._is_ready, self.spec.num_layers)
         self.detokenizer = Detokenizer(self.tokenizer, parts.loaded.eos_token_ids, self.max_model_len)
         self._generator = torch.Generator().manual_seed(config.seed)
         self.intake = RequestIntake(config, parts, self._generator)

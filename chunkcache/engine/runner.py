@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 import torch
 
+from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_slots import block_slots, consecutive
 from chunkcache.core.plan import Entry
 from chunkcache.core.sequence import Sequence
-from chunkcache.engine.blend import BlendInput, blend_prefill, needs_stored_scores
+from chunkcache.engine.blend import BlendInput, BlendRun, needs_stored_scores
 from chunkcache.engine.fusion import record_question_logprobs
 from chunkcache.engine.prompt_logprobs import record_prompt_logprobs
 from chunkcache.engine.scheduler import ScheduledBatch
@@ -156,10 +157,11 @@ class ModelRunner:
         regular_rows: list[int] = []
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if seq.blend is not None and seq.num_computed == 0:
-                h = self._blend(seq)
+                h = self._blend(seq, batch.blend_layers.get(id(seq)))
                 if h is not None:
                     hidden[row] = h
-                    continue
+                if h is not None or n == 0:
+                    continue  # a blend's piece (or a failed one: a plain prefill from the next step)
             regular.seqs.append(seq)
             regular.num_new_tokens.append(n)
             regular_rows.append(row)
@@ -178,60 +180,38 @@ class ModelRunner:
             return torch.empty(0, self.spec.vocab_size), rows
         return self.model.compute_logits(torch.cat([hidden[r] for r in rows])).cpu(), rows
 
-    def _blend(self, seq: Sequence) -> torch.Tensor | None:
-        """The blend prefill of a layout-"offset" request; None after a failure, which leaves the
-        request to an ordinary prefill of every token (its blocks are simply overwritten)."""
-        state, cfg = seq.chunks, seq.blend
-        assert state is not None and cfg is not None, "a blend needs the request's entries and options"
-        prompt = state.prompt
-        s = len(prompt.sys_token_ids)
-        spans, start = [], s
-        for chunk in prompt.chunks:
-            spans.append((start, len(chunk)))
-            start += len(chunk)
-        calibration = calibration_for(s, start, cfg.calibration_temperature, cfg.calibration_scale)
-        # S was computed at [0, s) and the first chunk right after it: their KV, cached or
-        # recomputed, is a plain prefill's, which the prefix cache may offer to any request. Not
-        # so for a separator-free slice cut from the middle of an entry, or from an entry computed
-        # after another S: that KV was computed in another context.
-        first_exact = bool(prompt.chunks) and state.slices[1][0] == 0
-        first_exact = first_exact and state.entries[1].token_ids[0] == tuple(prompt.sys_token_ids)
-        exact_prefix = s + (len(prompt.chunks[0]) if first_exact else 0)
+    def _blend(self, seq: Sequence, stop: int | None) -> torch.Tensor | None:
+        """The blend prefill of a layout-"offset" request, its layers up to `stop` (None: all of
+        them) in this step: the last token's hidden state once the last layer ran, else None. None
+        also after a failure, which leaves the request to an ordinary prefill of every token (its
+        blocks are simply overwritten)."""
+        cfg = seq.blend
+        assert cfg is not None, "a blend needs the request's options"
         try:
-            prior = None
-            if needs_stored_scores(cfg):
-                prior = self._stored_sensitivity(s, state.entries[1:], state.slices[1:])
-            result = blend_prefill(
-                self.model,
-                self.kv_caches,
-                BlendInput(
-                    token_ids=torch.tensor(seq.token_ids, device=self.device),
-                    cached_slots=state.cached_slots,
-                    cached_delta=state.cached_delta,
-                    num_sys=s,
-                    chunk_spans=spans,
-                    own_slots=block_slots(seq.block_table, self.block_size, seq.num_tokens, self.device),
-                    calibration=calibration,
-                    num_exact=exact_prefix,
-                    fresh_from=None if seq.kv_key is None else start // self.block_size * self.block_size,
-                    prior=prior,
-                ),
-                cfg,
-            )
+            if seq.blend_run is None:
+                seq.blend_run = BlendRun(self.model, self.kv_caches, self._blend_input(seq, cfg), cfg)
+            run = seq.blend_run
+            run.run(run.num_layers if stop is None else stop)
+            if not run.done:
+                return None
+            result = run.result()
         except Exception as e:  # any failure: plain prefill, never a crash or a wrong KV
             cause = f"{type(e).__name__}: {e}"
             if cause not in self.blend_failure_causes:
                 self.blend_failure_causes.add(cause)
                 logger.warning("blend failed (%s); falling back to a plain prefill", cause, exc_info=True)
             self.blend_fallbacks += 1
-            seq.blend = None
+            seq.blend, seq.blend_run = None, None
             seq.blend_fallback = True
             seq.num_prefix_cached = seq.num_chunk_cached = 0  # every token is computed now
             # ... by a plain prefill, whose blocks any prompt with these tokens may find.
             seq.prefix_cacheable, seq.kv_key = True, None
             return None
-        seq.calibration = calibration  # decode attends to the blended chunks the same way
-        seq.exact_prefix = exact_prefix
+        seq.blend_run = None
+        state = seq.chunks
+        assert state is not None
+        seq.calibration = run.inp.calibration  # decode attends to the blended chunks the same way
+        seq.exact_prefix = exact_prefix = run.inp.num_exact
         if seq.kv_key is not None:
             # Its blocks are found under the blend's key from the first one holding blended KV.
             seq.kv_key_from = min(seq.kv_key_from, exact_prefix // self.block_size)
@@ -245,6 +225,39 @@ class ModelRunner:
         self.blend_reused_tokens += result.reused_tokens
         self.blend_recomputed_tokens += result.recomputed_tokens
         return result.hidden
+
+    def _blend_input(self, seq: Sequence, cfg: ChunkConfig) -> BlendInput:
+        """What a blend reads: the request's tokens, its entries' slots and how far each moved, and
+        where its KV goes."""
+        state = seq.chunks
+        assert state is not None, "a blend needs the request's entries"
+        prompt = state.prompt
+        s = len(prompt.sys_token_ids)
+        spans, start = [], s
+        for chunk in prompt.chunks:
+            spans.append((start, len(chunk)))
+            start += len(chunk)
+        # S was computed at [0, s) and the first chunk right after it: their KV, cached or
+        # recomputed, is a plain prefill's, which the prefix cache may offer to any request. Not
+        # so for a separator-free slice cut from the middle of an entry, or from an entry computed
+        # after another S: that KV was computed in another context.
+        first_exact = bool(prompt.chunks) and state.slices[1][0] == 0
+        first_exact = first_exact and state.entries[1].token_ids[0] == tuple(prompt.sys_token_ids)
+        prior = None
+        if needs_stored_scores(cfg):
+            prior = self._stored_sensitivity(s, state.entries[1:], state.slices[1:])
+        return BlendInput(
+            token_ids=torch.tensor(seq.token_ids, device=self.device),
+            cached_slots=state.cached_slots,
+            cached_delta=state.cached_delta,
+            num_sys=s,
+            chunk_spans=spans,
+            own_slots=block_slots(seq.block_table, self.block_size, seq.num_tokens, self.device),
+            calibration=calibration_for(s, start, cfg.calibration_temperature, cfg.calibration_scale),
+            num_exact=s + (len(prompt.chunks[0]) if first_exact else 0),
+            fresh_from=None if seq.kv_key is None else start // self.block_size * self.block_size,
+            prior=prior,
+        )
 
     def measure_sensitivity(self, entries: list[Entry]) -> None:
         """Measure the sensitivity (engine/sensitivity.py) of the chunk entries that have none yet:

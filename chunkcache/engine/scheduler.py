@@ -17,8 +17,10 @@ the next one, so steady load slows it but never starves it.
 
 A fusion request's streams are one unit throughout: admitted, preempted and finished together,
 their prompts ending in the same step (a pair stream's extra document first: the others wait) and
-each then decoding one token per step. A blend prefill cannot be split: it runs whole, beside decodes and short prompts,
-when the budget left holds it or when no long prefill runs in the step. When a running request
+each then decoding one token per step; a unit is short or long by its members' tokens together,
+and takes at most one piece's worth of them per step. A blend prefill is split by layers
+(engine/blend.py's `BlendRun`): a piece runs as many of its layers as one piece's worth of tokens
+holds (engine/pieces.py sizes every piece). When a running request
 needs a block and none is free, background work yields first, then the most recently
 admitted sequence: its blocks are freed and it is recomputed later (its prefix-cached blocks
 usually survive). Background work gives its blocks back instead (a yield, not a preemption), also
@@ -37,6 +39,7 @@ from chunkcache.config import SchedulerConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.sequence import Sequence, Status
 from chunkcache.engine.decode_guard import DecodeGuard
+from chunkcache.engine.pieces import Piece, piece_for, remaining, unit_of, unit_remaining, units
 
 # Tokens background work is guaranteed in a step once it has waited BACKGROUND_MAX_WAIT_STEPS
 # steps in a row: a request pays at most this for it (32 tokens of SmolLM2: ~0.13 s on one CPU
@@ -48,48 +51,32 @@ BACKGROUND_MAX_WAIT_STEPS = 8
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
+    # Own tokens whose KV each has after this step (a blend's, all of them in its last piece).
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     budget: int = 0  # tokens this step may still take
     has_long: bool = False  # whether a piece of a long prefill runs in this step
     decodes: int = 0  # sequences given their one next token in the decode pass
+    # Blends that run only some of their layers in this step (0 new tokens): id(seq) -> the layer
+    # they stop before (engine/blend.py's BlendRun).
+    blend_layers: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def add(self, unit: list[Sequence], counts: list[int], long: bool) -> None:
-        for member, n in zip(unit, counts, strict=True):
+    def add(self, unit: list[Sequence], piece: Piece, long: bool) -> None:
+        for member, n in zip(unit, piece.counts, strict=True):
             if n > 0:  # a stream waiting for its pair stream's document sits this step out
                 self.seqs.append(member)
-                self.num_new_tokens.append(n)
-        self.budget -= sum(counts)
+                self.num_new_tokens.append(n if piece.layers is None else 0)
+                if piece.layers is not None:
+                    self.blend_layers[id(member)] = piece.layers
+        self.budget -= piece.cost
         self.has_long = self.has_long or long
 
 
-def _unit(seq: Sequence) -> list[Sequence]:
-    """What is scheduled together with `seq`: a fusion request's streams (engine/fusion.py) are
-    admitted, given tokens and preempted as one, so that they stay in step; else `seq` alone."""
-    return seq.fusion.streams if seq.fusion is not None else [seq]
-
-
-def _units(seqs: list[Sequence]) -> list[list[Sequence]]:
-    """`seqs` grouped into units, in order of each unit's first member."""
-    seen: set[int] = set()
-    units = []
-    for seq in seqs:
-        if id(seq) not in seen:
-            unit = _unit(seq)
-            seen.update(map(id, unit))
-            units.append(unit)
-    return units
-
-
-def _remaining(seq: Sequence) -> int:
-    return seq.num_tokens - seq.num_computed
-
-
 def _is_decode(seq: Sequence) -> bool:
-    return not seq.kind.is_background and _remaining(seq) == 1
+    return not seq.kind.is_background and remaining(seq) == 1
 
 
 class Scheduler:
@@ -98,11 +85,13 @@ class Scheduler:
         config: SchedulerConfig,
         blocks: BlockManager,
         is_ready: Callable[[Sequence], bool],
+        num_layers: int = 1,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.blocks = blocks
+        self.num_layers = num_layers  # of the model: what a layer of a blend costs (engine/pieces.py)
         # The chunk manager decides when a sequence's borrowed KV exists (fill jobs done).
         self.is_ready = is_ready
         self.waiting: deque[Sequence] = deque()
@@ -136,7 +125,7 @@ class Scheduler:
         self._serve_running(batch, _is_decode)
         batch.decodes = len(batch.seqs) - reserved
         if not batch.preempted:
-            self._admit(batch, lambda s: not s.kind.is_background and _remaining(s) <= short)
+            self._admit(batch, lambda s: not s.kind.is_background and unit_remaining(s) <= short)
         # Long prefills and background work wait while running streams fall behind (decode_guard).
         if not batch.preempted and self.decode_guard.allows_prefill(batch.decodes > 0):
             self._serve_running(batch, lambda s: not s.kind.is_background)
@@ -156,31 +145,31 @@ class Scheduler:
 
     def _serve_running(self, batch: ScheduledBatch, wanted: Callable[[Sequence], bool]) -> None:
         """Give the running units `wanted` picks their next tokens (a preemption ends the pass)."""
-        for unit in _units(self.running):
+        for unit in units(self.running):
             seq = unit[0]
             if batch.budget <= 0 or batch.preempted:
                 return
             if seq.status != Status.RUNNING or seq in batch.seqs or not wanted(seq):
                 continue
-            counts = self._unit_tokens(unit, batch)
-            long = max(map(_remaining, unit)) > self.long_prefill_token_threshold
-            if sum(counts) > 0 and self._grow_or_preempt(unit, counts, batch):
-                batch.add(unit, counts, long)
+            piece = self._piece(unit, batch)
+            long = unit_remaining(seq) > self.long_prefill_token_threshold
+            if piece.cost > 0 and self._grow_or_preempt(unit, piece.counts, batch):
+                batch.add(unit, piece, long)
 
     def _admit(self, batch: ScheduledBatch, wanted: Callable[[Sequence], bool]) -> None:
         """Admit the waiting units `wanted` picks, first come first served, while the budget,
         `max_num_seqs` and free blocks allow."""
-        for unit in _units(list(self.waiting)):
+        for unit in units(list(self.waiting)):
             seq = unit[0]
             if batch.budget <= 0 or len(self.running) + len(unit) > self.max_num_seqs:
                 return
             if not wanted(seq) or not self.is_ready(seq):
                 continue
             self._match_prefix(seq)
-            counts = self._unit_tokens(unit, batch)
-            n = sum(counts)
-            long = max(map(_remaining, unit)) > self.long_prefill_token_threshold
-            if n <= 0 or not self._grow_for_admission(unit, counts, batch):
+            piece = self._piece(unit, batch)
+            n = piece.cost
+            long = unit_remaining(seq) > self.long_prefill_token_threshold
+            if n <= 0 or not self._grow_for_admission(unit, piece.counts, batch):
                 # A waiting sequence holds no blocks: the prefix blocks it just matched go back
                 # (still cached), or a running sequence could starve for them while it waits.
                 for member in unit:
@@ -196,7 +185,7 @@ class Scheduler:
                 self.running.append(member)
             if seq.fusion is not None and seq.fusion.request.metrics.first_scheduled_time is None:
                 seq.fusion.request.metrics.first_scheduled_time = time.time()
-            batch.add(unit, counts, long)
+            batch.add(unit, piece, long)
 
     def _serve_background(self, batch: ScheduledBatch, tokens: int) -> None:
         """Running, then waiting, background work, within `tokens` of the budget left."""
@@ -222,7 +211,7 @@ class Scheduler:
             if job is not None:
                 self._yield(job, batch)
                 continue
-            for member in reversed(_unit(victims[0])):
+            for member in reversed(unit_of(victims[0])):
                 self._preempt(member, batch)
             if seq.status != Status.RUNNING:
                 return False
@@ -251,28 +240,10 @@ class Scheduler:
     def _grow_all(self, unit: list[Sequence], counts: list[int]) -> bool:
         return all(self._grow(m, m.num_computed + n) for m, n in zip(unit, counts, strict=True))
 
-    def _unit_tokens(self, unit: list[Sequence], batch: ScheduledBatch) -> list[int]:
-        """Tokens per member in this step: what is left, in pieces of at most the threshold,
-        within the budget left together. A fusion pair stream has a document to compute before
-        its Q (engine/fusion.py): the others get 0 until their Q ends in the same step as its, so
-        that every stream yields its first logits in one step."""
-        seq = unit[0]
-        if len(unit) == 1 and seq.blend is not None and seq.num_computed == 0:
-            # A blend prefill cannot be split: whole, where the budget left holds it or where no
-            # other long prefill runs in this step (so it never waits behind them for ever).
-            remaining = _remaining(seq)
-            return [remaining if remaining <= batch.budget or not batch.has_long else 0]
-        left = [_remaining(m) for m in unit]
-        most = max(left)
-
-        def counts(lead: int) -> list[int]:  # the longest member's count is `lead`
-            return [max(0, lead - (most - r)) for r in left]
-
-        lo, hi = 0, min(most, self.long_prefill_token_threshold)
-        while lo < hi:  # the largest lead whose total fits the budget left
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if sum(counts(mid)) <= batch.budget else (lo, mid - 1)
-        return counts(lo)
+    def _piece(self, unit: list[Sequence], batch: ScheduledBatch) -> Piece:
+        return piece_for(
+            unit, batch.budget, self.long_prefill_token_threshold, self.num_layers, batch.has_long
+        )
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Start a new sequence from its blocks in the prefix cache. Only prefix-cacheable
@@ -346,6 +317,7 @@ class Scheduler:
         if not seq.kind.is_fill:
             seq.block_table = []
             seq.block_hashes = []
+        seq.blend_run = None  # a blend under way wrote into those blocks: it starts over
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:
