@@ -99,7 +99,7 @@ def coverage(llm: LLM, text: str, docs: list[str]) -> tuple[int, int]:
     assert engine.chunks is not None
     enc = llm.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     config = engine.config.chunk
-    cut = engine.chunks.plan(enc["input_ids"], config)
+    cut = engine.chunks.cutter.plan(enc["input_ids"], config)
     covered = set()
     for a, b, run in cut.parts if cut is not None else ():
         if run is not None:

@@ -136,7 +136,7 @@ def test_first_sight_is_exact_and_second_sight_reuses_slices(checkpoint) -> None
     text = _stuff(docs, [2, 0], "What is second?")
     ids = tok.encode(text)
     engine = llm.engine
-    cut = engine.chunks.plan(ids, engine.config.chunk)
+    cut = engine.chunks.cutter.plan(ids, engine.config.chunk)
     assert cut is not None
     second = llm.generate(text, FIRST, chunk_options=REUSE)[0]
     assert second.prompt_token_ids == ids
@@ -282,7 +282,7 @@ def _second_sight(llm: LLM, docs: list[str]) -> tuple[list[int], Any]:
     llm.generate(_long(docs, [0, 1, 2], "Who is first?"), FIRST, chunk_options=REUSE)
     ids = llm.tokenizer.encode(_long(docs, [2, 0], "What is second?"))
     engine = llm.engine
-    cut = engine.chunks.plan(ids, engine.config.chunk)
+    cut = engine.chunks.cutter.plan(ids, engine.config.chunk)
     assert cut is not None
     # S reaches over the instructions, which the first sight learned right after its own S.
     preamble = len(llm.tokenizer.encode(LONG_PREAMBLE))
@@ -335,7 +335,7 @@ def test_a_borrowed_slice_is_recomputed_as_a_canonical_entry(checkpoint) -> None
     # Third sight, another order: the documents are found as canonical entries, from their start.
     text = _long(docs, [0, 2], "Which is third?")
     ids3 = llm.tokenizer.encode(text)
-    cut3 = engine.chunks.plan(ids3, engine.config.chunk)
+    cut3 = engine.chunks.cutter.plan(ids3, engine.config.chunk)
     # Document 0 opens this prompt as it opened the first: the shared prefix reaches over it, yet
     # S stays the known one (the canonical entries are keyed by it).
     assert cut3 is not None and ids3[: cut3.sys_end] == ids[:s]

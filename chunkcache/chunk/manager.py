@@ -19,10 +19,11 @@ a miss becomes a fill job then. A newly computed entry is written down to the ti
 (demotion), so no computed entry is lost to an eviction. Whether an entry was cached for a
 request (its reported cached tokens) is settled once all its entries are ready.
 
-A plain prompt with separator-free matching on (chunk/matcher.py) is cut here, at admission, into
-the same parts: runs found in existing entries are borrowed as slices of them (their KV was
-computed wherever the entry was, so layout "offset" re-rotates it from there), and the gaps
-between them become new chunk entries with fill jobs, as missing chunks do.
+A plain prompt with separator-free matching on (chunk/matcher.py) is cut at admission
+(chunk/separator_free.py; under layout "fusion" into exact documents) into the same parts: runs
+found in existing entries are borrowed as slices of them (their KV was computed wherever the
+entry was, so layout "offset" re-rotates it from there), and the gaps between them become new
+chunk entries with fill jobs, as missing chunks do.
 
 A run borrowed from inside an entry (or from an entry computed after another S) carries the
 context it was learned in: the documents before it in the prompt it was first seen in. Such a
@@ -32,32 +33,27 @@ separator format gives. The request does not wait for it (it borrows the slice a
 job runs only while no request is waiting or running, and registers its anchors once computed,
 where the matcher prefers it (a run aligned with its entry's start) to the slice it replaces.
 A request that needs such an entry before it is done promotes its job to an ordinary one.
-
-Under layout "fusion" every stream must be exact, so a plain prompt's matches are cut again
-(matcher.fusion_documents): only runs computed right after this S are borrowed; the other matched
-pieces are computed after S for this request (their canonical entries, as ordinary fill jobs), and
-the request becomes a fusion request over the documents (the engine's `fuse`, at admission).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from chunkcache.chunk.matcher import Plan, Run, SpanIndex, fusion_documents, plan
+from chunkcache.chunk.matcher import Run, SpanIndex
 from chunkcache.chunk.pool import ChunkPool
+from chunkcache.chunk.separator_free import Fuse, PlainPromptCutter
 from chunkcache.chunk.tiers.loader import TierLoader
 from chunkcache.chunk.tiers.provider import StoredKV
 from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.kv_slots import block_slots, gather_kv, scatter_kv
-from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, Entry, FillJob, PlainPrompt, RequestChunks
+from chunkcache.core.plan import ChunkedPrompt, Entry, FillJob, PlainPrompt, RequestChunks
 from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import chunk_hash, system_hash
@@ -66,21 +62,9 @@ from chunkcache.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
-# Separator-free: a prompt whose matches cover less of its span than this runs as a first sight.
-# Its gaps would be fill-job prefills and the blend recomputes every token before its check layer
-# and a share after it: a prompt with no match at all, cut so, took 1.6-1.8x a plain prefill
-# (bench_separator_free); a mostly new one is not worth it either.
-_MIN_REUSED_SHARE = 0.25
-_NO_INDEX = SpanIndex(lambda entry: False)
 # Pool pages that canonical entries still being computed may hold (pinned by their jobs): under
 # steady load background jobs wait, and must not pin the whole pool meanwhile.
 _MAX_BACKGROUND_SHARE = 0.25
-
-
-# Admission's question to the engine (layout "fusion"): make this separator-free request a
-# fusion request over these documents, if its streams fit (engine/intake.py, RequestIntake.fuse).
-# The last argument: KV blocks the request's S and computed documents may take (the pool refusing).
-Fuse = Callable[[Sequence, ChunkedPrompt, ChunkConfig, int], bool]
 
 
 def _fill_kind(entry: Entry, canonical: bool) -> SequenceKind:
@@ -149,6 +133,9 @@ class ChunkManager:
             "fusion_dropped_tokens": 0,
         }
         self._background_pages = 0  # pool pages held by canonical entries still being computed
+        self.cutter = PlainPromptCutter(
+            pool, self.index, blocks, model_name, config.hash_algorithm, self.separator_free
+        )
 
     # ---- validation (any thread) -------------------------------------------------------------
 
@@ -186,31 +173,10 @@ class ChunkManager:
         runs: list[Run | None] | None = None
         matched: tuple[bool, ...] = ()
         if isinstance(prompt, PlainPrompt):
-            self.separator_free["requests"] += 1
-            cut = self._cut(prompt.token_ids, config)
+            cut = self.cutter.admit(seq, prompt, config, fuse)
             if cut is None:
-                seq.chunk_plan = None
-                seq.prefix_cacheable = True
                 return []
-            if config.layout == "fusion" and any(run for _, _, run in cut.parts):
-                cut, matched = self._fusion_cut(seq, prompt.token_ids, cut, config, fuse)
-            if not matched and (cut is None or not any(run for _, _, run in cut.parts)):
-                # First sight: nothing to borrow. A plain prefill computes exactly the KV its
-                # parts would get (S, then the span after S), so it runs as one, prefix cache
-                # included, and its parts are stored from its KV afterwards (`learn`).
-                seq.chunk_plan = None
-                seq.prefix_cacheable = True
-                seq.learn = None if cut is None else self._parts(prompt.token_ids, cut)[0]
-                return []
-            prompt, runs = self._parts(prompt.token_ids, cut)
-            seq.chunk_plan = ChunkPlan(prompt, config)
-            # Pinned before anything is created: a new entry's pages may come from evicting an
-            # unpinned entry, which must not be one this request is about to borrow from.
-            # Borrowing counts as a use for the LRU order too (matching by content does not).
-            for run in runs:
-                if run is not None:
-                    run.entry.pins += 1
-                    self.pool.get(run.entry.key, run.entry.token_ids)
+            prompt, runs, matched = cut
         state = RequestChunks(prompt)
         seq.chunks = state
         jobs: list[Sequence] = []
@@ -268,22 +234,6 @@ class ChunkManager:
             seq.position_base = prompt.question_position()
         return jobs
 
-    def _fusion_cut(
-        self, seq: Sequence, token_ids: tuple[int, ...], cut: Plan, config: ChunkConfig, fuse: Fuse | None
-    ) -> tuple[Plan | None, tuple[bool, ...]]:
-        """Layout "fusion": the plan of `cut`'s documents (matcher.fusion_documents) once `fuse`
-        has made `seq` a fusion request over them, and which were matched; else (fewer than two
-        matched, streams that do not fit) a first sight's plan."""
-        docs = fusion_documents(token_ids, cut, self.index, config.separator_free_min_tokens)
-        if docs is not None and fuse is not None:
-            prompt = self._parts(token_ids, docs.plan)[0]
-            if fuse(seq, prompt, config, self._private_worst(docs.plan)):
-                self.separator_free["fusion"] += 1
-                self.separator_free["fusion_dropped_tokens"] += docs.dropped
-                return docs.plan, docs.matched
-        self.separator_free["fusion_plain"] += 1
-        return self.plan(token_ids, config, _NO_INDEX), ()
-
     def _canonicalize(
         self, sys_ids: tuple[int, ...], chunk: tuple[int, ...], sys_entry: Entry, jobs: list[Sequence]
     ) -> None:
@@ -304,65 +254,6 @@ class ChunkManager:
         self._background_pages += need
         jobs.append(self._fill_job(entry, sys_entry, len(sys_ids), canonical=True))
         self.separator_free["canonical_jobs"] += 1
-
-    def plan(
-        self, token_ids: tuple[int, ...] | list[int], config: ChunkConfig, index: SpanIndex | None = None
-    ) -> Plan | None:
-        """How admission cuts a plain prompt now (matcher.plan on this pool, or on `index`); a
-        prompt whose matches cover too little of its span is planned as a first sight (one gap,
-        nothing borrowed)."""
-
-        def system_end(lo: int, hi: int) -> int:
-            # The shortest S already in the pool that the prompt extends (its documents' canonical
-            # entries are keyed by it), else the whole shared prefix.
-            for end in sorted({e.num_tokens for e in self.pool.entries() if e.kind == "system"}):
-                if lo < end <= hi:
-                    sys_ids = tuple(token_ids[:end])
-                    key = system_hash(self.model_name, sys_ids, self.config.hash_algorithm)
-                    if self.pool.has_key(key) and self.pool.get(key, (sys_ids,)) is not None:
-                        return end
-            return hi
-
-        index = self.index if index is None else index
-        cut = plan(token_ids, index, config.separator_free_min_tokens, config.max_chunks, system_end)
-        if cut is None:
-            return None
-        reused = sum(b - a for a, b, run in cut.parts if run is not None)
-        if 0 < reused < _MIN_REUSED_SHARE * (cut.q_start - cut.sys_end):
-            # Too little to borrow to pay for computing the rest as chunks and blending: a first
-            # sight (a plain prefill, stored afterwards) instead.
-            cut = plan(token_ids, _NO_INDEX, config.separator_free_min_tokens, config.max_chunks)
-        return cut
-
-    def _cut(self, token_ids: tuple[int, ...], config: ChunkConfig) -> Plan | None:
-        """A plain prompt's plan: S, chunks (matched runs or gaps) and Q; None when there is
-        nothing to reuse or learn, or when computing its gaps in paged blocks (should the pool
-        refuse them) could not fit beside the prompt itself."""
-        cut = self.plan(token_ids, config)
-        if cut is None:
-            return None
-        # Under fusion the request holds its streams' blocks, not the prompt's: checked there.
-        worst = 0 if config.layout == "fusion" else self.blocks.blocks_for(len(token_ids) + 1)
-        worst += self._private_worst(cut)
-        if worst > self.blocks.num_blocks or cut.q_start - cut.sys_end < config.blend_min_tokens:
-            return None
-        self.separator_free["cut"] += 1
-        return cut
-
-    def _private_worst(self, cut: Plan) -> int:
-        """KV blocks a plan's S and computed chunks take should the pool refuse them all."""
-        gaps = [b - a for a, b, run in cut.parts if run is None]
-        return self.blocks.blocks_for(cut.sys_end) + sum(self.blocks.blocks_for(g) for g in gaps)
-
-    @staticmethod
-    def _parts(token_ids: tuple[int, ...], cut: Plan) -> tuple[ChunkedPrompt, list[Run | None]]:
-        """A plan's S, chunks and Q as token ids, and each chunk's run (None: computed)."""
-        prompt = ChunkedPrompt(
-            tuple(token_ids[: cut.sys_end]),
-            tuple(tuple(token_ids[a:b]) for a, b, _ in cut.parts),
-            tuple(token_ids[cut.q_start :]),
-        )
-        return prompt, [run for _, _, run in cut.parts]
 
     def _acquire(
         self,

@@ -1,0 +1,164 @@
+"""Separator-free matching at admission: a plain prompt cut into the chunked-prompt parts.
+
+The chunk manager's half that decides *what* a plain prompt is made of (chunk/matcher.py finds
+the runs; this turns them into S, chunks and Q on the pool as it is now, or says the prompt runs
+as a plain prefill); the manager then borrows and computes those parts as for any chunked prompt.
+Apart from chunk/manager.py so that each reads in one sitting (docs/chunk-cache.md "separator_free").
+
+Under layout "fusion" every stream must be exact, so a prompt's matches are cut again
+(matcher.fusion_documents): only runs computed right after this S are borrowed; the other matched
+pieces are computed after S for this request, and the request becomes a fusion request over the
+documents (the engine's `fuse`, at admission).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from chunkcache.chunk.matcher import Plan, Run, SpanIndex, fusion_documents, plan
+from chunkcache.chunk.pool import ChunkPool
+from chunkcache.config import ChunkConfig
+from chunkcache.core.kv_blocks import BlockManager
+from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, PlainPrompt
+from chunkcache.core.sequence import Sequence
+from chunkcache.hashing import system_hash
+
+# A prompt whose matches cover less of its span than this runs as a first sight. Its gaps would
+# be fill-job prefills and the blend recomputes every token before its check layer and a share
+# after it: a prompt with no match at all, cut so, took 1.6-1.8x a plain prefill
+# (bench_separator_free); a mostly new one is not worth it either.
+_MIN_REUSED_SHARE = 0.25
+_NO_INDEX = SpanIndex(lambda entry: False)
+
+# Admission's question to the engine (layout "fusion"): make this separator-free request a
+# fusion request over these documents, if its streams fit (engine/intake.py, RequestIntake.fuse).
+# The last argument: KV blocks the request's S and computed documents may take (the pool refusing).
+Fuse = Callable[[Sequence, ChunkedPrompt, ChunkConfig, int], bool]
+Admitted = tuple[ChunkedPrompt, list[Run | None], tuple[bool, ...]]
+
+
+class PlainPromptCutter:
+    """Cuts plain prompts on the pool's span index; counts what it did in `counters` (the
+    manager's `separator_free` stats)."""
+
+    def __init__(
+        self,
+        pool: ChunkPool,
+        index: SpanIndex,
+        blocks: BlockManager,
+        model_name: str,
+        hash_algorithm: str,
+        counters: dict[str, int],
+    ) -> None:
+        self.pool, self.index, self.blocks = pool, index, blocks
+        self.model_name, self.hash_algorithm = model_name, hash_algorithm
+        self.counters = counters
+
+    def admit(
+        self, seq: Sequence, prompt: PlainPrompt, config: ChunkConfig, fuse: Fuse | None
+    ) -> Admitted | None:
+        """The parts `seq`'s plain prompt is served as, each chunk's run (None: computed) and, under
+        fusion, which chunks were matched; their runs' entries pinned. None: it runs as a plain
+        request (its `learn` set where a first sight stores its parts afterwards)."""
+        self.counters["requests"] += 1
+        cut = self.cut(prompt.token_ids, config)
+        if cut is None:
+            seq.chunk_plan = None
+            seq.prefix_cacheable = True
+            return None
+        matched: tuple[bool, ...] = ()
+        if config.layout == "fusion" and any(run for _, _, run in cut.parts):
+            cut, matched = self._fusion_cut(seq, prompt.token_ids, cut, config, fuse)
+        if not matched and (cut is None or not any(run for _, _, run in cut.parts)):
+            # First sight: nothing to borrow. A plain prefill computes exactly the KV its
+            # parts would get (S, then the span after S), so it runs as one, prefix cache
+            # included, and its parts are stored from its KV afterwards (`learn`).
+            seq.chunk_plan = None
+            seq.prefix_cacheable = True
+            seq.learn = None if cut is None else self.parts(prompt.token_ids, cut)[0]
+            return None
+        chunked, runs = self.parts(prompt.token_ids, cut)
+        seq.chunk_plan = ChunkPlan(chunked, config)
+        # Pinned before anything is created: a new entry's pages may come from evicting an
+        # unpinned entry, which must not be one this request is about to borrow from.
+        # Borrowing counts as a use for the LRU order too (matching by content does not).
+        for run in runs:
+            if run is not None:
+                run.entry.pins += 1
+                self.pool.get(run.entry.key, run.entry.token_ids)
+        return chunked, runs, matched
+
+    def _fusion_cut(
+        self, seq: Sequence, token_ids: tuple[int, ...], cut: Plan, config: ChunkConfig, fuse: Fuse | None
+    ) -> tuple[Plan | None, tuple[bool, ...]]:
+        """Layout "fusion": the plan of `cut`'s documents (matcher.fusion_documents) once `fuse`
+        has made `seq` a fusion request over them, and which were matched; else (fewer than two
+        matched, streams that do not fit) a first sight's plan."""
+        docs = fusion_documents(token_ids, cut, self.index, config.separator_free_min_tokens)
+        if docs is not None and fuse is not None:
+            prompt = self.parts(token_ids, docs.plan)[0]
+            if fuse(seq, prompt, config, self.private_worst(docs.plan)):
+                self.counters["fusion"] += 1
+                self.counters["fusion_dropped_tokens"] += docs.dropped
+                return docs.plan, docs.matched
+        self.counters["fusion_plain"] += 1
+        return self.plan(token_ids, config, _NO_INDEX), ()
+
+    def plan(
+        self, token_ids: tuple[int, ...] | list[int], config: ChunkConfig, index: SpanIndex | None = None
+    ) -> Plan | None:
+        """How admission cuts a plain prompt now (matcher.plan on this pool, or on `index`); a
+        prompt whose matches cover too little of its span is planned as a first sight (one gap,
+        nothing borrowed)."""
+
+        def system_end(lo: int, hi: int) -> int:
+            # The shortest S already in the pool that the prompt extends (its documents' canonical
+            # entries are keyed by it), else the whole shared prefix.
+            for end in sorted({e.num_tokens for e in self.pool.entries() if e.kind == "system"}):
+                if lo < end <= hi:
+                    sys_ids = tuple(token_ids[:end])
+                    key = system_hash(self.model_name, sys_ids, self.hash_algorithm)
+                    if self.pool.has_key(key) and self.pool.get(key, (sys_ids,)) is not None:
+                        return end
+            return hi
+
+        index = self.index if index is None else index
+        cut = plan(token_ids, index, config.separator_free_min_tokens, config.max_chunks, system_end)
+        if cut is None:
+            return None
+        reused = sum(b - a for a, b, run in cut.parts if run is not None)
+        if 0 < reused < _MIN_REUSED_SHARE * (cut.q_start - cut.sys_end):
+            # Too little to borrow to pay for computing the rest as chunks and blending: a first
+            # sight (a plain prefill, stored afterwards) instead.
+            cut = plan(token_ids, _NO_INDEX, config.separator_free_min_tokens, config.max_chunks)
+        return cut
+
+    def cut(self, token_ids: tuple[int, ...], config: ChunkConfig) -> Plan | None:
+        """A plain prompt's plan: S, chunks (matched runs or gaps) and Q; None when there is
+        nothing to reuse or learn, or when computing its gaps in paged blocks (should the pool
+        refuse them) could not fit beside the prompt itself."""
+        cut = self.plan(token_ids, config)
+        if cut is None:
+            return None
+        # Under fusion the request holds its streams' blocks, not the prompt's: checked there.
+        worst = 0 if config.layout == "fusion" else self.blocks.blocks_for(len(token_ids) + 1)
+        worst += self.private_worst(cut)
+        if worst > self.blocks.num_blocks or cut.q_start - cut.sys_end < config.blend_min_tokens:
+            return None
+        self.counters["cut"] += 1
+        return cut
+
+    def private_worst(self, cut: Plan) -> int:
+        """KV blocks a plan's S and computed chunks take should the pool refuse them all."""
+        gaps = [b - a for a, b, run in cut.parts if run is None]
+        return self.blocks.blocks_for(cut.sys_end) + sum(self.blocks.blocks_for(g) for g in gaps)
+
+    @staticmethod
+    def parts(token_ids: tuple[int, ...], cut: Plan) -> tuple[ChunkedPrompt, list[Run | None]]:
+        """A plan's S, chunks and Q as token ids, and each chunk's run (None: computed)."""
+        prompt = ChunkedPrompt(
+            tuple(token_ids[: cut.sys_end]),
+            tuple(tuple(token_ids[a:b]) for a, b, _ in cut.parts),
+            tuple(token_ids[cut.q_start :]),
+        )
+        return prompt, [run for _, _, run in cut.parts]
