@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from chunkcache.chunk.manager import ChunkManager, Fuse
+from chunkcache.chunk.manager import ChunkManager
+from chunkcache.chunk.separator_free import Fuse
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.sequence import Sequence, SequenceKind
