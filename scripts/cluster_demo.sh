@@ -47,7 +47,32 @@ stop_all() {  # the processes this script started, by their ids, newest first
 trap 'stop_all; rm -rf "$WORK"' EXIT
 trap 'exit 130' INT TERM
 
-free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# A free loopback port, below the kernel's ephemeral range (ip_local_port_range, from 32768 by
+# default) so that no outgoing connection of a process already started takes it before the server
+# it is meant for binds it (port 0 hands out ephemeral ports: that race failed a CI run), and never
+# one handed out before in this run (recorded in $WORK/ports until the processes bind them).
+free_port() {
+    "$PY" - "$WORK/ports" <<'PY'
+import os, random, socket, sys
+path = sys.argv[1]
+used = set(open(path).read().split()) if os.path.exists(path) else set()
+for _ in range(1000):
+    port = random.randint(20000, 32000)
+    if str(port) in used:
+        continue
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+    with open(path, "a") as f:
+        f.write(f"{port}\n")
+    print(port)
+    break
+else:
+    sys.exit("no free port in 20000-32000")
+PY
+}
 wait_healthy() {  # URL NAME PID
     local deadline=$(( SECONDS + 900 ))
     until "$PY" -c "import httpx, sys; sys.exit(httpx.get('$1/health', timeout=2).status_code != 200)" 2>/dev/null; do
