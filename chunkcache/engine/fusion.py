@@ -200,19 +200,19 @@ class FusionGroup:
         self.question_logprobs.insert(at, [None] * max(len(self.prompt.question_token_ids) - 1, 0))
         return stream
 
-    def _top_two(self) -> tuple[int, int]:
-        """The two documents whose streams give Q the highest relevance, most relevant first."""
+    def _top_two(self) -> tuple[tuple[int, int], list[float]]:
+        """The two documents whose streams give Q the highest relevance, most relevant first, and
+        the documents' relevances."""
         n = len(self.prompt.chunks)
         relevance = self.relevance()[:n].tolist()
         i, j = sorted(range(n), key=lambda k: (-relevance[k], k))[:2]
-        return i, j
+        return (i, j), relevance
 
     def pair_wanted(self) -> bool:
         """After the first step: whether the two most relevant documents are close enough
         (`fusion_pair_margin`) for the pair stream to join; if not, the group decodes on without."""
-        i, j = self._top_two()
-        relevance = self.relevance()
-        if float(relevance[i] - relevance[j]) <= self.pair_margin:
+        (i, j), relevance = self._top_two()
+        if relevance[i] - relevance[j] <= self.pair_margin:
             return True
         self.pair_mode = FusionPair.NONE
         return False
@@ -223,7 +223,7 @@ class FusionGroup:
         documents, in prompt order, Ci borrowed (its stream's slots), Cj and Q computed."""
         prompt = self.prompt
         n = len(prompt.chunks)
-        i, j = sorted(self._top_two())
+        i, j = sorted(self._top_two()[0])
         first = prompt.sys_token_ids + prompt.chunks[i]
         ids = [*first, *prompt.chunks[j], *prompt.question_token_ids]
         stream = self._add_stream(n, ids, prompt.chunks[j], len(first), i)
