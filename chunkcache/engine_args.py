@@ -124,6 +124,8 @@ OPTION_HELP: dict[str, str] = {
     "configuration below fidelity_target, steps back towards speed above target + fidelity_margin",
     "fidelity_margin": "how far above fidelity_target the rolling agreement must stay for the controller "
     "to step back towards speed, in [0, 1)",
+    "fidelity_max_share": "the most share of the engine's step CPU time shadow checks may take, in (0, 1]: "
+    "a request drawn for a check while their share is above it is not checked (counted over_budget)",
 }
 
 

@@ -72,7 +72,8 @@ def model(checkpoint: Callable[..., Path]) -> Path:
 
 
 def _llm(model: Path, options: dict[str, Any], **kw: Any) -> LLM:
-    return tiny_llm(model, threads=1, fidelity_sample_rate=1.0, **options, **kw)
+    # Every drawn request checked: no CPU cap (tested apart below).
+    return tiny_llm(model, threads=1, fidelity_sample_rate=1.0, fidelity_max_share=1.0, **options, **kw)
 
 
 @pytest.mark.parametrize(("options", "result"), [(EXACT, "agree"), (LOSSY, "disagree")])
@@ -237,6 +238,7 @@ def test_controller_climbs_when_lossy_and_steps_back_when_met(
     window = 3
     llm = tiny_llm(
         model, threads=1, fidelity_target=0.9, fidelity_profile=str(path), fidelity_sample_rate=1.0,
+        fidelity_max_share=1.0,
         fidelity_window=window,
     )  # fmt: skip
     try:
@@ -332,6 +334,7 @@ def test_controller_moves_on_sampled_traffic(model: Path, tmp_path: Path) -> Non
     window = 2
     llm = tiny_llm(
         model, threads=1, fidelity_target=0.9, fidelity_profile=str(path), fidelity_sample_rate=1.0,
+        fidelity_max_share=1.0,
         fidelity_window=window, fidelity_distribution_steps=2,
     )  # fmt: skip
     try:
@@ -350,6 +353,40 @@ def test_controller_moves_on_sampled_traffic(model: Path, tmp_path: Path) -> Non
         assert fid["configs"]["exact"]["total_variation"] < 1e-4
     finally:
         llm.close()
+
+
+def test_checks_stop_while_over_their_cpu_share(model: Path) -> None:
+    """With a cap below any check's cost, the first drawn request is checked and the next ones are
+    not (counted over_budget) while the shadows' share of the steps' CPU time stays above it."""
+    llm = tiny_llm(model, threads=1, fidelity_sample_rate=1.0, fidelity_max_share=1e-9, **EXACT)
+    try:
+        engine = llm.engine
+        for i in range(4):  # one at a time: each is served after the previous check ran
+            _serve(engine, i, 1)
+        fid = _fidelity(engine)
+        assert fid["configs"]["default"]["agree"] == 1 and fid["configs"]["default"]["over_budget"] == 3
+        assert 0 < fid["cpu_share"] < 1 and fid["max_share"] == 1e-9
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    finally:
+        llm.close()
+
+
+def test_cpu_is_split_between_shadows_and_other_work_by_tokens() -> None:
+    from chunkcache.config import FidelityConfig
+    from chunkcache.fidelity.shadow import ShadowChecks
+
+    def seq(kind: SequenceKind) -> Sequence:
+        return Sequence(request_id=kind.value, prompt_token_ids=[1], token_ids=[1], params=GREEDY, kind=kind)
+
+    checks = ShadowChecks(FidelityConfig(sample_rate=0.5, max_share=0.2), 0, None, 64, lambda s: None, None)  # type: ignore[arg-type]
+    live, shadow = seq(SequenceKind.REQUEST), seq(SequenceKind.SHADOW)
+    checks.account([live, shadow], [30, 10], 2.0)  # a quarter of the tokens: a quarter of the CPU
+    assert (checks.shadow_cpu, checks.step_cpu) == (0.5, 2.0) and checks.cpu_share == 0.25
+    checks.account([live], [1], 3.0)
+    assert checks.cpu_share == 0.1 and checks.stats()["cpu_share"] == 0.1
+    off = ShadowChecks(FidelityConfig(), 0, None, 64, lambda s: None, None)  # type: ignore[arg-type]
+    off.account([shadow], [5], 1.0)  # no rate: nothing is measured
+    assert off.step_cpu == 0.0 and off.cpu_share == 0.0
 
 
 def test_metrics_parse(model: Path) -> None:
@@ -372,6 +409,8 @@ def test_metrics_parse(model: Path) -> None:
         assert agreement.labels == {"config": "default"} and 0.0 <= agreement.value < 1 / 3
         (variation,) = families["chunkcache_fidelity_total_variation"].samples
         assert variation.labels == {"config": "default"} and 0.1 < variation.value <= 1.0
+        (share,) = families["chunkcache_fidelity_shadow_cpu_share"].samples
+        assert 0.0 < share.value < 1.0
     finally:
         llm.close()
 
@@ -383,6 +422,8 @@ def test_metrics_parse(model: Path) -> None:
         ("fidelity_sample_rate", -0.1),
         ("fidelity_window", 0),
         ("fidelity_margin", 1),
+        ("fidelity_max_share", 0),
+        ("fidelity_max_share", 1.5),
     ],
 )
 def test_bad_options_are_named(option: str, value: object) -> None:

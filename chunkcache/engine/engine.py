@@ -214,9 +214,10 @@ class LLMEngine:
                 self.chunk_steps.wait_for_loads()
             return []
         try:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             logits, rows = self.runner.run(batch)
             self.scheduler.step_took(batch, time.perf_counter() - started)
+            self.shadows.account(batch.seqs, batch.num_new_tokens, time.process_time() - cpu)
             self._postprocess(batch, logits, rows)
         except Exception as e:
             # One bad request must not stop the engine: fail this batch's requests (their KV is

@@ -22,7 +22,11 @@ So a check's score is on one scale either way (1 = what full prefill would have 
 rolling agreement is the mean score of a configuration's last `fidelity_window` checks.
 
 At most `MAX_QUEUED` shadows wait or run at once; a request drawn beyond that is dropped and
-counted. Results are kept per configuration (totals, the rolling agreement, sampled checks' mean
+counted. A check costs a full prefill, so at a fixed rate its share of the CPU grows with reuse's
+speed-up (a warm request 10x cheaper than full prefill makes a 1% rate cost ~10%): the engine
+reports each step's CPU time (`account`), split between shadows and other work by the tokens each
+computed in it, and a request drawn while the shadows' share is above `fidelity_max_share` is not
+checked (counted `over_budget`), so checks take at most about that share whatever the speed-up. Results are kept per configuration (totals, the rolling agreement, sampled checks' mean
 TV per step), reported by `stats()` (the engine's stats and /metrics) and logged, and handed to
 the controller (controller.py) where there is one.
 """
@@ -84,6 +88,9 @@ class ShadowChecks:
         self.recent: dict[str, deque[float]] = {}  # configuration -> last checks' scores
         self._tv: dict[str, list[float]] = {}  # configuration -> [sum of TV over steps, steps]
         self.dropped = 0  # drawn while MAX_QUEUED shadows were pending
+        self.max_share = config.max_share
+        self.shadow_cpu = 0.0  # CPU seconds of steps, the shadows' share of each (`account`)
+        self.step_cpu = 0.0
 
     @property
     def current_config(self) -> str:
@@ -115,6 +122,9 @@ class ShadowChecks:
         if len(self._pending) >= MAX_QUEUED:
             self.dropped += 1
             return
+        if self.cpu_share > self.max_share:
+            self._count(seq.fidelity_config or DEFAULT_CONFIG, "over_budget")
+            return
         reply = list(seq.output_token_ids)
         ids = list(seq.prompt_token_ids)
         if len(ids) + len(reply) > self.max_model_len or self.blocks.blocks_for(len(ids) + len(reply)) > (
@@ -143,6 +153,21 @@ class ShadowChecks:
             shadow.forced_token_ids, shadow.step_logprobs, shadow.record_steps = reply[:length], [], length
         self._pending[id(shadow)] = _Pending(seq.fidelity_config or DEFAULT_CONFIG, reply, served)
         self._schedule(shadow)
+
+    @property
+    def cpu_share(self) -> float:
+        """The shadows' share of the CPU time of the engine's steps so far."""
+        return self.shadow_cpu / self.step_cpu if self.step_cpu > 0 else 0.0
+
+    def account(self, seqs: list[Sequence], tokens: list[int], cpu_seconds: float) -> None:
+        """A step ran `seqs`, computing `tokens` each, in `cpu_seconds`: the shadows' part of it by
+        tokens (a step's cost is mostly its prefill tokens; a decode row counts one)."""
+        if self.rate <= 0:
+            return
+        self.step_cpu += cpu_seconds
+        shadow = sum(n for seq, n in zip(seqs, tokens, strict=True) if seq.kind is SequenceKind.SHADOW)
+        if shadow:
+            self.shadow_cpu += cpu_seconds * shadow / max(1, sum(tokens))
 
     def finished(self, shadow: Sequence) -> Move | None:
         """A shadow ended (done, or failed with its batch): compare, count, tell the controller."""
@@ -204,8 +229,9 @@ class ShadowChecks:
 
     def stats(self) -> dict[str, Any]:
         """Per configuration: check counts by result (agree, disagree: greedy; distribution: sampled;
-        error, skipped), the rolling agreement and sampled checks' total variation; the current
-        configuration, the controller's moves, shadows pending and dropped."""
+        error, skipped, over_budget), the rolling agreement and sampled checks' total variation; the
+        current configuration, the controller's moves, shadows pending and dropped, and the
+        shadows' share of the steps' CPU time."""
         configs = {
             name: {
                 **counts,
@@ -227,4 +253,6 @@ class ShadowChecks:
             "moves": moves,
             "pending": len(self._pending),
             "dropped": self.dropped,
+            "cpu_share": self.cpu_share,
+            "max_share": self.max_share,
         }

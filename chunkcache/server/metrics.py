@@ -131,7 +131,8 @@ def _fidelity_metrics(fidelity: Mapping[str, Any]) -> Iterator[Metric]:
     checks = CounterMetricFamily(
         f"{PREFIX}_fidelity_checks",
         "Shadow checks of chunked requests against a full prefill, by configuration and result "
-        "(agree, disagree: greedy replies; distribution: sampled replies; error, skipped).",
+        "(agree, disagree: greedy replies; distribution: sampled replies; error, skipped; over_budget: "
+        "drawn while checks took more than fidelity_max_share of the CPU).",
         labels=("config", "result"),
     )
     agreement = GaugeMetricFamily(
@@ -148,7 +149,7 @@ def _fidelity_metrics(fidelity: Mapping[str, Any]) -> Iterator[Metric]:
         labels=("config",),
     )
     for name, counts in fidelity["configs"].items():
-        for result in ("agree", "disagree", "distribution", "error", "skipped"):
+        for result in ("agree", "disagree", "distribution", "error", "skipped", "over_budget"):
             checks.add_metric((name, result), float(counts.get(result, 0)))
         if counts.get("agreement") is not None:
             agreement.add_metric((name,), float(counts["agreement"]))
@@ -174,6 +175,11 @@ def _fidelity_metrics(fidelity: Mapping[str, Any]) -> Iterator[Metric]:
         f"{PREFIX}_fidelity_pending_checks",
         "Shadow checks queued or running.",
         value=float(fidelity["pending"]),
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_fidelity_shadow_cpu_share",
+        "Shadow checks' share of the CPU time of the engine's steps so far (capped near fidelity_max_share).",
+        value=float(fidelity["cpu_share"]),
     )
 
 
