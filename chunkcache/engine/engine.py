@@ -18,6 +18,7 @@ import torch
 from chunkcache.config import EngineConfig, ReuseOptions
 from chunkcache.core.sequence import Sequence, SequenceKind, Status
 from chunkcache.engine.build import build_engine
+from chunkcache.engine.chat import ChatRenderer
 from chunkcache.engine.chunk_steps import ChunkSteps
 from chunkcache.engine.detokenizer import Detokenizer
 from chunkcache.engine.intake import Prompt, RequestIntake
@@ -55,8 +56,8 @@ class LLMEngine:
             config.fidelity, config.seed, self.blocks, self.max_model_len, self.scheduler.add,
             parts.controller,
         )  # fmt: skip
-        # The chat rendered by the model's template (RequestIntake.render_chat says how).
-        self.render_chat = self.intake.render_chat
+        # The chat rendered by the model's template (chat.py says how).
+        self.render_chat = ChatRenderer(self.tokenizer, config.chunk).render
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []

@@ -5,18 +5,18 @@ the chunk cache serves the prompt (`Sequence.chunk_plan`), and building the sequ
 streams, its blend key) all happen here, on the caller's thread, before the request reaches the
 step loop: a bad request is refused with an InvalidRequestError naming its field, and the loop
 only ever sees sequences that can run. Intake reads only what is fixed after start (the config,
-the tokenizer, the model's shape, the caches' sizes).
+the tokenizer, the model's shape, the caches' sizes). A chat is rendered into a prompt before
+it gets here (chat.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
-from chunkcache.chunk.documents import PromptParts, parse_documents, render_with_documents
+from chunkcache.chunk.documents import PromptParts
 from chunkcache.chunk.parse import parse_chunked_prompt, tokenize_parts
 from chunkcache.config import ChunkConfig, EngineConfig, ReuseOptions
 from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, PlainPrompt
@@ -34,12 +34,6 @@ Prompt = str | list[int] | PromptParts
 # Prewarm requests and exact_follow_ups jobs generate nothing anyone reads: a job is a plain
 # prefill, and the one token it samples is thrown away.
 ONE_DISCARDED_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
-# apply_chat_template's own arguments: a request's template variables must not reach them.
-_RENDER_ARGUMENTS = frozenset(
-    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-     "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
-     "chat_template", "tools", "documents"}
-)  # fmt: skip
 
 
 class RequestIntake:
@@ -401,68 +395,9 @@ class RequestIntake:
             raise InvalidRequestError("documents holds no document with any token", "documents")
         return ChunkedPrompt(sys_ids, chunks, ())
 
-    # ---- chat --------------------------------------------------------------------------------
-
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        documents: Any = None,
-    ) -> str | PromptParts:
-        """The chat rendered by the model's template (LLMEngine.render_chat). `chat_template_kwargs`
-        are the template's own variables (e.g. `enable_thinking`); they cannot override the
-        rendering arguments. `tools` (OpenAI's function definitions) go to templates that define
-        tool use. `documents` (a list of strings or {title, text} dicts) make the result
-        PromptParts, one chunk per document (chunk/documents.py); more than max_chunks of them is
-        refused."""
-        _check_messages(messages)
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidRequestError("the model's tokenizer has no chat template")
-        extra = dict(chat_template_kwargs or {})
-        reserved = sorted(set(extra) & _RENDER_ARGUMENTS)
-        if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}")
-
-        def render(msgs: list[dict[str, Any]], docs: list[dict[str, str]] | None) -> str:
-            if docs is not None:
-                extra["documents"] = docs
-            else:
-                extra.pop("documents", None)
-            try:
-                return self.tokenizer.apply_chat_template(
-                    msgs,
-                    tokenize=False,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    tools=tools,
-                    **extra,
-                )
-            except Exception as e:  # template errors are the client's messages being wrong
-                raise InvalidRequestError(f"chat template failed on these messages: {e}") from None
-
-        if documents is None:
-            return render(messages, None)
-        docs = parse_documents(documents, self.config.chunk.max_chunks)
-        return render_with_documents(render, messages, docs, self.config.chunk.documents_format)
-
 
 def _fused(chunked: ChunkedPrompt | None, cfg: ChunkConfig) -> bool:
     return chunked is not None and cfg.layout == "fusion"
-
-
-def _check_messages(messages: list[dict[str, Any]]) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list")
-    for i, m in enumerate(messages):
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            raise InvalidRequestError(f"messages[{i}] must have a string 'role' and a string 'content'")
 
 
 def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
