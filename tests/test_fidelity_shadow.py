@@ -378,12 +378,17 @@ def test_cpu_is_split_between_shadows_and_other_work_by_tokens() -> None:
     def seq(kind: SequenceKind) -> Sequence:
         return Sequence(request_id=kind.value, prompt_token_ids=[1], token_ids=[1], params=GREEDY, kind=kind)
 
-    checks = ShadowChecks(FidelityConfig(sample_rate=0.5, max_share=0.2), 0, None, 64, lambda s: None, None)  # type: ignore[arg-type]
+    checks = ShadowChecks(FidelityConfig(sample_rate=0.5, max_share=0.15), 0, None, 64, lambda s: None, None)  # type: ignore[arg-type]
     live, shadow = seq(SequenceKind.REQUEST), seq(SequenceKind.SHADOW)
     checks.account([live, shadow], [30, 10], 2.0)  # a quarter of the tokens: a quarter of the CPU
     assert (checks.shadow_cpu, checks.step_cpu) == (0.5, 2.0) and checks.cpu_share == 0.25
     checks.account([live], [1], 3.0)
     assert checks.cpu_share == 0.1 and checks.stats()["cpu_share"] == 0.1
+    # One check started so far, costing 0.5 s: another would make (0.5 + 0.5) / (5 + 0.5) > 0.15...
+    checks._number = 1
+    assert not checks.within_budget()
+    checks.account([live], [1], 2.0)  # ...and fits once the steps' time allows it: 1.0 / 7.5
+    assert checks.within_budget()
     off = ShadowChecks(FidelityConfig(), 0, None, 64, lambda s: None, None)  # type: ignore[arg-type]
     off.account([shadow], [5], 1.0)  # no rate: nothing is measured
     assert off.step_cpu == 0.0 and off.cpu_share == 0.0
