@@ -22,7 +22,7 @@ import torch
 
 from chunkcache import config
 from chunkcache.errors import ModelLoadError
-from chunkcache.model import quant
+from chunkcache.model import dequant, quant
 from chunkcache.model.linear import Linear
 from chunkcache.model.loader import load_model
 from chunkcache.model.quant import (
@@ -127,6 +127,87 @@ def test_each_type_takes_its_form_and_matches_dequantize_then_matmul(
     assert y.dtype == torch.float32 and y.shape == (7, ROWS)
     assert _relative(y, x @ _reference(raw).t() + bias) < tol
     assert report[qtype.name].tensors == 1 and report[qtype.name].error < tol
+
+
+def _served_int4(part: Int4Part, q: torch.Tensor) -> torch.Tensor:
+    """The weight the int4 kernel multiplies by, float32: the codes with its bfloat16 factors."""
+    s = part.scale_zeros[..., 0].float().t().repeat_interleave(quant.GROUP, 1)
+    z = part.scale_zeros[..., 1].float().t().repeat_interleave(quant.GROUP, 1)
+    return (q.float() - 8) * s + z
+
+
+def test_the_int4_packing_probe_reads_a_known_layout() -> None:
+    """On every CPU torch 2.13 packs in tiles (AVX2: 32 rows, halves; AVX512: 64; others 16,
+    pairs); a layout the probe does not recognise would silently cost prefill its blocks."""
+    layout = dequant.int4_layout()
+    assert layout is not None and dequant.BLOCK_ROWS % layout.tile == 0
+
+
+# 320 output rows: one whole block of 256 and a partial one of 64 (whole tiles of 32 or 64).
+BLOCK_CASE_ROWS = dequant.BLOCK_ROWS + 64
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_int4_blocks_unpack_the_kernels_own_packing(qtype: Q) -> None:
+    """The nibble order read from the probe, checked on a real tensor against the kernel itself:
+    the identity's product through the kernel is its weight rounded to bfloat16, and the blocks'
+    weight must equal it within that rounding (a wrong row or column order is off by whole units)."""
+    raw = _raw(qtype, seed=8, shape=(BLOCK_CASE_ROWS, COLS))
+    q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
+    part = Int4Part(q, scale, minimum)
+    eye = torch.eye(COLS)
+    through_kernel = part(eye.to(torch.bfloat16)).float().t()  # [rows, cols]
+    through_blocks = dequant.int4_product(eye, part.packed, part.scale_zeros).t()
+    torch.testing.assert_close(through_blocks, through_kernel, rtol=2**-8, atol=1e-6)
+    # And in float32 exactly the kernel's convention: w = (q - 8) s + z with its bfloat16 factors.
+    torch.testing.assert_close(through_blocks, _served_int4(part, q), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, dequant.MIN_ROWS - 1, dequant.MIN_ROWS, 130])
+@pytest.mark.parametrize(
+    ("qtype", "form"), [(Q.Q4_K, Int4Part), (Q.Q4_1, Int4Part), (Q.Q8_0, Int8Part), (Q.Q6_K, Int8Part)],
+    ids=lambda v: getattr(v, "name", None) or getattr(v, "__name__", str(v)),
+)  # fmt: skip
+def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: type, tokens: int) -> None:
+    """Row counts on both sides of `dequant.MIN_ROWS` (kernel below, blocks from it) over 320
+    weight rows (a whole block and a partial one): the file's values within the form's tolerance,
+    and from MIN_ROWS on, float32 x times the weight the part holds almost exactly (no bfloat16
+    activations or output: the blocks are the more exact of the two paths)."""
+    raw = _raw(qtype, seed=9, shape=(BLOCK_CASE_ROWS, COLS))
+    parts = native_parts([raw], torch.float32, {})
+    assert [type(p) for p in parts] == [form]
+    bias = torch.randn(BLOCK_CASE_ROWS)
+    x = torch.randn(tokens, COLS)
+    y = QuantProduct(parts, bias, torch.float32)(x)
+    assert y.dtype == torch.float32 and y.shape == (tokens, BLOCK_CASE_ROWS)
+    assert _relative(y, x @ _reference(raw).t() + bias) < (INT4_TOL if form is Int4Part else INT8_TOL)
+    part = parts[0]
+    if form is Int4Part:
+        held = _served_int4(part, torch.from_numpy(affine_int4(raw)[0]))
+    else:
+        held = part.codes.float() * part.scales.float()[:, None]
+    exact = x @ held.t() + bias
+    if tokens >= dequant.MIN_ROWS:
+        torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
+    else:  # the kernels: bfloat16 activations and output
+        assert _relative(y, exact) < 2**-7
+
+
+def test_int4_blocks_fall_back_to_the_kernel_where_the_packing_is_not_read(monkeypatch) -> None:
+    """A partial last tile (rows not a multiple of the tile) or an unknown packing: the kernel
+    runs at every row count, with its bfloat16 rounding, never a misread weight."""
+    raw = _raw(Q.Q4_0, seed=10, shape=(BLOCK_CASE_ROWS + 16, COLS))
+    q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
+    x = torch.randn(dequant.MIN_ROWS + 5, COLS)
+    exact = x @ _served_int4(Int4Part(q, scale, minimum), q).t()
+    for rows, layout in ((BLOCK_CASE_ROWS + 16, dequant.int4_layout()), (BLOCK_CASE_ROWS, None)):
+        monkeypatch.setattr(dequant, "int4_layout", lambda layout=layout: layout)
+        part = Int4Part(q[:rows], scale[:rows], minimum[:rows])
+        assert not dequant.int4_blocks_apply(part.rows)
+        y = QuantProduct([part], None, torch.float32)(x)
+        kernel = part(x.to(torch.bfloat16)).float()
+        torch.testing.assert_close(y, kernel)
+        assert _relative(y, exact[:, :rows]) < 2**-7
 
 
 def test_a_merged_projection_keeps_each_part_in_its_form() -> None:

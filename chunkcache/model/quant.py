@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from chunkcache.model import dequant, upcast
+
 logger = logging.getLogger(__name__)
 
 # The engine option `weights` (config.WEIGHTS is this tuple).
@@ -113,6 +115,13 @@ class Int4Part:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)
 
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The product of a float32 x of many rows, float32, through dequantized blocks where
+        the kernel's packing is known (`model/dequant.py`), else through the kernel."""
+        if dequant.int4_blocks_apply(self.rows):
+            return dequant.int4_product(x, self.packed, self.scale_zeros)
+        return self(x.to(torch.bfloat16)).float()
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.packed, self.scale_zeros)
 
@@ -130,6 +139,9 @@ class Int8Part:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
 
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        return dequant.int8_product(x, self.codes, self.scales)
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.codes, self.scales)
 
@@ -143,6 +155,12 @@ class DensePart:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 x of many rows: float32, a bfloat16 weight a block at a time (`upcast`)."""
+        if self.weight.dtype == torch.float32:
+            return F.linear(x, self.weight)
+        return upcast.upcast_product(x, self.weight, None)
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.weight,)
 
@@ -152,14 +170,21 @@ Part = Int4Part | Int8Part | DensePart
 
 class QuantProduct:
     """`x W^T + b` of a Linear whose weight is held in quantized parts of output rows (in order).
-    The kernels take bfloat16 x and give bfloat16 y: x is cast in, y back to x's dtype."""
+    Below `dequant.MIN_ROWS` rows (decode) the kernels run: they take bfloat16 x and give
+    bfloat16 y, so x is cast in and y back to x's dtype. From it (prefill) every part multiplies
+    in float32 over dequantized blocks of its weight (`model/dequant.py`), rounded once to x's
+    dtype at the end."""
 
     def __init__(self, parts: list[Part], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.parts, self.bias, self.dtype = parts, bias, dtype  # dtype: the model's (dense_weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xb = x.to(torch.bfloat16)
-        ys = [p(x if isinstance(p, DensePart) else xb).to(x.dtype) for p in self.parts]
+        if x.shape[0] >= dequant.MIN_ROWS:
+            xf = x.float()
+            ys = [p.blocks(xf).to(x.dtype) for p in self.parts]
+        else:
+            xb = x.to(torch.bfloat16)
+            ys = [p(x if isinstance(p, DensePart) else xb).to(x.dtype) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y if self.bias is None else y + self.bias
 
