@@ -143,6 +143,33 @@ def test_the_int4_packing_probe_reads_a_known_layout() -> None:
     assert layout is not None and dequant.BLOCK_ROWS % layout.tile == 0
 
 
+def _pack(q: torch.Tensor, layout: dequant.Int4Layout) -> torch.Tensor:
+    """Codes q [rows, cols] packed as `layout`'s docstring says, written out byte by byte."""
+    rows, cols = q.shape
+    tile, half = layout.tile, layout.tile // 2
+    packed = torch.zeros(rows * cols // 2, dtype=torch.uint8)
+    for t in range(rows // tile):
+        for k in range(cols):
+            for b in range(half):
+                low, high = (b, b + half) if layout.halves else (2 * b, 2 * b + 1)
+                byte = t * tile * cols // 2 + k * half + b
+                packed[byte] = q[t * tile + low, k] | (q[t * tile + high, k] << 4)
+    return packed.view(rows, cols // 2)
+
+
+@pytest.mark.parametrize("layout", [dequant.Int4Layout(32, True), dequant.Int4Layout(16, False)])
+def test_int4_block_reads_each_packing_it_recognises(layout: dequant.Int4Layout) -> None:
+    """Both packings (AVX2/AVX512 halves; pairs elsewhere), whichever this CPU's kernel uses:
+    codes packed by the layout's definition come back in row order with w = (q - 8) s + z."""
+    rows, cols = 64, 64
+    q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
+    scale_zeros = torch.randn(cols // quant.GROUP, rows, 2).to(torch.bfloat16)
+    s = scale_zeros[..., 0].float().t().repeat_interleave(quant.GROUP, 1)
+    z = scale_zeros[..., 1].float().t().repeat_interleave(quant.GROUP, 1)
+    block = dequant.int4_block(_pack(q, layout), scale_zeros, 32, 32, layout)
+    torch.testing.assert_close(block.t(), ((q.float() - 8) * s + z)[32:], rtol=1e-6, atol=1e-6)
+
+
 # 320 output rows: one whole block of 256 and a partial one of 64 (whole tiles of 32 or 64).
 BLOCK_CASE_ROWS = dequant.BLOCK_ROWS + 64
 
@@ -156,23 +183,27 @@ def test_int4_blocks_unpack_the_kernels_own_packing(qtype: Q) -> None:
     q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
     part = Int4Part(q, scale, minimum)
     eye = torch.eye(COLS)
-    through_kernel = part(eye.to(torch.bfloat16)).float().t()  # [rows, cols]
+    through_kernel = part.kernel(eye.to(torch.bfloat16)).float().t()  # [rows, cols]
     through_blocks = dequant.int4_product(eye, part.packed, part.scale_zeros).t()
     torch.testing.assert_close(through_blocks, through_kernel, rtol=2**-8, atol=1e-6)
     # And in float32 exactly the kernel's convention: w = (q - 8) s + z with its bfloat16 factors.
     torch.testing.assert_close(through_blocks, _served_int4(part, q), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens", [1, dequant.MIN_ROWS - 1, dequant.MIN_ROWS, 130])
+_THRESHOLDS = [dequant.INT8_MIN_ROWS, dequant.INT4_MIN_ROWS]
+
+
+@pytest.mark.parametrize("tokens", sorted({1, 130, *_THRESHOLDS, *(t - 1 for t in _THRESHOLDS)}))
 @pytest.mark.parametrize(
     ("qtype", "form"), [(Q.Q4_K, Int4Part), (Q.Q4_1, Int4Part), (Q.Q8_0, Int8Part), (Q.Q6_K, Int8Part)],
     ids=lambda v: getattr(v, "name", None) or getattr(v, "__name__", str(v)),
 )  # fmt: skip
 def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: type, tokens: int) -> None:
-    """Row counts on both sides of `dequant.MIN_ROWS` (kernel below, blocks from it) over 320
-    weight rows (a whole block and a partial one): the file's values within the form's tolerance,
-    and from MIN_ROWS on, float32 x times the weight the part holds almost exactly (no bfloat16
-    activations or output: the blocks are the more exact of the two paths)."""
+    """Row counts on both sides of each form's threshold (`dequant.INT4_MIN_ROWS`,
+    `INT8_MIN_ROWS`: kernel below, blocks from it) over 320 weight rows (a whole block and a
+    partial one): the file's values within the form's tolerance, and from the threshold on,
+    float32 x times the weight the part holds almost exactly (no bfloat16 activations or
+    output: the blocks are the more exact of the two paths)."""
     raw = _raw(qtype, seed=9, shape=(BLOCK_CASE_ROWS, COLS))
     parts = native_parts([raw], torch.float32, {})
     assert [type(p) for p in parts] == [form]
@@ -187,7 +218,7 @@ def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: 
     else:
         held = part.codes.float() * part.scales.float()[:, None]
     exact = x @ held.t() + bias
-    if tokens >= dequant.MIN_ROWS:
+    if tokens >= (dequant.INT4_MIN_ROWS if form is Int4Part else dequant.INT8_MIN_ROWS):
         torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
     else:  # the kernels: bfloat16 activations and output
         assert _relative(y, exact) < 2**-7
@@ -198,14 +229,14 @@ def test_int4_blocks_fall_back_to_the_kernel_where_the_packing_is_not_read(monke
     runs at every row count, with its bfloat16 rounding, never a misread weight."""
     raw = _raw(Q.Q4_0, seed=10, shape=(BLOCK_CASE_ROWS + 16, COLS))
     q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
-    x = torch.randn(dequant.MIN_ROWS + 5, COLS)
+    x = torch.randn(dequant.INT4_MIN_ROWS + 5, COLS)
     exact = x @ _served_int4(Int4Part(q, scale, minimum), q).t()
     for rows, layout in ((BLOCK_CASE_ROWS + 16, dequant.int4_layout()), (BLOCK_CASE_ROWS, None)):
         monkeypatch.setattr(dequant, "int4_layout", lambda layout=layout: layout)
         part = Int4Part(q[:rows], scale[:rows], minimum[:rows])
         assert not dequant.int4_blocks_apply(part.rows)
         y = QuantProduct([part], None, torch.float32)(x)
-        kernel = part(x.to(torch.bfloat16)).float()
+        kernel = part.kernel(x.to(torch.bfloat16)).float()
         torch.testing.assert_close(y, kernel)
         assert _relative(y, exact[:, :rows]) < 2**-7
 

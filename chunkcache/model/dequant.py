@@ -5,8 +5,9 @@ torch's weight-only kernels (`model/quant.py`) are GEMV-shaped: at one row they 
 float32 product (fewer bytes streamed), but from ~64 rows on they run at 0.43-0.77x its speed
 (benchmarks/RESULTS.md), which made native weights' prefill ~2x slower than dense. Dequantizing a
 block of weight rows costs a few elementwise operations per weight, once per product, whatever
-the number of rows it multiplies; the GEMM's cost grows with the rows. So from `MIN_ROWS` rows a
-product dequantizes `BLOCK_ROWS` weight rows at a time and runs MKL's GEMM on them, as
+the number of rows it multiplies; the GEMM's cost grows with the rows. So from `INT4_MIN_ROWS` /
+`INT8_MIN_ROWS` rows a product dequantizes `BLOCK_ROWS` weight rows at a time and runs MKL's GEMM
+on them, as
 `model/upcast.py` does for bfloat16 weights on CPUs without a bfloat16 GEMM.
 
 The int4 kernel's packed tensor is the only copy of the 4-bit codes held, so the blocks unpack it
@@ -28,9 +29,13 @@ import torch
 GROUP = 32  # inputs per int4 scale and zero (quant.GROUP; here to keep the import one way)
 
 # From this many rows a quantized product takes the dequantized blocks; fewer keep the kernels.
-# Measured (benchmarks/bench_quant_kernels.py, 1.5B's shapes, AVX2 EPYC): the kernels win at
-# 32 rows and below, the blocks from 64 (RESULTS.md, "native weights without the prefill penalty").
-MIN_ROWS = 64
+# Measured on the 1.5B's shapes (benchmarks/bench_quant_kernels.py, AVX2 EPYC, one thread;
+# RESULTS.md, "Native weights without the prefill penalty"): converting int8 codes is one cheap
+# pass, and the int8 blocks beat the int8 kernel from 16 rows; unpacking int4 nibbles costs
+# ~1-1.5 ns per weight, and the int4 blocks beat the int4 kernel from 64 rows (at 64 ahead in one run,
+# 14% behind in another) and in every run from 80.
+INT4_MIN_ROWS = 64
+INT8_MIN_ROWS = 16
 
 # Weight rows per dequantized block (a multiple of every tile below): the float32 block is
 # 1.5 MB at 1,536 inputs and 9 MB at 8,960, as in `upcast._UPCAST_ROWS`.
@@ -101,23 +106,22 @@ def int4_block(
 ) -> torch.Tensor:
     """Weight rows [start, start + rows) of an int4 part as float32 [in, rows] (the GEMM's B):
     w = (q - 8) s + z with the part's bfloat16 scale s and zero z per group of 32 inputs (the
-    kernel's own weight), written straight from the packed nibbles in two fused passes."""
+    kernel's own weight). The nibbles are put in row order as bytes first (a tile's row order
+    is then a concatenation, or an interleave, of low and high nibbles), so the float32 passes
+    run over rows of `rows` contiguous values: 1.0-1.1 ns per weight on the 1.5B's shapes,
+    against 1.8-2.3 ns writing each nibble's floats to its row directly (16-value runs), and
+    3.9 ns through torch.compile of the same steps (AVX2 EPYC, one thread)."""
     tile, half = layout.tile, layout.tile // 2
     cols, tiles = packed.shape[1] * 2, rows // tile
-    groups = cols // GROUP
     nibbles = packed[start : start + rows].view(tiles, cols, half)
-    s = scale_zeros[:, start : start + rows, 0].float()  # [groups, rows]
-    z = scale_zeros[:, start : start + rows, 1].float() - 8 * s
+    low, high = nibbles & 15, nibbles >> 4
+    codes = torch.cat([low, high], -1) if layout.halves else torch.stack([low, high], -1)
     out = torch.empty(cols, rows)
-    # The rows of a tile as (which nibble, byte) or (byte, which nibble), per layout.
-    split = (groups, 1, tiles, 2, half) if layout.halves else (groups, 1, tiles, half, 2)
-    s, z, view = s.view(split), z.view(split), out.view(groups, GROUP, *split[2:])
-    for nibble, codes in enumerate((nibbles & 15, nibbles >> 4)):
-        codes = codes.permute(1, 0, 2).view(groups, GROUP, tiles, half)
-        if layout.halves:
-            torch.addcmul(z[:, :, :, nibble], codes, s[:, :, :, nibble], out=view[:, :, :, nibble])
-        else:
-            torch.addcmul(z[..., nibble], codes, s[..., nibble], out=view[..., nibble])
+    out.view(cols, tiles, tile).copy_(codes.view(tiles, cols, tile).permute(1, 0, 2))
+    s = scale_zeros[:, start : start + rows, 0].float().unsqueeze(1)  # [groups, 1, rows]
+    z = scale_zeros[:, start : start + rows, 1].float().unsqueeze(1) - 8 * s
+    weight = out.view(cols // GROUP, GROUP, rows)
+    torch.addcmul(z, weight, s, out=weight)
     return out
 
 
