@@ -21,6 +21,10 @@ Other types (F32/F16/BF16, Q2_K, Q3_K) stay dense (today's path), the quantized 
 warning naming the type. A merged projection (q/k/v, gate/up) whose parts differ in type (the
 1.5B's Q4_K q/k beside a Q6_K v) is one `QuantProduct` of several parts, each in its own form,
 outputs concatenated.
+
+Both kernels are GEMV-shaped and lose to a dense float32 GEMM from a few dozen rows, so products
+of many rows (prefill) multiply float32 blocks dequantized from the same codes instead
+(`model/dequant.py`): no dense copy of a weight is held.
 """
 
 from __future__ import annotations
@@ -181,10 +185,10 @@ class QuantProduct:
 
     def dense(self, in_features: int, dtype: torch.dtype) -> torch.Tensor:
         """The weight [out, in] the parts multiply by, read back through them (the identity's
-        product, in row blocks), in `dtype`: blocks of 1,024 rows take the dequantized blocks, so
-        it is exact in float32 (the kernels' own products round it to bfloat16 where the
-        packing is not read). For the code that needs a dense weight (blend's K rows), not for
-        serving."""
+        product, in row blocks), in `dtype`: blocks of up to 1,024 rows, which take the
+        dequantized blocks (exact in float32) from each form's threshold and the kernels (their
+        bfloat16 rounding) below it or where the int4 packing is not read. For the code that
+        needs a dense weight (blend's K rows), not for serving."""
         cols = []
         for start in range(0, in_features, 1024):
             eye = torch.zeros(min(1024, in_features - start), in_features, dtype=dtype)
