@@ -219,7 +219,9 @@ def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: 
         held = part.codes.float() * part.scales.float()[:, None]
     exact = x @ held.t() + bias
     if tokens >= (dequant.INT4_MIN_ROWS if form is Int4Part else dequant.INT8_MIN_ROWS):
-        torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
+        # float32 summation order alone: measured <= 3.5e-7 over 40 random x (|y| up to ~280,
+        # where elementwise tolerances would have to be loose).
+        assert _relative(y, exact) < 1e-6
     else:  # the kernels: bfloat16 activations and output
         assert _relative(y, exact) < 2**-7
 
