@@ -430,6 +430,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="checkpoint (default: chunkcache's default model)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--weights",
+        default="dense",
+        choices=["dense", "native", "int8"],
+        help="how projections hold their weights (engine option `weights`; label the run with --label)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", choices=[*SETS, "both"], default="original", help="which questions")
     parser.add_argument("--split", choices=["all", "tune", "heldout"], default="all")
@@ -512,7 +518,14 @@ def main(argv: list[str] | None = None) -> None:
     questions = [q for q in questions if q.qid not in done][index::count]
     adapter = str(args.adapter) if args.adapter else None
     label = args.label or (args.adapter.name if adapter else None)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads, adapter=adapter)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        adapter=adapter,
+        weights=args.weights,
+    )
     t0 = time.time()
     elements = fidelity_set.load_elements(args.elements)
 

@@ -5,11 +5,14 @@ and a prefill piece: what `weights native` / `int8` trade (model/quant.py).
 Random weights of each shape, no model loaded (so no 1.5B lock): dense float32 in the faster
 plain layout (`x @ W^T` on the transposed weight or `F.linear`, whichever is faster), dense
 bfloat16 (`F.linear`), int4 with groups of 32 (`_weight_int4pack_mm_for_cpu`, bfloat16
-activations) and int8 per channel (`_weight_int8pack_mm`, bfloat16 activations). Each time is
+activations) and int8 per channel (`_weight_int8pack_mm`, bfloat16 activations), and the same int4
+and int8 weights multiplied in float32 over dequantized blocks of weight rows (`int4blk`,
+`int8blk`: model/dequant.py, what products of `dequant.MIN_ROWS` rows and more run). Each time is
 the fastest of `--repeats` runs in this thread's CPU time (one thread: a shared machine's queue
 for a core does not inflate it; its memory traffic still does).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_quant_kernels.py [--rows 1 64 256]
+    OMP_NUM_THREADS=1 python benchmarks/bench_quant_kernels.py [--rows 1 64 256] [--forms fp32 int4 ...]
+        [--shapes qkv o ...]
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from chunkcache.model import dequant
+
 # Qwen2.5-Coder-1.5B: (name, out, in) of each projection kind, and how many a decode step runs.
 SHAPES = {
     "qkv": (2048, 1536, 28),
@@ -29,6 +34,9 @@ SHAPES = {
     "down": (1536, 8960, 28),
     "lm_head": (151936, 1536, 1),
 }
+
+
+FORMS = ("fp32", "bf16", "int4", "int8", "int4blk", "int8blk")
 
 
 def best_ms(fn: Callable[..., torch.Tensor], args: tuple, repeats: int) -> float:
@@ -47,11 +55,15 @@ def main() -> None:
     )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
+    forms = ["fp32", *(f for f in args.forms if f != "fp32")]  # fp32: every speed's reference
     torch.set_num_threads(1)
     torch.manual_seed(0)
     step: dict[tuple[str, int], float] = {}
-    for name, (out_f, in_f, count) in SHAPES.items():
+    for name in args.shapes:
+        out_f, in_f, count = SHAPES[name]
         w = torch.randn(out_f, in_f) * 0.02
         wt, wb = w.t().contiguous(), w.to(torch.bfloat16)
         codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.int32)
@@ -65,30 +77,37 @@ def main() -> None:
             x = torch.randn(rows, in_f)
             xb = x.to(torch.bfloat16)
             r = args.repeats
-            ms = {
-                "fp32": min(best_ms(torch.mm, (x, wt), r), best_ms(F.linear, (x, w), r)),
-                "bf16": best_ms(F.linear, (xb, wb), r),
-                "int4": best_ms(torch.ops.aten._weight_int4pack_mm_for_cpu, (xb, packed, 32, scale_zeros), r),
-                "int8": best_ms(torch.ops.aten._weight_int8pack_mm, (xb, w8, s8), r),
+            calls = {
+                "bf16": (F.linear, (xb, wb)),
+                "int4": (torch.ops.aten._weight_int4pack_mm_for_cpu, (xb, packed, 32, scale_zeros)),
+                "int8": (torch.ops.aten._weight_int8pack_mm, (xb, w8, s8)),
+                "int4blk": (dequant.int4_product, (x, packed, scale_zeros)),
+                "int8blk": (dequant.int8_product, (x, w8, s8)),
             }
+            ms = {"fp32": min(best_ms(torch.mm, (x, wt), r), best_ms(F.linear, (x, w), r))}
+            ms.update({form: best_ms(*calls[form], r) for form in forms[1:]})
             for form, t in ms.items():
                 step[form, rows] = step.get((form, rows), 0.0) + t * count
             print(
                 f"{name} {in_f}x{out_f} rows {rows}: "
                 + " ".join(f"{form} {t:.2f} ms" for form, t in ms.items())
-                + f" (int4 {ms['fp32'] / ms['int4']:.2f}x fp32's speed, int8 {ms['fp32'] / ms['int8']:.2f}x)",
+                + " ("
+                + ", ".join(f"{form} {ms['fp32'] / t:.2f}x" for form, t in ms.items() if form != "fp32")
+                + " fp32's speed)",
                 flush=True,
             )
     for rows in args.rows:
         print(
-            f"all projections of one step at {rows} rows: "
-            + " ".join(f"{form} {step[form, rows]:.0f} ms" for form in ("fp32", "bf16", "int4", "int8"))
+            f"projections of one step ({', '.join(args.shapes)}) at {rows} rows: "
+            + " ".join(f"{form} {step[form, rows]:.0f} ms" for form in forms)
         )
     print(
         "SUMMARY bench_quant_kernels: "
-        + " ".join(f"rows{r}_int4_vs_fp32={step['fp32', r] / step['int4', r]:.2f}x" for r in args.rows)
-        + " "
-        + " ".join(f"rows{r}_int8_vs_fp32={step['fp32', r] / step['int8', r]:.2f}x" for r in args.rows)
+        + " ".join(
+            f"rows{r}_{form}_vs_fp32={step['fp32', r] / step[form, r]:.2f}x"
+            for form in forms[1:]
+            for r in args.rows
+        )
     )
 
 

@@ -21,6 +21,10 @@ Other types (F32/F16/BF16, Q2_K, Q3_K) stay dense (today's path), the quantized 
 warning naming the type. A merged projection (q/k/v, gate/up) whose parts differ in type (the
 1.5B's Q4_K q/k beside a Q6_K v) is one `QuantProduct` of several parts, each in its own form,
 outputs concatenated.
+
+Both kernels are GEMV-shaped and lose to a dense float32 GEMM from a few dozen rows, so products
+of many rows (prefill) multiply float32 blocks dequantized from the same codes instead
+(`model/dequant.py`): no dense copy of a weight is held.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from chunkcache.model import dequant, upcast
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +116,14 @@ class Int4Part:
         self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT4_MIN_ROWS`
+        rows, float32 GEMMs over dequantized blocks from it (where the packing is known)."""
+        if x.shape[0] >= dequant.INT4_MIN_ROWS and dequant.int4_blocks_apply(self.rows):
+            return dequant.int4_product(x.float(), self.packed, self.scale_zeros).to(x.dtype)
+        return self.kernel(x.to(torch.bfloat16)).to(x.dtype)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The int4 kernel alone: bfloat16 x, bfloat16 y."""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -128,7 +141,11 @@ class Int8Part:
         self.scales = scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        """x [T, in] times the weight, in x's dtype: the kernel (bfloat16 x) below
+        `dequant.INT8_MIN_ROWS` rows, float32 GEMMs over blocks of converted codes from it."""
+        if x.shape[0] >= dequant.INT8_MIN_ROWS:
+            return dequant.int8_product(x.float(), self.codes, self.scales).to(x.dtype)
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).to(x.dtype)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.codes, self.scales)
@@ -141,7 +158,9 @@ class DensePart:
         self.rows, self.weight = weight.shape[0], weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        """x in the weight's dtype; a bfloat16 weight of many rows in float32 blocks where
+        the CPU has no bfloat16 GEMM (`upcast.dense_product`)."""
+        return upcast.dense_product(x, self.weight, None)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.weight,)
@@ -152,29 +171,29 @@ Part = Int4Part | Int8Part | DensePart
 
 class QuantProduct:
     """`x W^T + b` of a Linear whose weight is held in quantized parts of output rows (in order).
-    The kernels take bfloat16 x and give bfloat16 y: x is cast in, y back to x's dtype."""
+    Each part takes x in the model's dtype and gives y in it: a few rows (decode) through the
+    weight-only kernels (bfloat16 x and y), many (prefill) through float32 GEMMs over dequantized
+    blocks of its weight (`model/dequant.py`), rounded once to x's dtype."""
 
     def __init__(self, parts: list[Part], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.parts, self.bias, self.dtype = parts, bias, dtype  # dtype: the model's (dense_weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        xb = x.to(torch.bfloat16)
-        ys = [p(x if isinstance(p, DensePart) else xb).to(x.dtype) for p in self.parts]
+        ys = [p(x) for p in self.parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         return y if self.bias is None else y + self.bias
 
     def dense(self, in_features: int, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [out, in] the kernels multiply by, read back through them (the identity's
-        product, in row blocks), in `dtype`: exact up to the kernels' bfloat16 output rounding.
-        For the code that needs a dense weight (blend's K rows), not for serving."""
+        """The weight [out, in] the parts multiply by, read back through them (the identity's
+        product, in row blocks), in `dtype`: blocks of up to 1,024 rows, which take the
+        dequantized blocks (exact in float32) from each form's threshold and the kernels (their
+        bfloat16 rounding) below it or where the int4 packing is not read. For the code that
+        needs a dense weight (blend's K rows), not for serving."""
         cols = []
         for start in range(0, in_features, 1024):
             eye = torch.zeros(min(1024, in_features - start), in_features, dtype=dtype)
             eye[:, start : start + eye.shape[0]].fill_diagonal_(1)
-            xb = eye.to(torch.bfloat16)
-            cols.append(
-                torch.cat([p(eye if isinstance(p, DensePart) else xb).to(dtype) for p in self.parts], -1)
-            )
+            cols.append(torch.cat([p(eye) for p in self.parts], -1))
         return torch.cat(cols).t().contiguous()
 
     def tensors(self) -> list[torch.Tensor]:

@@ -1,0 +1,160 @@
+"""Products of many rows over quantized weights (`--weights native` / `int8`): dense float32 GEMMs
+over blocks of weight rows dequantized into one reused buffer, so no dense copy is ever whole.
+
+torch's weight-only kernels (`model/quant.py`) are GEMV-shaped: at one row they beat a dense
+float32 product (fewer bytes streamed), but from ~64 rows on they run at 0.43-0.77x its speed
+(benchmarks/RESULTS.md), which made native weights' prefill ~2x slower than dense. Dequantizing a
+block of weight rows costs a few elementwise operations per weight, once per product, whatever
+the number of rows it multiplies; the GEMM's cost grows with the rows. So from `INT4_MIN_ROWS` /
+`INT8_MIN_ROWS` rows a product dequantizes `BLOCK_ROWS` weight rows at a time and runs MKL's GEMM
+on them, as
+`model/upcast.py` does for bfloat16 weights on CPUs without a bfloat16 GEMM.
+
+The int4 kernel's packed tensor is the only copy of the 4-bit codes held, so the blocks unpack it
+directly. Its nibble order is private to torch and differs per CPU capability (in torch 2.13's
+`int4mm_kernel.cpp`: tiles of 32 output rows on AVX2, 64 on AVX512, where a byte holds row `b`
+of the tile in its low nibble and row `b + tile / 2` in its high one, per input column; tiles of
+2 rows elsewhere), so it is not assumed: `int4_layout` packs probe codes once and reads back
+which (row, column) each nibble holds, and a layout it does not recognise leaves every product
+to the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32  # inputs per int4 scale and zero (quant.GROUP; here to keep the import one way)
+
+# From this many rows a quantized product takes the dequantized blocks; fewer keep the kernels.
+# Measured on the 1.5B's shapes (benchmarks/bench_quant_kernels.py, AVX2 EPYC, one thread;
+# RESULTS.md, "Native weights without the prefill penalty"): converting int8 codes is one cheap
+# pass, and the int8 blocks beat the int8 kernel from 16 rows; unpacking int4 nibbles costs
+# ~1-1.5 ns per weight, and the int4 blocks beat the int4 kernel from 64 rows (at 64 ahead in one run,
+# 14% behind in another) and in every run from 80.
+INT4_MIN_ROWS = 64
+INT8_MIN_ROWS = 16
+
+# Weight rows per dequantized block (a multiple of every tile below): the float32 block is
+# 1.5 MB at 1,536 inputs and 9 MB at 8,960, as in `upcast._UPCAST_ROWS`.
+BLOCK_ROWS = 256
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """How `_convert_weight_to_int4pack_for_cpu` orders codes: the packed [N, K / 2] bytes hold
+    tiles of `tile` output rows one after another; within a tile, byte `k * tile / 2 + b` holds
+    input column k of two rows of the tile: `b` (low nibble) and `b + tile / 2` (high) when
+    `halves`, else `2b` and `2b + 1`."""
+
+    tile: int
+    halves: bool
+
+    def rows_of(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows within the tile of the low and high nibble of byte `b` of a column."""
+        half = self.tile // 2
+        return (b, b + half) if self.halves else (2 * b, 2 * b + 1)
+
+
+_PROBE_ROWS, _PROBE_COLS = 256, 64
+
+
+def _probe_map() -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of the code each nibble of a packed probe holds, low then high nibbles, in
+    the packed bytes' order: each code's index row * cols + col, sent 4 bits per packing."""
+    index = torch.arange(_PROBE_ROWS * _PROBE_COLS).reshape(_PROBE_ROWS, _PROBE_COLS)
+    low = torch.zeros(_PROBE_ROWS * _PROBE_COLS // 2, dtype=torch.long)
+    high = torch.zeros_like(low)
+    for digit in range(4):  # 256 * 64 = 2^14 codes: four 4-bit digits
+        codes = ((index >> (4 * digit)) & 15).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2).reshape(-1).long()
+        low |= (packed & 15) << (4 * digit)
+        high |= (packed >> 4) << (4 * digit)
+    return torch.stack([low // _PROBE_COLS, low % _PROBE_COLS]), torch.stack(
+        [high // _PROBE_COLS, high % _PROBE_COLS]
+    )
+
+
+def _expected_map(layout: Int4Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `_probe_map` would read if the kernel packed codes as `layout` says."""
+    half = layout.tile // 2
+    byte = torch.arange(_PROBE_ROWS * _PROBE_COLS // 2)
+    tile, within = byte // (_PROBE_COLS * half), byte % (_PROBE_COLS * half)
+    col, b = within // half, within % half
+    low, high = layout.rows_of(b)
+    base = tile * layout.tile
+    return torch.stack([base + low, col]), torch.stack([base + high, col])
+
+
+@functools.cache
+def int4_layout() -> Int4Layout | None:
+    """The int4 kernel's packing on this CPU, read from a probe; None when it is none of the
+    known ones (then the blocks are not used and every product runs the kernel)."""
+    found = _probe_map()
+    for tile in (64, 32, 16, 128, 2):
+        for halves in (True, False):
+            layout = Int4Layout(tile, halves)
+            if all(torch.equal(f, e) for f, e in zip(found, _expected_map(layout), strict=True)):
+                return layout
+    return None
+
+
+def int4_block(
+    packed: torch.Tensor, scale_zeros: torch.Tensor, start: int, rows: int, layout: Int4Layout
+) -> torch.Tensor:
+    """Weight rows [start, start + rows) of an int4 part as float32 [in, rows] (the GEMM's B):
+    w = (q - 8) s + z with the part's bfloat16 scale s and zero z per group of 32 inputs (the
+    kernel's own weight). The nibbles are put in row order as bytes first (a tile's row order
+    is then a concatenation, or an interleave, of low and high nibbles), so the float32 passes
+    run over rows of `rows` contiguous values: 1.0-1.1 ns per weight on the 1.5B's shapes,
+    against 1.8-2.3 ns writing each nibble's floats to its row directly (16-value runs), and
+    3.9 ns through torch.compile of the same steps (AVX2 EPYC, one thread)."""
+    tile, half = layout.tile, layout.tile // 2
+    cols, tiles = packed.shape[1] * 2, rows // tile
+    nibbles = packed[start : start + rows].view(tiles, cols, half)
+    low, high = nibbles & 15, nibbles >> 4
+    codes = torch.cat([low, high], -1) if layout.halves else torch.stack([low, high], -1)
+    out = torch.empty(cols, rows)
+    out.view(cols, tiles, tile).copy_(codes.view(tiles, cols, tile).permute(1, 0, 2))
+    s = scale_zeros[:, start : start + rows, 0].float().unsqueeze(1)  # [groups, 1, rows]
+    z = scale_zeros[:, start : start + rows, 1].float().unsqueeze(1) - 8 * s
+    weight = out.view(cols // GROUP, GROUP, rows)
+    torch.addcmul(z, weight, s, out=weight)
+    return out
+
+
+def int4_product(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    """float32 x [T, in] times an int4 part's weight, in dequantized blocks: float32 [T, out]. The
+    part's rows must be whole tiles of `int4_layout()` (`int4_blocks_apply`)."""
+    layout = int4_layout()
+    assert layout is not None
+    n = packed.shape[0]
+    out = torch.empty(x.shape[0], n)
+    for start in range(0, n, BLOCK_ROWS):
+        rows = min(BLOCK_ROWS, n - start)
+        torch.mm(x, int4_block(packed, scale_zeros, start, rows, layout), out=out[:, start : start + rows])
+    return out
+
+
+def int4_blocks_apply(rows: int) -> bool:
+    """Whether an int4 part of `rows` output rows can take the blocks: a known packing of whole
+    tiles (a partial last tile is packed another way, which the probe does not read)."""
+    layout = int4_layout()
+    return layout is not None and rows % layout.tile == 0
+
+
+def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 x [T, in] times an int8 part's weight (codes [out, in] int8, one bfloat16 scale per
+    row): the codes converted to float32 a block at a time, the scales applied to the output (one
+    pass over [T, out] instead of one over the weight)."""
+    n = codes.shape[0]
+    out = torch.empty(x.shape[0], n)
+    buffer = torch.empty(min(BLOCK_ROWS, n), codes.shape[1])
+    for start in range(0, n, BLOCK_ROWS):
+        block = codes[start : start + BLOCK_ROWS]
+        weight = buffer[: block.shape[0]]
+        weight.copy_(block)
+        torch.mm(x, weight.t(), out=out[:, start : start + block.shape[0]])
+    return out.mul_(scales.float())
