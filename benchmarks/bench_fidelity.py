@@ -78,11 +78,15 @@ MODES: dict[str, dict[str, Any] | None] = {
     # documents whose streams find Q most likely; one more expert, or the only document stream read.
     "fusion/contrastive/pair": _fusion("contrastive", fusion_amateur=True, fusion_pair="expert"),
     "fusion/contrastive/pairlead": _fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
-    # The pair only where the two most relevant documents are close (fusion_pair_margin; 0.2 chosen
-    # on SmolLM2's tune questions by benchmarks/fusion_pair_margin.py).
-    "fusion/contrastive/pairlead/m0.2": _fusion(
-        "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=0.2
-    ),
+    # The pair only where the two most relevant documents are close (fusion_pair_margin, chosen by
+    # benchmarks/fusion_pair_margin.py: 0.2 on SmolLM2's tune questions). Margin 0.0 never adds it
+    # (the replies of fusion/contrastive) but still decides, so `record` gets every relevance cheaply.
+    **{
+        f"fusion/contrastive/pairlead/m{m}": _fusion(
+            "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=m
+        )
+        for m in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
+    },
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
     "blend@0.15": _offset([1], [0.15]),
