@@ -85,7 +85,7 @@ MODES: dict[str, dict[str, Any] | None] = {
         f"fusion/contrastive/pairlead/m{m}": _fusion(
             "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=m
         )
-        for m in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
+        for m in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
     },
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
@@ -453,6 +453,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="do not run full prefill (--merge the --raw file with a run that did)",
     )
+    parser.add_argument(
+        "--qids", nargs="+", default=None, help="only these question ids (after the other filters)"
+    )
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--ttft-every", type=int, default=4, help="time the TTFT of every k-th question")
     parser.add_argument("--elements", type=Path, default=None, help="element texts exported as JSON")
@@ -492,6 +495,8 @@ def main(argv: list[str] | None = None) -> None:
         ]
     if args.docs:  # after --limit: the first N's two-document questions, which earlier runs hold
         questions = [q for q in questions if q.hops == args.docs]
+    if args.qids:
+        questions = [q for q in questions if q.qid in set(args.qids)]
     if args.model is None:
         from chunkcache.model.loader import model_path
 
