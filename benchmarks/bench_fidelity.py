@@ -78,11 +78,15 @@ MODES: dict[str, dict[str, Any] | None] = {
     # documents whose streams find Q most likely; one more expert, or the only document stream read.
     "fusion/contrastive/pair": _fusion("contrastive", fusion_amateur=True, fusion_pair="expert"),
     "fusion/contrastive/pairlead": _fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
-    # The pair only where the two most relevant documents are close (fusion_pair_margin; 0.2 chosen
-    # on SmolLM2's tune questions by benchmarks/fusion_pair_margin.py).
-    "fusion/contrastive/pairlead/m0.2": _fusion(
-        "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=0.2
-    ),
+    # The pair only where the two most relevant documents are close (fusion_pair_margin, chosen by
+    # benchmarks/fusion_pair_margin.py: 0.2 on SmolLM2's tune questions). Margin 0.0 never adds it
+    # (the replies of fusion/contrastive) but still decides, so `record` gets every relevance cheaply.
+    **{
+        f"fusion/contrastive/pairlead/m{m}": _fusion(
+            "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=m
+        )
+        for m in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
+    },
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
     "blend@0.15": _offset([1], [0.15]),
@@ -455,6 +459,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="do not run full prefill (--merge the --raw file with a run that did)",
     )
+    parser.add_argument(
+        "--qids", nargs="+", default=None, help="only these question ids (after the other filters)"
+    )
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--ttft-every", type=int, default=4, help="time the TTFT of every k-th question")
     parser.add_argument("--elements", type=Path, default=None, help="element texts exported as JSON")
@@ -494,6 +501,8 @@ def main(argv: list[str] | None = None) -> None:
         ]
     if args.docs:  # after --limit: the first N's two-document questions, which earlier runs hold
         questions = [q for q in questions if q.hops == args.docs]
+    if args.qids:
+        questions = [q for q in questions if q.qid in set(args.qids)]
     if args.model is None:
         from chunkcache.model.loader import model_path
 

@@ -18,6 +18,13 @@ median of `--repeats`. Decode: tokens/s of a 32-token greedy reply (EOS ignored)
 token, full against fusion (a fusion step decodes all 5 streams in one batch; 6 with the pair). With `--threads 1`
 the CPU-time ratios hardly depend on other load on the machine; the wall ones do.
 
+`--pair-margin M` adds the mode `fusion+pair@M`: the pair stream only where the two most relevant
+documents' relevances differ by at most M (`fusion_pair_margin`). Its TTFT is fusion's where the
+pair does not join and fusion+pair's where it does, so the script says in how many of its timed
+requests it joined, and `--join-share P` prints the mean TTFT of a mix in which the pair joins on a
+share P of the questions (e.g. the share bench_fidelity's held-out questions measured), from the
+fusion and fusion+pair medians.
+
     python benchmarks/bench_fusion.py --model qwen2.5-coder-1.5b --threads 1
 """
 
@@ -32,6 +39,7 @@ from typing import Any
 from common import SEP, describe_machine, first_token_time, passages, setup_torch, summary
 
 from chunkcache import LLM, SamplingParams
+from chunkcache.engine import fusion
 
 SYSTEM = "Answer the question from the documents. Answer briefly."
 QUESTIONS = [
@@ -106,6 +114,19 @@ def decode_rate(llm: LLM, docs: list[str], mode: str, tokens: int = 32) -> float
     return (len(out.outputs[0].token_ids) - 1) / rest
 
 
+def _count_joins() -> dict[str, bool]:
+    """Request id -> whether its pair stream joined (decided once, after the first step)."""
+    joined: dict[str, bool] = {}
+    decide = fusion.FusionGroup.pair_wanted
+
+    def counted(group: fusion.FusionGroup) -> bool:
+        joined[group.request.request_id] = wanted = decide(group)
+        return wanted
+
+    fusion.FusionGroup.pair_wanted = counted  # type: ignore[method-assign]
+    return joined
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -118,7 +139,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--modes", nargs="+", choices=list(MODES), default=list(MODES), help="full always runs"
     )
+    parser.add_argument("--pair-margin", type=float, default=None, help="add mode fusion+pair@M")
+    parser.add_argument(
+        "--join-share", type=float, default=None, help="mean TTFT of a mix: the pair joins on this share"
+    )
     args = parser.parse_args(argv)
+    if args.pair_margin is not None:
+        MODES[f"fusion+pair@{args.pair_margin}"] = {
+            **MODES["fusion+pair"],
+            "fusion_pair_margin": args.pair_margin,
+        }
+        args.modes.append(f"fusion+pair@{args.pair_margin}")
+    joined = _count_joins()
     setup_torch(args.threads)
     llm = LLM(args.model, dtype=args.dtype, threads=args.threads, kv_cache_tokens=32768)
     docs = [text for _, text in passages(llm.tokenizer, args.doc_tokens)[:4]]
@@ -136,6 +168,18 @@ def main(argv: list[str] | None = None) -> None:
         if mode != "full":
             ratios[f"{mode}_ttft"] = f"{full_wall / wall:.2f}x"
             ratios[f"{mode}_ttft_cpu"] = f"{full_cpu / cpu:.2f}x"
+    for mode in [m for m in modes if "@" in m]:
+        timed = [joined[f"{mode}-{rep}"] for rep in range(args.repeats)]
+        print(f"{mode}: the pair joined in {sum(timed)} of {len(timed)} timed requests")
+    if args.join_share is not None and {"fusion", "fusion+pair"} <= set(modes):
+        share = args.join_share
+        for k, unit in ((0, "wall"), (1, "CPU")):
+            alone = statistics.median(t[k] for t in times["fusion"])
+            paired = statistics.median(t[k] for t in times["fusion+pair"])
+            full = full_wall if k == 0 else full_cpu
+            mixed = share * paired + (1 - share) * alone
+            print(f"mix, pair on {share:.2f}: mean TTFT {1000 * mixed:.1f} ms {unit} (x{full / mixed:.2f})")
+            ratios[f"mix{share:.2f}_ttft{'_cpu' if k else ''}"] = f"{full / mixed:.2f}x"
     plain = decode_rate(llm, docs, "full")
     for mode in [m for m in ("fusion", "fusion+pair") if m in modes]:
         fused = decode_rate(llm, docs, mode)
