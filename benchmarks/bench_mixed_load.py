@@ -20,7 +20,10 @@ compared with its rate while only short requests come. One step at the budget (a
   short TTFT under load <= 2 x idle TTFT + one step at the budget; streams keep >= 50% of their rate.
 
 CPU time is the figure to read on a shared machine (one torch thread: it hardly depends on the
-machine's load); wall time is printed beside it with the load average.
+machine's load); wall time is printed beside it with the load average. For the slowest short
+request of each scenario the steps it waited through are printed with what each ran (decodes, new
+tokens by sequence kind, blend layers): which step held it, if one did. Each scenario is reported
+as soon as its last repetition ends, so a run stopped early keeps what it measured.
 
 `--thresholds 256,512,...` first scans the threshold on the long scenario (a fresh engine per
 value): the short requests' TTFT and the long prompt's own TTFT at each.
