@@ -20,7 +20,10 @@ compared with its rate while only short requests come. One step at the budget (a
   short TTFT under load <= 2 x idle TTFT + one step at the budget; streams keep >= 50% of their rate.
 
 CPU time is the figure to read on a shared machine (one torch thread: it hardly depends on the
-machine's load); wall time is printed beside it with the load average.
+machine's load); wall time is printed beside it with the load average. For the slowest short
+request of each scenario the steps it waited through are printed with what each ran (decodes, new
+tokens by sequence kind, blend layers): which step held it, if one did. Each scenario is reported
+as soon as its last repetition ends, so a run stopped early keeps what it measured.
 
 `--thresholds 256,512,...` first scans the threshold on the long scenario (a fresh engine per
 value): the short requests' TTFT and the long prompt's own TTFT at each.
@@ -54,6 +57,8 @@ from common import (
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.engine.engine import LLMEngine
+from chunkcache.engine.pieces import remaining
+from chunkcache.engine.scheduler import ScheduledBatch
 from chunkcache.outputs import RequestOutput
 
 ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -67,18 +72,41 @@ class Run:
     tokens and the (wall, cpu) time they took, and the heavy work's own (wall, cpu) time."""
 
     ttft: list[tuple[float, float]] = field(default_factory=list)
+    waited: list[list[str]] = field(default_factory=list)  # per short request, the steps it waited
     stream_tokens: int = 0
     stream_time: tuple[float, float] = (0.0, 0.0)
     heavy_time: tuple[float, float] = (0.0, 0.0)
 
 
+def describe(batch: ScheduledBatch) -> str:
+    """A step's batch in words: its decodes, and the new tokens (or blend layers) of each kind."""
+    parts: dict[str, int] = {}
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        if not seq.kind.is_background and remaining(seq) == 1:
+            continue  # a decode (scheduled, not yet run), counted by batch.decodes
+        layers = batch.blend_layers.get(id(seq))
+        key = seq.kind.value + (f" blend to layer {layers}" if layers is not None else "")
+        parts[key] = parts.get(key, 0) + n
+    return ", ".join([f"{batch.decodes} decodes", *(f"{k} {n}" for k, n in parts.items())])
+
+
 class Driver:
     """Steps one engine; sends the short requests and keeps the stream decoding. Texts are made
-    before the clocks start (making them tokenizes)."""
+    before the clocks start (making them tokenizes). Each step's batch is described as it is
+    scheduled, so that a slow short request can be traced to the steps it waited through."""
 
     def __init__(self, engine: LLMEngine, text: TextMaker, shorts: int, gap: int) -> None:
         self.engine, self.text, self.shorts, self.gap = engine, text, shorts, gap
         self.n = 0
+        self.batch = ""
+        schedule = engine.scheduler.schedule
+
+        def traced() -> ScheduledBatch:
+            batch = schedule()
+            self.batch = describe(batch)
+            return batch
+
+        engine.scheduler.schedule = traced  # type: ignore[method-assign]
 
     def _id(self, name: str) -> str:
         self.n += 1
@@ -104,7 +132,9 @@ class Driver:
         while True:
             t0 = now()
             outs = self.engine.step()
-            done = window.observe(outs, now())
+            t1 = now()
+            window.steps.append(f"cpu {t1[1] - t0[1]:.3f} s wall {t1[0] - t0[0]:.3f} s: {self.batch}")
+            done = window.observe(outs, t1)
             if done or (heavy is None and len(window.run.ttft) >= self.shorts and window.pending is None):
                 break
             wait = self.gap if window.answered else wait - 1
@@ -112,6 +142,7 @@ class Driver:
                 short = self._id("short")
                 self.engine.add_request(short, texts.pop(), ONE)
                 window.pending = (short, t0)  # it arrived as the step just run began
+                window.steps = window.steps[-1:]  # that step is the first it waits through
         self.engine.abort_request(stream)
         while self.engine.has_unfinished_requests() or self.engine.has_background_work():
             self.engine.step()
@@ -129,6 +160,7 @@ class _Window:
     pending: tuple[str, tuple[float, float]] | None = None  # a short request and when it arrived
     answered: bool = False  # a short request got its first token in the last step
     tokens0: int | None = None
+    steps: list[str] = field(default_factory=list)  # since the pending short request arrived
 
     def observe(self, outs: list[RequestOutput], t1: tuple[float, float]) -> bool:
         """Take one step's outputs; True once the heavy work is done."""
@@ -141,6 +173,7 @@ class _Window:
             if self.pending is not None and out.request_id == self.pending[0] and tokens:
                 arrived = self.pending[1]
                 self.run.ttft.append((t1[0] - arrived[0], t1[1] - arrived[1]))
+                self.run.waited.append(list(self.steps))
                 self.pending, self.answered = None, True
             if out.request_id == self.heavy and out.finished:
                 assert out.outputs[0].finish_reason != "error", out.outputs[0]
@@ -217,6 +250,10 @@ def report(
             f"{idle_rate:.2f} ({rate / idle_rate:.0%}); heavy work {median([r.heavy_time[k] for r in runs]):.1f} s"
         )
         if clock == "cpu":
+            worst = max((t[1], w) for r in runs for t, w in zip(r.ttft, r.waited, strict=True))
+            print(f"    the slowest short request ({worst[0]:.3f} s cpu) waited through:")
+            for line in worst[1]:
+                print(f"      {line}")
             out[f"{name}_ttft_x"] = f"{median(load) / median(base):.2f}"
             out[f"{name}_max_over_bound"] = f"{max(load) / bound:.2f}"
             out[f"{name}_decode_keep"] = f"{rate / idle_rate:.2f}"
@@ -289,18 +326,22 @@ def main(argv: list[str] | None = None) -> None:
     scenarios = args.scenarios.split(",")
     runs: dict[str, list[Run]] = {name: [] for name in ["idle", *scenarios]}
     budget_step = []
+    ratios: dict[str, str] = {"threshold": str(threshold), "min_decode_share": str(args.min_decode_share)}
     for rep in range(args.reps):
         budget_step.append(step_at_budget(engine, text, args.budget))
+        if rep == args.reps - 1:
+            print(
+                f"one step at the budget: cpu {median([b[1] for b in budget_step]):.3f} s, "
+                f"wall {median([b[0] for b in budget_step]):.3f} s",
+                flush=True,
+            )
         for name in scenarios:  # idle before each scenario: interleaved
             runs["idle"].append(driver.run(None))
             runs[name].append(driver.run(heavy_work(engine, text, args, name)))
+            if rep == args.reps - 1:  # reported as soon as it is done: a long run's partial result
+                ratios.update(report(name, runs[name], runs["idle"], budget_step))
+                print(f"  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
         print(f"  rep {rep + 1}/{args.reps} done, load average {os.getloadavg()[0]:.2f}", flush=True)
-    print(
-        f"one step at the budget: cpu {median([b[1] for b in budget_step]):.3f} s, wall {median([b[0] for b in budget_step]):.3f} s"
-    )
-    ratios: dict[str, str] = {"threshold": str(threshold), "min_decode_share": str(args.min_decode_share)}
-    for name in scenarios:
-        ratios.update(report(name, runs[name], runs["idle"], budget_step))
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(summary("bench_mixed_load", **ratios))
 

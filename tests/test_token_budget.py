@@ -300,3 +300,20 @@ def test_short_prompts_do_not_make_long_prefills_look_cheap() -> None:
         seconds, steps = seconds + cost, steps + 1
     keep = (steps / seconds) / (1 / 0.04)
     assert keep >= 0.5, keep
+
+
+@pytest.mark.parametrize("piece_s", [2.4, 10.0])
+def test_a_long_prefill_is_not_starved_when_its_step_costs_more_than_the_window(piece_s: float) -> None:
+    """A step with a piece costs 60 or 250 decode steps (the 1.5B on a CPU, where a blend piece
+    of the budget costs ~250): the guard's window held ~50 steps, so after one such step it never
+    let another through while the stream ran. Now the long prompt progresses and the stream
+    still keeps about half its decode-only rate."""
+    sched, blocks = _scheduler(budget=64, threshold=32)
+    sched.add(_seq("stream", 4, max_out=100_000))
+    _timed_steps(sched, blocks, 5, piece_s)
+    sched.add(_seq("long", 3000))
+    got = _timed_steps(sched, blocks, 3000, piece_s)
+    pieces = sum(1 for g in got if "long" in g)
+    seconds = sum(0.04 if set(g) == {"stream"} else piece_s for g in got)
+    assert pieces >= 0.4 * 3000 * 0.04 / piece_s, pieces  # ~half the time goes to the long prompt
+    assert (len(got) / seconds) / (1 / 0.04) >= 0.45

@@ -13,8 +13,13 @@ is held back; where they are not, prefills get the time the streams can spare an
 
 from __future__ import annotations
 
-# Weight of the past in the decaying sums: about the last 50 steps count.
-_DECAY = 0.98
+# Steps the decaying sums hold at least (weight of the past 1 - 1/50 per step). The window must
+# also hold the decode steps that pay for one guarded step: with decode steps of d seconds and a
+# guarded step of b, the streams keep share s over k decode steps and that step only if
+# k >= (s * b / d - 1) / (1 - s). A fixed 50-step window held too few once b > ~52 d (the 1.5B
+# on a CPU: a blend piece of the budget costs ~250 decode steps): the guard let one such step
+# through and then none while any stream decoded, and the prefill starved until they all ended.
+_MIN_WINDOW = 50.0
 
 
 class DecodeGuard:
@@ -47,5 +52,14 @@ class DecodeGuard:
             self._idle_step = seconds if last is None else 0.8 * last + 0.2 * seconds
         elif guarded:
             self._busy_step = seconds if not self._busy_step else 0.8 * self._busy_step + 0.2 * seconds
-        self._time = _DECAY * self._time + seconds
-        self._steps = _DECAY * self._steps + 1.0
+        decay = 1.0 - 1.0 / self._window()
+        self._time = decay * self._time + seconds
+        self._steps = decay * self._steps + 1.0
+
+    def _window(self) -> float:
+        """Steps the sums hold: twice the decode steps one guarded step needs beside it, so that
+        one always fits (at least _MIN_WINDOW)."""
+        if not self._idle_step or not self._busy_step:
+            return _MIN_WINDOW
+        share = self.min_decode_share
+        return max(_MIN_WINDOW, 2.0 * share * (self._busy_step / self._idle_step) / (1.0 - share))
