@@ -26,9 +26,10 @@ slices of the span (fusion borrows only exact KV), and the third borrows them.
 
 Part 2, accuracy: fidelity questions (`fidelity_set`) asked in the stuff format with separator-free
 reuse (after a warm-up prompt with the same documents reversed plus one more), against the
-separator format of bench_fidelity with chunk reuse, both under the same reuse mode (the engine's
-default, blend@0.15) and each with its own full prefill as reference. The two formats run on two
-engines, so neither finds the other's entries.
+separator format of bench_fidelity with chunk reuse, both under the same reuse mode (the engine's:
+`--chunk-layout`, else the model's default) and each with its own full prefill as reference; kept
+counts the questions its full prefill answers that the reuse run answers too. The two formats run
+on two engines, so neither finds the other's entries.
 
     python benchmarks/bench_separator_free.py --threads 1 [--questions 48] [--trials 3] [--chunk-layout fusion]
 """
@@ -245,10 +246,19 @@ def accuracy(
             progress.write_text(json.dumps(per, indent=1))
     n = len(per)
     acc = {k: sum(p["correct"][k] for p in per.values()) / n for k in next(iter(per.values()))["correct"]}
+    # Kept: of the questions its own format's full prefill answers, those the reuse run answers too
+    # (accuracy alone hides answers lost on some questions and gained on others).
+    kept = {}
+    for k in acc:
+        if "reuse" in k:
+            full = "sep_full" if k.startswith("sep") else "stuff_full"
+            both = sum(p["correct"][k] and p["correct"][full] for p in per.values())
+            kept[k] = [both, sum(p["correct"][full] for p in per.values())]
     return {
         "questions": n,
         "sights": sights,
         "accuracy": acc,
+        "kept": kept,
         "matched_share": sum(p["matched_share"] for p in per.values()) / n,
         "per_question": per,
     }
@@ -345,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         if "stuff_reuse_second_rotated" in acc:
             summary.append(f"acc_stuff_reuse_second_sight_rotated={acc['stuff_reuse_second_rotated']:.1%}")
+        summary += [f"kept_{k}={kept}/{of}" for k, (kept, of) in a["kept"].items()]
     print(" ".join(summary))
 
 
