@@ -1,5 +1,6 @@
 """Products of many rows over quantized weights (`--weights native` / `int8`): dense float32 GEMMs
-over blocks of weight rows dequantized into one reused buffer, so no dense copy is ever whole.
+over blocks of weight rows dequantized one at a time (a block's float32 buffer at most, 1.5-9 MB),
+so no dense copy is ever whole.
 
 torch's weight-only kernels (`model/quant.py`) are GEMV-shaped: at one row they beat a dense
 float32 product (fewer bytes streamed), but from ~64 rows on they run at 0.43-0.77x its speed
