@@ -28,9 +28,9 @@ reports each step's CPU time (`account`), split between shadows and other work b
 computed in it, and a request drawn when one more check (costed as the mean of those so far)
 would take the shadows' share above `fidelity_max_share` is not checked (counted `over_budget`), so
 checks take about that share at most whatever the speed-up (the first check of a run is free to
-go over: nothing has measured a check yet). Results are kept per configuration (totals, the rolling agreement, sampled checks' mean
-TV per step), reported by `stats()` (the engine's stats and /metrics) and logged, and handed to
-the controller (controller.py) where there is one.
+go over: nothing has measured a check yet). Results are kept per configuration (totals, the
+rolling agreement, sampled checks' mean TV per step), reported by `stats()` (the engine's stats
+and /metrics) and logged, and handed to the controller (controller.py) where there is one.
 """
 
 from __future__ import annotations
