@@ -17,12 +17,10 @@ from chunkcache.chunk.documents import (
     render_with_documents,
 )
 from chunkcache.chunk.parse import tokenize_parts
-from chunkcache.config import DEFAULT_DOCUMENTS_FORMAT, EngineConfig
-from chunkcache.engine.engine import LLMEngine
+from chunkcache.config import DEFAULT_DOCUMENTS_FORMAT
 from chunkcache.errors import InvalidRequestError
-from chunkcache.server.app import build_app
 from tests.support.engines import tiny_llm as _llm
-from tests.support.server_util import ServerThread
+from tests.support.server_util import ServerThread, served_client
 
 MODEL = "tiny-docs"
 DOCS = [
@@ -154,10 +152,8 @@ def test_documents_without_chunk_cache_are_one_plain_prompt(checkpoint) -> None:
 def client(checkpoint) -> Iterator[tuple[openai.OpenAI, ServerThread]]:
     options = {"kv_cache_tokens": 4096, "chunk_cache_size_gb": 0.01, "max_chunks": 4, "device": "cpu"}
     options["dtype"] = "float32"
-    engine = LLMEngine(EngineConfig.from_options(str(checkpoint()), use_env=False, **options))
-    srv = ServerThread(build_app(engine, api_key=None, max_queue=16, served_model_name=MODEL)).start()
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60), srv
-    srv.stop()
+    with served_client(checkpoint(), options, MODEL) as served:
+        yield served
 
 
 def _chat(client: openai.OpenAI, documents: Any, question: str = "Where does Alice live?") -> Any:

@@ -15,14 +15,12 @@ import torch
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.config import EngineConfig
-from chunkcache.engine.engine import LLMEngine
 from chunkcache.engine.fusion import FusionGroup
 from chunkcache.errors import InvalidRequestError
-from chunkcache.server.app import build_app
 from tests.support.engines import tiny_llm
 from tests.support.oracle import hf_first_token_logprobs, hf_model
 from tests.support.prompts import ALICE, BOB, CAROL, COINS, SEP, SYSTEM, chunked
-from tests.support.server_util import ServerThread
+from tests.support.server_util import ServerThread, served_client
 
 DOCS = [ALICE, COINS, BOB, CAROL]
 QUESTION = "Where does Alice live and what does she drink?"
@@ -483,10 +481,8 @@ def client(checkpoint) -> Iterator[tuple[openai.OpenAI, ServerThread]]:
         "device": "cpu",
         "dtype": "float32",
     }
-    engine = LLMEngine(EngineConfig.from_options(str(checkpoint()), use_env=False, **options))
-    srv = ServerThread(build_app(engine, api_key=None, max_queue=16, served_model_name=MODEL)).start()
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60), srv
-    srv.stop()
+    with served_client(checkpoint(), options, MODEL) as served:
+        yield served
 
 
 def _chat(cl: openai.OpenAI, stream: bool, **extra: Any) -> Any:

@@ -14,15 +14,12 @@ import torch
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.matcher import Plan, Run, SpanIndex, fusion_documents
-from chunkcache.config import EngineConfig
 from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, Entry
 from chunkcache.core.sequence import Sequence
-from chunkcache.engine.engine import LLMEngine
 from chunkcache.engine.fusion import FusionGroup
-from chunkcache.server.app import build_app
 from tests.support.engines import tiny_llm
 from tests.support.oracle import hf_first_token_logprobs
-from tests.support.server_util import ServerThread
+from tests.support.server_util import ServerThread, served_client
 from tests.test_fusion import _reference_decode
 from tests.test_separator_free import _docs, _long
 
@@ -322,10 +319,8 @@ def client(checkpoint) -> Iterator[tuple[openai.OpenAI, ServerThread]]:
         "device": "cpu",
         "dtype": "float32",
     }
-    engine = LLMEngine(EngineConfig.from_options(str(checkpoint()), use_env=False, **options))
-    srv = ServerThread(build_app(engine, api_key=None, max_queue=16, served_model_name=MODEL)).start()
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60), srv
-    srv.stop()
+    with served_client(checkpoint(), options, MODEL) as served:
+        yield served
 
 
 def test_server_plain_prompts_served_by_fusion_streaming_and_not(client) -> None:

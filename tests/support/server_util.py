@@ -7,13 +7,18 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
 
 from chunkcache.server.engine_loop import EngineLoop
+
+if TYPE_CHECKING:
+    import openai
 
 T = TypeVar("T")
 
@@ -142,3 +147,23 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(30)
         self._log.close()
+
+
+@contextmanager
+def served_client(
+    model: Path | str, options: dict[str, Any], name: str, max_queue: int = 16
+) -> Iterator[tuple[openai.OpenAI, ServerThread]]:
+    """An engine on `model` with `options` (no env) behind the app, no API key, on a loopback port,
+    and the official client talking to it (no retries: an error status reaches the test as sent)."""
+    import openai
+
+    from chunkcache.config import EngineConfig
+    from chunkcache.engine.engine import LLMEngine
+    from chunkcache.server.app import build_app
+
+    engine = LLMEngine(EngineConfig.from_options(str(model), use_env=False, **options))
+    srv = ServerThread(build_app(engine, api_key=None, max_queue=max_queue, served_model_name=name)).start()
+    try:
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60), srv
+    finally:
+        srv.stop()
