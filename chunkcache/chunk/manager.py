@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from chunkcache.chunk.assemble import assemble
 from chunkcache.chunk.matcher import Run, SpanIndex
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.chunk.separator_free import Fuse, PlainPromptCutter
@@ -57,7 +58,6 @@ from chunkcache.core.plan import ChunkedPrompt, Entry, FillJob, PlainPrompt, Req
 from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.hashing import chunk_hash, system_hash
-from chunkcache.model.calibration import calibration_for
 from chunkcache.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -440,7 +440,7 @@ class ChunkManager:
 
     def is_ready(self, seq: Sequence) -> bool:
         """Whether the scheduler may run `seq`: a job needs its S computed (and private pages), a
-        question needs every entry computed; its borrowed KV list is assembled here."""
+        question needs every entry computed, and its view of them is laid out then (chunk/assemble.py)."""
         if seq.fill is not None:
             state = seq.fill
             if state.sys_entry is not None and not state.sys_entry.ready:
@@ -455,8 +455,7 @@ class ChunkManager:
                 seq.borrowed_slots = self._slots(state.sys_entry)
             return True
         if seq.chunks is not None:
-            assert seq.chunk_plan is not None
-            cfg, state = seq.chunk_plan.config, seq.chunks
+            state = seq.chunks
             if not all(e.ready for e in state.entries):
                 return False
             if not state.assembled:
@@ -464,36 +463,8 @@ class ChunkManager:
                 parts = [
                     self._slots(e)[a : a + n] for e, (a, n) in zip(state.entries, state.slices, strict=True)
                 ]
-                slots = torch.cat(parts)
-                if cfg.layout == "fusion":
-                    state.stream_slots = [torch.cat((parts[0], p)) for p in parts[1:]]
-                    if cfg.fusion_amateur:
-                        state.stream_slots.append(parts[0])
-                elif cfg.layout == "offset":
-                    state.cached_slots = slots
-                    state.cached_delta = self._offset_deltas(state)
-                else:
-                    seq.borrowed_slots = slots
-                    seq.calibration = calibration_for(
-                        len(state.prompt.sys_token_ids),
-                        slots.numel(),
-                        cfg.calibration_temperature,
-                        cfg.calibration_scale,
-                    )
-                state.assembled = True
+                assemble(seq, parts, self.device)
         return True
-
-    def _offset_deltas(self, state: RequestChunks) -> torch.Tensor:
-        """Per cached token: its natural position minus the position its KV was computed at (a
-        chunk entry's tokens were computed after its own S, from position len(S))."""
-        s = len(state.prompt.sys_token_ids)
-        deltas = [torch.zeros(s, dtype=torch.long)]
-        offset = s
-        for entry, (start, n) in zip(state.entries[1:], state.slices[1:], strict=True):
-            computed_at = len(entry.token_ids[0]) + start
-            deltas.append(torch.full((n,), offset - computed_at, dtype=torch.long))
-            offset += n
-        return torch.cat(deltas).to(self.device)
 
     def _slots(self, entry: Entry) -> torch.Tensor:
         return block_slots(entry.pages, self.pool.page_size, entry.num_tokens, self.device)
