@@ -32,7 +32,8 @@ from chunkcache.errors import InvalidRequestError
 from chunkcache.hashing import BlockKeys
 from chunkcache.router.app import create_app
 from chunkcache.router.backends import BackendSpec
-from chunkcache.router.service import Router, RouterConfig
+from chunkcache.router.config import RouterConfig
+from chunkcache.router.service import Router
 from chunkcache.sampling import MAX_STOP_STRINGS, SamplingParams
 from chunkcache.server.app import build_app
 from chunkcache.server.cli import DEFAULT_DRAIN_TIMEOUT, add_serve_arguments

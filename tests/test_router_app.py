@@ -28,10 +28,11 @@ from chunkcache.router.backends import (
     parse_backend_list,
     parse_backend_spec,
 )
+from chunkcache.router.config import RouterConfig
 from chunkcache.router.index import MemoryIndex
 from chunkcache.router.policy import Picker
 from chunkcache.router.scorer import PodScore
-from chunkcache.router.service import Router, RouterConfig
+from chunkcache.router.service import Router
 from chunkcache.router.tokens import PromptProcessor
 from tests.support.redis_server import RedisServer, free_port
 from tests.support.server_util import ServerThread

@@ -21,8 +21,9 @@ from fastapi.testclient import TestClient
 from chunkcache.kv_events import BlockStored, KVEventPublisher
 from chunkcache.router.app import add_route_arguments, config_from_args, create_app
 from chunkcache.router.backends import BackendSpec
+from chunkcache.router.config import RouterConfig
 from chunkcache.router.discovery import DiscoveryConfig, PodWatcher, pod_backend
-from chunkcache.router.service import Router, RouterConfig
+from chunkcache.router.service import Router
 from tests.support.kube_api import FORBIDDEN, GONE, NS, SELECTOR, FakeApiServer, kubeconfig, pod, pod_list
 from tests.support.server_util import ServerThread, free_port
 from tests.test_router_app import MODEL, engine_events, fake_backend, metric, tokenizer_dir, wait_for, words

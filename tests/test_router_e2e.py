@@ -31,7 +31,8 @@ from chunkcache.engine.engine import LLMEngine
 from chunkcache.engine_args import engine_options
 from chunkcache.router.app import create_app
 from chunkcache.router.backends import BackendSpec
-from chunkcache.router.service import Router, RouterConfig
+from chunkcache.router.config import RouterConfig
+from chunkcache.router.service import Router
 from chunkcache.server.app import build_app
 from chunkcache.server.cli import add_serve_arguments
 from tests.support.prompts import SEP

@@ -24,10 +24,10 @@ from chunkcache.kv_events import (
     read_replay_reply,
     replay_request,
 )
+from chunkcache.router.config import open_index
 from chunkcache.router.events import EventIntake, fnv1a_64, pod_from_topic, subscriptions
 from chunkcache.router.index import KVIndex, MemoryIndex
 from chunkcache.router.scorer import Scorer
-from chunkcache.router.service import open_index
 from chunkcache.router.tokens import BlockKeyer
 from tests.support.redis_server import RedisServer
 

@@ -8,9 +8,9 @@ import pytest
 
 from chunkcache.hashing import chunk_hash, system_hash, to_wire
 from chunkcache.kv_events import BlockStored
+from chunkcache.router.config import open_index
 from chunkcache.router.index import IndexIntegrityError, KVIndex, MemoryIndex
 from chunkcache.router.scorer import Scorer, ScorerConfig, parse_tier_weights
-from chunkcache.router.service import open_index
 from chunkcache.router.tokens import BlockKeyer, EngineKeyMap, PromptProcessor
 from tests.support.redis_server import RedisServer
 

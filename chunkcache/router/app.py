@@ -29,10 +29,11 @@ from chunkcache.http_limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddlewar
 from chunkcache.model import catalog
 from chunkcache.model.source import default_model_name, resolve_model_path
 from chunkcache.router.backends import BackendSpec, load_backends_file, parse_backend_list
+from chunkcache.router.config import RouterConfig
 from chunkcache.router.discovery import add_discovery_arguments, discovery_from_args
 from chunkcache.router.policy import DEFAULT_CACHE_THRESHOLD, POLICIES
 from chunkcache.router.scorer import parse_tier_weights
-from chunkcache.router.service import NoBackendError, Router, RouterConfig
+from chunkcache.router.service import NoBackendError, Router
 
 logger = logging.getLogger(__name__)
 
