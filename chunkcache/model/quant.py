@@ -25,6 +25,11 @@ outputs concatenated.
 Both kernels are GEMV-shaped and lose to a dense float32 GEMM from a few dozen rows, so products
 of many rows (prefill) multiply float32 blocks dequantized from the same codes instead
 (`model/dequant.py`): no dense copy of a weight is held.
+
+The token embedding is held as the file's own blocks (`QuantEmbedding`), each step dequantizing
+only the rows it looks up with gguf's function, so its values are the dense table's bit for bit;
+and a native load never dequantizes the tensors these forms replace (`dense_at_load`), so no
+dense float32 model exists while loading.
 """
 
 from __future__ import annotations
