@@ -54,7 +54,7 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 # Weight rows sampled per tensor to measure a conversion's error (the log line at load).
 _ERROR_ROWS = 64
 # Rows of a GGUF tensor dequantized at once while it is re-quantized (`Int8Part.of_raw`).
-CONVERT_ROWS = 4096
+CONVERT_ROWS = 1024
 EMBEDDING = "model.embed_tokens.weight"  # the token embedding's checkpoint name
 
 
@@ -156,12 +156,14 @@ class Int8Part:
     def of_raw(cls, raw: RawTensor) -> Int8Part:
         """A GGUF tensor re-quantized per channel from its dequantized values, `CONVERT_ROWS` rows
         at a time: a whole float32 copy of a large tensor (the 1.5B's Q6_K lm_head: 0.93 GB,
-        and ~3x that in the conversion's temporaries) would set the load's peak."""
-        blocks = [
-            cls.quantize(torch.from_numpy(raw.dequantize(slice(start, start + CONVERT_ROWS))))
-            for start in range(0, raw.shape[0], CONVERT_ROWS)
-        ]
-        return cls(torch.cat([b.codes for b in blocks]), torch.cat([b.scales for b in blocks]))
+        and ~3x that in the conversion's temporaries) would set the load's peak. Each block is
+        written into the whole tensor's codes (no list of blocks concatenated: twice the codes)."""
+        rows, cols = raw.shape
+        codes, scales = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, dtype=torch.bfloat16)
+        for start in range(0, rows, CONVERT_ROWS):
+            block = cls.quantize(torch.from_numpy(raw.dequantize(slice(start, start + CONVERT_ROWS))))
+            codes[start : start + block.rows], scales[start : start + block.rows] = block.codes, block.scales
+        return cls(codes, scales)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel (bfloat16 x) below
