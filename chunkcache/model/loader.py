@@ -260,12 +260,7 @@ def load_model(
         )
     # The tokenizer before the weights: building one from a GGUF's metadata (151k tokens and
     # merges for Qwen2.5) takes ~0.5 GB for a moment, which then does not stack on the weights.
-    if tokenizer is not None:
-        tok = load_tokenizer(Path(tokenizer).expanduser())
-    elif gguf is not None:
-        tok = load_gguf_tokenizer(gguf)
-    else:
-        tok = load_tokenizer(path)
+    tok = _tokenizer_of(tokenizer, gguf, path)
     dev = resolve_device(device)
     torch_dtype, reason = resolve_dtype(dtype, spec, dev)
     with torch.device("meta"):
@@ -310,6 +305,16 @@ def load_model(
         why += f", weights {weights}"
     _log_loaded(net, name, size, why, time.perf_counter() - start)
     return LoadedModel(net, spec, tok, path, name, _eos_ids(gen, tok, hf), torch_dtype, dev)
+
+
+def _tokenizer_of(tokenizer: str | None, gguf: Path | None, path: Path) -> Any:
+    """The tokenizer in the directory `tokenizer` where given, else the GGUF's own, else the
+    checkpoint directory's."""
+    if tokenizer is not None:
+        return load_tokenizer(Path(tokenizer).expanduser())
+    if gguf is not None:
+        return load_gguf_tokenizer(gguf)
+    return load_tokenizer(path)
 
 
 def _raw_reader(checkpoint: GGUFCheckpoint) -> Callable[[str], RawTensor]:
