@@ -2,7 +2,7 @@
 batch-1 decode speed, and the machine's weight-streaming ceiling for that decode.
 
 One process, one thing at a time: the engine is loaded (time, then VmRSS once loaded, against the
-bytes of its parameters); a ~500-token prompt is prefilled `--repeats` times with no cache to hit
+bytes of its parameters, and the process's peak VmHWM, which the load sets); a ~500-token prompt is prefilled `--repeats` times with no cache to hit
 (TTFT); `--decode-tokens` tokens are decoded at batch 1 (eager, or compiled with
 `--compile-decode`). Each is also timed in process CPU time (one thread: the time it ran, not
 the time it waited for a core on a shared machine). The ceiling: `torch.sum` over a tensor of the weights' dtype and size, whose
@@ -30,9 +30,10 @@ from chunkcache.model.linear import Linear
 from chunkcache.model.loader import _held_bytes
 
 
-def rss_bytes() -> int:
+def rss_bytes(field: str = "VmRSS") -> int:
+    """The process's resident memory now (VmRSS), or its peak so far (VmHWM)."""
     with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("VmRSS:"))
+        line = next(x for x in f if x.startswith(field + ":"))
     return int(line.split()[1]) * 1024
 
 
@@ -63,7 +64,7 @@ def kind_seconds(net: torch.nn.Module, repeats: int = 3) -> dict[tuple, float]:
     for _ in range(repeats):
         spent: dict[tuple, float] = {}
         for m in linears:
-            x = torch.randn(1, m.in_features, dtype=net.embed_tokens.weight.dtype)
+            x = torch.randn(1, m.in_features, dtype=net.norm.weight.dtype)
             start = time.thread_time()
             m(x)
             spent[m.kind] = spent.get(m.kind, 0.0) + time.thread_time() - start
@@ -98,11 +99,14 @@ def main() -> None:
         weights=args.weights,
     )
     load_s = time.perf_counter() - start
-    rss = rss_bytes() - before
+    rss, peak = rss_bytes() - before, rss_bytes("VmHWM")
     net = llm.engine.runner.model
     weights = _held_bytes(net)
-    embedding = net.embed_tokens.weight.numel() * net.embed_tokens.weight.element_size()
-    tied = net.lm_head.weight is net.embed_tokens.weight
+    # A dense table, or (native weights) the file's blocks rows are looked up from.
+    table = getattr(net.embed_tokens, "weight", None)
+    table = table if table is not None else net.embed_tokens.blocks
+    embedding = table.numel() * table.element_size()
+    tied = isinstance(net.embed_tokens, torch.nn.Embedding) and net.lm_head.weight is table
     streamed = weights if tied else weights - embedding  # the lm_head reads the table when tied
     kv = sum(
         k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in llm.engine.runner.kv_caches
@@ -110,7 +114,8 @@ def main() -> None:
     print(
         f"model {llm.engine.model_name} {args.dtype}, weights {args.weights}: load {load_s:.1f} s; RSS after load {rss / 1e9:.2f} GB, "
         f"weights {weights / 1e9:.2f} GB, KV cache {kv / 1e9:.2f} GB: RSS / (weights + KV) "
-        f"{rss / (weights + kv):.2f}x"
+        f"{rss / (weights + kv):.2f}x; peak RSS of the process so far (VmHWM) {peak / 1e9:.2f} GB; "
+        f"embedding {embedding / 1e9:.2f} GB"
     )
     for (out_f, in_f, gated, _), seconds in kind_seconds(net).items():
         print(
@@ -158,7 +163,7 @@ def main() -> None:
         f"({weights / sum_cpu / 1e9:.1f} GB/s): {cpu_rate / cpu_ceiling:.0%}"
     )
     print(
-        f"SUMMARY bench_default_model: weights={args.weights} rss_gb={rss / 1e9:.2f} "
+        f"SUMMARY bench_default_model: weights={args.weights} rss_gb={rss / 1e9:.2f} peak_rss_gb={peak / 1e9:.2f} "
         f"prefill_cpu_tok_s={prefill_cpu:.0f} decode_cpu_tok_s={cpu_rate:.2f} load_s={load_s:.1f} rss_over_weights={rss / weights:.2f} "
         f"prefill_tok_s={args.prompt_tokens / ttft:.0f} decode_tok_s={rate:.2f} ({mode}) "
         f"ceiling_tok_s={ceiling:.2f} decode_of_ceiling={rate / ceiling:.2f}"

@@ -40,7 +40,9 @@ OPTION_HELP: dict[str, str] = {
     "weights": "CPU: how projections hold their weights: dense (dequantized to dtype), native (a GGUF's "
     "own quantization: 4-bit types as int4 with their codes, 5-8-bit ones re-quantized to int8 per "
     "channel, others dense), int8 (per output channel, any checkpoint); quantized products of many rows "
-    "(prefill) multiply float32 blocks dequantized from the codes, no dense copy held",
+    "(prefill) multiply float32 blocks dequantized from the codes, no dense copy held; native also keeps "
+    "the token embedding as the file's blocks (rows dequantized per lookup, exactly) unless a tied lm_head "
+    "reads it densely",
     "block_size": "tokens per paged KV block, > 0",
     "kv_cache_tokens": "KV cache budget in tokens, >= block_size; wins over --kv-cache-memory-gb "
     "(default: 0.5 GiB)",

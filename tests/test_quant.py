@@ -279,7 +279,7 @@ def test_int8_per_channel_of_a_float_weight_and_its_dense_read_back() -> None:
     linear = Linear(COLS, ROWS, bias=True)
     linear.weight, linear.bias = None, None
     bias = torch.randn(ROWS)
-    linear.quant = QuantProduct([Int8Part(w)], bias, torch.float32)
+    linear.quant = QuantProduct([Int8Part.quantize(w)], bias, torch.float32)
     x = torch.randn(4, COLS)
     assert _relative(linear(x), x @ w.t() + bias) < INT8_TOL
     assert linear.kind == (ROWS, COLS, False, True)
@@ -297,6 +297,39 @@ def test_weights_option_is_validated_and_named(checkpoint, tmp_path) -> None:
         load_model(str(src), "cpu", "float32", weights="native")
     with pytest.raises(ModelLoadError, match="weights 'int3'"):
         load_model(str(src), "cpu", "float32", weights="int3")
+
+
+EMBEDDING_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.F16, Q.F32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", EMBEDDING_TYPES, ids=lambda q: q.name)
+def test_quantized_embedding_rows_are_the_dense_tables_bit_for_bit(qtype: Q, dtype: torch.dtype) -> None:
+    """The rows a `QuantEmbedding` looks up are exactly those of the dense table a dense load
+    holds (gguf's dequantization of the whole tensor, cast to the model's dtype), for any ids:
+    repeated, in any order, in a 2-D batch; its bytes are the file's."""
+    raw = _raw(qtype, seed=11)
+    table = _reference(raw).to(dtype)
+    embedding = quant.QuantEmbedding(raw, dtype)
+    ids = torch.tensor([[0, ROWS - 1, 5, 5], [17, 3, 0, 64]])
+    rows = embedding(ids)
+    assert rows.dtype == dtype and rows.shape == (2, 4, COLS)
+    assert torch.equal(rows, torch.nn.functional.embedding(ids, table))
+    assert torch.equal(embedding(torch.arange(ROWS)), table)
+    assert embedding.blocks.numpy().tobytes() == raw.data.tobytes()
+    with pytest.raises(IndexError, match="outside the embedding"):
+        embedding(torch.tensor([ROWS]))
+    with pytest.raises(IndexError, match="outside the embedding"):
+        embedding(torch.tensor([-1]))
+
+
+def test_int8_from_the_file_in_row_blocks_equals_the_tensor_converted_whole(monkeypatch) -> None:
+    """`Int8Part.of_raw` converts `CONVERT_ROWS` rows at a time (the load's peak); per-channel
+    codes make that the same codes and scales as one conversion of the dequantized tensor."""
+    monkeypatch.setattr(quant, "CONVERT_ROWS", 40)  # 96 rows: blocks of 40, 40, 16
+    raw = _raw(Q.Q6_K, seed=12)
+    blocked, whole = Int8Part.of_raw(raw), Int8Part.quantize(_reference(raw))
+    assert torch.equal(blocked.codes, whole.codes) and torch.equal(blocked.scales, whole.scales)
 
 
 GGUF_CASES = [
@@ -400,3 +433,61 @@ SMOLLM2_PROMPTS = [
     "What is the capital of Italy?",
     "Explain photosynthesis in one sentence.",
 ]
+
+
+EXACT_CASES = [
+    ("llama", Q.Q4_K, {"hidden_size": 256, "intermediate_size": 256}),  # int4; embedding Q4_K
+    ("qwen2", Q.Q4_1, {}),  # tied: the embedding and its int4 lm_head both from the file's blocks
+    ("qwen2", Q.Q8_0, {}),  # tied Q8_0 (SmolLM2's case): a dense embedding its lm_head reads
+    ("llama", Q.Q6_K, {"hidden_size": 256, "intermediate_size": 256}),  # int8; embedding Q6_K
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "qtype", "overrides"), EXACT_CASES, ids=[f"{a}-{q.name}" for a, q, _ in EXACT_CASES]
+)
+def test_native_load_without_the_dense_model_serves_the_same_logits(
+    checkpoint, tmp_path, monkeypatch, arch, qtype, overrides
+) -> None:
+    """A native load dequantizes only what stays dense (norms, biases, an embedding a tied lm_head
+    reads): the projections and the embedding never exist as dense tensors. Against the load as
+    it was (every tensor dequantized first, `dense_at_load` always true, and the embedding the
+    dense table): every quantized tensor equal, and the same tokens with the same log-probs,
+    bit for bit."""
+    from chunkcache import LLM, SamplingParams
+    from chunkcache.model import gguf_file, loader
+    from tests import test_gguf
+
+    src = checkpoint(arch=arch, tie_word_embeddings=arch == "qwen2", **overrides)
+    monkeypatch.setattr(test_gguf, "_random_k_quant", functools.partial(_random_k_quant, d=1e-4))
+    test_gguf.write_gguf(src, tmp_path / "model.gguf", qtype)
+    tied = arch == "qwen2"
+    read = gguf_file.GGUFCheckpoint.open(tmp_path / "model.gguf").tensors(
+        functools.partial(quant.dense_at_load, tied=tied)
+    )
+    meta = {name for name, t in read if t.is_meta}
+    projections = {n for n in meta if n.endswith("_proj.weight")}
+    assert projections and meta - projections == (
+        set() if tied and qtype == Q.Q8_0 else {quant.EMBEDDING, *(() if tied else ("lm_head.weight",))}
+    )
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    kw = dict(tokenizer=str(src), dtype="float32", kv_cache_tokens=512, weights="native")
+    now = LLM(str(tmp_path), **kw)
+    with monkeypatch.context() as m:
+        m.setattr(loader, "dense_at_load", lambda name, qtype, tied: True)
+        before = LLM(str(tmp_path), **kw)
+    dense_table = LLM(str(tmp_path), **{**kw, "weights": "dense"}).engine.runner.model.embed_tokens
+    new_model, old_model = now.engine.runner.model, before.engine.runner.model
+    assert isinstance(new_model.embed_tokens, quant.QuantEmbedding) != (tied and qtype == Q.Q8_0)
+    old_model.embed_tokens = dense_table  # the embedding as it was served
+    for (name, a), b in zip(new_model.named_modules(), old_model.modules(), strict=True):
+        if isinstance(a, Linear):
+            assert all(
+                torch.equal(x, y) for x, y in zip(a.quant.tensors(), b.quant.tensors(), strict=True)
+            ), name
+    outs = [llm.generate(test_gguf.PROMPT, params)[0].outputs[0] for llm in (now, before)]
+    assert outs[0].token_ids == outs[1].token_ids
+    assert outs[0].logprobs == outs[1].logprobs
+    now.check_integrity()

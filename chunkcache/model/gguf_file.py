@@ -13,8 +13,9 @@ is opened, before any weight is materialised, and raised as a ModelLoadError tha
 
 from __future__ import annotations
 
+import mmap
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,21 +118,35 @@ class GGUFCheckpoint:
         _check_tensors(file, reader)
         return cls(file, gguf_arch, _hf_config(file, reader, gguf_arch, ARCHITECTURES[arch]), reader)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(transformers name, float32 tensor) for every tensor of the file, dequantized."""
+    def tensors(self, dense: Callable[[str, str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(transformers name, float32 tensor) for every tensor of the file, dequantized; those
+        for which `dense(name, type name)` is false only as a float32 tensor of their shape on the
+        meta device (no memory: `weights=native` builds them from `raw`)."""
         from gguf.quants import dequantize
 
         permute = self.arch in _PERMUTED
         heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
         for t in tqdm(self._reader.tensors, desc=f"loading {self.file.name}", unit="tensor", leave=False):
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
-            array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             name = hf_name(t.name)
+            if dense is not None and not dense(name, t.tensor_type.name):
+                yield name, torch.empty(shape, dtype=torch.float32, device="meta")
+                continue
+            array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
                 array = _unpermute(array, heads)
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
                 array = _unpermute(array, kv_heads)
             yield name, torch.from_numpy(np.array(array, copy=True))
+
+    def release_pages(self) -> None:
+        """Unmap the file's pages this process has read (they stay in the page cache; a later
+        read faults them back): a native load reads each tensor once to convert it, and the
+        mapped pages would otherwise count in its resident memory until the file closes (~1 GB
+        of the 1.5B's file by the end of its load). Views already handed out stay valid."""
+        mapping = getattr(self._reader.data, "_mmap", None)  # numpy's memmap keeps its mmap there
+        if mapping is not None and hasattr(mapping, "madvise"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def raw(self, name: str) -> RawTensor:
         """The 2-D tensor `name` (its transformers name) as the file stores it, quantized blocks

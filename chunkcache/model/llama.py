@@ -213,7 +213,9 @@ class LlamaForCausalLM(nn.Module):
             )
         linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
         # A tied lm_head's [out, in] weight is the embedding's, held anyway for row lookups.
-        shared = self.embed_tokens.weight.detach() if self.spec.tie_word_embeddings else None
+        # (Native weights' quantized embedding holds no dense weight: its tied lm_head is int4.)
+        tied = self.spec.tie_word_embeddings and isinstance(self.embed_tokens, nn.Embedding)
+        shared = self.embed_tokens.weight.detach() if tied else None
         if all(m.hold_fused_weight() for m in linears) and self.lm_head.hold_fused_weight(shared):
             linears.append(self.lm_head)
             timings = time_one_row_products(linears)
@@ -241,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
             # for one row only, and now, so that no request's step waits for the compiler.
             self._compiled_logits = torch.compile(self._logits, dynamic=False)
             with torch.inference_mode():
-                self._compiled_logits(self.embed_tokens.weight.new_zeros(1, self.spec.hidden_size))
+                self._compiled_logits(self.norm.weight.new_zeros(1, self.spec.hidden_size))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._compiled_logits is not None and hidden.shape[0] == 1:

@@ -13,7 +13,7 @@ import json
 import logging
 import platform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from chunkcache.model.adapter import LoraAdapter
 from chunkcache.model.gguf_file import GGUFCheckpoint, load_gguf_tokenizer
 from chunkcache.model.linear import Linear
 from chunkcache.model.llama import LlamaForCausalLM
-from chunkcache.model.quant import WEIGHTS, apply_weights
+from chunkcache.model.quant import WEIGHTS, QuantEmbedding, RawTensor, apply_weights, dense_at_load
 from chunkcache.model.rope import RotaryEmbedding
 from chunkcache.model.source import find_gguf, resolve_model_path
 from chunkcache.model.spec import ModelSpec
@@ -252,19 +252,31 @@ def load_model(
         hf, name = read_hf_config(path), path.name
         read = functools.partial(_read_tensors, path)
     spec = ModelSpec.from_hf(hf)
+    if gguf is not None and weights == "native":
+        # Native weights are built from the file's blocks: the tensors they replace are never
+        # dequantized (no dense float32 model exists during the load).
+        read = functools.partial(
+            checkpoint.tensors, functools.partial(dense_at_load, tied=spec.tie_word_embeddings)
+        )
+    # The tokenizer before the weights: building one from a GGUF's metadata (151k tokens and
+    # merges for Qwen2.5) takes ~0.5 GB for a moment, which then does not stack on the weights.
+    tok = _tokenizer_of(tokenizer, gguf, path)
     dev = resolve_device(device)
     torch_dtype, reason = resolve_dtype(dtype, spec, dev)
     with torch.device("meta"):
         net = LlamaForCausalLM(spec)
+
     # One tensor at a time: a dequantized GGUF tensor is float32 until it is cast here.
     # Contiguous: a permuted or strided view would send F.linear down another kernel.
     # The adapter's update is added in float32, before the cast, as peft merges it.
-    tensors = {
-        n: (lora.merge(n, t) if lora is not None and n in lora.deltas else t)
-        .to(device=dev, dtype=torch_dtype)
-        .contiguous()
-        for n, t in read()
-    }
+    def placed(n: str, t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta:  # native weights' stand-in: its shape, in the model's dtype
+            return t.to(dtype=torch_dtype)
+        if lora is not None and n in lora.deltas:
+            t = lora.merge(n, t)
+        return t.to(device=dev, dtype=torch_dtype).contiguous()
+
+    tensors = {n: placed(n, t) for n, t in read()}
     if lora is not None:
         lora.check_covered(set(tensors))
     _fill_state(net, tensors)
@@ -277,16 +289,15 @@ def load_model(
     if weights != "dense":
         if dev.type != "cpu":
             raise ModelLoadError(f"weights {weights!r} are CPU kernels; on {dev.type} use weights 'dense'")
-        apply_weights(net, weights, checkpoint.raw if gguf is not None else None, spec.tie_word_embeddings)
+        apply_weights(
+            net, weights, _raw_reader(checkpoint) if gguf is not None else None, spec.tie_word_embeddings
+        )
+        unbuilt = [n for n, p in net.named_parameters() if p.is_meta]
+        if unbuilt:  # a tensor dense_at_load skipped that no quantized form replaced: a bug here
+            raise ModelLoadError(f"weights {weights!r} left {unbuilt[:4]} without values")
     size = _held_bytes(net)  # the weights as loaded (quantized ones included), a tied one once
     # After every weight is in place: the layouts are built from the final (merged, tied) tensors.
     net.prepare(narrow_weights)
-    if tokenizer is not None:
-        tok = load_tokenizer(Path(tokenizer).expanduser())
-    elif gguf is not None:
-        tok = load_gguf_tokenizer(gguf)
-    else:
-        tok = load_tokenizer(path)
     # A GGUF's metadata is its whole config: a generation_config.json beside it belongs to something else.
     gen = path / "generation_config.json" if gguf is None else None
     why = f"{str(torch_dtype).removeprefix('torch.')} on {dev} ({reason})"
@@ -294,6 +305,27 @@ def load_model(
         why += f", weights {weights}"
     _log_loaded(net, name, size, why, time.perf_counter() - start)
     return LoadedModel(net, spec, tok, path, name, _eos_ids(gen, tok, hf), torch_dtype, dev)
+
+
+def _tokenizer_of(tokenizer: str | None, gguf: Path | None, path: Path) -> Any:
+    """The tokenizer in the directory `tokenizer` where given, else the GGUF's own, else the
+    checkpoint directory's."""
+    if tokenizer is not None:
+        return load_tokenizer(Path(tokenizer).expanduser())
+    if gguf is not None:
+        return load_gguf_tokenizer(gguf)
+    return load_tokenizer(path)
+
+
+def _raw_reader(checkpoint: GGUFCheckpoint) -> Callable[[str], RawTensor]:
+    """`checkpoint.raw`, releasing the file pages read for earlier tensors first: a native load
+    then holds at most the current projection's pages mapped, not the whole file's."""
+
+    def raw(name: str) -> RawTensor:
+        checkpoint.release_pages()
+        return checkpoint.raw(name)
+
+    return raw
 
 
 def _check_weights(weights: str, gguf: Path | None, adapter: str | None) -> None:
@@ -320,6 +352,8 @@ def _held_bytes(net: LlamaForCausalLM) -> int:
         if isinstance(m, Linear):
             tensors += [t for t in (m.weight_t, *m.packed, *(m.fused or ())) if t is not None]
             tensors += m.quant.tensors() if m.quant is not None else []
+        elif isinstance(m, QuantEmbedding):
+            tensors += m.tensors()
     for t in tensors:
         if t.layout == torch.strided:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()

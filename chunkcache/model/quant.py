@@ -25,6 +25,11 @@ outputs concatenated.
 Both kernels are GEMV-shaped and lose to a dense float32 GEMM from a few dozen rows, so products
 of many rows (prefill) multiply float32 blocks dequantized from the same codes instead
 (`model/dequant.py`): no dense copy of a weight is held.
+
+The token embedding is held as the file's own blocks (`QuantEmbedding`), each step dequantizing
+only the rows it looks up with gguf's function, so its values are the dense table's bit for bit;
+and a native load never dequantizes the tensors these forms replace (`dense_at_load`), so no
+dense float32 model exists while loading.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # re-quantized per channe
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 # Weight rows sampled per tensor to measure a conversion's error (the log line at load).
 _ERROR_ROWS = 64
+# Rows of a GGUF tensor dequantized at once while it is re-quantized (`Int8Part.of_raw`).
+CONVERT_ROWS = 1024
+EMBEDDING = "model.embed_tokens.weight"  # the token embedding's checkpoint name
 
 
 @dataclass
@@ -133,12 +141,29 @@ class Int4Part:
 class Int8Part:
     """Output rows quantized to int8 with one bfloat16 scale per row (symmetric, absmax / 127)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.rows = weight.shape[0]
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.rows, self.codes, self.scales = codes.shape[0], codes.contiguous(), scales
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Part:
+        """`weight` per output channel; row by row, so a tensor converted in row blocks and
+        concatenated is bit for bit the tensor converted whole."""
         w = weight.float()
         scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-        self.codes = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scales = scale
+        return cls(torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8), scale)
+
+    @classmethod
+    def of_raw(cls, raw: RawTensor) -> Int8Part:
+        """A GGUF tensor re-quantized per channel from its dequantized values, `CONVERT_ROWS` rows
+        at a time: a whole float32 copy of a large tensor (the 1.5B's Q6_K lm_head: 0.93 GB,
+        and ~3x that in the conversion's temporaries) would set the load's peak. Each block is
+        written into the whole tensor's codes (no list of blocks concatenated: twice the codes)."""
+        rows, cols = raw.shape
+        codes, scales = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, dtype=torch.bfloat16)
+        for start in range(0, rows, CONVERT_ROWS):
+            block = cls.quantize(torch.from_numpy(raw.dequantize(slice(start, start + CONVERT_ROWS))))
+            codes[start : start + block.rows], scales[start : start + block.rows] = block.codes, block.scales
+        return cls(codes, scales)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel (bfloat16 x) below
@@ -235,9 +260,9 @@ def native_parts(raws: list[RawTensor], dtype: torch.dtype, report: dict[str, Co
             served = ((q[rows].float() - 8) * s + z).numpy()
             kind, form = Int4Part, "int4 (own codes, bfloat16 scales and zeros)"
         elif raw.qtype in INT8_TYPES:
-            args = [torch.from_numpy(raw.dequantize())]
-            part = Int8Part(args[0][rows])
-            served = (part.codes.float() * part.scales.float()[:, None]).numpy()
+            part = Int8Part.of_raw(raw)
+            args = [part.codes, part.scales]
+            served = (part.codes[rows].float() * part.scales[rows].float()[:, None]).numpy()
             kind, form = Int8Part, "int8 per channel (re-quantized)"
         else:
             if raw.qtype not in _FLOAT_TYPES and raw.qtype not in report:
@@ -278,18 +303,68 @@ _MERGED = {
 def source_names(module: str, tied: bool) -> list[str]:
     """The checkpoint tensors (transformers names) the Linear `module` of the model was made of."""
     if module == "lm_head":
-        return ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        return [EMBEDDING if tied else "lm_head.weight"]
     layer, rest = module.split(".", 2)[:2], module.split(".", 2)[2]
     prefix = "model." + ".".join(layer) + "."
     return [f"{prefix}{part}.weight" for part in _MERGED.get(rest, (rest,))]
+
+
+def embedding_quantized(qtype: str, tied: bool) -> bool:
+    """Whether `native` weights serve the token embedding from its file blocks
+    (`QuantEmbedding`): always, except where it is tied to an lm_head that reads its dense
+    weight (a type without an exact kernel: SmolLM2's Q8_0; see `apply_weights`)."""
+    return not tied or qtype in INT4_TYPES
+
+
+def dense_at_load(name: str, qtype: str, tied: bool) -> bool:
+    """Whether a `native` load needs the checkpoint tensor `name` (transformers name, GGUF type
+    `qtype`) dequantized to a dense tensor. The projections' weights are built from the file's
+    blocks (`apply_weights`), and a quantized embedding too, so those are never dequantized
+    whole (a shape on the meta device stands in for them): the load's peak is then the
+    quantized model's, not a dense float32 one's (8.19 GB for the 1.5B before this)."""
+    if name == EMBEDDING:
+        return not embedding_quantized(qtype, tied)
+    return not (name == "lm_head.weight" or name.endswith("_proj.weight"))
+
+
+class QuantEmbedding(torch.nn.Module):
+    """The token embedding held as the GGUF file stores it (its own blocks: 0.13 GB for the
+    1.5B's Q4_K table against 0.93 GB float32), each forward dequantizing only the rows it looks
+    up, with gguf's own dequantization: the rows are bit for bit those of the dense table a
+    dense load holds (the same function over the same bytes, each row its own blocks), cast to
+    the model's dtype as the loader casts. Costs ~0.25 ms per decode step, ~2.4 ms for 256 rows."""
+
+    def __init__(self, raw: RawTensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qtype, self.dtype = raw.qtype, dtype
+        self.num_embeddings, self.embedding_dim = raw.shape
+        # A copy, not the file's memory map: the model owns its bytes (a file replaced on disk
+        # while serving would otherwise fault), and the mapping can close after load.
+        self.register_buffer("blocks", torch.from_numpy(np.array(raw.data, copy=True)), persistent=False)
+
+    @torch.compiler.disable  # numpy inside; a compiled decode step breaks its graph here, once
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).cpu()
+        if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < self.num_embeddings):
+            raise IndexError(f"token id outside the embedding's {self.num_embeddings} rows")
+        raw = RawTensor(
+            "embedding", self.qtype, self.blocks.numpy(), (self.num_embeddings, self.embedding_dim)
+        )
+        rows = torch.from_numpy(raw.dequantize(flat.numpy())).to(self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.blocks]
 
 
 def apply_weights(
     net: torch.nn.Module, weights: str, raw: Callable[[str], RawTensor] | None, tied: bool
 ) -> None:
     """Give every Linear of `net` a quantized product and drop its dense weight: `native`, the
-    GGUF tensors `raw(name)` in their own forms; `int8`, the loaded weight per output channel.
-    The dense weights are read here, so they must be the final ones (tied, merged)."""
+    GGUF tensors `raw(name)` in their own forms, and the token embedding its file blocks where
+    `embedding_quantized`; `int8`, the loaded weight per output channel. The dense weights are
+    read here, so they must be the final ones (tied, merged); under `native` the ones
+    `dense_at_load` skips are meta tensors, of which only the dtype is read."""
     from chunkcache.model.linear import Linear
 
     report: dict[str, Conversion] = {}
@@ -299,8 +374,8 @@ def apply_weights(
         weight, bias = m.weight.detach(), None if m.bias is None else m.bias.detach()
         sources = [] if raw is None else [raw(n) for n in source_names(name, tied)]
         if weights == "int8":
-            parts: list[Part] = [Int8Part(weight)]
-        elif name == "lm_head" and tied and sources[0].qtype not in INT4_TYPES:
+            parts: list[Part] = [Int8Part.quantize(weight)]
+        elif name == "lm_head" and not embedding_quantized(sources[0].qtype, tied):
             # The embedding's dense weight is held anyway for row lookups: the tied lm_head reads
             # it exactly at no memory cost, where int8 measured worse on SmolLM2 (its Q8_0
             # embedding: top-5 log-probs within 0.29 of transformers' over 4 prompts x 16 greedy
@@ -314,4 +389,11 @@ def apply_weights(
         m.quant = QuantProduct(parts, bias, weight.dtype)
         m.weight = None
         m.bias = None
+    if weights == "native" and raw is not None:
+        embedding = raw(EMBEDDING)
+        if embedding_quantized(embedding.qtype, tied):
+            net.embed_tokens = QuantEmbedding(embedding, net.embed_tokens.weight.dtype)
+            report.setdefault(
+                f"{embedding.qtype} (embedding)", Conversion("the file's blocks, rows dequantized per lookup")
+            )
     log_conversions(report)
