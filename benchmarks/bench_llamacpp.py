@@ -319,6 +319,7 @@ def main() -> int:
             def run(workload: str, prompts: list[str], max_tokens: int) -> None:
                 for i, prompt in enumerate(tqdm(prompts, desc=workload)):
                     both(sides, client, workload, i, prompt, max_tokens)
+                write_raw(args, sides, {"finished": workload})  # a long run's finished part kept
 
             def rag(chosen: list[tuple[str, str]]) -> str:
                 return SEPARATOR.join([SYSTEM, *[text for _, text in chosen], question(rng, titles)])
@@ -395,15 +396,20 @@ def report(sides: list[Side], args: argparse.Namespace, file_bytes: int, pool_by
         "bench_llamacpp", **ratios, **cpu_ratios, **verdict, **mem, model=args.model, file=args.file,
         threads=str(args.threads), loadavg=f"{os.getloadavg()[0]:.2f}",
     )  # fmt: skip
-    if args.raw is not None:
-        raw = {
-            "args": {k: str(v) for k, v in vars(args).items()}, "summary": line,
-            "file_bytes": file_bytes, "chunk_pool_bytes": pool_bytes,
-            "sides": {s.name: {"memory": s.memory, "runs": {w: [asdict(r) for r in rs] for w, rs in s.runs.items()}} for s in sides},
-        }  # fmt: skip
-        args.raw.write_text(json.dumps(raw, indent=1))
+    write_raw(args, sides, {"summary": line, "file_bytes": file_bytes, "chunk_pool_bytes": pool_bytes})
     print(line)
     return 0
+
+
+def write_raw(args: argparse.Namespace, sides: list[Side], extra: dict[str, object]) -> None:
+    """Every timing and memory reading so far, as JSON, where `--raw` asks for it."""
+    if args.raw is None:
+        return
+    raw = {
+        "args": {k: str(v) for k, v in vars(args).items()}, **extra,
+        "sides": {s.name: {"memory": s.memory, "runs": {w: [asdict(r) for r in rs] for w, rs in s.runs.items()}} for s in sides},
+    }  # fmt: skip
+    args.raw.write_text(json.dumps(raw, indent=1))
 
 
 def memory_report(sides: list[Side], kv_cache_gb: float, file_bytes: int, pool_bytes: int) -> dict[str, str]:
