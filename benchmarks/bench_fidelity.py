@@ -181,9 +181,11 @@ def evaluate(
         # Warm the pool: production reuse means the documents were seen before (and, for the
         # modes that rank by it, each entry measured its sensitivity; here in a request of
         # another blend key, so that no mode finds its own blended blocks).
-        measure.warm(
-            llm, text, any(o and o.get("blend_selector") == "stored_deviation" for o in modes.values())
-        )
+        # Plain prompts only (full, closed): nothing reads the pool, so no warm request is spent.
+        if any(o is not None for o in modes.values()):
+            measure.warm(
+                llm, text, any(o and o.get("blend_selector") == "stored_deviation" for o in modes.values())
+            )
         timed = ttft_every > 0 and i % ttft_every == 0
         rotation = names[i % len(names) :] + names[: i % len(names)]  # interleave, rotating order
         for name in rotation:
