@@ -527,7 +527,11 @@ def main(argv: list[str] | None = None) -> None:
         # The questions that every merged mode answered (a mode may have run on a subset).
         report(results, [q for q in questions if all(q.qid in r.correct for r in results.values())], args)
         return
-    done = set(_load(args.skip)["full"].correct) if args.skip else set()
+    # Done = answered by a full prefill, labelled or not (a --label run names it full~LABEL).
+    skipped = _load(args.skip) if args.skip else {}
+    done = {
+        qid for mode, res in skipped.items() if mode.split(LABEL_MARK)[0] == "full" for qid in res.correct
+    }
     index, count = (int(x) for x in args.shard.split("/"))
     questions = [q for q in questions if q.qid not in done][index::count]
     adapter = str(args.adapter) if args.adapter else None
