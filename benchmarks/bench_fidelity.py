@@ -181,9 +181,11 @@ def evaluate(
         # Warm the pool: production reuse means the documents were seen before (and, for the
         # modes that rank by it, each entry measured its sensitivity; here in a request of
         # another blend key, so that no mode finds its own blended blocks).
-        measure.warm(
-            llm, text, any(o and o.get("blend_selector") == "stored_deviation" for o in modes.values())
-        )
+        # Plain prompts only (full, closed): nothing reads the pool, so no warm request is spent.
+        if any(o is not None for o in modes.values()):
+            measure.warm(
+                llm, text, any(o and o.get("blend_selector") == "stored_deviation" for o in modes.values())
+            )
         timed = ttft_every > 0 and i % ttft_every == 0
         rotation = names[i % len(names) :] + names[: i % len(names)]  # interleave, rotating order
         for name in rotation:
@@ -244,6 +246,9 @@ def summarize(results: dict[str, ModeResult], questions: list[fidelity_set.Quest
             "kept": kept,
             "lost": lost,
             "gained": gained,
+            # Replies word for word full prefill's: a numerically different full prefill (another
+            # dtype, quantized weights) changes some replies before it changes any answer.
+            "same": sum(res.replies[q] == full.replies[q] for q in qids),
             "full_correct": sum(full.correct[q] for q in qids),
             "kept_share": kept / max(1, sum(full.correct[q] for q in qids)),
             "recomputed_share": sum(res.recomputed[q] for q in qids) / len(qids),
@@ -269,14 +274,14 @@ def summarize(results: dict[str, ModeResult], questions: list[fidelity_set.Quest
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'mode':<22}{'acc':>7}{'95% CI':>16}{'1-doc':>7}{'2-doc':>7}{'kept':>9}{'lost':>6}"
-        f"{'gained':>8}{'mem':>5}{'recomp':>8}{'TTFT ms':>9}{'x wall':>8}{'x cpu':>7}{'dec t/s':>8}"
+        f"{'gained':>8}{'same':>6}{'mem':>5}{'recomp':>8}{'TTFT ms':>9}{'x wall':>8}{'x cpu':>7}{'dec t/s':>8}"
     )
     for r in rows:
         ci = f"{100 * r['ci95'][0]:.1f}-{100 * r['ci95'][1]:.1f}"
         print(
             f"{r['mode']:<22}{100 * r['accuracy']:>6.1f}%{ci:>16}{100 * r['single']:>6.1f}%"
             f"{100 * r['double']:>6.1f}%{r['kept']:>5}/{r['full_correct']:<3}{r['lost']:>6}{r['gained']:>8}"
-            f"{r['memory']:>5}{100 * r['recomputed_share']:>7.1f}%{r.get('ttft_ms', float('nan')):>9.1f}"
+            f"{r['same']:>6}{r['memory']:>5}{100 * r['recomputed_share']:>7.1f}%{r.get('ttft_ms', float('nan')):>9.1f}"
             f"{r.get('speedup_wall', float('nan')):>8.2f}{r.get('speedup_cpu', float('nan')):>7.2f}"
             f"{r.get('decode_tps', float('nan')):>8.1f}"
         )
@@ -522,7 +527,11 @@ def main(argv: list[str] | None = None) -> None:
         # The questions that every merged mode answered (a mode may have run on a subset).
         report(results, [q for q in questions if all(q.qid in r.correct for r in results.values())], args)
         return
-    done = set(_load(args.skip)["full"].correct) if args.skip else set()
+    # Done = answered by a full prefill, labelled or not (a --label run names it full~LABEL).
+    skipped = _load(args.skip) if args.skip else {}
+    done = {
+        qid for mode, res in skipped.items() if mode.split(LABEL_MARK)[0] == "full" for qid in res.correct
+    }
     index, count = (int(x) for x in args.shard.split("/"))
     questions = [q for q in questions if q.qid not in done][index::count]
     adapter = str(args.adapter) if args.adapter else None
