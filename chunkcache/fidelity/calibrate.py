@@ -264,10 +264,11 @@ def load_prompts(args: Any, separator: str) -> tuple[list[CalibrationPrompt], st
 
     if args.prompts is None:
         try:
-            found = fp.builtin(args.limit, args.set)
+            found = fp.builtin(args.limit, args.set, args.split)
         except ModuleNotFoundError as e:
             raise UsageError(str(e)) from None
-        return found, f"built-in fidelity questions ({args.set})"
+        split = "" if args.split == "all" else f", {args.split} split"
+        return found, f"built-in fidelity questions ({args.set}{split})"
     path = Path(args.prompts)
     if not path.is_file():
         raise UsageError(f"--prompts {path} is not a file")
