@@ -1,7 +1,8 @@
 """bench_fidelity_gate: the fidelity controller over a stream of RAG prompts (issue 34).
 
-A stream of the built-in fidelity questions that calibration did not see (those after the first
-`--skip`, the profile's prompts), shuffled, repeats allowed, goes one request at a time through an
+A stream of the built-in fidelity questions that calibration did not see (`--split heldout` for a
+profile calibrated with `--split tune`; else those after the first `--skip`, the profile's
+prompts), shuffled, repeats allowed, goes one request at a time through an
 engine with `fidelity_target` and the model's profile, every `--sample-rate` of them shadow
 checked; with `--start fastest` the controller starts at the profile's fastest configuration
 (the issue's setup) instead of the gate's choice. Each prompt is also run as a plain full prefill
@@ -14,6 +15,7 @@ them nearly free) against the CPU seconds of serving the stream, and that share 
 default sample rate 0.01.
 
     python benchmarks/bench_fidelity_gate.py --model smollm2 --threads 1 --limit 16 --start fastest
+    python benchmarks/bench_fidelity_gate.py --model qwen2.5-coder-1.5b --profile P --split heldout --skip 0
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.fidelity import measure
-from chunkcache.fidelity.prompts import builtin
+from chunkcache.fidelity.prompts import SPLITS, builtin
 
 HERE = Path(__file__).parent
 
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--target", type=float, default=0.95)
     p.add_argument("--sample-rate", type=float, default=1.0)
     p.add_argument("--window", type=int, default=4)
+    p.add_argument("--split", choices=SPLITS, default="all", help="built-in questions: which half")
     p.add_argument("--skip", type=int, default=80, help="built-in prompts the profile was calibrated on")
     p.add_argument("--limit", type=int, default=16, help="held-out prompts in the stream")
     p.add_argument("--repeats", type=int, default=1, help="each prompt appears this many times")
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     assert ctl is not None, "the profile did not load"
     if args.start == "fastest":
         ctl.index = 0  # the issue's setup: start fast, let live agreement move it
-    prompts = builtin(args.skip + args.limit)[args.skip :] * args.repeats
+    prompts = builtin(args.skip + args.limit, "both", args.split)[args.skip :] * args.repeats
     random.Random(args.seed).shuffle(prompts)
     sep = engine.config.chunk.separator
     answer = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     stats = engine.chunk_cache_stats()
     summary = {
         "model": args.model, "dtype": args.dtype, "target": args.target, "sample_rate": args.sample_rate,
-        "window": args.window, "start": args.start, "prompts": len(rows),
+        "window": args.window, "start": args.start, "split": args.split, "skip": args.skip, "prompts": len(rows),
         "kept": kept, "counted": len(counted),
         "identical": sum(r["identical"] for r in rows),
         "mean_ttft_speedup": sum(speedups) / len(speedups),

@@ -105,6 +105,13 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
         help="built-in questions: which set (default: %(default)s, alternating)",
     )
     p.add_argument(
+        "--split",
+        choices=["all", "tune", "heldout"],
+        default="all",
+        help="built-in questions: which half of each set (default: %(default)s); calibrate on "
+        "tune to keep heldout for judging the choice (bench_fidelity_gate.py --split heldout)",
+    )
+    p.add_argument(
         "--configs", nargs="+", default=None, help="reuse configurations to measure (default: all)"
     )
     p.add_argument("--max-tokens", type=int, default=24, help="greedy reply length (default: %(default)s)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +19,9 @@ from chunkcache.cli import main
 from chunkcache.config import EngineConfig, ReuseOptions
 from chunkcache.fidelity import profile as profiles
 from chunkcache.fidelity.calibrate import read_results
-from chunkcache.fidelity.prompts import parse_line
+from chunkcache.fidelity.configs import CANDIDATES, fits
+from chunkcache.fidelity.prompts import builtin, parse_line
+from chunkcache.model.catalog import QWEN_CODER_1_5B
 
 TINY = ["--device", "cpu", "--threads", "1", "--kv-cache-tokens", "2048"]
 ENGINE = {"device": "cpu", "threads": 1, "kv_cache_tokens": 2048}
@@ -281,6 +284,35 @@ def test_dataclass_round_trip() -> None:
         "chunk_layout": "offset", "blend_check_layers": [1], "blend_recompute_ratios": [0.3],
     }  # fmt: skip
     assert profiles.parse(p.to_json(), "x").configurations[0].options == blend
+
+
+def test_candidates_are_bench_fidelitys_modes_and_the_15b_default_among_them() -> None:
+    """A profile row, a RESULTS.md row of bench_fidelity and a model's catalog default that share a
+    name mean the same options; the 1.5B's default (the conditional pair) is calibrated."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_fidelity import MODES
+
+    shared = set(CANDIDATES) & set(MODES)
+    assert "fusion/contrastive/pairlead/m0.6" in shared and len(shared) >= len(CANDIDATES) - 1
+    for name in shared:
+        assert MODES[name] == CANDIDATES[name], name
+    pair = ReuseOptions.from_mapping(CANDIDATES["fusion/contrastive/pairlead/m0.6"])
+    assert pair == ReuseOptions.from_mapping(dict(QWEN_CODER_1_5B.chunk_defaults))
+    assert pair.fusion_pair_margin == 0.6 and fits(CANDIDATES["fusion/contrastive/pairlead/m0.6"], 1)
+    p = _profile(dataclasses.replace(_measured("fusion/contrastive/pairlead/m0.6", 0.9, 4.0), options=pair))
+    assert profiles.parse(p.to_json(), "x").configurations[0].options == pair
+
+
+def test_builtin_splits_are_disjoint_halves() -> None:
+    """Calibrating on the tune half leaves the held-out half unseen (bench_fidelity_gate's stream)."""
+    pytest.importorskip("mendeleev")
+    halves = {split: {p.key(8) for p in builtin(0, "both", split)} for split in ("tune", "heldout")}
+    everything = {p.key(8) for p in builtin(0)}
+    assert halves["tune"] and halves["heldout"] and not halves["tune"] & halves["heldout"]
+    assert halves["tune"] | halves["heldout"] == everything
+    assert len(builtin(6, "both", "tune")) == 6
+    with pytest.raises(ValueError, match="split must be one of"):
+        builtin(1, "both", "test")
 
 
 def test_check_layers_beyond_the_model_are_refused_at_start(

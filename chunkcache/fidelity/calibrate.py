@@ -180,10 +180,11 @@ def table(profile: profiles.Profile, target: float) -> str:
         if any(c.complete for c in profile.configurations)
         else None
     )
+    width = max(22, 2 + max(len(c.name) for c in profile.configurations))  # the name column
     lines = [
         f"{profile.model} ({profile.dtype}, {profile.device}): {profile.prompts} prompts ({profile.prompt_set}); "
         f"full prefill {_pct(profile.full_accuracy)} correct, warm TTFT {profile.full_ttft_ms or 0:.1f} ms",
-        f"{'configuration':<22}{'kept':>12}{'kept %':>8}{'95% CI':>10}{'same reply':>11}{'correct':>9}{'recomputed':>11}"
+        f"{'configuration':<{width}}{'kept':>12}{'kept %':>8}{'95% CI':>10}{'same reply':>11}{'correct':>9}{'recomputed':>11}"
         f"{'TTFT ratio':>11}{'speedup':>9}",
     ]
     for c in profile.configurations:
@@ -191,7 +192,7 @@ def table(profile: profiles.Profile, target: float) -> str:
         ratio = "-" if c.ttft_ratio is None else f"{c.ttft_ratio:.3f}"
         speed = "-" if c.speedup is None else f"{c.speedup:.2f}x"
         lines.append(
-            f"{mark}{c.name:<21}{f'{c.kept}/{c.counted}':>12}{_pct(c.kept_fraction):>8}{_ci(c):>10}{_pct(c.identical):>11}"
+            f"{mark}{c.name:<{width - 1}}{f'{c.kept}/{c.counted}':>12}{_pct(c.kept_fraction):>8}{_ci(c):>10}{_pct(c.identical):>11}"
             f"{_pct(c.accuracy):>9}{_pct(c.recomputed_share):>11}{ratio:>11}{speed:>9}"
         )
     if chosen is not None:
@@ -264,10 +265,11 @@ def load_prompts(args: Any, separator: str) -> tuple[list[CalibrationPrompt], st
 
     if args.prompts is None:
         try:
-            found = fp.builtin(args.limit, args.set)
+            found = fp.builtin(args.limit, args.set, args.split)
         except ModuleNotFoundError as e:
             raise UsageError(str(e)) from None
-        return found, f"built-in fidelity questions ({args.set})"
+        split = "" if args.split == "all" else f", {args.split} split"
+        return found, f"built-in fidelity questions ({args.set}{split})"
     path = Path(args.prompts)
     if not path.is_file():
         raise UsageError(f"--prompts {path} is not a file")

@@ -1,7 +1,8 @@
 """Reuse configurations by name: the chunk options a calibration measures and a profile records.
 
 The names are bench_fidelity's mode names (benchmarks/bench_fidelity.py builds its modes with the
-same helpers), so a profile's row and a RESULTS.md row mean the same options.
+same helpers; only blend@0.3/L4 is calibrate's alone), so a profile's row and a RESULTS.md row mean
+the same options.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ def fusion(rule: str, **extra: Any) -> ChunkOptions:
 
 
 # What `chunkcache calibrate` measures by default: the exact layouts (isolated, fusion, fusion with
-# its pair stream), offset with nothing recomputed, and blend at growing recompute shares and at a
-# deeper check layer.
+# its pair stream always or only where the two most relevant documents are close), offset with
+# nothing recomputed, and blend at growing recompute shares and at a deeper check layer.
 CANDIDATES: dict[str, ChunkOptions] = {
     "fusion/contrastive": fusion("contrastive", fusion_amateur=True),
     "fusion/contrastive/pairlead": fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
+    # The conditional pair, Qwen2.5-Coder-1.5B's catalog default (model/catalog.py): the pair stream
+    # leads only where the top two documents' relevance is within 0.6 (bench_fidelity's mode name).
+    "fusion/contrastive/pairlead/m0.6": fusion(
+        "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=0.6
+    ),
     "isolated": {"chunk_layout": "isolated"},
     "offset": offset([0], [0.0]),
     "blend@0.15": offset([1], [0.15]),

@@ -90,14 +90,22 @@ def read_file(path: Path, separator: str) -> tuple[list[CalibrationPrompt], list
     return prompts, errors
 
 
-def builtin(limit: int, which: str = "both") -> list[CalibrationPrompt]:
+SPLITS = ("all", "tune", "heldout")
+
+
+def builtin(limit: int, which: str = "both", split: str = "all") -> list[CalibrationPrompt]:
     """The fidelity benchmark's frozen questions (original and counterfactual, alternating, so
-    that a limit keeps both kinds), with their documents from the `mendeleev` package."""
+    that a limit keeps both kinds), with their documents from the `mendeleev` package. `split`
+    keeps one half of each set ("tune" or "heldout", bench_fidelity's `--split`): a profile made on
+    the tune half leaves the held-out half for judging what it chose."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     elements = fq.load_elements()
     sets = {
         "original": fq.load_original() if which in ("original", "both") else [],
         "counterfactual": fq.load_counterfactual() if which in ("counterfactual", "both") else [],
     }
+    sets = {name: [q for q in qs if split in ("all", q.split)] for name, qs in sets.items()}
     longest = max(len(qs) for qs in sets.values())
     order = [qs[i] for i in range(longest) for qs in sets.values() if i < len(qs)]
     if limit:
