@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -286,10 +285,12 @@ def test_dataclass_round_trip() -> None:
     assert profiles.parse(p.to_json(), "x").configurations[0].options == blend
 
 
-def test_candidates_are_bench_fidelitys_modes_and_the_15b_default_among_them() -> None:
+def test_candidates_are_bench_fidelitys_modes_and_the_15b_default_among_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A profile row, a RESULTS.md row of bench_fidelity and a model's catalog default that share a
     name mean the same options; the 1.5B's default (the conditional pair) is calibrated."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from bench_fidelity import MODES
 
     shared = set(CANDIDATES) & set(MODES)
