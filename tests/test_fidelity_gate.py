@@ -19,7 +19,7 @@ from chunkcache.config import EngineConfig, ReuseOptions
 from chunkcache.fidelity import profile as profiles
 from chunkcache.fidelity.calibrate import read_results
 from chunkcache.fidelity.configs import CANDIDATES, fits
-from chunkcache.fidelity.prompts import builtin, parse_line
+from chunkcache.fidelity.prompts import builtin_questions, parse_line
 from chunkcache.model.catalog import QWEN_CODER_1_5B
 
 TINY = ["--device", "cpu", "--threads", "1", "--kv-cache-tokens", "2048"]
@@ -305,15 +305,17 @@ def test_candidates_are_bench_fidelitys_modes_and_the_15b_default_among_them(
 
 
 def test_builtin_splits_are_disjoint_halves() -> None:
-    """Calibrating on the tune half leaves the held-out half unseen (bench_fidelity_gate's stream)."""
-    pytest.importorskip("mendeleev")
-    halves = {split: {p.key(8) for p in builtin(0, "both", split)} for split in ("tune", "heldout")}
-    everything = {p.key(8) for p in builtin(0)}
-    assert halves["tune"] and halves["heldout"] and not halves["tune"] & halves["heldout"]
-    assert halves["tune"] | halves["heldout"] == everything
-    assert len(builtin(6, "both", "tune")) == 6
+    """Calibrating on the tune half leaves the held-out half unseen (bench_fidelity_gate's stream);
+    both sets alternate within a half, so a limit keeps both kinds."""
+    halves = {split: [q.qid for q in builtin_questions(0, "both", split)] for split in ("tune", "heldout")}
+    everything = {q.qid for q in builtin_questions(0)}
+    assert halves["tune"] and halves["heldout"] and not set(halves["tune"]) & set(halves["heldout"])
+    assert set(halves["tune"]) | set(halves["heldout"]) == everything
+    first = builtin_questions(6, "both", "heldout")
+    assert len(first) == 6 and {type(q).__name__ for q in first[:2]} == {"Question", "CounterfactualQuestion"}
+    assert all(q.split == "heldout" for q in first)
     with pytest.raises(ValueError, match="split must be one of"):
-        builtin(1, "both", "test")
+        builtin_questions(1, "both", "test")
 
 
 def test_check_layers_beyond_the_model_are_refused_at_start(

@@ -94,13 +94,23 @@ SPLITS = ("all", "tune", "heldout")
 
 
 def builtin(limit: int, which: str = "both", split: str = "all") -> list[CalibrationPrompt]:
-    """The fidelity benchmark's frozen questions (original and counterfactual, alternating, so
-    that a limit keeps both kinds), with their documents from the `mendeleev` package. `split`
-    keeps one half of each set ("tune" or "heldout", bench_fidelity's `--split`): a profile made on
-    the tune half leaves the held-out half for judging what it chose."""
+    """The fidelity benchmark's frozen questions (`builtin_questions`), with their documents
+    from the `mendeleev` package."""
+    order = builtin_questions(limit, which, split)
+    elements = fq.load_elements()
+    return [
+        CalibrationPrompt(tuple(q.documents(elements)), q.question, tuple(tuple(g) for g in q.answers))
+        for q in order
+    ]
+
+
+def builtin_questions(limit: int, which: str = "both", split: str = "all") -> list[fq.Question]:
+    """The frozen questions of `which` set(s), original and counterfactual alternating (so that a
+    limit keeps both kinds), the first `limit` (0: all). `split` keeps one half of each set
+    ("tune" or "heldout", bench_fidelity's `--split`): a profile made on the tune half leaves the
+    held-out half for judging what it chose."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    elements = fq.load_elements()
     sets = {
         "original": fq.load_original() if which in ("original", "both") else [],
         "counterfactual": fq.load_counterfactual() if which in ("counterfactual", "both") else [],
@@ -108,9 +118,4 @@ def builtin(limit: int, which: str = "both", split: str = "all") -> list[Calibra
     sets = {name: [q for q in qs if split in ("all", q.split)] for name, qs in sets.items()}
     longest = max(len(qs) for qs in sets.values())
     order = [qs[i] for i in range(longest) for qs in sets.values() if i < len(qs)]
-    if limit:
-        order = order[:limit]
-    return [
-        CalibrationPrompt(tuple(q.documents(elements)), q.question, tuple(tuple(g) for g in q.answers))
-        for q in order
-    ]
+    return order[:limit] if limit else order
