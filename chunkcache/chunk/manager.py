@@ -48,12 +48,11 @@ from chunkcache.chunk.assemble import assemble
 from chunkcache.chunk.matcher import Run, SpanIndex
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.chunk.separator_free import Fuse, PlainPromptCutter
-from chunkcache.chunk.tiers.loader import TierLoader
-from chunkcache.chunk.tiers.provider import StoredKV
+from chunkcache.chunk.tiers.pool_link import PoolTiers
 from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
-from chunkcache.core.kv_slots import block_slots, gather_kv, scatter_kv
+from chunkcache.core.kv_slots import block_slots
 from chunkcache.core.plan import ChunkedPrompt, Entry, FillJob, PlainPrompt, RequestChunks
 from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
@@ -108,11 +107,8 @@ class ChunkManager:
         self.device = device
         self.kv_caches = kv_caches or []
         self.tiers = tiers
-        self.loader: TierLoader | None = None
-        if tiers is not None:
-            assert self.kv_caches, "lower tiers need the KV tensors to copy entries in and out"
-            pool.on_evict = self._demote
-            self.loader = TierLoader(tiers)
+        # Loads, write-through and demotion: the pool's pages <-> the tiers' copies.
+        self.below = None if tiers is None else PoolTiers(tiers, pool, self.kv_caches, device)
         self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
         self._ids = itertools.count()
         self.index = SpanIndex(pool.holds)
@@ -197,32 +193,11 @@ class ChunkManager:
         state.was_cached.append(_cached_at_admission(sys_entry, True))
         for i, chunk in enumerate(prompt.chunks):
             run = runs[i] if runs is not None else None
-            hit: bool | None
-            if run is not None:  # a separator-free match: a slice of an entry found by content
-                entry, hit = run.entry, True  # pinned above
-                state.slices.append((run.entry_start, run.length))
-                self.separator_free["matched_tokens"] += run.length
-                if not run.computed_after(sys_ids):
-                    self._canonicalize(sys_ids, chunk, sys_entry, jobs)
-            else:
-                key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
-                # Salted entries stay out of the index: it is shared by content, across tenants.
-                entry, hit = self._acquire(
-                    key,
-                    "chunk",
-                    (sys_ids, chunk),
-                    len(chunk),
-                    jobs,
-                    sys_entry,
-                    len(sys_ids),
-                    indexed=salt is None,
-                    urgent=seq.kind is not SequenceKind.PREWARM,
-                )
-                state.slices.append((0, len(chunk)))
-                if runs is not None and hit is False:
-                    # Fusion: a matched run whose KV was not exact after S is computed anew.
-                    counter = "fusion_computed_tokens" if matched and matched[i] else "learned_tokens"
-                    self.separator_free[counter] += len(chunk)
+            entry, hit = self._admit_chunk(seq, sys_entry, chunk, run, jobs)
+            if runs is not None and run is None and hit is False:
+                # Fusion: a matched run whose KV was not exact after S is computed anew.
+                counter = "fusion_computed_tokens" if matched and matched[i] else "learned_tokens"
+                self.separator_free[counter] += len(chunk)
             if hit is not None:  # a load's hit or miss is counted when it ends
                 self._count(hit, len(chunk))
             state.entries.append(entry)
@@ -233,6 +208,36 @@ class ChunkManager:
         else:
             seq.position_base = prompt.question_position()
         return jobs
+
+    def _admit_chunk(
+        self, seq: Sequence, sys_entry: Entry, chunk: tuple[int, ...], run: Run | None, jobs: list[Sequence]
+    ) -> tuple[Entry, bool | None]:
+        """One chunk's entry, pinned, and its slice appended to `seq`'s chunks; whether it was found
+        (`_acquire`). A separator-free `run` lends a slice of the entry it was found in."""
+        state = seq.chunks
+        assert state is not None
+        sys_ids = state.prompt.sys_token_ids
+        if run is not None:  # pinned when it was matched
+            state.slices.append((run.entry_start, run.length))
+            self.separator_free["matched_tokens"] += run.length
+            if not run.computed_after(sys_ids):
+                self._canonicalize(sys_ids, chunk, sys_entry, jobs)
+            return run.entry, True
+        salt = seq.cache_salt
+        key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
+        state.slices.append((0, len(chunk)))
+        # Salted entries stay out of the index: it is shared by content, across tenants.
+        return self._acquire(
+            key,
+            "chunk",
+            (sys_ids, chunk),
+            len(chunk),
+            jobs,
+            sys_entry,
+            len(sys_ids),
+            indexed=salt is None,
+            urgent=seq.kind is not SequenceKind.PREWARM,
+        )
 
     def _canonicalize(
         self, sys_ids: tuple[int, ...], chunk: tuple[int, ...], sys_entry: Entry, jobs: list[Sequence]
@@ -279,14 +284,13 @@ class ChunkManager:
             entry.urgent = True
             if job.kind.is_background:  # a request waits for it now: an ordinary fill job
                 job.kind = SequenceKind.CHUNK_FILL
-        if entry is None and self.loader is not None:
+        if entry is None and self.below is not None:
             # Pages first: an entry that cannot enter the pool is computed privately, not loaded.
             entry = self.pool.create(key, kind, token_ids, num_tokens)
             if entry is not None:
-                entry.loading = True
                 if sys_entry is not None:
                     sys_entry.pins += 1
-                self.loader.start(entry, token_ids, LoadContext(sys_entry, position_base))
+                self.below.load(entry, token_ids, LoadContext(sys_entry, position_base))
                 found = None
         if entry is None:
             entry = self.pool.create(key, kind, token_ids, num_tokens)
@@ -349,94 +353,43 @@ class ChunkManager:
     # ---- lower tiers (engine thread) ---------------------------------------------------------
 
     def poll(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Settle the tier loads that ended: a hit fills its entry's pages and makes it ready, a
-        miss gets a fill job. Returns (new fill jobs, fill jobs nobody waits for any more)."""
+        """Settle the tier loads that ended: a hit (its KV already in its pages) is ready, a miss
+        gets a fill job. Returns (new fill jobs, fill jobs nobody waits for any more)."""
         jobs: list[Sequence] = []
         cancel: list[Sequence] = []
-        if self.loader is None:
-            return jobs, cancel
-        for load, found in self.loader.finished():
-            entry, context = load.entry, load.context
-            entry.loading = False
-            kv = None if found is None else found[0]
-            if kv is not None:
-                self._copy_in(entry, kv)
-                entry.from_tier = True
+        for entry, context, hit in [] if self.below is None else self.below.finished():
+            if hit:
                 self.pool.mark_ready(entry)
             elif entry.pins > 0:
                 jobs.append(self._fill_job(entry, context.sys_entry, context.position_base))
             else:  # nobody waits for it any more
                 self.pool.drop(entry)
             if entry.kind == "chunk":
-                self._count(kv is not None, entry.num_tokens)
+                self._count(hit, entry.num_tokens)
             if context.sys_entry is not None:
                 self._unpin(context.sys_entry, cancel)
         return jobs, cancel
 
     def wait_for_loads(self, timeout: float) -> None:
         """Sleep until a tier load ends (at most `timeout` s): for an engine with nothing else to run."""
-        if self.loader is not None:
-            self.loader.wait(timeout)
+        if self.below is not None:
+            self.below.wait(timeout)
 
     @property
     def loads_pending(self) -> int:
-        return 0 if self.loader is None else len(self.loader)
-
-    def _copy_in(self, entry: Entry, kv: StoredKV) -> None:
-        scatter_kv(self.kv_caches, self._slots(entry), kv.k, kv.v)
-        entry.sensitivity = kv.sensitivity
-
-    def _read_kv(self, entry: Entry) -> StoredKV:
-        """A CPU copy of a pool entry's KV (and its sensitivity, if measured), for the lower tiers."""
-        assert self.tiers is not None
-        k, v = gather_kv(self.kv_caches, self._slots(entry))
-        return StoredKV(self.tiers.model, entry.key, entry.kind, entry.token_ids, k, v, entry.sensitivity)
+        return 0 if self.below is None else len(self.below)
 
     def sensitivity_measured(self, entry: Entry) -> None:
         """`entry` has just measured its sensitivity (the runner does, engine/sensitivity.py): the
         tiers' copy, written when it was computed, is written again with it, so that a later load
         (after an eviction, a restart, on another replica) need not measure it again."""
-        if self.tiers is not None and entry.ready and (entry.private or self.pool.holds(entry)):
-            self.tiers.store(self._read_kv(entry), replace=True)
-
-    def _demote(self, entry: Entry) -> None:
-        assert self.tiers is not None
-        if not self.tiers.holds(entry.key):
-            self.tiers.store(self._read_kv(entry))
+        if self.below is not None and entry.ready and (entry.private or self.pool.holds(entry)):
+            self.below.store(entry, replace=True)
 
     def learn(self, seq: Sequence, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Store the parts of a first-sight plain prompt (`seq.learn`) from its computed KV: S as a
-        system entry and each gap as a chunk entry computed after S, as fill jobs would compute
-        them. Parts already in the pool, or that the pool cannot take now, are skipped."""
-        prompt: ChunkedPrompt = seq.learn
-        seq.learn = None
-        sys_ids = prompt.sys_token_ids
-        algorithm = self.config.hash_algorithm
-        own = block_slots(seq.block_table, self.blocks.block_size, seq.num_own_prompt_tokens, self.device)
-        parts = [(system_hash(self.model_name, sys_ids, algorithm), "system", (sys_ids,), 0)]
-        at = len(sys_ids)
-        for chunk in prompt.chunks:
-            parts.append(
-                (chunk_hash(self.model_name, sys_ids, chunk, algorithm), "chunk", (sys_ids, chunk), at)
-            )
-            at += len(chunk)
-        for key, kind, token_ids, start in parts:
-            n = len(token_ids[-1])
-            if self.pool.has_key(key):
-                continue
-            entry = self.pool.create(key, kind, token_ids, n)
-            if entry is None:
-                continue
-            dst, src = self._slots(entry), own[start : start + n]
-            for k_cache, v_cache in kv_caches:
-                k_cache[dst] = k_cache[src]
-                v_cache[dst] = v_cache[src]
-            if self.tiers is not None:  # written down as a fill job's entry is
-                self.tiers.store(self._read_kv(entry))
-            self.pool.mark_ready(entry)
-            if kind == "chunk":
-                self.index.add(entry)
-                self.separator_free["learned_tokens"] += n
+        """Store the parts of a first-sight plain prompt (`seq.learn`) from its computed KV
+        (chunk/separator_free.py), each new entry written down to the tiers as a fill job's is."""
+        self.cutter.learn(seq, kv_caches, self._slots, None if self.below is None else self.below.store)
 
     def is_ready(self, seq: Sequence) -> bool:
         """Whether the scheduler may run `seq`: a job needs its S computed (and private pages), a
@@ -479,8 +432,8 @@ class ChunkManager:
             if seq.finish_reason is None and seq.num_computed == seq.num_tokens:
                 # A private entry (no room in the pool) is written down too: its pages are
                 # paged KV blocks of the same size, read the same way.
-                if self.tiers is not None:  # read before mark_ready can evict anything
-                    self.tiers.store(self._read_kv(state.entry))
+                if self.below is not None:  # read before mark_ready can evict anything
+                    self.below.store(state.entry)
                 if state.entry.private:
                     state.entry.ready = True
                 else:
@@ -534,10 +487,8 @@ class ChunkManager:
 
     def close(self) -> None:
         """Stop loading; finish the lower tiers' pending writes and close them."""
-        if self.loader is not None:
-            self.loader.close()
-        if self.tiers is not None:
-            self.tiers.close()
+        if self.below is not None:
+            self.below.close()
 
     def stats(self) -> dict[str, Any]:
         s = self.pool.stats
@@ -566,7 +517,7 @@ class ChunkManager:
         if self.tiers is not None:
             self.tiers.check_integrity()
         for entry in self.pool.entries():
-            assert entry.loading == (self.loader is not None and entry in self.loader), (
+            assert entry.loading == (self.below is not None and entry in self.below), (
                 "a loading entry without its load, or a load of an entry not marked loading"
             )
         self.index.check_integrity()

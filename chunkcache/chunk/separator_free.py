@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from chunkcache.chunk.matcher import Plan, Run, SpanIndex, fusion_documents, plan
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
-from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, PlainPrompt
+from chunkcache.core.kv_slots import block_slots
+from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, Entry, PlainPrompt
 from chunkcache.core.sequence import Sequence
-from chunkcache.hashing import system_hash
+from chunkcache.hashing import chunk_hash, system_hash
 
 # A prompt whose matches cover less of its span than this runs as a first sight. Its gaps would
 # be fill-job prefills and the blend recomputes every token before its check layer and a share
@@ -162,3 +165,43 @@ class PlainPromptCutter:
             tuple(token_ids[cut.q_start :]),
         )
         return prompt, [run for _, _, run in cut.parts]
+
+    def learn(
+        self,
+        seq: Sequence,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slots: Callable[[Entry], torch.Tensor],
+        store: Callable[[Entry], None] | None,
+    ) -> None:
+        """Store the parts of a first-sight plain prompt (`seq.learn`) from its computed KV: S as a
+        system entry and each gap as a chunk entry computed after S, as fill jobs would compute
+        them (`slots`: an entry's KV slots; `store`: write one down to the tiers). Parts already
+        in the pool, or that the pool cannot take now, are skipped."""
+        prompt = seq.learn
+        assert prompt is not None
+        seq.learn = None
+        sys_ids, algorithm = prompt.sys_token_ids, self.hash_algorithm
+        device = kv_caches[0][0].device
+        own = block_slots(seq.block_table, self.blocks.block_size, seq.num_own_prompt_tokens, device)
+        parts = [(system_hash(self.model_name, sys_ids, algorithm), "system", (sys_ids,), 0)]
+        at = len(sys_ids)
+        for chunk in prompt.chunks:
+            parts.append(
+                (chunk_hash(self.model_name, sys_ids, chunk, algorithm), "chunk", (sys_ids, chunk), at)
+            )
+            at += len(chunk)
+        for key, kind, token_ids, start in parts:
+            n = len(token_ids[-1])
+            entry = None if self.pool.has_key(key) else self.pool.create(key, kind, token_ids, n)
+            if entry is None:
+                continue
+            dst, src = slots(entry), own[start : start + n]
+            for k_cache, v_cache in kv_caches:
+                k_cache[dst] = k_cache[src]
+                v_cache[dst] = v_cache[src]
+            if store is not None:  # written down as a fill job's entry is
+                store(entry)
+            self.pool.mark_ready(entry)
+            if kind == "chunk":
+                self.index.add(entry)
+                self.counters["learned_tokens"] += n
