@@ -57,6 +57,39 @@ def test_freed_blocks_stay_mapped() -> None:
     assert result["kept"] < 500, result
 
 
+# Load-time garbage: heap blocks freed between blocks still in use (every other one), so that no
+# trim of the heap's top reaches them; RSS (kB) before and after release_freed_memory().
+_TRIM_CHILD = """
+import ctypes, json
+from chunkcache.malloc import release_freed_memory
+
+def rss_kb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+blocks = [libc.malloc(100_000) for _ in range(800)]  # 80 MB of heap, below the mmap threshold
+for b in blocks:
+    ctypes.memset(b, 1, 100_000)
+for b in blocks[::2]:  # 40 MB of holes
+    libc.free(b)
+before = rss_kb()
+released = release_freed_memory()
+print(json.dumps({"before": before, "after": rss_kb(), "released": released}))
+"""
+
+
+def test_release_freed_memory_returns_heap_holes() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _TRIM_CHILD], capture_output=True, text=True, timeout=120, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["released"], result
+    assert result["before"] - result["after"] > 30_000, result  # most of the 40 MB of holes
+
+
 def test_idempotent() -> None:
     from chunkcache.malloc import keep_freed_memory
 

@@ -30,7 +30,7 @@ from chunkcache.engine.sensitivity import neutral_passage
 from chunkcache.fidelity.controller import Controller
 from chunkcache.fidelity.gate import resolve as resolve_fidelity
 from chunkcache.kv_events import KVEventPublisher, PublisherCurve
-from chunkcache.malloc import keep_freed_memory
+from chunkcache.malloc import keep_freed_memory, release_freed_memory
 from chunkcache.model.loader import LoadedModel, load_model
 from chunkcache.model.spec import ModelSpec
 from chunkcache.threads import set_threads
@@ -83,7 +83,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
         config.weights,
     )
     if loaded.device.type == "cpu":
-        # Activations freed by a step stay mapped for the next one (chunkcache/malloc.py).
+        # What the load freed goes back; activations freed by a step stay mapped for the next
+        # one (chunkcache/malloc.py).
+        release_freed_memory()
         keep_freed_memory()
     model_name = config.served_model_name or loaded.name
     # With fidelity_target, the reuse configuration the model's profile chooses (fidelity/gate.py).
