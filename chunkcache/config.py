@@ -30,7 +30,7 @@ _FRESH_KV_SELECTORS = ("k_deviation", "v_deviation", "threshold")
 HASH_ALGORITHMS = ("sha256", "sha512", "blake2b", "sha3_256")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # How the projections hold their weights (model/quant.py, whose WEIGHTS is this same tuple).
-WEIGHTS = ("dense", "native", "int8")
+WEIGHTS = ("dense", "native", "int8", "auto")
 # How a chat request's documents are written into the conversation (chunk/documents.py).
 # `{title}` is the document's title and a newline, or nothing for a document without a title.
 DEFAULT_DOCUMENTS_FORMAT = "{title}{text}\n\n"
