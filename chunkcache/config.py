@@ -515,8 +515,8 @@ class EngineConfig:
     # default for that start-up cost.
     compile_decode: bool = False
     # CPU: dense (the checkpoint's weights in `dtype`), native (a GGUF's own quantized weights,
-    # 4-bit codes kept as they are), int8 (per output channel); model/quant.py. Dense until the
-    # answers native weights keep are measured (issue 38).
+    # 4-bit codes kept as they are), int8 (per output channel); model/quant.py. auto: per
+    # projection kind, native unless dense measures >10% faster at load (model/weight_forms.py).
     weights: str = "dense"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

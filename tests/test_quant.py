@@ -476,7 +476,7 @@ def test_native_load_without_the_dense_model_serves_the_same_logits(
     kw = dict(tokenizer=str(src), dtype="float32", kv_cache_tokens=512, weights="native")
     now = LLM(str(tmp_path), **kw)
     with monkeypatch.context() as m:
-        m.setattr(loader, "dense_at_load", lambda name, qtype, tied: True)
+        m.setattr(loader, "dense_at_load", lambda name, qtype, tied, dense_modules: True)
         before = LLM(str(tmp_path), **kw)
     dense_table = LLM(str(tmp_path), **{**kw, "weights": "dense"}).engine.runner.model.embed_tokens
     new_model, old_model = now.engine.runner.model, before.engine.runner.model
