@@ -17,7 +17,7 @@ import torch
 from chunkcache import config
 from chunkcache.chunk.tiers.identity import model_identity
 from chunkcache.errors import ModelLoadError
-from chunkcache.model import gguf_file, quant, weight_forms
+from chunkcache.model import gguf_file, quant, upcast, weight_forms
 from chunkcache.model.linear import Linear
 from chunkcache.model.loader import load_model
 from chunkcache.model.weight_forms import Forms, Timing, choose
@@ -25,7 +25,7 @@ from chunkcache.model.weight_forms import Forms, Timing, choose
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from tests.test_quant import _random_k_quant  # noqa: E402
+from tests.test_quant import INT8_TOL, _random_k_quant, _raw, _reference, _relative  # noqa: E402
 
 CASES = [
     ("llama", Q.Q4_K, {"hidden_size": 256, "intermediate_size": 256}),  # untied Q4_K lm_head: a kind
@@ -75,6 +75,28 @@ def test_weights_option_takes_auto_and_still_rejects_unknown_values(checkpoint) 
     assert all(m.quant is None for m in loaded.model.modules() if isinstance(m, Linear))
     with pytest.raises(ModelLoadError, match="weights 'int3'"):
         load_model(str(checkpoint(arch="llama")), "cpu", "float32", weights="int3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_candidates_are_the_served_forms_and_each_size_is_timed(dtype: torch.dtype) -> None:
+    """The dense candidate holds the file's values in the model's dtype, laid out as `prepare`
+    lays a served projection out; the native one is the native load's product. The timer is
+    injected: one tick per reading, so each product takes exactly 1."""
+    raws = [_raw(Q.Q4_0, seed=3), _raw(Q.Q8_0, seed=4)]  # a merged projection: int4 then int8
+    dense, native = weight_forms.candidates(raws, "qkv", dtype, narrow_weights=True)
+    reference = torch.cat([_reference(r) for r in raws]).to(dtype)
+    assert torch.equal(dense.dense_weight()[0], reference)
+    emulated = upcast.bf16_gemm_emulated(reference)  # bf16 without a bf16 GEMM: the upcast layout
+    assert dense.prefill == "upcast" if emulated else dense.prefill in ("dense", "transposed", "packed")
+    assert [type(p) for p in native.quant.parts] == [quant.Int4Part, quant.Int8Part]
+    x = torch.randn(3, raws[0].shape[1]).to(dtype)
+    assert torch.allclose(dense(x).float(), x.float() @ reference.float().t(), rtol=2e-2, atol=2e-2)
+    assert _relative(native(x), x.float() @ reference.float().t()) < INT8_TOL
+    ticks = iter(range(10**6))
+    timed = weight_forms.time_forms(raws, "qkv", dtype, True, timer=lambda: float(next(ticks)))
+    assert timed == ([1.0, 1.0], [1.0, 1.0])  # 1 row and PREFILL_ROWS rows, each form
+    lm_head = weight_forms.time_forms(raws, "lm_head", dtype, True, timer=lambda: float(next(ticks)))
+    assert lm_head == ([1.0], [1.0])  # the lm_head at one row only
 
 
 def test_dense_at_load_reads_only_the_projections_kept_dense() -> None:

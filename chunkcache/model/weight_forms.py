@@ -69,8 +69,6 @@ _KINDS = {
     "mlp.gate_up_proj": "gate_up",
     "mlp.down_proj": "down",
 }
-# (raws, kind, dtype, narrow_weights) -> CPU seconds per size, (dense, native): `time_forms`.
-Measure = Callable[[list[RawTensor], str, torch.dtype, bool], tuple[Sequence[float], Sequence[float]]]
 
 
 def fallback(device: torch.device, gguf: bool, adapter: bool) -> str | None:
@@ -172,10 +170,9 @@ def resolve(
     spec: ModelSpec,
     dtype: torch.dtype,
     narrow_weights: bool,
-    measure: Measure | None = None,
 ) -> Forms:
     """Time each group of projections (kind and GGUF types; `qtype(name)` gives a checkpoint
-    tensor's type, `raw(name)` its blocks) in both forms with `measure` (`time_forms`), on its
+    tensor's type, `raw(name)` its blocks) in both forms (`time_forms`), on its
     first layer, and choose per group; one log line per group. Groups native would hold dense
     anyway (float types; a tied lm_head that reads a dense embedding) are not timed: they are
     the same either way."""
@@ -198,7 +195,7 @@ def resolve(
                 RawTensor(r.name, r.qtype, r.data[:LM_HEAD_ROWS], (min(LM_HEAD_ROWS, r.shape[0]), r.shape[1]))
                 for r in raws
             ]
-        dense, native = (measure or time_forms)(raws, kind, dtype, narrow_weights)
+        dense, native = time_forms(raws, kind, dtype, narrow_weights)
         timings.append(Timing(kind, types, tuple(modules), tuple(dense), tuple(native)))
         logger.info("weights auto: %s", timings[-1].line())
     return Forms(tuple(timings))
