@@ -17,7 +17,7 @@ import torch
 from chunkcache import config
 from chunkcache.chunk.tiers.identity import model_identity
 from chunkcache.errors import ModelLoadError
-from chunkcache.model import gguf_file, quant, upcast, weight_forms
+from chunkcache.model import gguf_file, quant, quant_embedding, upcast, weight_forms
 from chunkcache.model.linear import Linear
 from chunkcache.model.loader import load_model
 from chunkcache.model.weight_forms import Forms, Timing, choose
@@ -220,7 +220,9 @@ def test_a_mixed_choice_loads_no_dense_copy_of_its_native_projections_and_matche
     assert read == dense_modules - ({"lm_head"} if tied else set())  # no native one dequantized
     assert (quant.EMBEDDING in dequantized) == tied  # the tied dense lm_head's own table
     assert net.weights_form.startswith("native; dense ")
-    assert isinstance(net.embed_tokens, quant.QuantEmbedding) == (arch != "qwen2")  # tied: dense lm_head
+    assert isinstance(net.embed_tokens, quant_embedding.QuantEmbedding) == (
+        arch != "qwen2"
+    )  # tied: dense lm_head
     reference = _swapped_reference(str(tmp_path), kw, dense_modules)
     assert _generate(mixed) == _generate(reference)
 

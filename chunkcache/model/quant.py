@@ -26,7 +26,7 @@ Both kernels are GEMV-shaped and lose to a dense float32 GEMM from a few dozen r
 of many rows (prefill) multiply float32 blocks dequantized from the same codes instead
 (`model/dequant.py`): no dense copy of a weight is held.
 
-The token embedding is held as the file's own blocks (`QuantEmbedding`), each step dequantizing
+The token embedding is held as the file's own blocks (`quant_embedding.QuantEmbedding`), each step dequantizing
 only the rows it looks up with gguf's function, so its values are the dense table's bit for bit;
 and a native load never dequantizes the tensors these forms replace (`dense_at_load`), so no
 dense float32 model exists while loading.
@@ -344,36 +344,6 @@ def dense_at_load(name: str, qtype: str, tied: bool, dense_modules: frozenset[st
     return module is None or module in dense_modules
 
 
-class QuantEmbedding(torch.nn.Module):
-    """The token embedding held as the GGUF file stores it (its own blocks: 0.13 GB for the
-    1.5B's Q4_K table against 0.93 GB float32), each forward dequantizing only the rows it looks
-    up, with gguf's own dequantization: the rows are bit for bit those of the dense table a
-    dense load holds (the same function over the same bytes, each row its own blocks), cast to
-    the model's dtype as the loader casts. Costs ~0.25 ms per decode step, ~2.4 ms for 256 rows."""
-
-    def __init__(self, raw: RawTensor, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.qtype, self.dtype = raw.qtype, dtype
-        self.num_embeddings, self.embedding_dim = raw.shape
-        # A copy, not the file's memory map: the model owns its bytes (a file replaced on disk
-        # while serving would otherwise fault), and the mapping can close after load.
-        self.register_buffer("blocks", torch.from_numpy(np.array(raw.data, copy=True)), persistent=False)
-
-    @torch.compiler.disable  # numpy inside; a compiled decode step breaks its graph here, once
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).cpu()
-        if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < self.num_embeddings):
-            raise IndexError(f"token id outside the embedding's {self.num_embeddings} rows")
-        raw = RawTensor(
-            "embedding", self.qtype, self.blocks.numpy(), (self.num_embeddings, self.embedding_dim)
-        )
-        rows = torch.from_numpy(raw.dequantize(flat.numpy())).to(self.dtype)
-        return rows.reshape(*ids.shape, self.embedding_dim).to(ids.device)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.blocks]
-
-
 def apply_weights(
     net: torch.nn.Module,
     weights: str,
@@ -388,6 +358,7 @@ def apply_weights(
     `dense_at_load` skips are meta tensors, of which only the dtype is read. The Linears named
     in `dense_modules` keep their dense weight (`weights auto`)."""
     from chunkcache.model.linear import Linear
+    from chunkcache.model.quant_embedding import QuantEmbedding
 
     report: dict[str, Conversion] = {}
     for name, m in net.named_modules():
