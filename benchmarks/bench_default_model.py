@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--weights", default="dense", choices=("dense", "native", "int8"))
+    parser.add_argument("--weights", default="dense", choices=("dense", "native", "int8", "auto"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     before = rss_bytes()
@@ -112,7 +112,7 @@ def main() -> None:
         k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in llm.engine.runner.kv_caches
     )
     print(
-        f"model {llm.engine.model_name} {args.dtype}, weights {args.weights}: load {load_s:.1f} s; RSS after load {rss / 1e9:.2f} GB, "
+        f"model {llm.engine.model_name} {args.dtype}, weights {args.weights} ({net.weights_form}): load {load_s:.1f} s; RSS after load {rss / 1e9:.2f} GB, "
         f"weights {weights / 1e9:.2f} GB, KV cache {kv / 1e9:.2f} GB: RSS / (weights + KV) "
         f"{rss / (weights + kv):.2f}x; peak RSS of the process so far (VmHWM) {peak / 1e9:.2f} GB; "
         f"embedding {embedding / 1e9:.2f} GB"

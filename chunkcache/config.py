@@ -30,7 +30,7 @@ _FRESH_KV_SELECTORS = ("k_deviation", "v_deviation", "threshold")
 HASH_ALGORITHMS = ("sha256", "sha512", "blake2b", "sha3_256")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # How the projections hold their weights (model/quant.py, whose WEIGHTS is this same tuple).
-WEIGHTS = ("dense", "native", "int8")
+WEIGHTS = ("dense", "native", "int8", "auto")
 # How a chat request's documents are written into the conversation (chunk/documents.py).
 # `{title}` is the document's title and a newline, or nothing for a document without a title.
 DEFAULT_DOCUMENTS_FORMAT = "{title}{text}\n\n"
@@ -515,8 +515,8 @@ class EngineConfig:
     # default for that start-up cost.
     compile_decode: bool = False
     # CPU: dense (the checkpoint's weights in `dtype`), native (a GGUF's own quantized weights,
-    # 4-bit codes kept as they are), int8 (per output channel); model/quant.py. Dense until the
-    # answers native weights keep are measured (issue 38).
+    # 4-bit codes kept as they are), int8 (per output channel); model/quant.py. auto: per
+    # projection kind, native unless dense measures >10% faster at load (model/weight_forms.py).
     weights: str = "dense"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -22,7 +22,7 @@ import torch
 
 from chunkcache import config
 from chunkcache.errors import ModelLoadError
-from chunkcache.model import dequant, quant
+from chunkcache.model import dequant, quant, quant_embedding
 from chunkcache.model.linear import Linear
 from chunkcache.model.loader import load_model
 from chunkcache.model.quant import (
@@ -310,7 +310,7 @@ def test_quantized_embedding_rows_are_the_dense_tables_bit_for_bit(qtype: Q, dty
     repeated, in any order, in a 2-D batch; its bytes are the file's."""
     raw = _raw(qtype, seed=11)
     table = _reference(raw).to(dtype)
-    embedding = quant.QuantEmbedding(raw, dtype)
+    embedding = quant_embedding.QuantEmbedding(raw, dtype)
     ids = torch.tensor([[0, ROWS - 1, 5, 5], [17, 3, 0, 64]])
     rows = embedding(ids)
     assert rows.dtype == dtype and rows.shape == (2, 4, COLS)
@@ -476,11 +476,11 @@ def test_native_load_without_the_dense_model_serves_the_same_logits(
     kw = dict(tokenizer=str(src), dtype="float32", kv_cache_tokens=512, weights="native")
     now = LLM(str(tmp_path), **kw)
     with monkeypatch.context() as m:
-        m.setattr(loader, "dense_at_load", lambda name, qtype, tied: True)
+        m.setattr(loader, "dense_at_load", lambda name, qtype, tied, dense_modules: True)
         before = LLM(str(tmp_path), **kw)
     dense_table = LLM(str(tmp_path), **{**kw, "weights": "dense"}).engine.runner.model.embed_tokens
     new_model, old_model = now.engine.runner.model, before.engine.runner.model
-    assert isinstance(new_model.embed_tokens, quant.QuantEmbedding) != (tied and qtype == Q.Q8_0)
+    assert isinstance(new_model.embed_tokens, quant_embedding.QuantEmbedding) != (tied and qtype == Q.Q8_0)
     old_model.embed_tokens = dense_table  # the embedding as it was served
     for (name, a), b in zip(new_model.named_modules(), old_model.modules(), strict=True):
         if isinstance(a, Linear):

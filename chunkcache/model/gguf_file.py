@@ -148,6 +148,14 @@ class GGUFCheckpoint:
         if mapping is not None and hasattr(mapping, "madvise"):
             mapping.madvise(mmap.MADV_DONTNEED)
 
+    def qtype(self, name: str) -> str:
+        """The GGUF type of the tensor `name` (its transformers name), without reading its data."""
+        if not self._by_name:
+            self._by_name.update((hf_name(t.name), t) for t in self._reader.tensors)
+        if name not in self._by_name:
+            raise ModelLoadError(f"{self.file.name}: no tensor {name!r}")
+        return self._by_name[name].tensor_type.name
+
     def raw(self, name: str) -> RawTensor:
         """The 2-D tensor `name` (its transformers name) as the file stores it, quantized blocks
         and all (`weights=native`), its rows in transformers' order: llama.cpp permutes whole

@@ -115,6 +115,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
+def prepare_projection(m: Linear, narrow_weights: bool, lm_head: bool) -> None:
+    """Lay out one loaded projection as `LlamaForCausalLM.prepare` does (also `weights auto`'s
+    dense candidate, `model/weight_forms.py`, so that it times the layouts serving would hold)."""
+    pack = packing_pays(m, (4, 64) if narrow_weights else (1, 64))
+    # The lm_head's prefill rows are few (the last token of each prompt): no band.
+    pack_prefill = lm_head or not (pack and narrow_weights) or packing_pays(m, (256,))
+    m.prepare(pack, narrow_weights, pack_prefill)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -133,6 +142,10 @@ class LlamaForCausalLM(nn.Module):
         self.compiled_steps = 0
         # Whether any of the compiled step's 1-row products are inductor's fused loops.
         self.fused_products = False
+        # The form the projections hold their weights in, as the loader resolved the option
+        # `weights` ("dense", "native", "int8", or native with the projections `auto` kept dense
+        # named): KV computed through other forms differs, so the tiers' identity binds it.
+        self.weights_form = "dense"
 
     def forward(
         self,
@@ -175,10 +188,7 @@ class LlamaForCausalLM(nn.Module):
         """
         for m in self.modules():
             if isinstance(m, Linear) and m.weight is not None:
-                pack = packing_pays(m, (4, 64) if narrow_weights else (1, 64))
-                # The lm_head's prefill rows are few (the last token of each prompt): no band.
-                pack_prefill = m is self.lm_head or not (pack and narrow_weights) or packing_pays(m, (256,))
-                m.prepare(pack, narrow_weights, pack_prefill)
+                prepare_projection(m, narrow_weights, m is self.lm_head)
 
     def compile_decode(self) -> None:
         """Serve one-sequence decode steps through `torch.compile` (inductor), engine option

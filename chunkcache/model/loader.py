@@ -23,12 +23,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from chunkcache.errors import ModelLoadError
-from chunkcache.model import catalog
+from chunkcache.model import catalog, weight_forms
 from chunkcache.model.adapter import LoraAdapter
 from chunkcache.model.gguf_file import GGUFCheckpoint, load_gguf_tokenizer
 from chunkcache.model.linear import Linear
 from chunkcache.model.llama import LlamaForCausalLM
-from chunkcache.model.quant import WEIGHTS, QuantEmbedding, RawTensor, apply_weights, dense_at_load
+from chunkcache.model.quant import WEIGHTS, RawTensor, apply_weights, dense_at_load
+from chunkcache.model.quant_embedding import QuantEmbedding
 from chunkcache.model.rope import RotaryEmbedding
 from chunkcache.model.source import find_gguf, resolve_model_path
 from chunkcache.model.spec import ModelSpec
@@ -48,6 +49,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     dtype: torch.dtype
     device: torch.device
+    weights: str = "dense"  # the projections' form as resolved (`LlamaForCausalLM.weights_form`)
 
 
 def model_path(name: str) -> str:
@@ -239,7 +241,8 @@ def load_model(
     with the one in the directory `tokenizer` where given; a LoRA `adapter` (peft's format) is
     merged into the weights. `narrow_weights`: see `LlamaForCausalLM.prepare`. `weights`: how
     the projections hold their weights (`model/quant.py`): dense, native (a GGUF's own
-    quantization), int8 (per output channel)."""
+    quantization), int8 (per output channel), auto (per projection kind, dense or native,
+    whichever measures faster here: `model/weight_forms.py`)."""
     start = time.perf_counter()
     path = resolve_model_path(model)
     lora = LoraAdapter.open(adapter) if adapter is not None else None
@@ -252,17 +255,32 @@ def load_model(
         hf, name = read_hf_config(path), path.name
         read = functools.partial(_read_tensors, path)
     spec = ModelSpec.from_hf(hf)
-    if gguf is not None and weights == "native":
-        # Native weights are built from the file's blocks: the tensors they replace are never
-        # dequantized (no dense float32 model exists during the load).
-        read = functools.partial(
-            checkpoint.tensors, functools.partial(dense_at_load, tied=spec.tie_word_embeddings)
-        )
     # The tokenizer before the weights: building one from a GGUF's metadata (151k tokens and
     # merges for Qwen2.5) takes ~0.5 GB for a moment, which then does not stack on the weights.
     tok = _tokenizer_of(tokenizer, gguf, path)
     dev = resolve_device(device)
     torch_dtype, reason = resolve_dtype(dtype, spec, dev)
+    forms = None
+    if weights == "auto":  # timed before the weights are read: its candidates do not stack on them
+        why_dense = weight_forms.fallback(dev, gguf is not None, adapter is not None)
+        forms = (
+            weight_forms.Forms((), why_dense)
+            if why_dense is not None
+            else weight_forms.resolve(
+                checkpoint.qtype, _raw_reader(checkpoint), spec, torch_dtype, narrow_weights
+            )
+        )
+        logger.info("weights %s", forms.summary())
+    served = weights if forms is None else forms.served
+    dense_modules = frozenset() if forms is None else forms.dense_modules
+    if gguf is not None and served == "native":
+        # Native weights are built from the file's blocks: the tensors they replace are never
+        # dequantized (no dense float32 model exists during the load), nor those of the
+        # projections `auto` serves dense.
+        read = functools.partial(
+            checkpoint.tensors,
+            functools.partial(dense_at_load, tied=spec.tie_word_embeddings, dense_modules=dense_modules),
+        )
     with torch.device("meta"):
         net = LlamaForCausalLM(spec)
 
@@ -286,12 +304,11 @@ def load_model(
     for layer in net.layers:
         layer.self_attn.rotary = rotary
     net.eval()
-    if weights != "dense":
+    if served != "dense":
         if dev.type != "cpu":
             raise ModelLoadError(f"weights {weights!r} are CPU kernels; on {dev.type} use weights 'dense'")
-        apply_weights(
-            net, weights, _raw_reader(checkpoint) if gguf is not None else None, spec.tie_word_embeddings
-        )
+        raw = _raw_reader(checkpoint) if gguf is not None else None
+        apply_weights(net, served, raw, spec.tie_word_embeddings, dense_modules)
         unbuilt = [n for n, p in net.named_parameters() if p.is_meta]
         if unbuilt:  # a tensor dense_at_load skipped that no quantized form replaced: a bug here
             raise ModelLoadError(f"weights {weights!r} left {unbuilt[:4]} without values")
@@ -300,11 +317,13 @@ def load_model(
     net.prepare(narrow_weights)
     # A GGUF's metadata is its whole config: a generation_config.json beside it belongs to something else.
     gen = path / "generation_config.json" if gguf is None else None
+    net.weights_form = served if forms is None else forms.form
     why = f"{str(torch_dtype).removeprefix('torch.')} on {dev} ({reason})"
     if weights != "dense":
-        why += f", weights {weights}"
+        why += f", weights {weights if forms is None else forms.summary()}"
     _log_loaded(net, name, size, why, time.perf_counter() - start)
-    return LoadedModel(net, spec, tok, path, name, _eos_ids(gen, tok, hf), torch_dtype, dev)
+    eos = _eos_ids(gen, tok, hf)
+    return LoadedModel(net, spec, tok, path, name, eos, torch_dtype, dev, net.weights_form)
 
 
 def _tokenizer_of(tokenizer: str | None, gguf: Path | None, path: Path) -> Any:

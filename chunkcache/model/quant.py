@@ -26,7 +26,7 @@ Both kernels are GEMV-shaped and lose to a dense float32 GEMM from a few dozen r
 of many rows (prefill) multiply float32 blocks dequantized from the same codes instead
 (`model/dequant.py`): no dense copy of a weight is held.
 
-The token embedding is held as the file's own blocks (`QuantEmbedding`), each step dequantizing
+The token embedding is held as the file's own blocks (`quant_embedding.QuantEmbedding`), each step dequantizing
 only the rows it looks up with gguf's function, so its values are the dense table's bit for bit;
 and a native load never dequantizes the tensors these forms replace (`dense_at_load`), so no
 dense float32 model exists while loading.
@@ -45,8 +45,8 @@ from chunkcache.model import dequant, upcast
 
 logger = logging.getLogger(__name__)
 
-# The engine option `weights` (config.WEIGHTS is this tuple).
-WEIGHTS = ("dense", "native", "int8")
+# The engine option `weights` (config.WEIGHTS is this tuple); `auto`: model/weight_forms.py.
+WEIGHTS = ("dense", "native", "int8", "auto")
 GROUP = 32  # inputs per int4 scale/zero: every 4-bit GGUF type's block or sub-block
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # re-quantized per channel
@@ -309,73 +309,66 @@ def source_names(module: str, tied: bool) -> list[str]:
     return [f"{prefix}{part}.weight" for part in _MERGED.get(rest, (rest,))]
 
 
-def embedding_quantized(qtype: str, tied: bool) -> bool:
+def module_of(name: str) -> str | None:
+    """The Linear of the model the checkpoint tensor `name` is (part of) the weight of, or None
+    (the inverse of `source_names`, the tied embedding aside)."""
+    if name == "lm_head.weight":
+        return "lm_head"
+    if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+        return None
+    module = name.removeprefix("model.").removesuffix(".weight")
+    layer, rest = module.rsplit(".", 2)[0], ".".join(module.rsplit(".", 2)[1:])
+    merged = next((m for m, parts in _MERGED.items() if rest in parts), rest)
+    return f"{layer}.{merged}"
+
+
+def embedding_quantized(qtype: str, tied: bool, dense_modules: frozenset[str] = frozenset()) -> bool:
     """Whether `native` weights serve the token embedding from its file blocks
     (`QuantEmbedding`): always, except where it is tied to an lm_head that reads its dense
-    weight (a type without an exact kernel: SmolLM2's Q8_0; see `apply_weights`)."""
-    return not tied or qtype in INT4_TYPES
+    weight (a type without an exact kernel: SmolLM2's Q8_0; see `apply_weights`; or an lm_head
+    `weights auto` keeps dense, `dense_modules`)."""
+    return not tied or (qtype in INT4_TYPES and "lm_head" not in dense_modules)
 
 
-def dense_at_load(name: str, qtype: str, tied: bool) -> bool:
+def dense_at_load(name: str, qtype: str, tied: bool, dense_modules: frozenset[str] = frozenset()) -> bool:
     """Whether a `native` load needs the checkpoint tensor `name` (transformers name, GGUF type
     `qtype`) dequantized to a dense tensor. The projections' weights are built from the file's
     blocks (`apply_weights`), and a quantized embedding too, so those are never dequantized
     whole (a shape on the meta device stands in for them): the load's peak is then the
-    quantized model's, not a dense float32 one's (8.19 GB for the 1.5B before this)."""
+    quantized model's, not a dense float32 one's (8.19 GB for the 1.5B before this). The
+    projections in `dense_modules` (`weights auto`'s dense choices) are loaded dense, and only
+    those: a mixed load holds no dense copy of its native projections."""
     if name == EMBEDDING:
-        return not embedding_quantized(qtype, tied)
-    return not (name == "lm_head.weight" or name.endswith("_proj.weight"))
-
-
-class QuantEmbedding(torch.nn.Module):
-    """The token embedding held as the GGUF file stores it (its own blocks: 0.13 GB for the
-    1.5B's Q4_K table against 0.93 GB float32), each forward dequantizing only the rows it looks
-    up, with gguf's own dequantization: the rows are bit for bit those of the dense table a
-    dense load holds (the same function over the same bytes, each row its own blocks), cast to
-    the model's dtype as the loader casts. Costs ~0.25 ms per decode step, ~2.4 ms for 256 rows."""
-
-    def __init__(self, raw: RawTensor, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.qtype, self.dtype = raw.qtype, dtype
-        self.num_embeddings, self.embedding_dim = raw.shape
-        # A copy, not the file's memory map: the model owns its bytes (a file replaced on disk
-        # while serving would otherwise fault), and the mapping can close after load.
-        self.register_buffer("blocks", torch.from_numpy(np.array(raw.data, copy=True)), persistent=False)
-
-    @torch.compiler.disable  # numpy inside; a compiled decode step breaks its graph here, once
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).cpu()
-        if flat.numel() and not (int(flat.min()) >= 0 and int(flat.max()) < self.num_embeddings):
-            raise IndexError(f"token id outside the embedding's {self.num_embeddings} rows")
-        raw = RawTensor(
-            "embedding", self.qtype, self.blocks.numpy(), (self.num_embeddings, self.embedding_dim)
-        )
-        rows = torch.from_numpy(raw.dequantize(flat.numpy())).to(self.dtype)
-        return rows.reshape(*ids.shape, self.embedding_dim).to(ids.device)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.blocks]
+        return not embedding_quantized(qtype, tied, dense_modules)
+    module = module_of(name)
+    return module is None or module in dense_modules
 
 
 def apply_weights(
-    net: torch.nn.Module, weights: str, raw: Callable[[str], RawTensor] | None, tied: bool
+    net: torch.nn.Module,
+    weights: str,
+    raw: Callable[[str], RawTensor] | None,
+    tied: bool,
+    dense_modules: frozenset[str] = frozenset(),
 ) -> None:
     """Give every Linear of `net` a quantized product and drop its dense weight: `native`, the
     GGUF tensors `raw(name)` in their own forms, and the token embedding its file blocks where
     `embedding_quantized`; `int8`, the loaded weight per output channel. The dense weights are
     read here, so they must be the final ones (tied, merged); under `native` the ones
-    `dense_at_load` skips are meta tensors, of which only the dtype is read."""
+    `dense_at_load` skips are meta tensors, of which only the dtype is read. The Linears named
+    in `dense_modules` keep their dense weight (`weights auto`)."""
     from chunkcache.model.linear import Linear
+    from chunkcache.model.quant_embedding import QuantEmbedding
 
     report: dict[str, Conversion] = {}
     for name, m in net.named_modules():
-        if not isinstance(m, Linear) or m.weight is None:
+        if not isinstance(m, Linear) or m.weight is None or name in dense_modules:
             continue
         weight, bias = m.weight.detach(), None if m.bias is None else m.bias.detach()
         sources = [] if raw is None else [raw(n) for n in source_names(name, tied)]
         if weights == "int8":
             parts: list[Part] = [Int8Part.quantize(weight)]
-        elif name == "lm_head" and not embedding_quantized(sources[0].qtype, tied):
+        elif name == "lm_head" and not embedding_quantized(sources[0].qtype, tied, dense_modules):
             # The embedding's dense weight is held anyway for row lookups: the tied lm_head reads
             # it exactly at no memory cost, where int8 measured worse on SmolLM2 (its Q8_0
             # embedding: top-5 log-probs within 0.29 of transformers' over 4 prompts x 16 greedy
@@ -391,7 +384,7 @@ def apply_weights(
         m.bias = None
     if weights == "native" and raw is not None:
         embedding = raw(EMBEDDING)
-        if embedding_quantized(embedding.qtype, tied):
+        if embedding_quantized(embedding.qtype, tied, dense_modules):
             net.embed_tokens = QuantEmbedding(embedding, net.embed_tokens.weight.dtype)
             report.setdefault(
                 f"{embedding.qtype} (embedding)", Conversion("the file's blocks, rows dequantized per lookup")

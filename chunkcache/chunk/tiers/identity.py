@@ -4,7 +4,8 @@ Pool keys already hold the served model name and the token ids, but two checkpoi
 name (a fine-tune served as "default") and two tokenizers can map text to the same ids. The
 identity hashes what decides the KV: every weight's name, shape and dtype plus a sample of its
 values (the first and last 64 elements: enough to tell checkpoints apart without reading
-gigabytes), and the tokenizer's whole vocabulary.
+gigabytes), the form the projections hold their weights in (`LlamaForCausalLM.weights_form`:
+quantized products are not in the state dict), and the tokenizer's whole vocabulary.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ _SAMPLE = 64
 def model_identity(model: torch.nn.Module, tokenizer: Any, model_name: str) -> str:
     h = hashlib.sha256()
     h.update(f"chunkcache-model-v1\0{model_name}\0".encode())
+    # Native (quantized) and dense weights give slightly different KV: a tier shared by replicas
+    # whose `weights auto` chose differently must not mix them. Dense adds nothing, so the
+    # identities of dense models stay what they were.
+    form = getattr(model, "weights_form", "dense")
+    if form != "dense":
+        h.update(f"weights\0{form}\0".encode())
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
         sample = torch.cat((flat[:_SAMPLE], flat[-_SAMPLE:])).to("cpu", copy=True).contiguous()
