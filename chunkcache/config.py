@@ -542,10 +542,10 @@ class EngineConfig:
         """Build the tree from flat option names (`LLM(model, max_num_seqs=8, ...)`, CLI flags).
 
         The environment (envs.py) fills options not given explicitly, and a known model's own
-        chunk defaults (model/catalog.py) those the environment does not; an unknown option is
-        an error.
+        chunk and engine defaults (model/catalog.py) those the environment does not; an unknown
+        option is an error.
         """
-        merged: dict[str, Any] = dict(_model_chunk_defaults(model))
+        merged: dict[str, Any] = dict(_model_defaults(model))
         given = envs.env_options() if use_env else {}
         given.update({k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if v is not None})
         _check_gate_conflicts(given)
@@ -577,12 +577,12 @@ def _check_gate_conflicts(given: dict[str, Any]) -> None:
         )
 
 
-def _model_chunk_defaults(model: str) -> tuple[tuple[str, Any], ...]:
-    """The chunk options measured best for a known model (by short name or file), else none."""
+def _model_defaults(model: str) -> tuple[tuple[str, Any], ...]:
+    """The chunk and engine options measured best for a known model (by short name or file), else none."""
     from chunkcache.model.catalog import identify  # pure data; model/ loads no torch for it
 
     known = identify(model)
-    return known.chunk_defaults if known is not None else ()
+    return known.chunk_defaults + known.engine_defaults if known is not None else ()
 
 
 _SECTIONS: dict[str, type] = {

@@ -189,3 +189,16 @@ def test_a_known_models_chunk_defaults_apply_under_the_users_options(monkeypatch
     monkeypatch.setenv("CHUNKCACHE_CHUNK_LAYOUT", "isolated")
     assert EngineConfig.from_options(model.name).chunk.layout == "isolated"
     assert EngineConfig.from_options("/elsewhere/other.gguf", use_env=False).chunk.layout == "offset"
+
+
+def test_a_known_models_engine_defaults_apply_under_the_users_options():
+    """The default model is served with weights auto (measured native on a CPU) unless the user says
+    otherwise; SmolLM2 and unknown models keep the engine's default."""
+    from chunkcache.config import EngineConfig
+
+    qwen = catalog.QWEN_CODER_1_5B
+    for name in (qwen.name, f"/somewhere/{qwen.file_name}"):
+        assert EngineConfig.from_options(name, use_env=False).weights == "auto"
+    assert EngineConfig.from_options(qwen.name, use_env=False, weights="dense").weights == "dense"
+    assert EngineConfig.from_options(catalog.SMOLLM2.name, use_env=False).weights == "dense"
+    assert EngineConfig.from_options("/elsewhere/other.gguf", use_env=False).weights == "dense"

@@ -40,6 +40,8 @@ class KnownModel:
     # Chunk options this model is served with unless the user sets them (flat engine option names):
     # the reuse configuration chosen for it by bench_fidelity's rule (benchmarks/RESULTS.md).
     chunk_defaults: tuple[tuple[str, Any], ...] = ()
+    # Other engine options this model is served with unless the user sets them, by measurement.
+    engine_defaults: tuple[tuple[str, Any], ...] = ()
 
     @property
     def module(self) -> str:
@@ -76,6 +78,13 @@ QWEN_CODER_1_5B = KnownModel(
         ("fusion_pair", "lead"),
         ("fusion_pair_margin", 0.6),
     ),
+    # weights auto (RESULTS.md "`weights auto`"): every projection kind resolved native in all 6
+    # loads timed (bf16 and fp32; dense never faster at both 1 and 128 rows), so on a CPU the
+    # file's own 4-bit codes: 1.76 vs 4.03 GB (bf16 dense) after load, decode 3.64 vs 2.72 CPU
+    # tok/s, prefill 23 vs 26; where dtype auto picks float32 (CPUs without native bf16) it spares a
+    # ~6 GB dense float32 copy. Native full prefill kept all 73 of bf16's correct held-out answers
+    # (float32 activations; RESULTS.md "Native weights without the prefill penalty"). Off CPU auto is dense.
+    engine_defaults=(("weights", "auto"),),
 )
 
 SMOLLM2 = KnownModel(
