@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--weights", default=None, help="the engine's weights option (default: the model's)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", default=str(HERE / "results" / "calibrate_smollm2_profile.json"))
     p.add_argument("--target", type=float, default=0.95)
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     profile = json.loads(Path(args.profile).read_text())
     max_tokens = args.max_tokens or profile["max_tokens"]
     llm = LLM(
-        args.model, dtype=args.dtype, device="cpu", threads=args.threads, fidelity_target=args.target,
+        args.model, dtype=args.dtype, weights=args.weights, device="cpu", threads=args.threads, fidelity_target=args.target,
         fidelity_profile=args.profile, fidelity_sample_rate=args.sample_rate, fidelity_window=args.window,
         fidelity_max_share=args.max_share,
     )  # fmt: skip
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     at_default_warm = 0.01 * per_check / (served_cpu + 0.01 * per_check)
     stats = engine.chunk_cache_stats()
     summary = {
-        "model": args.model, "dtype": args.dtype, "target": args.target, "sample_rate": args.sample_rate,
+        "model": args.model, "dtype": args.dtype, "weights": llm.engine.config.weights, "target": args.target, "sample_rate": args.sample_rate,
         "window": args.window, "start": args.start, "split": args.split, "skip": args.skip, "prompts": len(rows),
         "kept": kept, "counted": len(counted),
         "identical": sum(r["identical"] for r in rows),
