@@ -260,17 +260,12 @@ def load_model(
     tok = _tokenizer_of(tokenizer, gguf, path)
     dev = resolve_device(device)
     torch_dtype, reason = resolve_dtype(dtype, spec, dev)
+    # Timed before the weights are read: its candidates do not stack on them.
     forms = None
-    if weights == "auto":  # timed before the weights are read: its candidates do not stack on them
-        why_dense = weight_forms.fallback(dev, gguf is not None, adapter is not None)
-        forms = (
-            weight_forms.Forms((), why_dense)
-            if why_dense is not None
-            else weight_forms.resolve(
-                checkpoint.qtype, _raw_reader(checkpoint), spec, torch_dtype, narrow_weights
-            )
+    if weights == "auto":
+        forms = _auto_forms(
+            dev, checkpoint if gguf is not None else None, adapter, spec, torch_dtype, narrow_weights
         )
-        logger.info("weights %s", forms.summary())
     served = weights if forms is None else forms.served
     dense_modules = frozenset() if forms is None else forms.dense_modules
     if gguf is not None and served == "native":
@@ -281,29 +276,7 @@ def load_model(
             checkpoint.tensors,
             functools.partial(dense_at_load, tied=spec.tie_word_embeddings, dense_modules=dense_modules),
         )
-    with torch.device("meta"):
-        net = LlamaForCausalLM(spec)
-
-    # One tensor at a time: a dequantized GGUF tensor is float32 until it is cast here.
-    # Contiguous: a permuted or strided view would send F.linear down another kernel.
-    # The adapter's update is added in float32, before the cast, as peft merges it.
-    def placed(n: str, t: torch.Tensor) -> torch.Tensor:
-        if t.is_meta:  # native weights' stand-in: its shape, in the model's dtype
-            return t.to(dtype=torch_dtype)
-        if lora is not None and n in lora.deltas:
-            t = lora.merge(n, t)
-        return t.to(device=dev, dtype=torch_dtype).contiguous()
-
-    tensors = {n: placed(n, t) for n, t in read()}
-    if lora is not None:
-        lora.check_covered(set(tensors))
-    _fill_state(net, tensors)
-    # The rotary tables are buffers made on the meta device: rebuild them for real.
-    rotary = RotaryEmbedding(spec.head_dim, spec.rope, spec.max_position_embeddings).to(dev)
-    net.rotary = rotary
-    for layer in net.layers:
-        layer.self_attn.rotary = rotary
-    net.eval()
+    net = _build_net(spec, read, lora, dev, torch_dtype)
     if served != "dense":
         if dev.type != "cpu":
             raise ModelLoadError(f"weights {weights!r} are CPU kernels; on {dev.type} use weights 'dense'")
@@ -324,6 +297,60 @@ def load_model(
     _log_loaded(net, name, size, why, time.perf_counter() - start)
     eos = _eos_ids(gen, tok, hf)
     return LoadedModel(net, spec, tok, path, name, eos, torch_dtype, dev, net.weights_form)
+
+
+def _auto_forms(
+    dev: torch.device,
+    checkpoint: GGUFCheckpoint | None,
+    adapter: str | None,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    narrow_weights: bool,
+) -> weight_forms.Forms:
+    """`weights auto`'s choice per projection group (timed on the file's blocks), or why it is
+    dense untimed (`weight_forms.fallback`)."""
+    why_dense = weight_forms.fallback(dev, checkpoint is not None, adapter is not None)
+    if why_dense is not None or checkpoint is None:
+        forms = weight_forms.Forms((), why_dense)
+    else:
+        forms = weight_forms.resolve(checkpoint.qtype, _raw_reader(checkpoint), spec, dtype, narrow_weights)
+    logger.info("weights %s", forms.summary())
+    return forms
+
+
+def _build_net(
+    spec: ModelSpec,
+    read: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+    lora: LoraAdapter | None,
+    dev: torch.device,
+    dtype: torch.dtype,
+) -> LlamaForCausalLM:
+    """The model with the tensors `read` gives (the adapter merged), on `dev` in `dtype`; meta
+    stand-ins where native weights replace a tensor (`dense_at_load`)."""
+    with torch.device("meta"):
+        net = LlamaForCausalLM(spec)
+
+    # One tensor at a time: a dequantized GGUF tensor is float32 until it is cast here.
+    # Contiguous: a permuted or strided view would send F.linear down another kernel.
+    # The adapter's update is added in float32, before the cast, as peft merges it.
+    def placed(n: str, t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta:  # native weights' stand-in: its shape, in the model's dtype
+            return t.to(dtype=dtype)
+        if lora is not None and n in lora.deltas:
+            t = lora.merge(n, t)
+        return t.to(device=dev, dtype=dtype).contiguous()
+
+    tensors = {n: placed(n, t) for n, t in read()}
+    if lora is not None:
+        lora.check_covered(set(tensors))
+    _fill_state(net, tensors)
+    # The rotary tables are buffers made on the meta device: rebuild them for real.
+    rotary = RotaryEmbedding(spec.head_dim, spec.rope, spec.max_position_embeddings).to(dev)
+    net.rotary = rotary
+    for layer in net.layers:
+        layer.self_attn.rotary = rotary
+    net.eval()
+    return net
 
 
 def _tokenizer_of(tokenizer: str | None, gguf: Path | None, path: Path) -> Any:
