@@ -1,10 +1,17 @@
-"""Follow-up questions on the same documents (layout "offset"): read the prefix cache, not the pool.
+"""Follow-up questions on the same documents: read the prefix cache, not the pool.
 
 A chunked request whose S and chunks, in this order, are in the prefix cache, as a plain prefill's
-KV (an `exact_follow_ups` job's) or blended before under the same blend options (its `kv_key`
-chain), reads that KV as a prefix (the scheduler matches the chain) and computes only its question
-and the last chunk's tokens after its last full block: no pool entries, no blend. Where neither is
-cached and `exact_follow_ups` is on, a background job prefills the exact prefix for the next one.
+KV (an `exact_follow_ups` job's) or (layout "offset") blended before under the same blend options
+(its `kv_key` chain), reads that KV as a prefix (the scheduler matches the chain) and computes only
+its question and the last chunk's tokens after its last full block: no pool entries, no blend.
+Where neither is cached and `exact_follow_ups` is on, a background job prefills the exact prefix
+for the next one.
+
+Layout "fusion" (exact prefix only): a fusion request whose S and documents are so cached runs as
+one plain prompt instead of its streams (`unfuse`, before any stream is scheduled or any entry
+pinned), so its reply is the full prefill's, at a plain follow-up's cost. A separator-free request
+that admission would make a fusion request (`fuse`) runs plain where the prompt before its
+question is so cached: its token ids are a plain prompt's already, so the prefix cache serves it.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from chunkcache.chunk.separator_free import Fuse
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.plan import ChunkedPrompt
@@ -30,11 +38,17 @@ class FollowUps:
         blocks: BlockManager,
         generator: torch.Generator,
         schedule: Callable[[Sequence], None],
+        fuse: Fuse,
+        unfuse: Callable[[Sequence], bool],
     ) -> None:
         self.config = config
         self.blocks = blocks
         self._generator = generator
         self._schedule = schedule
+        # The intake's: a separator-free request made a fusion request over its documents, and a
+        # fusion request made a plain one again (RequestIntake.fuse, .unfuse).
+        self._fuse = fuse
+        self._unfuse = unfuse
         # Chunked requests that read an earlier request's blended KV from the prefix cache, or an
         # exact one; the exact-prefix jobs that finished, and those queued, by (salt, prompt).
         self.blended_prefix_hits = 0
@@ -44,21 +58,23 @@ class FollowUps:
 
     def reads_cached_prefix(self, seq: Sequence) -> bool:
         """Whether `seq` reads its S and chunks from the prefix cache (it then runs as a plain
-        prompt: its chunk plan is dropped); queues the exact-prefix job where that is on and
-        neither chain is cached."""
+        prompt: its chunk plan is dropped, and under fusion its streams); queues the exact-prefix
+        job where that is on and neither chain is cached."""
         plan = seq.chunk_plan
         if (
             seq.kind is SequenceKind.PREWARM
             or plan is None
             or not isinstance(plan.prompt, ChunkedPrompt)
-            or plan.config.layout != "offset"
+            or plan.config.layout not in ("offset", "fusion")
         ):
             return False
         prompt = plan.prompt
         context = prompt.num_tokens - len(prompt.question_token_ids)  # S and the chunks
         need = context // self.blocks.block_size
         exact = self.config.exact_follow_ups and need > 0
-        if exact and self.blocks.cached_prefix_blocks(seq.token_ids, need, BlockKeys(seq.cache_salt)) >= need:
+        if exact and self._exact_cached(seq, context):
+            if seq.fusion is not None and not self._unfuse(seq):
+                return False  # its whole prompt does not fit as a plain one: its streams serve it
             seq.kv_key, seq.kv_key_from = None, 0  # what it computes is exact too: plain blocks
             self.exact_prefix_hits += 1
         elif (
@@ -69,11 +85,34 @@ class FollowUps:
             self.blended_prefix_hits += 1
         else:
             if exact:
-                self._queue_exact_prefix(seq, seq.token_ids[:context])
+                self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
             return False
         seq.chunk_plan = None
         seq.prefix_cacheable = True
         return True
+
+    def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig, reserve: int) -> bool:
+        """Admission's `fuse` (separator-free matching, layout "fusion") with `exact_follow_ups`:
+        False (the request runs as a plain prompt, prefix cache included) where the prompt before
+        the question is cached exactly; else the intake's answer, and where that makes a fusion
+        request, the exact-prefix job for its follow-ups. The prefix is the prompt's own tokens
+        before Q, not S and the documents joined: fusion's documents may drop a few tokens."""
+        context = len(seq.prompt_token_ids) - len(prompt.question_token_ids)
+        exact = self.config.exact_follow_ups and context >= self.blocks.block_size
+        if exact and self._exact_cached(seq, context):
+            self.exact_prefix_hits += 1
+            return False
+        fused = self._fuse(seq, prompt, cfg, reserve)
+        if fused and exact:
+            self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
+        return fused
+
+    def _exact_cached(self, seq: Sequence, context: int) -> bool:
+        """Whether the full blocks of `seq`'s first `context` prompt tokens are in the prefix cache
+        as a plain prefill's KV, under its salt."""
+        need = context // self.blocks.block_size
+        found = self.blocks.cached_prefix_blocks(seq.prompt_token_ids, need, BlockKeys(seq.cache_salt))
+        return found >= need
 
     def _queue_exact_prefix(self, seq: Sequence, ids: list[int]) -> None:
         """A background job that prefills `ids` (the request's S and chunks, in this order, not in
