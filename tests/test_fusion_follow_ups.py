@@ -234,3 +234,24 @@ def test_separator_free_requests_read_the_exact_prefix(checkpoint, monkeypatch) 
     assert seen.take() == [SequenceKind.REQUEST] and _stats(llm)["exact_prefix_hits"] == 1
     _is_full_prefill(path, again)
     _clean(llm)
+
+
+def test_with_two_sights_only_a_repeated_order_is_prefilled(checkpoint, monkeypatch) -> None:
+    """`exact_follow_ups_sights=2`: an order seen once queues nothing (random retrieval pays no
+    job); its repeat is fused and queues the job; from the third request on it is exact."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path, exact_follow_ups=True, exact_follow_ups_sights=2)
+    seen = Scheduled(llm, monkeypatch)
+    for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
+        llm.generate(_prompt(order, Q1), GREEDY)
+    assert seen.take().count(SequenceKind.FUSION_STREAM) == 12
+    assert _stats(llm)["exact_prefix_jobs"] == 0
+    _salted(llm, _prompt([0, 1, 2], Q2), "b")  # another tenant's sight is its own
+    assert _stats(llm)["exact_prefix_jobs"] == 0 and seen.take().count(SequenceKind.FUSION_STREAM) == 4
+    llm.generate(_prompt([0, 1, 2], Q2), GREEDY)  # the repeat: fused, its job queued
+    assert seen.take().count(SequenceKind.FUSION_STREAM) == 4
+    assert _stats(llm)["exact_prefix_jobs"] == 1 and _stats(llm)["exact_prefix_hits"] == 0
+    third = llm.generate(_prompt([0, 1, 2], Q3), GREEDY)[0]
+    assert seen.take() == [SequenceKind.REQUEST] and _stats(llm)["exact_prefix_hits"] == 1
+    _is_full_prefill(path, third)
+    _clean(llm)

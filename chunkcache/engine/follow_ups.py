@@ -16,6 +16,8 @@ question is so cached: its token ids are a plain prompt's already, so the prefix
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -29,6 +31,9 @@ from chunkcache.engine.intake import ONE_DISCARDED_TOKEN
 from chunkcache.hashing import BlockKeys
 
 _MAX_EXACT_JOBS = 64
+# Orders (S and documents, one salt) seen fewer than `exact_follow_ups_sights` times, remembered
+# by digest, least recently seen forgotten first.
+_MAX_ORDERS_SEEN = 4096
 
 
 class FollowUps:
@@ -55,6 +60,7 @@ class FollowUps:
         self.exact_prefix_hits = 0
         self.exact_prefix_jobs = 0
         self.jobs: dict[tuple[str | None, tuple[int, ...]], Sequence] = {}
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
 
     def reads_cached_prefix(self, seq: Sequence) -> bool:
         """Whether `seq` reads its S and chunks from the prefix cache (it then runs as a plain
@@ -119,7 +125,7 @@ class FollowUps:
         the prefix cache) as a plain prompt, so that its follow-ups find them. It runs on the budget
         requests leave and gives its blocks back when a request needs them (scheduler). Not where one is queued already; at most `_MAX_EXACT_JOBS` wait at once."""
         key = (seq.cache_salt, tuple(ids))
-        if key in self.jobs or len(self.jobs) >= _MAX_EXACT_JOBS:
+        if key in self.jobs or len(self.jobs) >= _MAX_EXACT_JOBS or not self._seen_enough(key):
             return
         job = Sequence(
             request_id=f"exact-prefix-of-{seq.request_id}",  # never in the engine's requests: no output
@@ -132,6 +138,22 @@ class FollowUps:
         job.generator = self._generator
         self.jobs[key] = job
         self._schedule(job)
+
+    def _seen_enough(self, key: tuple[str | None, tuple[int, ...]]) -> bool:
+        """Count a sight of this order; whether it has now been seen `exact_follow_ups_sights`
+        times (then forgotten: its job is queued, or a full queue drops it and counting starts
+        again)."""
+        need = self.config.exact_follow_ups_sights
+        if need <= 1:
+            return True
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
+        sights = self._seen.pop(digest, 0) + 1
+        if sights >= need:
+            return True
+        self._seen[digest] = sights
+        if len(self._seen) > _MAX_ORDERS_SEEN:
+            self._seen.popitem(last=False)
+        return False
 
     def job_finished(self, job: Sequence) -> None:
         """An exact-prefix job ended: its blocks are registered, nothing else to keep."""
