@@ -240,7 +240,8 @@ class ChunkConfig:
             raise ValueError(f"chunk_cache_remote must be a redis://host:port/db URL, got {self.remote!r}")
         check_documents_format(self.documents_format)
         self._validate_fusion()
-        if not isinstance(self.exact_follow_ups_sights, int) or self.exact_follow_ups_sights < 1:
+        sights = self.exact_follow_ups_sights
+        if isinstance(sights, bool) or not isinstance(sights, int) or sights < 1:
             raise ValueError(
                 f"exact_follow_ups_sights must be an integer >= 1, got {self.exact_follow_ups_sights!r}"
             )

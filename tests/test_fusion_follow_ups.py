@@ -255,3 +255,11 @@ def test_with_two_sights_only_a_repeated_order_is_prefilled(checkpoint, monkeypa
     assert seen.take() == [SequenceKind.REQUEST] and _stats(llm)["exact_prefix_hits"] == 1
     _is_full_prefill(path, third)
     _clean(llm)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_a_bad_sights_value_is_refused_by_name(bad: object) -> None:
+    from chunkcache.config import ChunkConfig
+
+    with pytest.raises(ValueError, match="exact_follow_ups_sights"):
+        ChunkConfig(exact_follow_ups_sights=bad).validate()  # type: ignore[arg-type]
