@@ -263,3 +263,17 @@ def test_a_bad_sights_value_is_refused_by_name(bad: object) -> None:
 
     with pytest.raises(ValueError, match="exact_follow_ups_sights"):
         ChunkConfig(exact_follow_ups_sights=bad).validate()  # type: ignore[arg-type]
+
+
+def test_an_exact_follow_up_is_not_checked_as_a_reuse_configuration(checkpoint) -> None:
+    """Shadow checks (fidelity/shadow.py) judge the engine's reuse configuration: a request served
+    as a plain prompt over an exact prefix is not drawn (its agreement would be the prefix cache's)."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path, exact_follow_ups=True, fidelity_sample_rate=1.0, fidelity_max_share=1.0)
+    llm.generate(_prompt([0, 1, 2], Q1), GREEDY)
+    checked = _stats(llm)["fidelity"]["configs"]["default"]
+    assert checked.get("agree", 0) + checked.get("disagree", 0) == 1
+    llm.generate(_prompt([0, 1, 2], Q2), GREEDY)
+    assert _stats(llm)["exact_prefix_hits"] == 1
+    assert _stats(llm)["fidelity"]["configs"]["default"] == checked
+    _clean(llm)

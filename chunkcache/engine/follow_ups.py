@@ -82,6 +82,7 @@ class FollowUps:
             if seq.fusion is not None and not self._unfuse(seq):
                 return False  # its whole prompt does not fit as a plain one: its streams serve it
             seq.kv_key, seq.kv_key_from = None, 0  # what it computes is exact too: plain blocks
+            seq.fidelity_config = None  # no reuse configuration serves it: no shadow check of one
             self.exact_prefix_hits += 1
         elif (
             seq.kv_key is not None
@@ -106,6 +107,7 @@ class FollowUps:
         context = len(seq.prompt_token_ids) - len(prompt.question_token_ids)
         exact = self.config.exact_follow_ups and context >= self.blocks.block_size
         if exact and self._exact_cached(seq, context):
+            seq.fidelity_config = None
             self.exact_prefix_hits += 1
             return False
         fused = self._fuse(seq, prompt, cfg, reserve)
