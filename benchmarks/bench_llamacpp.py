@@ -20,7 +20,9 @@ is fusion, `catalog.KnownModel.chunk_defaults`) and the same `--n-ctx`. Both ser
 are up at once; only one works at a time: every request goes to both, one after the other, the
 side that goes first alternating. Every request is greedy (`temperature 0`) and streamed; times
 are client-side (TTFT = first streamed token). CPU seconds of each server process are read from
-/proc around every request, so CPU-time ratios stand beside wall ratios on a shared machine.
+/proc around every request, so CPU-time ratios stand beside wall ratios on a shared machine; and
+over each whole workload until both servers are quiet again ("cpu all": per request, with the
+work a server does between requests, such as chunkcache's `--exact-follow-ups` jobs).
 
 Workloads (text: CPython's reference documentation, `pydoc_data.topics`, which nobody on the
 project wrote):
@@ -241,10 +243,27 @@ class Side:
     server: ServerProcess
     runs: dict[str, list[Timing]] = field(default_factory=dict)
     memory: dict[str, dict[str, int]] = field(default_factory=dict)  # "load" / "end" -> memory()
+    # Process CPU seconds over a whole workload, until the server was quiet after its last request.
+    workload_cpu: dict[str, float] = field(default_factory=dict)
 
     def read_memory(self, when: str) -> None:
         assert self.server.proc is not None
         self.memory[when] = memory(self.server.proc.pid)
+
+
+QUIET_CPU_S = 0.05  # a server that used less CPU than this over QUIET_WINDOW_S is idle
+QUIET_WINDOW_S = 1.0
+
+
+def wait_quiet(sides: list[Side], limit_s: float = 120) -> None:
+    """Until every server is idle (work it runs after answering, such as background jobs, done)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = [cpu_seconds(s.server.proc.pid) for s in sides]  # type: ignore[union-attr]
+        time.sleep(QUIET_WINDOW_S)
+        after = [cpu_seconds(s.server.proc.pid) for s in sides]  # type: ignore[union-attr]
+        if all(b - a < QUIET_CPU_S for a, b in zip(before, after, strict=True)):
+            return
 
 
 def both(
@@ -317,8 +336,13 @@ def main() -> int:
         with httpx.Client() as client:
 
             def run(workload: str, prompts: list[str], max_tokens: int) -> None:
+                wait_quiet(sides)
+                cpu0 = [cpu_seconds(s.server.proc.pid) for s in sides]  # type: ignore[union-attr]
                 for i, prompt in enumerate(tqdm(prompts, desc=workload)):
                     both(sides, client, workload, i, prompt, max_tokens)
+                wait_quiet(sides)
+                for side, c in zip(sides, cpu0, strict=True):
+                    side.workload_cpu[workload] = cpu_seconds(side.server.proc.pid) - c  # type: ignore[union-attr]
                 write_raw(args, sides, {"finished": workload})  # a long run's finished part kept
 
             def rag(chosen: list[tuple[str, str]]) -> str:
@@ -357,7 +381,8 @@ def report(sides: list[Side], args: argparse.Namespace, file_bytes: int, pool_by
     ratios: dict[str, str] = {}
     cpu_ratios: dict[str, str] = {}
     print(
-        f"\n{'workload':<12} {'side':<11} {'mean':>9} {'p50':>9} {'cpu mean':>9}  (seconds; decode: tokens/s)"
+        f"\n{'workload':<12} {'side':<11} {'mean':>9} {'p50':>9} {'cpu mean':>9} {'cpu all':>9}"
+        "  (seconds; decode: tokens/s; cpu all: per request, the work between requests included)"
     )
     for workload in ("prefill", "decode", "rag_random", "rag_same"):
         stats = {}
@@ -371,8 +396,12 @@ def report(sides: list[Side], args: argparse.Namespace, file_bytes: int, pool_by
                 ttft = [r.ttft for r in runs]
                 stats[side.name] = (fmean(ttft), percentile(ttft, 50), fmean([r.cpu for r in runs]))
             m, p50, c = stats[side.name]
-            print(f"{workload:<12} {side.name:<11} {m:>9.4f} {p50:>9.4f} {c:>9.4f}")
+            every = side.workload_cpu[workload] / len(runs)
+            print(f"{workload:<12} {side.name:<11} {m:>9.4f} {p50:>9.4f} {c:>9.4f} {every:>9.4f}")
         (om, op, oc), (tm, tp, tc) = stats[ours.name], stats[theirs.name]
+        if workload.startswith("rag"):
+            mine, peer = ours.workload_cpu[workload], theirs.workload_cpu[workload]
+            cpu_ratios[f"cpu_all_{workload}"] = f"{peer / mine:.2f}x"
         wall = om / tm if workload == "decode" else tm / om
         ratios[workload] = f"{wall:.2f}x"
         cpu_ratios[f"cpu_{workload}"] = f"{tc / oc:.2f}x"
@@ -407,7 +436,7 @@ def write_raw(args: argparse.Namespace, sides: list[Side], extra: dict[str, obje
         return
     raw = {
         "args": {k: str(v) for k, v in vars(args).items()}, **extra,
-        "sides": {s.name: {"memory": s.memory, "runs": {w: [asdict(r) for r in rs] for w, rs in s.runs.items()}} for s in sides},
+        "sides": {s.name: {"memory": s.memory, "workload_cpu": s.workload_cpu, "runs": {w: [asdict(r) for r in rs] for w, rs in s.runs.items()}} for s in sides},
     }  # fmt: skip
     args.raw.write_text(json.dumps(raw, indent=1))
 

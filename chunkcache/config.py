@@ -205,13 +205,19 @@ class ChunkConfig:
     # 95% the defaults are chosen by, while a plain prompt is exact without it.
     separator_free: bool = False
     separator_free_min_tokens: int = 32
-    # Layout "offset": after a chunked request, a background job (on spare budget) prefills its S
-    # and documents in that order as a plain prompt into the prefix cache; a later request with
-    # the same S and documents in the same order (a follow-up question) reads that exact KV and
-    # is answered as a full prefill would answer it, computing only its question. Off by default:
-    # each new document order costs one full prefill on spare budget (offline, `LLM.generate`
-    # waits for it).
+    # Layouts "offset" and "fusion": after a chunked request, a background job (on spare budget)
+    # prefills its S and documents in that order as a plain prompt into the prefix cache; a later
+    # request with the same S and documents in the same order (a follow-up question, a repeated
+    # query) reads that exact KV and is answered as a full prefill would answer it, computing only
+    # its question (under fusion: one plain sequence, no streams; engine/follow_ups.py). Off by
+    # default: each new document order costs one full prefill on spare budget, and the request
+    # that queues it pays up to one piece of it per prefill step (offline, `LLM.generate` waits
+    # for it).
     exact_follow_ups: bool = False
+    # How many requests must show an order (S and documents in this order, one salt) before its
+    # job is queued: 1, the first; 2, a repeat, so that a workload whose orders never repeat
+    # (random retrieval) pays no job, while a repeated order is exact from its third request on.
+    exact_follow_ups_sights: int = 1
 
     def validate(self, num_layers: int | None = None) -> None:
         if not self.separator:
@@ -234,6 +240,11 @@ class ChunkConfig:
             raise ValueError(f"chunk_cache_remote must be a redis://host:port/db URL, got {self.remote!r}")
         check_documents_format(self.documents_format)
         self._validate_fusion()
+        sights = self.exact_follow_ups_sights
+        if isinstance(sights, bool) or not isinstance(sights, int) or sights < 1:
+            raise ValueError(
+                f"exact_follow_ups_sights must be an integer >= 1, got {self.exact_follow_ups_sights!r}"
+            )
         if self.separator_free_min_tokens < 1:
             raise ValueError(f"separator_free_min_tokens must be >= 1, got {self.separator_free_min_tokens}")
         self._validate_blend(num_layers)
@@ -629,6 +640,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     },
     "documents_format": ("chunk", "documents_format"),
     "exact_follow_ups": ("chunk", "exact_follow_ups"),
+    "exact_follow_ups_sights": ("chunk", "exact_follow_ups_sights"),
     "kv_events_endpoint": ("kv_events", "endpoint"),
     "kv_events_topic": ("kv_events", "topic"),
     "kv_events_replay_endpoint": ("kv_events", "replay_endpoint"),

@@ -38,6 +38,7 @@ class ChunkSteps:
         start_job: Callable[[Sequence], None],
         finish: Callable[[Sequence], None],
         fuse: Fuse,
+        unfuse: Callable[[Sequence], bool],
     ) -> None:
         self.chunks = chunks
         self.runner = runner
@@ -45,16 +46,16 @@ class ChunkSteps:
         # the engine answers aborts and failures for); finish: end a sequence (the engine's).
         self._start_job = start_job
         self._finish = finish
-        # Makes a separator-free request a fusion request over its documents (RequestIntake.fuse).
-        self._fuse = fuse
-        self.follow_ups = FollowUps(config, blocks, generator, schedule)
+        # fuse: makes a separator-free request a fusion request over its documents; unfuse: a
+        # fusion request a plain one (RequestIntake.fuse, .unfuse), both asked by the follow-ups.
+        self.follow_ups = FollowUps(config, blocks, generator, schedule, fuse, unfuse)
         self._prewarms: list[Sequence] = []
 
     def admit(self, seq: Sequence) -> None:
         """A new sequence with a chunk plan: pin its entries and start the jobs of missing ones,
         unless it reads them from the prefix cache (a follow-up). Raises when admission fails."""
         if not self.follow_ups.reads_cached_prefix(seq):
-            for job in self.chunks.admit(seq, self._fuse):
+            for job in self.chunks.admit(seq, self.follow_ups.fuse):
                 self._start_job(job)
         if seq.kind is SequenceKind.PREWARM:
             self._prewarms.append(seq)

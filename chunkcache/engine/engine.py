@@ -50,6 +50,7 @@ class LLMEngine:
             self.chunk_steps = ChunkSteps(
                 self.chunks, config.chunk, self.blocks, self.runner, self._generator,
                 self.scheduler.add, self._start_job, self._finish, self.intake.fuse,
+                self.intake.unfuse,
             )  # fmt: skip
         # Online shadow checks of chunked requests, and the controller they steer (fidelity/).
         self.shadows = ShadowChecks(

@@ -1,18 +1,28 @@
-"""Follow-up questions on the same documents (layout "offset"): read the prefix cache, not the pool.
+"""Follow-up questions on the same documents: read the prefix cache, not the pool.
 
 A chunked request whose S and chunks, in this order, are in the prefix cache, as a plain prefill's
-KV (an `exact_follow_ups` job's) or blended before under the same blend options (its `kv_key`
-chain), reads that KV as a prefix (the scheduler matches the chain) and computes only its question
-and the last chunk's tokens after its last full block: no pool entries, no blend. Where neither is
-cached and `exact_follow_ups` is on, a background job prefills the exact prefix for the next one.
+KV (an `exact_follow_ups` job's) or (layout "offset") blended before under the same blend options
+(its `kv_key` chain), reads that KV as a prefix (the scheduler matches the chain) and computes only
+its question and the last chunk's tokens after its last full block: no pool entries, no blend.
+Where neither is cached and `exact_follow_ups` is on, a background job prefills the exact prefix
+for the next one.
+
+Layout "fusion" (exact prefix only): a fusion request whose S and documents are so cached runs as
+one plain prompt instead of its streams (`unfuse`, before any stream is scheduled or any entry
+pinned), so its reply is the full prefill's, at a plain follow-up's cost. A separator-free request
+that admission would make a fusion request (`fuse`) runs plain where the prompt before its
+question is so cached: its token ids are a plain prompt's already, so the prefix cache serves it.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
+from chunkcache.chunk.separator_free import Fuse
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.plan import ChunkedPrompt
@@ -21,6 +31,9 @@ from chunkcache.engine.intake import ONE_DISCARDED_TOKEN
 from chunkcache.hashing import BlockKeys
 
 _MAX_EXACT_JOBS = 64
+# Orders (S and documents, one salt) seen fewer than `exact_follow_ups_sights` times, remembered
+# by digest, least recently seen forgotten first.
+_MAX_ORDERS_SEEN = 4096
 
 
 class FollowUps:
@@ -30,36 +43,46 @@ class FollowUps:
         blocks: BlockManager,
         generator: torch.Generator,
         schedule: Callable[[Sequence], None],
+        fuse: Fuse,
+        unfuse: Callable[[Sequence], bool],
     ) -> None:
         self.config = config
         self.blocks = blocks
         self._generator = generator
         self._schedule = schedule
+        # The intake's: a separator-free request made a fusion request over its documents, and a
+        # fusion request made a plain one again (RequestIntake.fuse, .unfuse).
+        self._fuse = fuse
+        self._unfuse = unfuse
         # Chunked requests that read an earlier request's blended KV from the prefix cache, or an
         # exact one; the exact-prefix jobs that finished, and those queued, by (salt, prompt).
         self.blended_prefix_hits = 0
         self.exact_prefix_hits = 0
         self.exact_prefix_jobs = 0
         self.jobs: dict[tuple[str | None, tuple[int, ...]], Sequence] = {}
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
 
     def reads_cached_prefix(self, seq: Sequence) -> bool:
         """Whether `seq` reads its S and chunks from the prefix cache (it then runs as a plain
-        prompt: its chunk plan is dropped); queues the exact-prefix job where that is on and
-        neither chain is cached."""
+        prompt: its chunk plan is dropped, and under fusion its streams); queues the exact-prefix
+        job where that is on and neither chain is cached."""
         plan = seq.chunk_plan
         if (
             seq.kind is SequenceKind.PREWARM
             or plan is None
             or not isinstance(plan.prompt, ChunkedPrompt)
-            or plan.config.layout != "offset"
+            or plan.config.layout not in ("offset", "fusion")
         ):
             return False
         prompt = plan.prompt
         context = prompt.num_tokens - len(prompt.question_token_ids)  # S and the chunks
         need = context // self.blocks.block_size
         exact = self.config.exact_follow_ups and need > 0
-        if exact and self.blocks.cached_prefix_blocks(seq.token_ids, need, BlockKeys(seq.cache_salt)) >= need:
+        if exact and self._exact_cached(seq, context):
+            if seq.fusion is not None and not self._unfuse(seq):
+                return False  # its whole prompt does not fit as a plain one: its streams serve it
             seq.kv_key, seq.kv_key_from = None, 0  # what it computes is exact too: plain blocks
+            seq.fidelity_config = None  # no reuse configuration serves it: no shadow check of one
             self.exact_prefix_hits += 1
         elif (
             seq.kv_key is not None
@@ -69,18 +92,42 @@ class FollowUps:
             self.blended_prefix_hits += 1
         else:
             if exact:
-                self._queue_exact_prefix(seq, seq.token_ids[:context])
+                self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
             return False
         seq.chunk_plan = None
         seq.prefix_cacheable = True
         return True
+
+    def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig, reserve: int) -> bool:
+        """Admission's `fuse` (separator-free matching, layout "fusion") with `exact_follow_ups`:
+        False (the request runs as a plain prompt, prefix cache included) where the prompt before
+        the question is cached exactly; else the intake's answer, and where that makes a fusion
+        request, the exact-prefix job for its follow-ups. The prefix is the prompt's own tokens
+        before Q, not S and the documents joined: fusion's documents may drop a few tokens."""
+        context = len(seq.prompt_token_ids) - len(prompt.question_token_ids)
+        exact = self.config.exact_follow_ups and context >= self.blocks.block_size
+        if exact and self._exact_cached(seq, context):
+            seq.fidelity_config = None
+            self.exact_prefix_hits += 1
+            return False
+        fused = self._fuse(seq, prompt, cfg, reserve)
+        if fused and exact:
+            self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
+        return fused
+
+    def _exact_cached(self, seq: Sequence, context: int) -> bool:
+        """Whether the full blocks of `seq`'s first `context` prompt tokens are in the prefix cache
+        as a plain prefill's KV, under its salt."""
+        need = context // self.blocks.block_size
+        found = self.blocks.cached_prefix_blocks(seq.prompt_token_ids, need, BlockKeys(seq.cache_salt))
+        return found >= need
 
     def _queue_exact_prefix(self, seq: Sequence, ids: list[int]) -> None:
         """A background job that prefills `ids` (the request's S and chunks, in this order, not in
         the prefix cache) as a plain prompt, so that its follow-ups find them. It runs on the budget
         requests leave and gives its blocks back when a request needs them (scheduler). Not where one is queued already; at most `_MAX_EXACT_JOBS` wait at once."""
         key = (seq.cache_salt, tuple(ids))
-        if key in self.jobs or len(self.jobs) >= _MAX_EXACT_JOBS:
+        if key in self.jobs or len(self.jobs) >= _MAX_EXACT_JOBS or not self._seen_enough(key):
             return
         job = Sequence(
             request_id=f"exact-prefix-of-{seq.request_id}",  # never in the engine's requests: no output
@@ -93,6 +140,22 @@ class FollowUps:
         job.generator = self._generator
         self.jobs[key] = job
         self._schedule(job)
+
+    def _seen_enough(self, key: tuple[str | None, tuple[int, ...]]) -> bool:
+        """Count a sight of this order; whether it has now been seen `exact_follow_ups_sights`
+        times (then forgotten: its job is queued, or a full queue drops it and counting starts
+        again)."""
+        need = self.config.exact_follow_ups_sights
+        if need <= 1:
+            return True
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
+        sights = self._seen.pop(digest, 0) + 1
+        if sights >= need:
+            return True
+        self._seen[digest] = sights
+        if len(self._seen) > _MAX_ORDERS_SEEN:
+            self._seen.popitem(last=False)
+        return False
 
     def job_finished(self, job: Sequence) -> None:
         """An exact-prefix job ended: its blocks are registered, nothing else to keep."""

@@ -226,6 +226,28 @@ class RequestIntake:
         FusionGroup.create(seq, prompt, cfg)
         return True
 
+    def unfuse(self, seq: Sequence) -> bool:
+        """Admission (FollowUps, on the step thread): make a fusion request whose S and documents
+        the prefix cache holds exactly a plain request over its whole prompt (the cached prefix
+        read, the rest computed), its streams dropped before they are scheduled or hold anything.
+        False, leaving it untouched, where that prompt with its max_tokens (an open one capped as
+        for any plain prompt; one capped for the streams kept) does not fit max_model_len or the
+        KV cache: its streams, each shorter, serve it."""
+        assert seq.fusion is not None
+        full = len(seq.prompt_token_ids)
+        requested = seq.params.max_tokens
+        room = self._room(full, 1, 0)
+        if room < 1 or (requested is not None and requested > room):
+            return False
+        if full + (requested or 1) > self.max_model_len:
+            return False
+        if requested is None and room < self.max_model_len - full:
+            seq.params = dataclasses.replace(seq.params, max_tokens=room)
+        seq.fusion = None
+        seq.token_ids = list(seq.prompt_token_ids)
+        seq.num_own_prompt_tokens = full
+        return True
+
     def _check_length(self, params: SamplingParams, prompt_len: int) -> None:
         """The prompt, and its output if max_tokens is given, fit max_model_len."""
         if prompt_len > self.max_model_len:
