@@ -24,6 +24,7 @@ from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.engine.blend import kv_options
 from chunkcache.engine.build import EngineParts
 from chunkcache.engine.fusion import FusionGroup, fits_one_batch, num_streams, pair_tokens, stream_count
+from chunkcache.engine.kv_fit import KVFit
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.fidelity.shadow import DEFAULT_CONFIG
@@ -44,6 +45,7 @@ class RequestIntake:
         self.blocks = parts.blocks
         self.chunks = parts.chunks
         self.max_model_len = parts.max_model_len
+        self.fit = KVFit(parts.blocks, parts.max_model_len)
         self.structured = StructuredOutputs(self.tokenizer, self.spec.vocab_size)
         self._generator = generator
         # With a fidelity profile, the configuration requests without chunk options of their own
@@ -149,17 +151,17 @@ class RequestIntake:
         # Isolated: the request computes only Q (and its output); the rest is borrowed.
         own = list(chunked.question_token_ids) if isolated else token_ids  # type: ignore[union-attr]
         prompt_len = chunked.question_position() + len(own) if isolated else len(token_ids)  # type: ignore[union-attr]
-        self._check_length(params, prompt_len)
+        self.fit.check_length(params, prompt_len)
         copies, extra = 1, 0
         if _fused(chunked, chunk_config):
             copies = num_streams(chunked, chunk_config, self.config.scheduler)  # type: ignore[arg-type]
             extra = pair_tokens(chunked, chunk_config)  # type: ignore[arg-type]  # a pair stream's Cj
-        self._check_blocks(len(own), copies, extra)
+        self.fit.check_blocks(len(own), copies, extra)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
             token_ids=list(own),
-            params=self._fit_kv_cache(params, len(own), prompt_len, copies, extra),
+            params=self.fit.fit_params(params, len(own), prompt_len, copies, extra),
             prompt=_prompt_text(prompt),
             cache_salt=cache_salt,
         )
@@ -215,7 +217,7 @@ class RequestIntake:
         if not fits_one_batch(copies, self.config.scheduler):
             return False
         own, extra = len(prompt.question_token_ids), pair_tokens(prompt, cfg)
-        room = self._room(own, copies, extra, reserve)
+        room = self.fit.room(own, copies, extra, reserve)
         if room < 1 or (requested is not None and requested > room):
             return False
         open_room = self.max_model_len - len(seq.prompt_token_ids)
@@ -236,7 +238,7 @@ class RequestIntake:
         assert seq.fusion is not None
         full = len(seq.prompt_token_ids)
         requested = seq.params.max_tokens
-        room = self._room(full, 1, 0)
+        room = self.fit.room(full, 1, 0)
         if room < 1 or (requested is not None and requested > room):
             return False
         if full + (requested or 1) > self.max_model_len:
@@ -247,68 +249,6 @@ class RequestIntake:
         seq.token_ids = list(seq.prompt_token_ids)
         seq.num_own_prompt_tokens = full
         return True
-
-    def _check_length(self, params: SamplingParams, prompt_len: int) -> None:
-        """The prompt, and its output if max_tokens is given, fit max_model_len."""
-        if prompt_len > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt is {prompt_len} tokens long, more than max_model_len {self.max_model_len}"
-            )
-        if params.max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {self.max_model_len}",
-                "max_tokens",
-            )
-
-    def _check_blocks(self, own_tokens: int, copies: int, extra: int) -> None:
-        """The tokens computed here fit the KV cache (one share per fusion stream)."""
-        need = self.blocks.blocks_for(own_tokens + 1)
-        if need > self.blocks.num_blocks:
-            raise PromptTooLongError(f"prompt needs {need} KV blocks, the cache has {self.blocks.num_blocks}")
-        if self._blocks_needed(own_tokens, 1, copies, extra) > self.blocks.num_blocks:
-            raise PromptTooLongError(
-                f"prompt needs {self._blocks_needed(own_tokens, 1, copies, extra)} KV blocks (a share per "
-                f"stream), the cache has {self.blocks.num_blocks}"
-            )
-
-    def _blocks_needed(self, own_tokens: int, outputs: int, copies: int = 1, extra: int = 0) -> int:
-        """KV blocks of a request's `copies` streams (one for a plain request), each holding its
-        own tokens and `outputs`; one of them (a fusion pair stream) `extra` more."""
-        per_stream = self.blocks.blocks_for(own_tokens + outputs)
-        return (copies - 1) * per_stream + self.blocks.blocks_for(own_tokens + extra + outputs)
-
-    def _fit_kv_cache(
-        self, params: SamplingParams, own_tokens: int, prompt_len: int, copies: int = 1, extra: int = 0
-    ) -> SamplingParams:
-        """A request must fit the whole paged KV cache alone, or preemption could never let it
-        finish: an explicit max_tokens beyond that is refused; an open one (None) is capped there,
-        as it is capped at max_model_len otherwise. A fusion request's `copies` streams share it
-        (its pair stream holding `extra` tokens more)."""
-        capacity = self.blocks.num_blocks // copies * self.blocks.block_size
-        room = self._room(own_tokens, copies, extra)
-        if params.max_tokens is not None:
-            if params.max_tokens > room:
-                raise InvalidRequestError(
-                    f"max_tokens ({params.max_tokens}) plus the {own_tokens} prompt tokens computed here "
-                    f"exceed the KV cache of {capacity} tokens: max_tokens may be at most {room} "
-                    "for this prompt",
-                    "max_tokens",
-                )
-            return params
-        if room < self.max_model_len - prompt_len:
-            return dataclasses.replace(params, max_tokens=room)
-        return params
-
-    def _room(self, own_tokens: int, copies: int, extra: int, reserve: int = 0) -> int:
-        """The most output tokens `copies` streams of `own_tokens` (one `extra` more) fit the
-        whole KV cache with (but `reserve` blocks); -1 where not even the prompt does."""
-        lo, hi = -1, self.blocks.num_blocks * self.blocks.block_size
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            fits = self._blocks_needed(own_tokens, mid, copies, extra) + reserve <= self.blocks.num_blocks
-            lo, hi = (mid, hi) if fits else (lo, mid - 1)
-        return lo
 
     def _set_blend_key(self, seq: Sequence, chunked: ChunkedPrompt, cfg: ChunkConfig) -> None:
         """Layout "offset": the key its blended blocks are registered (and found) under."""
