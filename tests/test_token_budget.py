@@ -91,9 +91,11 @@ def test_background_work_gets_what_is_left_and_never_starves() -> None:
     sched.add(other)
     assert _step(sched, blocks) == {"job": 32, "other": 16}  # alone: the budget, in pieces
     sched.add(_seq("request", 40))
-    assert _step(sched, blocks) == {"request": 32, "job": 16}  # what the request leaves
-    # Beside a request, one piece at most: the request's step is no longer than a long prefill's.
-    assert _step(sched, blocks) == {"request": 8, "job": 32}
+    # Beside a request's prefill, nothing: its first token never waits for background work.
+    assert _step(sched, blocks) == {"request": 32}
+    assert _step(sched, blocks) == {"request": 8}
+    # Beside its decodes, one piece at most: its step is no longer than a long prefill's.
+    assert _step(sched, blocks) == {"request": 1, "job": 32}
     # Two long prompts take the whole budget every step: the job still gets its share.
     sched.add(_seq("long1", 3000))
     sched.add(_seq("long2", 3000))

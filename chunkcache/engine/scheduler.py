@@ -4,9 +4,12 @@ Every step spends at most `max_num_batched_tokens` tokens (vLLM V1's chunked pre
 order: (1) running decodes, one token each; (2) waiting short prompts (at most
 `long_prefill_token_threshold` tokens left), whole; (3) running long prefills, then waiting long
 prompts first come first served, in pieces of at most `long_prefill_token_threshold`;
-(4) background work (canonical chunk entries, exact-prefix jobs, a prewarm's fill jobs: work no
-request waits for) gets what is left, in pieces of the same size, and at most one piece's worth
-in a step that serves requests (so that it makes their step no longer than a long prefill does).
+(4) background work (canonical chunk entries, exact-prefix jobs, a prewarm's fill jobs, shadow
+checks: work no request waits for) gets what is left, in pieces of the same size, only in steps
+where no request prefills (on a CPU a piece's time adds to the step's, so a request that shared
+its prefill steps with background work paid for it in its first token: a 1.5B request queueing
+an exact-prefix job paid nearly the whole job, RESULTS.md), and at most one piece's worth beside
+decodes (so that it makes their step no longer than a long prefill does).
 So no request waits behind another's prefill for more than one step: a short prompt is admitted
 in the step after it arrives, and a running stream gets its token every step. While streams
 decode, long prefills and background work join a step only if the streams keep
@@ -131,9 +134,13 @@ class Scheduler:
             self._serve_running(batch, lambda s: not s.kind.is_background)
         if not batch.preempted and self.decode_guard.allows_prefill(batch.decodes > 0):
             self._admit(batch, lambda s: not s.kind.is_background)
-            # Beside requests, one piece: their step stays as short as a long prefill makes it.
-            requests = any(not s.kind.is_background for s in batch.seqs)
-            self._serve_background(batch, short if requests else batch.budget)
+            # Beside a request's prefill nothing (but the floor above): its first token never
+            # waits for work nobody waits for. Beside decodes only, one piece: their step stays
+            # as short as a long prefill makes it. Alone, the whole budget.
+            prefilling = any(not s.kind.is_background for s in batch.seqs[reserved + batch.decodes :])
+            if not prefilling:
+                decoding = batch.decodes > 0
+                self._serve_background(batch, short if decoding else batch.budget)
         got = any(s.kind.is_background for s in batch.seqs)
         self._background_waited = 0 if got or not background else self._background_waited + 1
         return batch
