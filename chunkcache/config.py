@@ -210,9 +210,9 @@ class ChunkConfig:
     # request with the same S and documents in the same order (a follow-up question, a repeated
     # query) reads that exact KV and is answered as a full prefill would answer it, computing only
     # its question (under fusion: one plain sequence, no streams; engine/follow_ups.py). Off by
-    # default: each new document order costs one full prefill on spare budget, and the request
-    # that queues it pays up to one piece of it per prefill step (offline, `LLM.generate` waits
-    # for it).
+    # default: each new document order costs one full prefill on spare budget (never beside a
+    # request's prefill: engine/scheduler.py; offline, `LLM.generate` waits for it), and any plain
+    # prefill of the same tokens (a benchmark's full-prefill reference) also leaves an exact prefix.
     exact_follow_ups: bool = False
     # How many requests must show an order (S and documents in this order, one salt) before its
     # job is queued: 1, the first; 2, a repeat, so that a workload whose orders never repeat
