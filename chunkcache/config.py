@@ -527,7 +527,8 @@ class EngineConfig:
     compile_decode: bool = False
     # CPU: dense (the checkpoint's weights in `dtype`), native (a GGUF's own quantized weights,
     # 4-bit codes kept as they are), int8 (per output channel); model/quant.py. auto: per
-    # projection kind, native unless dense measures >10% faster at load (model/weight_forms.py).
+    # projection kind, native unless dense measures >10% faster at both 1 and 128 rows at load
+    # (model/weight_forms.py); the 1.5B's default (catalog engine_defaults), dense elsewhere.
     weights: str = "dense"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
