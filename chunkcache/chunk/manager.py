@@ -108,7 +108,7 @@ class ChunkManager:
         self.kv_caches = kv_caches or []
         self.tiers = tiers
         # Loads, write-through and demotion: the pool's pages <-> the tiers' copies.
-        self.below = None if tiers is None else PoolTiers(tiers, pool, self.kv_caches, device)
+        self.below = None if tiers is None else PoolTiers(tiers, pool, self.kv_caches, self._slots)
         self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
         self._ids = itertools.count()
         self.index = SpanIndex(pool.holds)

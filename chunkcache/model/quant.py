@@ -317,7 +317,8 @@ def module_of(name: str) -> str | None:
     if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
         return None
     module = name.removeprefix("model.").removesuffix(".weight")
-    layer, rest = module.rsplit(".", 2)[0], ".".join(module.rsplit(".", 2)[1:])
+    layer, group, projection = module.rsplit(".", 2)
+    rest = f"{group}.{projection}"
     merged = next((m for m, parts in _MERGED.items() if rest in parts), rest)
     return f"{layer}.{merged}"
 

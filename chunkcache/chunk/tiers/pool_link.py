@@ -11,6 +11,7 @@ manager; this module only moves bytes and knows which loads are pending.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from chunkcache.chunk.pool import ChunkPool
 from chunkcache.chunk.tiers.loader import TierLoader
 from chunkcache.chunk.tiers.provider import StoredKV
 from chunkcache.chunk.tiers.stack import TierStack
-from chunkcache.core.kv_slots import block_slots, gather_kv, scatter_kv
+from chunkcache.core.kv_slots import gather_kv, scatter_kv
 from chunkcache.core.plan import Entry
 
 
@@ -29,10 +30,11 @@ class PoolTiers:
         tiers: TierStack,
         pool: ChunkPool,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        device: torch.device,
+        slots: Callable[[Entry], torch.Tensor],
     ) -> None:
+        """`slots`: an entry's KV slots in `kv_caches` (the manager's, which assembles from them)."""
         assert kv_caches, "lower tiers need the KV tensors to copy entries in and out"
-        self.tiers, self.pool, self.kv_caches, self.device = tiers, pool, kv_caches, device
+        self.tiers, self.kv_caches, self.slots = tiers, kv_caches, slots
         self.loader = TierLoader(tiers)
         pool.on_evict = self._demote
 
@@ -83,9 +85,6 @@ class PoolTiers:
         """A CPU copy of a pool entry's KV (and its sensitivity, if measured)."""
         k, v = gather_kv(self.kv_caches, self.slots(entry))
         return StoredKV(self.tiers.model, entry.key, entry.kind, entry.token_ids, k, v, entry.sensitivity)
-
-    def slots(self, entry: Entry) -> torch.Tensor:
-        return block_slots(entry.pages, self.pool.page_size, entry.num_tokens, self.device)
 
     def close(self) -> None:
         """Stop loading; finish the tiers' pending writes and close them."""
