@@ -37,6 +37,7 @@ import fidelity_set
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
+from chunkcache.config import WEIGHTS
 from chunkcache.fidelity import measure
 from chunkcache.fidelity.configs import fusion as _fusion
 from chunkcache.fidelity.configs import offset as _offset
@@ -442,8 +443,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--weights",
         default="dense",
-        choices=["dense", "native", "int8"],
-        help="how projections hold their weights (engine option `weights`; label the run with --label)",
+        choices=WEIGHTS,
+        help="how projections hold their weights (engine option `weights`; label the run with --label). "
+        "dense by default, as every recorded run was, whatever the model serves by default",
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", choices=[*SETS, "both"], default="original", help="which questions")
