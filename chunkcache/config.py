@@ -428,7 +428,7 @@ class KVEventsConfig:
     curve_secret_key: str | None = None
     curve_authorized_keys: str | None = None
     curve_server_key: str | None = None
-    # Bind the endpoints on non-loopback addresses without CURVE (kv_events.guarded_bind_endpoint).
+    # Bind the endpoints on non-loopback addresses without CURVE (kv_sockets.guarded_bind_endpoint).
     insecure: bool = False
 
     def validate(self) -> None:

@@ -14,7 +14,8 @@ from chunkcache.chunk.tiers.disk import DiskTier
 from chunkcache.chunk.tiers.provider import StoredKV, encode
 from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.hashing import to_wire
-from chunkcache.kv_events import AllBlocksCleared, BlockRemoved, ChunkRemoved, ChunkStored, KVEventPublisher
+from chunkcache.kv_events import AllBlocksCleared, BlockRemoved, ChunkRemoved, ChunkStored
+from chunkcache.kv_publisher import KVEventPublisher
 from chunkcache.router.events import EventIntake
 from chunkcache.router.index import MemoryIndex
 from chunkcache.router.scorer import Scorer, ScorerConfig, parse_tier_weights

@@ -739,7 +739,8 @@ def _publish_until(pub: Any, events: list[Any], cond: Callable[[], bool], timeou
 
 
 def test_bound_socket_takes_only_configured_backends_and_caps_claims() -> None:
-    from chunkcache.kv_events import ChunkStored, KVEventPublisher
+    from chunkcache.kv_events import ChunkStored
+    from chunkcache.kv_publisher import KVEventPublisher
     from chunkcache.router.events import MAX_CHUNK_TOKENS, EventIntake
     from chunkcache.router.index import MemoryIndex
     from chunkcache.router.scorer import Scorer
@@ -786,7 +787,8 @@ def _certificates(tmp_path: Path, names: list[str]) -> dict[str, tuple[Path, Pat
 
 def test_curve_authenticates_publishers_on_the_bound_socket(tmp_path: Path) -> None:
     from chunkcache.curve import CurveKeys, load_public_key
-    from chunkcache.kv_events import ChunkStored, KVEventPublisher, PublisherCurve
+    from chunkcache.kv_events import ChunkStored
+    from chunkcache.kv_publisher import KVEventPublisher, PublisherCurve
     from chunkcache.router.events import EventIntake, IntakeCurve
     from chunkcache.router.index import MemoryIndex
 
@@ -833,7 +835,8 @@ def test_curve_authenticates_publishers_on_the_bound_socket(tmp_path: Path) -> N
 def test_curve_on_connected_event_and_replay_sockets(tmp_path: Path) -> None:
     """The engine binds (CURVE server, the router's key authorized); the router connects."""
     from chunkcache.curve import CurveKeys
-    from chunkcache.kv_events import ChunkStored, KVEventPublisher, PublisherCurve
+    from chunkcache.kv_events import ChunkStored
+    from chunkcache.kv_publisher import KVEventPublisher, PublisherCurve
     from chunkcache.router.events import EventIntake, IntakeCurve
     from chunkcache.router.index import MemoryIndex
 

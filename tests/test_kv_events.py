@@ -19,16 +19,13 @@ from chunkcache.kv_events import (
     ChunkStored,
     KVEventBatch,
     KVEventDecodeError,
-    KVEventPublisher,
-    ReplayReply,
     chunk_topic_for,
     decode_batch,
     encode_batch,
-    guarded_bind_endpoint,
     hash_to_int,
-    read_replay_reply,
-    replay_request,
 )
+from chunkcache.kv_publisher import KVEventPublisher
+from chunkcache.kv_sockets import ReplayReply, guarded_bind_endpoint, read_replay_reply, replay_request
 
 BIG = 2**64 - 5  # above 2**63: must survive as an unsigned int
 
@@ -411,7 +408,7 @@ def test_wildcard_binds_loopback_without_curve(caplog: pytest.LogCaptureFixture)
         )
     finally:
         pub.close()
-    with caplog.at_level(logging.WARNING, logger="chunkcache.kv_events"):
+    with caplog.at_level(logging.WARNING, logger="chunkcache.kv_sockets"):
         pub = KVEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0", insecure=True)
     try:
         assert pub.endpoint.startswith("tcp://0.0.0.0:") and pub.replay_endpoint.startswith("tcp://0.0.0.0:")

@@ -19,7 +19,8 @@ from fastapi.testclient import TestClient
 
 from chunkcache.errors import UsageError
 from chunkcache.hashing import block_hashes, to_wire
-from chunkcache.kv_events import BlockStored, ChunkStored, KVEventPublisher
+from chunkcache.kv_events import BlockStored, ChunkStored
+from chunkcache.kv_publisher import KVEventPublisher
 from chunkcache.router.app import add_route_arguments, config_from_args, create_app
 from chunkcache.router.backends import (
     Backend,

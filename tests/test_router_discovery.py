@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from chunkcache.kv_events import BlockStored, KVEventPublisher
+from chunkcache.kv_events import BlockStored
+from chunkcache.kv_publisher import KVEventPublisher
 from chunkcache.router.app import add_route_arguments, config_from_args, create_app
 from chunkcache.router.backends import BackendSpec
 from chunkcache.router.config import RouterConfig

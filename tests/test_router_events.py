@@ -13,17 +13,15 @@ import zmq
 
 from chunkcache.hashing import block_hashes, to_wire
 from chunkcache.kv_events import (
-    END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ChunkStored,
     KVEventBatch,
-    KVEventPublisher,
     encode_batch,
-    read_replay_reply,
-    replay_request,
 )
+from chunkcache.kv_publisher import KVEventPublisher
+from chunkcache.kv_sockets import END_SEQ, read_replay_reply, replay_request
 from chunkcache.router.config import open_index
 from chunkcache.router.events import EventIntake, fnv1a_64, pod_from_topic, subscriptions
 from chunkcache.router.index import KVIndex, MemoryIndex

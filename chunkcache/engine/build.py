@@ -29,7 +29,7 @@ from chunkcache.engine.runner import ModelRunner
 from chunkcache.engine.sensitivity import neutral_passage
 from chunkcache.fidelity.controller import Controller
 from chunkcache.fidelity.gate import resolve as resolve_fidelity
-from chunkcache.kv_events import KVEventPublisher, PublisherCurve
+from chunkcache.kv_publisher import KVEventPublisher, PublisherCurve
 from chunkcache.malloc import keep_freed_memory, release_freed_memory
 from chunkcache.model.loader import LoadedModel, load_model
 from chunkcache.model.spec import ModelSpec

@@ -47,11 +47,9 @@ from chunkcache.kv_events import (
     KVEventDecodeError,
     chunk_topic_for,
     decode_batch,
-    guarded_bind_endpoint,
     is_chunk_topic,
-    read_replay_reply,
-    replay_request,
 )
+from chunkcache.kv_sockets import guarded_bind_endpoint, read_replay_reply, replay_request
 from chunkcache.router.index import IndexUnavailableError, KVIndex
 from chunkcache.router.scorer import DEFAULT_TIER_WEIGHTS, SHARED_REMOTE, tier_weight
 from chunkcache.router.tokens import BlockKeyer, EngineKeyMap
