@@ -741,8 +741,9 @@ def _publish_until(pub: Any, events: list[Any], cond: Callable[[], bool], timeou
 def test_bound_socket_takes_only_configured_backends_and_caps_claims() -> None:
     from chunkcache.kv_events import ChunkStored
     from chunkcache.kv_publisher import KVEventPublisher
-    from chunkcache.router.events import MAX_CHUNK_TOKENS, EventIntake
+    from chunkcache.router.events import EventIntake
     from chunkcache.router.index import MemoryIndex
+    from chunkcache.router.pod_events import MAX_CHUNK_TOKENS
     from chunkcache.router.scorer import Scorer
 
     index = MemoryIndex()

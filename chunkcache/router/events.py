@@ -7,19 +7,9 @@ while different pods proceed in parallel.
 
 A pod publishes up to two streams, each with its own seq: vLLM's events on its `kv@...` topic and
 this project's chunk events on `chunk@...` (kv_events.py). Seq tracking and replay are per stream;
-a lost batch on either clears the whole pod.
-
-KV cache groups (vLLM's hybrid allocator tags events with `group_idx`): only the full-attention
-group with the lowest index is indexed, because only its blocks make a prefix hit; a sliding-window
-group evicts blocks that the full-attention group still holds, and letting those removals through
-would zero the pod's score. Events without `group_idx` (older vLLM, one group) all count.
-
-Per pod, a worker tracks the publisher's seq. A gap asks the pod's replay endpoint for the missing
-batches; when replay cannot fill it (no endpoint, buffer too short, timeout) the pod's entries are
-cleared: with a batch lost we may have missed removals, and a pod claiming KV it no longer has
-would attract requests for nothing (history lost: cleared, not trusted). A seq going backwards
-means the publisher restarted, which also clears. A batch that fails to decode or apply is lost
-history too: the pod is cleared before its next batch applies.
+a lost batch on either clears the whole pod. What a worker does with a pod's batch (seq tracking,
+replay, clearing, the events as index entries) is `router/pod_events.py`; this module is the
+sockets, the threads and the sharding in front of it.
 """
 
 from __future__ import annotations
@@ -28,31 +18,18 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 
 from chunkcache.curve import CurveKeys, CurveServer, load_public_key, secure_client
-from chunkcache.kv_events import (
-    FULL_ATTENTION_KINDS,
-    MEDIUM_REMOTE,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    ChunkRemoved,
-    ChunkStored,
-    KVEventBatch,
-    KVEventDecodeError,
-    chunk_topic_for,
-    decode_batch,
-    is_chunk_topic,
-)
-from chunkcache.kv_sockets import guarded_bind_endpoint, read_replay_reply, replay_request
-from chunkcache.router.index import IndexUnavailableError, KVIndex
-from chunkcache.router.scorer import DEFAULT_TIER_WEIGHTS, SHARED_REMOTE, tier_weight
-from chunkcache.router.tokens import BlockKeyer, EngineKeyMap
+from chunkcache.kv_events import chunk_topic_for, is_chunk_topic
+from chunkcache.kv_sockets import guarded_bind_endpoint
+from chunkcache.router.index import KVIndex
+from chunkcache.router.pod_events import VLLM_STREAM, PodEvents, PodState
+from chunkcache.router.tokens import BlockKeyer
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +42,6 @@ def fnv1a_64(data: bytes) -> int:
     for b in data:
         h = ((h ^ b) * _FNV64_PRIME) & 0xFFFFFFFFFFFFFFFF
     return h
-
-
-# No chunk holds more tokens than this (far beyond any context length): larger claims are forged.
-MAX_CHUNK_TOKENS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -98,10 +71,6 @@ def subscriptions(topic_filter: str) -> list[str]:
     return [topic_filter]
 
 
-def tier_of(medium: str | None) -> str:
-    return (medium or "GPU").upper()  # vLLM leaves medium None for its GPU cache
-
-
 @dataclass
 class IntakeStats:
     batches: int = 0  # batches applied
@@ -120,31 +89,6 @@ class IntakeStats:
 
 
 # Stream key of vLLM's events; the chunk stream's key is its topic (which a replay request names).
-VLLM_STREAM = ""
-
-
-@dataclass
-class _PodState:
-    keymap: EngineKeyMap
-    # Last applied seq per stream (VLLM_STREAM, or the chunk topic).
-    last_seqs: dict[str, int] = field(default_factory=dict)
-    dirty: bool = False  # a batch was lost: clear before trusting the next one
-    replay_socket: zmq.Socket | None = None
-    # KV cache group -> its kv_cache_spec_kind (None when the engine did not say), as learned.
-    groups: dict[int, str | None] = field(default_factory=dict)
-    # Chunk key -> {tier: num_tokens} of the pod's own tiers (pool, disk): the index holds the
-    # tokens weighted by the best of them, so an eviction from one tier keeps the others' credit.
-    chunk_tiers: dict[int, dict[str, int]] = field(default_factory=dict)
-
-    def scored(self, group_idx: int | None) -> bool:
-        """Whether blocks of this KV cache group are indexed: the lowest full-attention group
-        (group 0 when the engine names no kinds)."""
-        if group_idx is None:
-            return True
-        full = [g for g, kind in self.groups.items() if kind in FULL_ATTENTION_KINDS]
-        if full:
-            return group_idx == min(full)
-        return group_idx == 0 and self.groups.get(0) is None
 
 
 @dataclass
@@ -159,7 +103,7 @@ class _Msg:
 @dataclass
 class _Worker:
     queue: queue.SimpleQueue[_Msg | None] = field(default_factory=queue.SimpleQueue)
-    pods: dict[str, _PodState] = field(default_factory=dict)
+    pods: dict[str, PodState] = field(default_factory=dict)  # only this worker touches them
     pending: int = 0
     thread: threading.Thread | None = None
 
@@ -189,11 +133,6 @@ class EventIntake:
         self.index = index
         self.keyer = keyer or BlockKeyer()
         self.topic_filter = topic_filter
-        self.replay_timeout_s = replay_timeout_s
-        self.pod_map_capacity = pod_map_capacity
-        self.on_clear = on_clear
-        self.tier_weights = {k.upper(): v for k, v in (tier_weights or DEFAULT_TIER_WEIGHTS).items()}
-        self.unknown_tier_weight = unknown_tier_weight
         self._stats = IntakeStats()
         self._stats_lock = threading.Lock()
         self._replay_endpoints: dict[str, str] = {}
@@ -203,24 +142,42 @@ class EventIntake:
         self._curve_server = (
             None if curve is None else CurveServer(self._ctx, curve.keys, curve.backend_keys_dir)
         )
+        self._pods = PodEvents(
+            index,
+            self.keyer,
+            self._count,
+            self._replay_endpoints,
+            self._ctx,
+            curve=curve,
+            replay_timeout_s=replay_timeout_s,
+            pod_map_capacity=pod_map_capacity,
+            on_clear=on_clear,
+            tier_weights=tier_weights,
+            unknown_tier_weight=unknown_tier_weight,
+        )
         self._commands: queue.SimpleQueue[tuple[str, str, str | None]] = queue.SimpleQueue()
         self._subs: dict[str, zmq.Socket] = {}
         self._bound: zmq.Socket | None = None
         self.bound_endpoint: str | None = None
         if bind_endpoint is not None:
-            self._bound = self._ctx.socket(zmq.SUB)
-            self._bound.setsockopt(zmq.RCVHWM, 0)
-            if self._curve_server is not None:
-                self._curve_server.secure(self._bound)
-            bind_endpoint = guarded_bind_endpoint(
-                bind_endpoint, secured=curve is not None, insecure=insecure, flag="--events-insecure"
-            )
-            self._bound.bind(bind_endpoint[:-2] + ":*" if bind_endpoint.endswith(":0") else bind_endpoint)
-            for prefix in subscriptions(topic_filter):
-                self._bound.setsockopt_string(zmq.SUBSCRIBE, prefix)
-            self.bound_endpoint = self._bound.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._bind(bind_endpoint, insecure)
         self._running = False
         self._receiver: threading.Thread | None = None
+
+    def _bind(self, endpoint: str, insecure: bool) -> None:
+        """The SUB socket that pods connect to (CURVE-secured when configured; a non-loopback
+        address without CURVE only when `insecure`)."""
+        self._bound = self._ctx.socket(zmq.SUB)
+        self._bound.setsockopt(zmq.RCVHWM, 0)
+        if self._curve_server is not None:
+            self._curve_server.secure(self._bound)
+        endpoint = guarded_bind_endpoint(
+            endpoint, secured=self.curve is not None, insecure=insecure, flag="--events-insecure"
+        )
+        self._bound.bind(endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint)
+        for prefix in subscriptions(self.topic_filter):
+            self._bound.setsockopt_string(zmq.SUBSCRIBE, prefix)
+        self.bound_endpoint = self._bound.getsockopt_string(zmq.LAST_ENDPOINT)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -389,209 +346,16 @@ class EventIntake:
                 break
             try:
                 if msg.forget:
-                    self._forget(w, msg.pod)
+                    self._pods.forget(w.pods, msg.pod)
                 else:
-                    self.process(w, msg.pod, msg.seq, msg.payload, msg.stream)
+                    self._pods.process(w.pods, msg.pod, msg.seq, msg.payload, msg.stream)
             except Exception:
                 logger.exception("KV event worker failed on pod %s seq %d", msg.pod, msg.seq)
             finally:
                 with self._stats_lock:
                     w.pending -= 1
-        for st in w.pods.values():
-            if st.replay_socket is not None:
-                st.replay_socket.close(linger=0)
+        self._pods.close(w.pods)
 
     def worker_for(self, pod: str) -> _Worker:
         """The one worker that applies this pod's batches (FNV-1a of the pod id)."""
         return self._workers[fnv1a_64(pod.encode()) % len(self._workers)]
-
-    def process(self, w: _Worker, pod: str, seq: int, payload: bytes, stream: str = VLLM_STREAM) -> None:
-        """Apply one live batch with seq tracking (called on the pod's worker thread)."""
-        st = w.pods.get(pod)
-        if st is None:
-            st = w.pods[pod] = _PodState(EngineKeyMap(self.keyer, self.pod_map_capacity))
-        last = st.last_seqs.get(stream)
-        if last is not None and seq <= last:
-            # Seqs only grow within one publisher: this one restarted with a fresh cache. Every
-            # stream restarted with it, so each starts over (the others must not clear again).
-            self._clear(pod, st, "publisher restarted")
-            st.last_seqs.clear()
-            last = None
-        expected = 0 if last is None else last + 1
-        if seq > expected:
-            # On first contact (late join, slow-joining SUB) we hold nothing of this pod, so an
-            # unfilled gap loses nothing we claimed; a gap after that may hide removals.
-            self._replay(pod, st, expected, seq, must_fill=last is not None, stream=stream)
-        self._apply_payload(pod, st, seq, payload, stream)
-
-    def _replay(
-        self, pod: str, st: _PodState, start: int, stop: int, must_fill: bool, stream: str = VLLM_STREAM
-    ) -> None:
-        """Fetch batches [start, stop) from the pod's replay endpoint and apply them. When the range
-        does not fully arrive and `must_fill`, the pod is marked for clearing first, then only the
-        contiguous tail ending at stop-1 applies (everything before the hole is unknown anyway)."""
-        endpoint = self._replay_endpoints.get(pod)
-        if endpoint is None:
-            if must_fill:
-                self._count(replay_failures=1)
-                st.dirty = True
-            return
-        self._count(replays=1)
-        got: dict[int, bytes] = {}
-        sock = st.replay_socket
-        if sock is None:
-            sock = st.replay_socket = self._ctx.socket(zmq.DEALER)
-            if self.curve is not None:
-                self.curve.secure_client(sock, pod)
-            sock.connect(endpoint)
-        ok = False
-        try:
-            # vLLM's request for its own stream; the chunk stream is named by a topic frame.
-            sock.send_multipart(replay_request(start, stream or None))
-            deadline = time.monotonic() + self.replay_timeout_s
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(int(remaining * 1000) + 1):
-                    break
-                reply = read_replay_reply(sock.recv_multipart())  # either vLLM generation's layout
-                if reply is None:
-                    continue
-                if reply.end:
-                    ok = True
-                    break
-                if start <= reply.seq < stop:
-                    got[reply.seq] = reply.payload
-        except zmq.ZMQError:
-            logger.exception("replay request to %s failed", endpoint)
-        if not ok:
-            # Late replies would answer the next request: start that one on a fresh socket.
-            sock.close(linger=0)
-            st.replay_socket = None
-        if not (ok and all(s in got for s in range(start, stop))):
-            self._count(replay_failures=1)
-            if must_fill:
-                st.dirty = True
-            hole = stop - 1
-            while hole in got:
-                hole -= 1
-            got = {s: p for s, p in got.items() if s > hole}
-        for s in sorted(got):
-            self._apply_payload(pod, st, s, got[s], stream)
-
-    def _forget(self, w: _Worker, pod: str) -> None:
-        st = w.pods.pop(pod, None)
-        if st is not None and st.replay_socket is not None:
-            st.replay_socket.close(linger=0)
-        try:
-            self.index.clear_pod(pod)
-        except IndexUnavailableError as e:
-            # Should a pod of this name come back, its first batch clears the old entries first.
-            w.pods[pod] = _PodState(EngineKeyMap(self.keyer, self.pod_map_capacity), dirty=True)
-            logger.warning("pod %s is no longer a backend, its index entries stay for now: %s", pod, e)
-            return
-        self._count(clears=1)
-        logger.info("cleared pod %s from the index: no longer a backend", pod)
-
-    def _clear(self, pod: str, st: _PodState, reason: str) -> None:
-        self.index.clear_pod(pod)
-        st.keymap.clear()
-        st.chunk_tiers.clear()
-        st.dirty = False
-        self._count(clears=1)
-        logger.info("cleared pod %s from the index: %s", pod, reason)
-        if self.on_clear is not None:
-            self.on_clear(pod, reason)
-
-    def _apply_payload(
-        self, pod: str, st: _PodState, seq: int, payload: bytes, stream: str = VLLM_STREAM
-    ) -> None:
-        st.last_seqs[stream] = seq
-        try:
-            if st.dirty:
-                self._clear(pod, st, "history lost: cleared, not trusted")
-            decoded = decode_batch(payload)
-            self.apply_batch(pod, st, decoded.batch)
-        except (KVEventDecodeError, ValueError, OverflowError) as e:
-            logger.warning("pod %s batch %d failed: %s", pod, seq, e)
-            st.dirty = True
-            self._count(failed=1)
-            return
-        except IndexUnavailableError as e:
-            # Part of the batch may be applied, so the pod's entries are no longer a faithful copy:
-            # cleared once the index is back.
-            logger.warning("pod %s batch %d not applied: %s", pod, seq, e)
-            st.dirty = True
-            self._count(failed=1)
-            return
-        except Exception:
-            st.dirty = True
-            self._count(failed=1)
-            raise
-        self._count(batches=1, events=len(decoded.batch.events), unknown_types=len(decoded.unknown_types))
-
-    def _weighted(self, tiers: Iterable[str], num_tokens: int) -> int:
-        return round(num_tokens * tier_weight(self.tier_weights, tiers, self.unknown_tier_weight))
-
-    def _chunks_stored(self, pod: str, st: _PodState, chunks: list[tuple[int, int]], tier: str) -> None:
-        if tier == MEDIUM_REMOTE:  # shared: every replica can load it, whoever wrote it
-            self.index.add_chunks(SHARED_REMOTE, [(h, self._weighted((tier,), n)) for h, n in chunks])
-            return
-        entries = []
-        for h, n in chunks:
-            tiers = st.chunk_tiers.setdefault(h, {})
-            tiers[tier] = n
-            entries.append((h, self._weighted(tiers, n)))
-        self.index.add_chunks(pod, entries)
-
-    def _chunks_removed(self, pod: str, st: _PodState, hashes: Sequence[int], tier: str) -> None:
-        if tier == MEDIUM_REMOTE:
-            self.index.remove_chunks(SHARED_REMOTE, hashes)
-            return
-        gone, kept = [], []
-        for h in hashes:
-            tiers = st.chunk_tiers.get(h)
-            if tiers is None or tiers.pop(tier, None) is None or not tiers:
-                st.chunk_tiers.pop(h, None)
-                gone.append(h)
-            else:
-                kept.append((h, self._weighted(tiers, max(tiers.values()))))
-        self.index.remove_chunks(pod, gone)
-        if kept:
-            self.index.add_chunks(pod, kept)
-
-    def apply_batch(self, pod: str, st: _PodState, batch: KVEventBatch) -> None:
-        index, keymap = self.index, st.keymap
-        stored = removed = other = 0
-        unresolved_before = keymap.unresolved_blocks
-        for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                if ev.group_idx is not None and (ev.group_idx not in st.groups or ev.kv_cache_spec_kind):
-                    st.groups[ev.group_idx] = ev.kv_cache_spec_kind
-                if not st.scored(ev.group_idx):
-                    other += len(ev.block_hashes)
-                    continue
-                keys = keymap.stored(ev)
-                index.add(pod, keys, tier_of(ev.medium))
-                stored += len(ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                if not st.scored(ev.group_idx):
-                    other += len(ev.block_hashes)
-                    continue
-                index.remove(pod, keymap.removed(ev.block_hashes), tier_of(ev.medium))
-                removed += len(ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
-                self._clear(pod, st, "AllBlocksCleared")
-            elif isinstance(ev, ChunkStored):
-                claims = list(zip(ev.chunk_hashes, ev.num_tokens, strict=True))
-                sane = [(h, n) for h, n in claims if isinstance(n, int) and 0 < n <= MAX_CHUNK_TOKENS]
-                if len(sane) < len(claims):
-                    self._count(rejected_claims=len(claims) - len(sane))
-                self._chunks_stored(pod, st, sane, tier_of(ev.medium))
-            elif isinstance(ev, ChunkRemoved):
-                self._chunks_removed(pod, st, ev.chunk_hashes, tier_of(ev.medium))
-        self._count(
-            other_group_blocks=other,
-            blocks_stored=stored,
-            blocks_removed=removed,
-            unresolved_blocks=keymap.unresolved_blocks - unresolved_before,
-        )
