@@ -11,7 +11,8 @@ import pytest
 
 from chunkcache.config import REQUEST_CHUNK_OPTIONS, ChunkConfig, ReuseOptions
 from chunkcache.core.sequence import Sequence, SequenceKind
-from chunkcache.server.protocol import ChatCompletionRequest, CompletionRequest
+from chunkcache.server.protocol.chat import ChatCompletionRequest
+from chunkcache.server.protocol.completions import CompletionRequest
 
 
 def test_each_reuse_option_overrides_a_chunk_config_field_of_its_type() -> None:

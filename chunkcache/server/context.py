@@ -22,7 +22,8 @@ from chunkcache.server.errors import ApiError, invalid, param_named_in
 from chunkcache.server.logprobs import LogprobWriter
 from chunkcache.server.metrics import ServerMetrics
 from chunkcache.server.prewarm_jobs import PrewarmJobs
-from chunkcache.server.protocol import ChatCompletionRequest, CompletionRequest
+from chunkcache.server.protocol.chat import ChatCompletionRequest
+from chunkcache.server.protocol.completions import CompletionRequest
 from chunkcache.server.text_limits import TextBound
 
 if TYPE_CHECKING:

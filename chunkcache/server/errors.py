@@ -25,7 +25,7 @@ from chunkcache.server.engine_loop import (
     ShuttingDownError,
 )
 from chunkcache.server.metrics import ServerMetrics
-from chunkcache.server.protocol import ErrorInfo, ErrorResponse
+from chunkcache.server.protocol.common import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

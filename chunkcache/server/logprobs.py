@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from chunkcache.outputs import CompletionOutput, RequestOutput
-from chunkcache.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from chunkcache.server.protocol.chat import ChatLogprobs, ChatTokenLogprob, TopLogprob
+from chunkcache.server.protocol.completions import CompletionLogprobs
 
 # JSON has no infinity (Starlette refuses to encode it): an impossible token's logprob is sent as
 # this floor instead, as vLLM does.

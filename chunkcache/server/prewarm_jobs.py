@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from chunkcache.outputs import RequestOutput
 from chunkcache.server.engine_loop import EngineDeadError, RequestFailedError, RequestStream
-from chunkcache.server.protocol import PrewarmJobStatus, PrewarmResponse
+from chunkcache.server.protocol.chunk_cache import PrewarmJobStatus, PrewarmResponse
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from chunkcache.outputs import RequestOutput
 from chunkcache.server.choices import ChoiceGroup
 from chunkcache.server.engine_loop import RequestFailedError, RequestStream, ShuttingDownError
 from chunkcache.server.errors import stream_error
-from chunkcache.server.protocol import PromptTokensDetails, Usage
+from chunkcache.server.protocol.common import PromptTokensDetails, Usage
 
 T = TypeVar("T")
 

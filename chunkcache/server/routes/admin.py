@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 
 from chunkcache.server.context import Context, require_metrics_key
 from chunkcache.server.errors import error_response
-from chunkcache.server.protocol import ModelCard, ModelList, TokenizeRequest, TokenizeResponse
+from chunkcache.server.protocol.admin import ModelCard, ModelList, TokenizeRequest, TokenizeResponse
 
 # Behind the API key (build_app includes it with that dependency).
 router = APIRouter()

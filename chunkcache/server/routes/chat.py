@@ -14,7 +14,7 @@ from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.server.choices import ChoiceGroup
 from chunkcache.server.context import Context, ServerContext, sampling_params
 from chunkcache.server.errors import CLIENT_CLOSED, invalid
-from chunkcache.server.protocol import (
+from chunkcache.server.protocol.chat import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -25,8 +25,8 @@ from chunkcache.server.protocol import (
     DeltaToolCall,
     NamedToolChoice,
     ResponseToolCall,
-    Usage,
 )
+from chunkcache.server.protocol.common import Usage
 from chunkcache.server.streaming import EventStreamResponse, collect_group, group_usage, stream_events
 from chunkcache.server.tools import (
     HERMES_TAG,

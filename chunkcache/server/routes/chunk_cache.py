@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from chunkcache.server.context import Context
 from chunkcache.server.errors import CLIENT_CLOSED, ApiError
 from chunkcache.server.prewarm_jobs import PrewarmJob, last_output, prewarm_response
-from chunkcache.server.protocol import PrewarmJobStatus, PrewarmRequest
+from chunkcache.server.protocol.chunk_cache import PrewarmJobStatus, PrewarmRequest
 from chunkcache.server.streaming import unless_disconnected
 
 router = APIRouter()

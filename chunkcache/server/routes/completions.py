@@ -12,13 +12,13 @@ from chunkcache.outputs import RequestOutput
 from chunkcache.server.choices import ChoiceGroup
 from chunkcache.server.context import Context, ServerContext, sampling_params
 from chunkcache.server.errors import CLIENT_CLOSED, invalid
-from chunkcache.server.protocol import (
+from chunkcache.server.protocol.common import Usage
+from chunkcache.server.protocol.completions import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    Usage,
 )
 from chunkcache.server.streaming import EventStreamResponse, collect_group, group_usage, stream_events
 
