@@ -33,19 +33,24 @@ separator format gives. The request does not wait for it (it borrows the slice a
 job runs only while no request is waiting or running, and registers its anchors once computed,
 where the matcher prefers it (a run aligned with its entry's start) to the slice it replaces.
 A request that needs such an entry before it is done promotes its job to an ordinary one.
+
+Where it is: admission (matching, pinning, starting jobs and loads) in chunk/admission.py, the
+registry of fill jobs in chunk/fill_jobs.py; this module keeps the manager, the engine's one
+interface to the chunk cache, and what follows admission: readiness (a request's view assembled,
+chunk/assemble.py), release, the lower tiers' results, events and stats.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from chunkcache.chunk.admission import Admission, settle_cached
 from chunkcache.chunk.assemble import assemble
-from chunkcache.chunk.matcher import Run, SpanIndex
+from chunkcache.chunk.fill_jobs import FillJobs
+from chunkcache.chunk.matcher import SpanIndex
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.chunk.separator_free import Fuse, PlainPromptCutter
 from chunkcache.chunk.tiers.pool_link import PoolTiers
@@ -53,43 +58,17 @@ from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.kv_slots import block_slots
-from chunkcache.core.plan import ChunkedPrompt, Entry, FillJob, PlainPrompt, RequestChunks
-from chunkcache.core.sequence import Sequence, SequenceKind
+from chunkcache.core.plan import ChunkedPrompt, Entry
+from chunkcache.core.sequence import Sequence
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
-from chunkcache.hashing import chunk_hash, system_hash
-from chunkcache.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
-_FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
-# Pool pages that canonical entries still being computed may hold (pinned by their jobs): under
-# steady load background jobs wait, and must not pin the whole pool meanwhile.
-_MAX_BACKGROUND_SHARE = 0.25
-
-
-def _fill_kind(entry: Entry, canonical: bool) -> SequenceKind:
-    """Canonical entries and those only prewarms wait for are background work (they yield to
-    requests, engine/scheduler.py); an entry a request waits for is an ordinary fill."""
-    if canonical:
-        return SequenceKind.CANONICAL_FILL
-    return SequenceKind.CHUNK_FILL if entry.urgent else SequenceKind.PREWARM_FILL
-
-
-@dataclass
-class LoadContext:
-    """What a pending tier load needs to become a fill job on a miss."""
-
-    sys_entry: Entry | None  # pinned by the load until it ends
-    position_base: int
-
-
-def _cached_at_admission(entry: Entry, found: bool) -> bool | None:
-    """Cached for a request arriving now: ready (a hit); unknown while loading; else computed."""
-    if entry.loading:
-        return None
-    return found and entry.ready
 
 
 class ChunkManager:
+    """The chunk cache as the engine sees it: validate and admit requests, say when a sequence may
+    run, release what it held, and report."""
+
     def __init__(
         self,
         config: ChunkConfig,
@@ -109,8 +88,7 @@ class ChunkManager:
         self.tiers = tiers
         # Loads, write-through and demotion: the pool's pages <-> the tiers' copies.
         self.below = None if tiers is None else PoolTiers(tiers, pool, self.kv_caches, self._slots)
-        self._jobs: dict[int, Sequence] = {}  # id(entry) -> the fill job computing it
-        self._ids = itertools.count()
+        self.fills = FillJobs(pool)
         self.index = SpanIndex(pool.holds)
         self.separator_free = {
             "requests": 0,
@@ -128,9 +106,11 @@ class ChunkManager:
             "fusion_computed_tokens": 0,
             "fusion_dropped_tokens": 0,
         }
-        self._background_pages = 0  # pool pages held by canonical entries still being computed
         self.cutter = PlainPromptCutter(
             pool, self.index, blocks, model_name, config.hash_algorithm, self.separator_free
+        )
+        self.admission = Admission(
+            config, model_name, pool, self.index, self.cutter, self.fills, self.below, self.separator_free
         )
 
     # ---- validation (any thread) -------------------------------------------------------------
@@ -160,195 +140,8 @@ class ChunkManager:
     # ---- engine thread -----------------------------------------------------------------------
 
     def admit(self, seq: Sequence, fuse: Fuse | None = None) -> list[Sequence]:
-        """Match every part of the request; return the fill jobs to schedule for the missing ones.
-        A plain prompt that separator-free matching cannot cut leaves as a plain request; under
-        layout "fusion" one whose matches make two or more documents becomes a fusion request
-        over them where `fuse` (the engine's) says its streams fit, else a first sight."""
-        assert seq.chunk_plan is not None, "admit() is for chunked requests"
-        config, prompt = seq.chunk_plan.config, seq.chunk_plan.prompt
-        runs: list[Run | None] | None = None
-        matched: tuple[bool, ...] = ()
-        if isinstance(prompt, PlainPrompt):
-            cut = self.cutter.admit(seq, prompt, config, fuse)
-            if cut is None:
-                return []
-            prompt, runs, matched = cut
-        state = RequestChunks(prompt)
-        seq.chunks = state
-        jobs: list[Sequence] = []
-        sys_ids = prompt.sys_token_ids
-        salt = seq.cache_salt
-        sys_entry, _ = self._acquire(
-            system_hash(self.model_name, sys_ids, self.config.hash_algorithm, salt),
-            "system",
-            (sys_ids,),
-            len(sys_ids),
-            jobs,
-            None,
-            0,
-            urgent=seq.kind is not SequenceKind.PREWARM,
-        )
-        state.entries.append(sys_entry)
-        state.slices.append((0, len(sys_ids)))
-        state.was_cached.append(_cached_at_admission(sys_entry, True))
-        for i, chunk in enumerate(prompt.chunks):
-            run = runs[i] if runs is not None else None
-            entry, hit = self._admit_chunk(seq, sys_entry, chunk, run, jobs)
-            if runs is not None and run is None and hit is False:
-                # Fusion: a matched run whose KV was not exact after S is computed anew.
-                counter = "fusion_computed_tokens" if matched and matched[i] else "learned_tokens"
-                self.separator_free[counter] += len(chunk)
-            if hit is not None:  # a load's hit or miss is counted when it ends
-                self._count(hit, len(chunk))
-            state.entries.append(entry)
-            state.was_cached.append(_cached_at_admission(entry, bool(hit)))
-        self.settle_cached(seq)
-        if config.layout == "offset":
-            seq.blend = config  # own tokens: the whole prompt, at natural positions
-        else:
-            seq.position_base = prompt.question_position()
-        return jobs
-
-    def _admit_chunk(
-        self, seq: Sequence, sys_entry: Entry, chunk: tuple[int, ...], run: Run | None, jobs: list[Sequence]
-    ) -> tuple[Entry, bool | None]:
-        """One chunk's entry, pinned, and its slice appended to `seq`'s chunks; whether it was found
-        (`_acquire`). A separator-free `run` lends a slice of the entry it was found in."""
-        state = seq.chunks
-        assert state is not None
-        sys_ids = state.prompt.sys_token_ids
-        if run is not None:  # pinned when it was matched
-            state.slices.append((run.entry_start, run.length))
-            self.separator_free["matched_tokens"] += run.length
-            if not run.computed_after(sys_ids):
-                self._canonicalize(sys_ids, chunk, sys_entry, jobs)
-            return run.entry, True
-        salt = seq.cache_salt
-        key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
-        state.slices.append((0, len(chunk)))
-        # Salted entries stay out of the index: it is shared by content, across tenants.
-        return self._acquire(
-            key,
-            "chunk",
-            (sys_ids, chunk),
-            len(chunk),
-            jobs,
-            sys_entry,
-            len(sys_ids),
-            indexed=salt is None,
-            urgent=seq.kind is not SequenceKind.PREWARM,
-        )
-
-    def _canonicalize(
-        self, sys_ids: tuple[int, ...], chunk: tuple[int, ...], sys_entry: Entry, jobs: list[Sequence]
-    ) -> None:
-        """Start a background fill job computing `chunk` as its own entry right after `sys_ids`
-        (as a separator chunk), unless that entry exists or the pool has no room for it now."""
-        key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm)
-        need = self.pool.pages_for(len(chunk))
-        if (
-            sys_entry.private  # its paged blocks would stay held until the engine is idle
-            or self.pool.has_key(key)
-            or self._background_pages + need > _MAX_BACKGROUND_SHARE * self.pool.num_pages
-        ):
-            return
-        entry = self.pool.create(key, "chunk", (sys_ids, chunk), len(chunk))
-        if entry is None:
-            return
-        entry.pins += 1  # the job's own: nobody else waits for it
-        self._background_pages += need
-        jobs.append(self._fill_job(entry, sys_entry, len(sys_ids), canonical=True))
-        self.separator_free["canonical_jobs"] += 1
-
-    def _acquire(
-        self,
-        key: bytes,
-        kind: str,
-        token_ids: tuple[tuple[int, ...], ...],
-        num_tokens: int,
-        jobs: list[Sequence],
-        sys_entry: Entry | None,
-        position_base: int,
-        indexed: bool = False,
-        urgent: bool = True,
-    ) -> tuple[Entry, bool | None]:
-        """A pinned entry for `key`, and whether it was found in the pool (ready, being computed
-        or being loaded); None when it is being loaded for this request (found or not is known
-        when the load ends). A new entry comes with a fill job appended to `jobs`: background
-        work unless some `urgent` acquirer (a request, not a prewarm) waits for it. A new
-        `indexed` chunk entry of the pool registers its anchors for separator-free matching."""
-        entry = self.pool.get(key, token_ids)
-        found: bool | None = entry is not None
-        job = None if entry is None or entry.ready else self._jobs.get(id(entry))
-        if job is not None and entry is not None and urgent:
-            entry.urgent = True
-            if job.kind.is_background:  # a request waits for it now: an ordinary fill job
-                job.kind = SequenceKind.CHUNK_FILL
-        if entry is None and self.below is not None:
-            # Pages first: an entry that cannot enter the pool is computed privately, not loaded.
-            entry = self.pool.create(key, kind, token_ids, num_tokens)
-            if entry is not None:
-                if sys_entry is not None:
-                    sys_entry.pins += 1
-                self.below.load(entry, token_ids, LoadContext(sys_entry, position_base))
-                found = None
-        if entry is None:
-            entry = self.pool.create(key, kind, token_ids, num_tokens)
-            if entry is None:
-                self.pool.stats.uncacheable += 1
-                entry = Entry(key, kind, token_ids, num_tokens, private=True)
-            entry.urgent = urgent
-            jobs.append(self._fill_job(entry, sys_entry, position_base))
-        entry.urgent = entry.urgent or urgent
-        if not found and indexed and kind == "chunk" and not entry.private:
-            self.index.add(entry)
-        entry.pins += 1
-        return entry, found
-
-    def _fill_job(
-        self, entry: Entry, sys_entry: Entry | None, position_base: int, canonical: bool = False
-    ) -> Sequence:
-        """The job computing `entry`; a `canonical` one pins the entry itself (no request does)."""
-        token_ids = list(entry.token_ids[-1])
-        job = Sequence(
-            request_id=f"fill-{next(self._ids)}",
-            prompt_token_ids=token_ids,
-            token_ids=list(token_ids),
-            params=_FILL_PARAMS,
-            position_base=position_base,
-            kind=_fill_kind(entry, canonical),
-            block_table=entry.pages,
-            fill=FillJob(entry, sys_entry, holds_entry=canonical),
-        )
-        if sys_entry is not None:
-            sys_entry.pins += 1
-        self._jobs[id(entry)] = job
-        return job
-
-    def _count(self, hit: bool, num_tokens: int) -> None:
-        if hit:
-            self.pool.stats.hits += 1
-            self.pool.stats.hit_tokens += num_tokens
-        else:
-            self.pool.stats.misses += 1
-            self.pool.stats.miss_tokens += num_tokens
-
-    def settle_cached(self, seq: Sequence) -> bool:
-        """Once no entry of `seq` is loading: settle which were cached and its cached-token counts
-        (S's as prefix-cached, the chunks' as chunk-cached); False while a load is pending."""
-        state = seq.chunks
-        assert state is not None
-        if any(e.loading for e in state.entries):
-            return False
-        state.was_cached = [
-            e.from_tier if c is None else c for c, e in zip(state.was_cached, state.entries, strict=True)
-        ]
-        # Counted by the slice each entry lends (a separator-free match borrows part of one).
-        seq.num_prefix_cached = state.slices[0][1] if state.was_cached[0] else 0
-        seq.num_chunk_cached = sum(
-            n for (_, n), c in zip(state.slices[1:], state.was_cached[1:], strict=True) if c
-        )
-        return True
+        """Pin the request's entries; the fill jobs to schedule for the missing ones (admission.py)."""
+        return self.admission.admit(seq, fuse)
 
     # ---- lower tiers (engine thread) ---------------------------------------------------------
 
@@ -361,11 +154,11 @@ class ChunkManager:
             if hit:
                 self.pool.mark_ready(entry)
             elif entry.pins > 0:
-                jobs.append(self._fill_job(entry, context.sys_entry, context.position_base))
+                jobs.append(self.fills.start(entry, context.sys_entry, context.position_base))
             else:  # nobody waits for it any more
                 self.pool.drop(entry)
             if entry.kind == "chunk":
-                self._count(hit, entry.num_tokens)
+                self.pool.stats.count(hit, entry.num_tokens)
             if context.sys_entry is not None:
                 self._unpin(context.sys_entry, cancel)
         return jobs, cancel
@@ -412,7 +205,7 @@ class ChunkManager:
             if not all(e.ready for e in state.entries):
                 return False
             if not state.assembled:
-                self.settle_cached(seq)
+                settle_cached(seq)
                 parts = [
                     self._slots(e)[a : a + n] for e, (a, n) in zip(state.entries, state.slices, strict=True)
                 ]
@@ -428,7 +221,7 @@ class ChunkManager:
         cancel: list[Sequence] = []
         if seq.fill is not None:
             state = seq.fill
-            self._jobs.pop(id(state.entry), None)
+            self.fills.pop(state.entry)
             if seq.finish_reason is None and seq.num_computed == seq.num_tokens:
                 # A private entry (no room in the pool) is written down too: its pages are
                 # paged KV blocks of the same size, read the same way.
@@ -443,7 +236,7 @@ class ChunkManager:
                     self.separator_free["canonical_tokens"] += state.entry.num_tokens
             if state.holds_entry:
                 state.holds_entry = False
-                self._background_pages -= self.pool.pages_for(state.entry.num_tokens)
+                self.fills.background_done(state.entry)
                 self._unpin(state.entry, cancel)  # dropped if it never became ready
             if state.sys_entry is not None:
                 self._unpin(state.sys_entry, cancel)
@@ -464,7 +257,7 @@ class ChunkManager:
             return  # its load settles it (poll): dropped on a miss, kept on a hit
         if not entry.ready:
             # Nobody waits for it any more: cancel its job, if it still runs, and forget it.
-            job = self._jobs.pop(id(entry), None)
+            job = self.fills.pop(entry)
             if job is not None:
                 job.finish_reason = "abort"
                 cancel.append(job)
@@ -507,7 +300,7 @@ class ChunkManager:
             "entries": len(self.pool),
             "evictions": s.evictions,
             "uncacheable": s.uncacheable,
-            "jobs_running": len(self._jobs),
+            "jobs_running": len(self.fills),
             "tiers": self.tiers.stats() if self.tiers is not None else {},
             **{f"separator_free_{k}": v for k, v in self.separator_free.items()},
         }
@@ -521,11 +314,4 @@ class ChunkManager:
                 "a loading entry without its load, or a load of an entry not marked loading"
             )
         self.index.check_integrity()
-        background = 0
-        for job in self._jobs.values():
-            assert not job.is_finished, f"finished fill job {job.request_id} still tracked"
-            assert job.fill is not None
-            if job.fill.holds_entry:
-                assert job.fill.entry.pins > 0, "a canonical entry's job does not pin it"
-                background += self.pool.pages_for(job.fill.entry.num_tokens)
-        assert background == self._background_pages, "background pages drifted"
+        self.fills.check_integrity()

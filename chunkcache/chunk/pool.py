@@ -34,6 +34,15 @@ class PoolStats:
     evictions: int = 0
     uncacheable: int = 0
 
+    def count(self, hit: bool, num_tokens: int) -> None:
+        """One chunk entry looked up for a request: a hit or a miss, with its tokens."""
+        if hit:
+            self.hits += 1
+            self.hit_tokens += num_tokens
+        else:
+            self.misses += 1
+            self.miss_tokens += num_tokens
+
 
 class ChunkPool:
     def __init__(

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from chunkcache.chunk.admission import settle_cached
 from chunkcache.chunk.manager import ChunkManager
 from chunkcache.chunk.separator_free import Fuse
 from chunkcache.config import ChunkConfig
@@ -82,7 +83,7 @@ class ChunkSteps:
             assert seq.chunks is not None and seq.chunk_plan is not None, "admission pinned its entries"
             if seq.is_finished or not all(e.ready for e in seq.chunks.entries):
                 continue
-            self.chunks.settle_cached(seq)
+            settle_cached(seq)
             cfg = seq.chunk_plan.config
             if cfg.layout == "offset" and needs_stored_scores(cfg):
                 # Warm means ready to rank by: the first request need not measure them.
