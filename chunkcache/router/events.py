@@ -88,9 +88,6 @@ class IntakeStats:
     rejected_claims: int = 0  # chunk entries dropped for an impossible token count
 
 
-# Stream key of vLLM's events; the chunk stream's key is its topic (which a replay request names).
-
-
 @dataclass
 class _Msg:
     pod: str
@@ -109,6 +106,8 @@ class _Worker:
 
 
 class EventIntake:
+    """The router's KV event intake: a receiver thread and the workers behind it (see above)."""
+
     def __init__(
         self,
         index: KVIndex,
