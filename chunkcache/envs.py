@@ -89,5 +89,11 @@ def fidelity_dir() -> str:
     return os.environ.get("CHUNKCACHE_FIDELITY_DIR") or default
 
 
+def kernel_dir() -> str:
+    """Where the C kernels compiled at first use are cached, by source hash (model/qkernel.py)."""
+    default = os.path.join("~", ".cache", "chunkcache", "kernels")
+    return os.environ.get("CHUNKCACHE_KERNEL_DIR") or default
+
+
 def log_level() -> str:
     return os.environ.get("CHUNKCACHE_LOG_LEVEL", "INFO").upper()

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkcache.model import dequant, upcast
+from chunkcache.model import dequant, qkernel, upcast
 
 logger = logging.getLogger(__name__)
 
@@ -115,27 +115,62 @@ def affine_int4(raw: RawTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 class Int4Part:
-    """Output rows whose weight is 4-bit codes with a bfloat16 scale and zero per group of 32."""
+    """Output rows whose weight is 4-bit codes (torch's int4 packing, the one copy held) with a
+    scale and a minimum per group of 32: float32 where `qkernel` serves the few-row products
+    (`native`), else the bfloat16 scale and zero torch's kernel takes."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, native: bool | None = None
+    ) -> None:
+        """`native`: whether `qkernel` serves (default: where it is available and the rows are
+        whole tiles of the packing it reads); False keeps torch's kernel (bfloat16 factors)."""
         self.rows = q.shape[0]
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
-        zero = minimum + 8 * scale  # the kernel's w = (q - 8) s + z
-        self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        if native is None:
+            native = qkernel.available() and dequant.int4_blocks_apply(self.rows)
+        self.native = native
+        if native:  # [groups, rows] each: a group's factors for a tile of rows are contiguous
+            self.scale, self.minimum = scale.t().float().contiguous(), minimum.t().float().contiguous()
+        else:
+            zero = minimum + 8 * scale  # the kernel's w = (q - 8) s + z
+            self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+    def affine(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, minimum) float32 [groups, rows] of the weight served: w = scale q + minimum."""
+        if self.native:
+            return self.scale[:, rows], self.minimum[:, rows]
+        s = self.scale_zeros[:, rows, 0].float()
+        return s, self.scale_zeros[:, rows, 1].float() - 8 * s
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT4_MIN_ROWS`
         rows, float32 GEMMs over dequantized blocks from it (where the packing is known)."""
         if x.shape[0] >= dequant.INT4_MIN_ROWS and dequant.int4_blocks_apply(self.rows):
-            return dequant.int4_product(x.float(), self.packed, self.scale_zeros).to(x.dtype)
-        return self.kernel(x.to(torch.bfloat16)).to(x.dtype)
+            return dequant.int4_product(x.float(), self.packed, *self.affine()).to(x.dtype)
+        return self.kernel(x).to(x.dtype)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """The int4 kernel alone: bfloat16 x, bfloat16 y."""
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)
+        """The kernel alone: `qkernel`'s (float32 x and y, `qkernel.MAX_ROWS` rows a call), or
+        torch's (bfloat16 x and y)."""
+        if self.native:
+            x = x.float()
+            return _in_row_chunks(
+                x, lambda c: torch.ops.chunkcache.int4_product(c, self.packed, self.scale, self.minimum)
+            )
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, GROUP, self.scale_zeros
+        )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.packed, self.scale_zeros)
+        return (self.packed, self.scale, self.minimum) if self.native else (self.packed, self.scale_zeros)
+
+
+def _in_row_chunks(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`product` of x [T, in] in calls of at most `qkernel.MAX_ROWS` rows (each rereads the
+    weight: below the blocks' thresholds that still measured faster than torch's kernels)."""
+    if x.shape[0] <= qkernel.MAX_ROWS:
+        return product(x)
+    return torch.cat([product(c) for c in x.split(qkernel.MAX_ROWS)])
 
 
 class Int8Part:
@@ -143,6 +178,7 @@ class Int8Part:
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         self.rows, self.codes, self.scales = codes.shape[0], codes.contiguous(), scales
+        self.native = qkernel.available()  # whether `qkernel` serves the few-row products
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Part:
@@ -166,11 +202,19 @@ class Int8Part:
         return cls(codes, scales)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] times the weight, in x's dtype: the kernel (bfloat16 x) below
-        `dequant.INT8_MIN_ROWS` rows, float32 GEMMs over blocks of converted codes from it."""
+        """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT8_MIN_ROWS`
+        rows, float32 GEMMs over blocks of converted codes from it."""
         if x.shape[0] >= dequant.INT8_MIN_ROWS:
             return dequant.int8_product(x.float(), self.codes, self.scales).to(x.dtype)
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).to(x.dtype)
+        return self.kernel(x).to(x.dtype)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel alone: `qkernel`'s (float32 x and y) or torch's (bfloat16 x and y)."""
+        if self.native:
+            return _in_row_chunks(
+                x.float(), lambda c: torch.ops.chunkcache.int8_product(c, self.codes, self.scales)
+            )
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.codes, self.scales)
@@ -255,10 +299,18 @@ def native_parts(raws: list[RawTensor], dtype: torch.dtype, report: dict[str, Co
         if raw.qtype in INT4_TYPES and raw.shape[1] % GROUP == 0:
             q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
             args = [q, scale, minimum]
-            s = scale[rows].to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
-            z = (minimum[rows] + 8 * scale[rows]).to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
-            served = ((q[rows].float() - 8) * s + z).numpy()
-            kind, form = Int4Part, "int4 (own codes, bfloat16 scales and zeros)"
+            if qkernel.available() and raw.shape[0] % qkernel.TILE == 0:  # float32 factors
+                s, m = (a[rows].repeat_interleave(GROUP, 1) for a in (scale, minimum))
+                served, form = (
+                    (q[rows].float() * s + m).numpy(),
+                    "int4 (own codes, float32 scales and minimums)",
+                )
+            else:
+                s = scale[rows].to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
+                z = (minimum[rows] + 8 * scale[rows]).to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
+                served = ((q[rows].float() - 8) * s + z).numpy()
+                form = "int4 (own codes, bfloat16 scales and zeros)"
+            kind = Int4Part
         elif raw.qtype in INT8_TYPES:
             part = Int8Part.of_raw(raw)
             args = [part.codes, part.scales]

@@ -1,0 +1,159 @@
+"""Decode's few-row products over quantized weights in float32, by a small AVX2 + FMA kernel
+(`qkernel.c`) compiled on first use: what `weights native` / `int8` serve at 1-8 rows.
+
+torch's weight-only CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) take
+bfloat16 activations, bfloat16 scales and zeros, and on one AVX2 EPYC core read the 1.5B's codes
+at ~4.8 GB/s, where one core streams 13-16 GB/s: they are bound by their arithmetic, not by the
+bytes (benchmarks/RESULTS.md, "A float32 AVX2 kernel for decode"). This one reads the same codes
+(torch's own int4 packing, so prefill's dequantized blocks and the held bytes are unchanged; the
+int8 codes and bfloat16 scales as they are), with float32 activations and float32 int4 scales and
+minimums (the file's values exactly, no bfloat16 rounding), and factors a group's minimum out of
+a 1-row product: sum(x (s q + m)) = s sum(x q) + m sum(x), one conversion and one FMA per code.
+
+It is built with the system C compiler (`cc -O3 -mavx2 -mfma -fopenmp`; ~1 s), cached by source
+hash under `envs.kernel_dir()`, loaded with ctypes and exposed as torch custom ops
+(`torch.ops.chunkcache.int4_product` / `int8_product`) so a compiled decode graph can call it.
+It serves only where the CPU has AVX2 and FMA, the compiler works and torch packs int4 as the
+kernel reads it (`dequant.int4_layout()`: tiles of 32 rows, halves); elsewhere `available()` is
+False, one log line says why, and torch's kernels serve as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from chunkcache import envs
+from chunkcache.model import dequant
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qkernel.c")
+MAX_ROWS = 8  # qkernel.c's MAX_ROWS: the most rows of x one call takes
+TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+def _why_not() -> str | None:
+    """Why the kernel cannot serve on this machine, or None."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "/proc/cpuinfo is unreadable (FMA unknown)"
+    if " fma" not in flags:
+        return "the CPU has no FMA"
+    if shutil.which(_compiler()) is None:
+        return f"no C compiler ({_compiler()}) on PATH"
+    return None
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def _build() -> Path:
+    """The shared library for the current source, compiled once into the cache directory (under
+    a temporary name, renamed into place, so concurrent first uses never load half a file)."""
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    directory = Path(envs.kernel_dir()).expanduser()
+    target = directory / f"qkernel-{digest}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([_compiler(), *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None (logged once with the reason)."""
+    reason = _why_not()
+    layout = dequant.int4_layout()
+    if reason is None and layout != dequant.Int4Layout(TILE, True):
+        reason = f"torch packs int4 as {layout}, not the tiles of {TILE} rows the kernel reads"
+    if reason is None:
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = (
+                e.stderr.decode(errors="replace")[-500:]
+                if isinstance(e, subprocess.CalledProcessError)
+                else e
+            )
+            reason = f"building {SOURCE.name} failed: {detail}"
+        else:
+            p, i = ctypes.c_void_p, ctypes.c_int
+            lib.int4_product.argtypes = [p, i, i, i, p, p, p, p, i]
+            lib.int8_product.argtypes = [p, i, i, i, p, p, p, i]
+            lib.int4_product.restype = lib.int8_product.restype = None
+            return lib
+    logger.info("quantized products: torch's bfloat16 kernels serve decode (%s)", reason)
+    return None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+@torch.library.custom_op("chunkcache::int4_product", mutates_args=())
+def int4_product(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> torch.Tensor:
+    """float32 x [rows <= 8, in] times the int4 weight (`packed` in torch's AVX2 packing, `scale`
+    and `minimum` float32 [in / 32, out]): float32 [rows, out]."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
+    x = x.contiguous()
+    n = packed.shape[0]
+    y = torch.empty(x.shape[0], n)
+    lib.int4_product(
+        _ptr(x), x.shape[0], x.shape[1], n, _ptr(packed), _ptr(scale), _ptr(minimum), _ptr(y),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+@int4_product.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@torch.library.custom_op("chunkcache::int8_product", mutates_args=())
+def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 x [rows <= 8, in] times the int8 weight (`codes` [out, in], bfloat16 `scales`
+    [out]): float32 [rows, out]."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
+    assert scales.dtype == torch.bfloat16 and codes.is_contiguous()
+    x = x.contiguous()
+    n = codes.shape[0]
+    y = torch.empty(x.shape[0], n)
+    lib.int8_product(
+        _ptr(x), x.shape[0], x.shape[1], n, _ptr(codes), _ptr(scales.contiguous()), _ptr(y),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+@int8_product.register_fake
+def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0])
