@@ -23,15 +23,20 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 u8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-
 /* One row of x: per group, a = sum_k x_k q_k for the tile's 32 rows (8 accumulators: two
  * columns in flight, so the FMA chains do not wait on each other), then y += s * a + m * sum(x):
- * the group's minimum factored out, so each code costs one conversion and one FMA. */
+ * the group's minimum factored out, so each code costs one conversion and one FMA. A column's 16
+ * bytes are loaded into both 128-bit lanes and spread to 32-bit lanes by in-lane byte shuffles
+ * (`_mm256_shuffle_epi8`): the lane-crossing `_mm256_cvtepu8_epi32` measured ~1.5x slower here. */
 static void int4_tile_1(const float *x, const float *xsum, int k, int n, int t, const uint8_t *packed,
                         const float *scale, const float *minimum, float *y) {
     const uint8_t *p = packed + (size_t)t * TILE * (k / 2);
-    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    /* Bytes 0-3 of lane 0 and 4-7 of lane 1 into the low byte of each 32-bit lane (rows 0-7 of
+     * the nibble half), and bytes 8-11 / 12-15 (rows 8-15); -1 zeroes a byte. */
+    const __m256i first = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 4, -1, -1,
+                                           -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(8));
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int g = 0; g < k / GROUP; g++) {
         __m256 a[8];
@@ -39,12 +44,12 @@ static void int4_tile_1(const float *x, const float *xsum, int k, int n, int t, 
         for (int c = g * GROUP; c < (g + 1) * GROUP; c += 2) {
             for (int h = 0; h < 2; h++) {
                 __m256 xb = _mm256_broadcast_ss(x + c + h);
-                __m128i v = _mm_loadu_si128((const __m128i *)(p + (size_t)(c + h) * 16));
-                __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-                a[4 * h + 0] = _mm256_fmadd_ps(u8_to_ps(lo), xb, a[4 * h + 0]);
-                a[4 * h + 1] = _mm256_fmadd_ps(u8_to_ps(_mm_unpackhi_epi64(lo, lo)), xb, a[4 * h + 1]);
-                a[4 * h + 2] = _mm256_fmadd_ps(u8_to_ps(hi), xb, a[4 * h + 2]);
-                a[4 * h + 3] = _mm256_fmadd_ps(u8_to_ps(_mm_unpackhi_epi64(hi, hi)), xb, a[4 * h + 3]);
+                __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p + (size_t)(c + h) * 16)));
+                __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                a[4 * h + 0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, first)), xb, a[4 * h + 0]);
+                a[4 * h + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, second)), xb, a[4 * h + 1]);
+                a[4 * h + 2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, first)), xb, a[4 * h + 2]);
+                a[4 * h + 3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, second)), xb, a[4 * h + 3]);
             }
         }
         const float *s = scale + (size_t)g * n + t * TILE, *m = minimum + (size_t)g * n + t * TILE;
