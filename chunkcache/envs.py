@@ -95,5 +95,10 @@ def kernel_dir() -> str:
     return os.environ.get("CHUNKCACHE_KERNEL_DIR") or default
 
 
+def c_compiler() -> str:
+    """The C compiler the kernels are built with (`CC`, as make reads it; default `cc`)."""
+    return os.environ.get("CC") or "cc"
+
+
 def log_level() -> str:
     return os.environ.get("CHUNKCACHE_LOG_LEVEL", "INFO").upper()

@@ -53,13 +53,9 @@ def _why_not() -> str | None:
         return "/proc/cpuinfo is unreadable (FMA unknown)"
     if " fma" not in flags:
         return "the CPU has no FMA"
-    if shutil.which(_compiler()) is None:
-        return f"no C compiler ({_compiler()}) on PATH"
+    if shutil.which(envs.c_compiler()) is None:
+        return f"no C compiler ({envs.c_compiler()}) on PATH"
     return None
-
-
-def _compiler() -> str:
-    return os.environ.get("CC") or "cc"
 
 
 def _build() -> Path:
@@ -74,7 +70,9 @@ def _build() -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([_compiler(), *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True)
+        subprocess.run(
+            [envs.c_compiler(), *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True
+        )
         os.replace(built, target)
     return target
 

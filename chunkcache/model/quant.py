@@ -3,17 +3,21 @@
 (`int8`), instead of dequantizing every weight to the model's dtype at load (`dense`).
 
 A batch-1 decode step reads every weight once, so the bytes held per weight bound it; a
-dequantized 4-bit file holds 8x (float32) or 4x (bfloat16) the bytes it came with. torch ships
-two CPU kernels for weight-only products, and both take bfloat16 activations (their float32 path
-measured 10-70x slower on an AVX2 EPYC, their float16 one ~15x; benchmarks/RESULTS.md):
+dequantized 4-bit file holds 8x (float32) or 4x (bfloat16) the bytes it came with. Decode's few-row
+products run in `qkernel` (an AVX2 + FMA C kernel, float32 activations, float32 int4 scales and
+minimums: the file's values exactly) where it is available, and otherwise in torch's two CPU
+kernels for weight-only products, which both take bfloat16 activations (their float32 path
+measured 10-70x slower on an AVX2 EPYC, their float16 one ~15x; benchmarks/RESULTS.md). Both read
+the same held codes:
 
 - `_weight_int4pack_mm_for_cpu`: 4-bit codes q in [0, 16) with a scale s and a zero z per group
   of 32 inputs and output channel, w = (q - 8) * s + z (found by a probe against a
   dequantize-then-matmul: neither q * s + z nor q * s - z). Q4_0 (w = d (q - 8)), Q4_1
   (w = d q + m) and Q4_K (w = d sc q - dmin m per sub-block of 32) are all w = scale * q + min
   per group of 32 with the file's own codes, so they go in *with their codes unchanged*:
-  s = scale, z = min + 8 scale. Only s and z are rounded, to bfloat16 (the kernel's dtype).
-- `_weight_int8pack_mm`: int8 codes with one scale per output channel. Q8_0's scale is per block
+  s = scale, z = min + 8 scale. For torch's kernel s and z are rounded to bfloat16 (its dtype);
+  `qkernel` reads the same packed codes with float32 scale and minimum, unrounded.
+- `_weight_int8pack_mm` (and `qkernel`'s int8 product): int8 codes with one scale per output channel. Q8_0's scale is per block
   of 32 and Q5_x/Q6_K's per 16-32, so no GGUF type fits it exactly: those are re-quantized per
   channel from the file's dequantized values, and the error that adds is measured and logged.
 
@@ -241,8 +245,9 @@ Part = Int4Part | Int8Part | DensePart
 class QuantProduct:
     """`x W^T + b` of a Linear whose weight is held in quantized parts of output rows (in order).
     Each part takes x in the model's dtype and gives y in it: a few rows (decode) through the
-    weight-only kernels (bfloat16 x and y), many (prefill) through float32 GEMMs over dequantized
-    blocks of its weight (`model/dequant.py`), rounded once to x's dtype."""
+    weight-only kernels (`qkernel`'s float32 one, else torch's with bfloat16 x and y), many
+    (prefill) through float32 GEMMs over dequantized blocks of its weight (`model/dequant.py`),
+    rounded once to x's dtype."""
 
     def __init__(self, parts: list[Part], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.parts, self.bias, self.dtype = parts, bias, dtype  # dtype: the model's (dense_weight)
