@@ -158,9 +158,7 @@ class Int4Part:
         torch's (bfloat16 x and y)."""
         if self.native:
             x = x.float()
-            return _in_row_chunks(
-                x, lambda c: torch.ops.chunkcache.int4_product(c, self.packed, self.scale, self.minimum)
-            )
+            return _in_row_chunks(x, lambda c: qkernel.int4(c, self.packed, self.scale, self.minimum))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, GROUP, self.scale_zeros
         )
@@ -215,9 +213,7 @@ class Int8Part:
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel alone: `qkernel`'s (float32 x and y) or torch's (bfloat16 x and y)."""
         if self.native:
-            return _in_row_chunks(
-                x.float(), lambda c: torch.ops.chunkcache.int8_product(c, self.codes, self.scales)
-            )
+            return _in_row_chunks(x.float(), lambda c: qkernel.int8(c, self.codes, self.scales))
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
