@@ -49,7 +49,7 @@ def weights(form: str, out_f: int, in_f: int) -> tuple[Callable[[torch.Tensor], 
             run = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, 32, sz)  # noqa: E731
             return run, packed.numel() + sz.numel() * 2
         s, m = torch.rand(groups, out_f) * 0.01, -torch.rand(groups, out_f) * 0.1
-        return lambda x: torch.ops.chunkcache.int4_product(x, packed, s, m), packed.numel() + 8 * s.numel()
+        return lambda x: qkernel.int4(x, packed, s, m), packed.numel() + 8 * s.numel()
     if form in ("int8", "q8"):
         codes = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
         scales = torch.rand(out_f).to(torch.bfloat16)
@@ -57,7 +57,7 @@ def weights(form: str, out_f: int, in_f: int) -> tuple[Callable[[torch.Tensor], 
             return lambda x: torch.ops.aten._weight_int8pack_mm(
                 x.to(torch.bfloat16), codes, scales
             ), codes.numel() + 2 * out_f
-        return lambda x: torch.ops.chunkcache.int8_product(x, codes, scales), codes.numel() + 2 * out_f
+        return lambda x: qkernel.int8(x, codes, scales), codes.numel() + 2 * out_f
     w = torch.randn(out_f, in_f) * 0.02
     if form == "bf16":
         wb = w.to(torch.bfloat16)
