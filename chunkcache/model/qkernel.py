@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -114,21 +115,27 @@ def available() -> bool:
 
 
 def int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """float32 x [rows <= 8, in] times the int4 weight (`packed` in torch's AVX2 packing, `scale`
-    and `minimum` float32 [in / 32, out]): float32 [rows, out]. Eager, a direct ctypes call: the
+    """x [T, in] (cast to float32) times the int4 weight (`packed` in torch's AVX2 packing, `scale`
+    and `minimum` float32 [in / 32, out]): float32 [T, out]. Eager, a direct ctypes call: the
     `torch.library.custom_op` we had first cost ~40 us a call (~5 ms of a 1.5B decode step's ~150
     products); in a graph being compiled, the op."""
-    if torch.compiler.is_compiling():
-        return torch.ops.chunkcache.int4_product(x, packed, scale, minimum)
-    return _int4(x, packed, scale, minimum)
+    op = torch.ops.chunkcache.int4_product if torch.compiler.is_compiling() else _int4
+    return _in_row_chunks(x.float(), lambda c: op(c, packed, scale, minimum))
 
 
 def int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 x [rows <= 8, in] times the int8 weight (`codes` [out, in], bfloat16 `scales`
-    [out]): float32 [rows, out]; dispatched as `int4` is."""
-    if torch.compiler.is_compiling():
-        return torch.ops.chunkcache.int8_product(x, codes, scales)
-    return _int8(x, codes, scales)
+    """x [T, in] (cast to float32) times the int8 weight (`codes` [out, in], bfloat16 `scales`
+    [out]): float32 [T, out]; dispatched as `int4` is."""
+    op = torch.ops.chunkcache.int8_product if torch.compiler.is_compiling() else _int8
+    return _in_row_chunks(x.float(), lambda c: op(c, codes, scales))
+
+
+def _in_row_chunks(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`product` of x [T, in] in calls of at most `MAX_ROWS` rows, each rereading the weight (at
+    8 rows one call measured 1.3-1.8x torch's kernels; 9-63 rows were not measured against them)."""
+    if x.shape[0] <= MAX_ROWS:
+        return product(x)
+    return torch.cat([product(c) for c in x.split(MAX_ROWS)])
 
 
 def _int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:

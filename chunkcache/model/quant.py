@@ -157,22 +157,13 @@ class Int4Part:
         """The kernel alone: `qkernel`'s (float32 x and y, `qkernel.MAX_ROWS` rows a call), or
         torch's (bfloat16 x and y)."""
         if self.native:
-            x = x.float()
-            return _in_row_chunks(x, lambda c: qkernel.int4(c, self.packed, self.scale, self.minimum))
+            return qkernel.int4(x, self.packed, self.scale, self.minimum)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, GROUP, self.scale_zeros
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.packed, self.scale, self.minimum) if self.native else (self.packed, self.scale_zeros)
-
-
-def _in_row_chunks(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """`product` of x [T, in] in calls of at most `qkernel.MAX_ROWS` rows (each rereads the
-    weight: below the blocks' thresholds that still measured faster than torch's kernels)."""
-    if x.shape[0] <= qkernel.MAX_ROWS:
-        return product(x)
-    return torch.cat([product(c) for c in x.split(qkernel.MAX_ROWS)])
 
 
 class Int8Part:
@@ -213,7 +204,7 @@ class Int8Part:
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel alone: `qkernel`'s (float32 x and y) or torch's (bfloat16 x and y)."""
         if self.native:
-            return _in_row_chunks(x.float(), lambda c: qkernel.int8(c, self.codes, self.scales))
+            return qkernel.int8(x, self.codes, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
