@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from chunkcache.model import dequant, qkernel, upcast
+from chunkcache.model.quant_names import EMBEDDING, module_of, source_names
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,6 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 _ERROR_ROWS = 64
 # Rows of a GGUF tensor dequantized at once while it is re-quantized (`Int8Part.of_raw`).
 CONVERT_ROWS = 1024
-EMBEDDING = "model.embed_tokens.weight"  # the token embedding's checkpoint name
 
 
 @dataclass
@@ -335,36 +335,6 @@ def log_conversions(report: dict[str, Conversion]) -> None:
             "weights native: %d %s tensor(s) -> %s; weight error %.2e relative to the file's values",
             c.tensors, qtype, c.form, c.error,
         )  # fmt: skip
-
-
-# A merged projection's GGUF tensors (transformers names), in the order its rows are merged.
-_MERGED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-
-def source_names(module: str, tied: bool) -> list[str]:
-    """The checkpoint tensors (transformers names) the Linear `module` of the model was made of."""
-    if module == "lm_head":
-        return [EMBEDDING if tied else "lm_head.weight"]
-    layer, rest = module.split(".", 2)[:2], module.split(".", 2)[2]
-    prefix = "model." + ".".join(layer) + "."
-    return [f"{prefix}{part}.weight" for part in _MERGED.get(rest, (rest,))]
-
-
-def module_of(name: str) -> str | None:
-    """The Linear of the model the checkpoint tensor `name` is (part of) the weight of, or None
-    (the inverse of `source_names`, the tied embedding aside)."""
-    if name == "lm_head.weight":
-        return "lm_head"
-    if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
-        return None
-    module = name.removeprefix("model.").removesuffix(".weight")
-    layer, group, projection = module.rsplit(".", 2)
-    rest = f"{group}.{projection}"
-    merged = next((m for m, parts in _MERGED.items() if rest in parts), rest)
-    return f"{layer}.{merged}"
 
 
 def embedding_quantized(qtype: str, tied: bool, dense_modules: frozenset[str] = frozenset()) -> bool:
