@@ -126,14 +126,12 @@ class Int4Part:
     def __init__(
         self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, native: bool | None = None
     ) -> None:
-        """`native`: whether `qkernel` serves (default: where it is available and the rows are
-        whole tiles of the packing it reads); False keeps torch's kernel (bfloat16 factors)."""
+        """`qkernel` serves where it is available and the rows are whole tiles of the packing it
+        reads (never otherwise, whatever `native` says); `native=False` keeps torch's kernel."""
         self.rows = q.shape[0]
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
-        if native is None:
-            native = qkernel.available() and dequant.int4_blocks_apply(self.rows)
-        self.native = native
-        if native:  # [groups, rows] each: a group's factors for a tile of rows are contiguous
+        self.native = native is not False and qkernel.available() and dequant.int4_blocks_apply(self.rows)
+        if self.native:  # [groups, rows] each: a group's factors for a tile of rows are contiguous
             self.scale, self.minimum = scale.t().float().contiguous(), minimum.t().float().contiguous()
         else:
             zero = minimum + 8 * scale  # the kernel's w = (q - 8) s + z
