@@ -89,5 +89,16 @@ def fidelity_dir() -> str:
     return os.environ.get("CHUNKCACHE_FIDELITY_DIR") or default
 
 
+def kernel_dir() -> str:
+    """Where the C kernels compiled at first use are cached, by source hash (model/qkernel.py)."""
+    default = os.path.join("~", ".cache", "chunkcache", "kernels")
+    return os.environ.get("CHUNKCACHE_KERNEL_DIR") or default
+
+
+def c_compiler() -> str:
+    """The C compiler the kernels are built with (`CC`, as make reads it; default `cc`)."""
+    return os.environ.get("CC") or "cc"
+
+
 def log_level() -> str:
     return os.environ.get("CHUNKCACHE_LOG_LEVEL", "INFO").upper()

@@ -87,11 +87,12 @@ def test_4bit_types_keep_their_own_codes(qtype: Q) -> None:
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
 def test_int4_kernel_is_w_equals_q_minus_8_times_s_plus_z(qtype: Q) -> None:
-    """The kernel's convention, checked against its own bfloat16 scales and zeros: only the
-    bfloat16 output rounding remains; and against the file's values within INT4_TOL."""
+    """torch's kernel's convention (the part where `qkernel` does not serve), checked against
+    its own bfloat16 scales and zeros: only the bfloat16 output rounding remains; and against the
+    file's values within INT4_TOL."""
     raw = _raw(qtype, seed=1)
     q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
-    part = Int4Part(q, scale, minimum)
+    part = Int4Part(q, scale, minimum, native=False)
     x = torch.randn(5, COLS).to(torch.bfloat16)
     s = part.scale_zeros[..., 0].float().t().repeat_interleave(quant.GROUP, 1)
     z = part.scale_zeros[..., 1].float().t().repeat_interleave(quant.GROUP, 1)
@@ -130,10 +131,14 @@ def test_each_type_takes_its_form_and_matches_dequantize_then_matmul(
 
 
 def _served_int4(part: Int4Part, q: torch.Tensor) -> torch.Tensor:
-    """The weight the int4 kernel multiplies by, float32: the codes with its bfloat16 factors."""
-    s = part.scale_zeros[..., 0].float().t().repeat_interleave(quant.GROUP, 1)
-    z = part.scale_zeros[..., 1].float().t().repeat_interleave(quant.GROUP, 1)
-    return (q.float() - 8) * s + z
+    """The weight the int4 part multiplies by, float32: the codes with its factors (`qkernel`'s
+    float32 ones, or torch's kernel's bfloat16 scale and zero)."""
+    if not part.native:
+        s = part.scale_zeros[..., 0].float().t().repeat_interleave(quant.GROUP, 1)
+        z = part.scale_zeros[..., 1].float().t().repeat_interleave(quant.GROUP, 1)
+        return (q.float() - 8) * s + z
+    s, m = (a.t().repeat_interleave(quant.GROUP, 1) for a in part.affine())
+    return q.float() * s + m
 
 
 def test_the_int4_packing_probe_reads_a_known_layout() -> None:
@@ -167,7 +172,14 @@ def test_int4_block_reads_each_packing_it_recognises(layout: dequant.Int4Layout)
     scale_zeros = torch.randn(cols // quant.GROUP, rows, 2, generator=g).to(torch.bfloat16)
     s = scale_zeros[..., 0].float().t().repeat_interleave(quant.GROUP, 1)
     z = scale_zeros[..., 1].float().t().repeat_interleave(quant.GROUP, 1)
-    block = dequant.int4_block(_pack(q, layout), scale_zeros, 32, 32, layout)
+    block = dequant.int4_block(
+        _pack(q, layout),
+        scale_zeros[..., 0].float(),
+        scale_zeros[..., 1].float() - 8 * scale_zeros[..., 0].float(),
+        32,
+        32,
+        layout,
+    )
     # q s + (z - 8 s) against (q - 8) s + z: float32 rounding only (a misread nibble is off by s).
     torch.testing.assert_close(block.t(), ((q.float() - 8) * s + z)[32:], rtol=1e-6, atol=1e-5)
 
@@ -183,10 +195,10 @@ def test_int4_blocks_unpack_the_kernels_own_packing(qtype: Q) -> None:
     weight must equal it within that rounding (a wrong row or column order is off by whole units)."""
     raw = _raw(qtype, seed=8, shape=(BLOCK_CASE_ROWS, COLS))
     q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
-    part = Int4Part(q, scale, minimum)
+    part = Int4Part(q, scale, minimum, native=False)  # torch's kernel reads the packing it made
     eye = torch.eye(COLS)
     through_kernel = part.kernel(eye.to(torch.bfloat16)).float().t()  # [rows, cols]
-    through_blocks = dequant.int4_product(eye, part.packed, part.scale_zeros).t()
+    through_blocks = dequant.int4_product(eye, part.packed, *part.affine()).t()
     torch.testing.assert_close(through_blocks, through_kernel, rtol=2**-8, atol=1e-6)
     # And in float32 exactly the kernel's convention: w = (q - 8) s + z with its bfloat16 factors.
     torch.testing.assert_close(through_blocks, _served_int4(part, q), rtol=1e-6, atol=1e-6)
@@ -220,11 +232,11 @@ def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: 
     else:
         held = part.codes.float() * part.scales.float()[:, None]
     exact = x @ held.t() + bias
-    if tokens >= (dequant.INT4_MIN_ROWS if form is Int4Part else dequant.INT8_MIN_ROWS):
-        # float32 summation order alone: measured <= 3.5e-7 over 40 random x (|y| up to ~280,
-        # where elementwise tolerances would have to be loose).
+    if part.native or tokens >= (dequant.INT4_MIN_ROWS if form is Int4Part else dequant.INT8_MIN_ROWS):
+        # float32 summation order alone (the blocks, or `qkernel`): measured <= 3.5e-7 over 40
+        # random x (|y| up to ~280, where elementwise tolerances would have to be loose).
         assert _relative(y, exact) < 1e-6
-    else:  # the kernels: bfloat16 activations and output
+    else:  # torch's kernels: bfloat16 activations and output
         assert _relative(y, exact) < 2**-7
 
 

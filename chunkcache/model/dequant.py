@@ -103,11 +103,16 @@ def int4_layout() -> Int4Layout | None:
 
 
 def int4_block(
-    packed: torch.Tensor, scale_zeros: torch.Tensor, start: int, rows: int, layout: Int4Layout
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    start: int,
+    rows: int,
+    layout: Int4Layout,
 ) -> torch.Tensor:
     """Weight rows [start, start + rows) of an int4 part as float32 [in, rows] (the GEMM's B):
-    w = (q - 8) s + z with the part's bfloat16 scale s and zero z per group of 32 inputs (the
-    kernel's own weight). The nibbles are put in row order as bytes first (a tile's row order
+    w = s q + m with the part's float32 scale s and minimum m [groups, out] per group of 32
+    inputs (`Int4Part.affine`: the weight its kernel multiplies by). The nibbles are put in row order as bytes first (a tile's row order
     is then a concatenation, or an interleave, of low and high nibbles), so the float32 passes
     run over rows of `rows` contiguous values: 1.0-1.1 ns per weight on the 1.5B's shapes,
     against 1.8-2.3 ns writing each nibble's floats to its row directly (16-value runs), and
@@ -119,23 +124,26 @@ def int4_block(
     codes = torch.cat([low, high], -1) if layout.halves else torch.stack([low, high], -1)
     out = torch.empty(cols, rows)
     out.view(cols, tiles, tile).copy_(codes.view(tiles, cols, tile).permute(1, 0, 2))
-    s = scale_zeros[:, start : start + rows, 0].float().unsqueeze(1)  # [groups, 1, rows]
-    z = scale_zeros[:, start : start + rows, 1].float().unsqueeze(1) - 8 * s
+    s = scale[:, start : start + rows].unsqueeze(1)  # [groups, 1, rows]
+    m = minimum[:, start : start + rows].unsqueeze(1)
     weight = out.view(cols // GROUP, GROUP, rows)
-    torch.addcmul(z, weight, s, out=weight)
+    torch.addcmul(m, weight, s, out=weight)
     return out
 
 
-def int4_product(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
-    """float32 x [T, in] times an int4 part's weight, in dequantized blocks: float32 [T, out]. The
-    part's rows must be whole tiles of `int4_layout()` (`int4_blocks_apply`)."""
+def int4_product(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> torch.Tensor:
+    """float32 x [T, in] times an int4 part's weight (float32 `scale` and `minimum` [groups, out]),
+    in dequantized blocks: float32 [T, out]. The part's rows must be whole tiles of
+    `int4_layout()` (`int4_blocks_apply`)."""
     layout = int4_layout()
     assert layout is not None
     n = packed.shape[0]
     out = torch.empty(x.shape[0], n)
     for start in range(0, n, BLOCK_ROWS):
         rows = min(BLOCK_ROWS, n - start)
-        torch.mm(x, int4_block(packed, scale_zeros, start, rows, layout), out=out[:, start : start + rows])
+        torch.mm(x, int4_block(packed, scale, minimum, start, rows, layout), out=out[:, start : start + rows])
     return out
 
 

@@ -3,17 +3,21 @@
 (`int8`), instead of dequantizing every weight to the model's dtype at load (`dense`).
 
 A batch-1 decode step reads every weight once, so the bytes held per weight bound it; a
-dequantized 4-bit file holds 8x (float32) or 4x (bfloat16) the bytes it came with. torch ships
-two CPU kernels for weight-only products, and both take bfloat16 activations (their float32 path
-measured 10-70x slower on an AVX2 EPYC, their float16 one ~15x; benchmarks/RESULTS.md):
+dequantized 4-bit file holds 8x (float32) or 4x (bfloat16) the bytes it came with. Decode's few-row
+products run in `qkernel` (an AVX2 + FMA C kernel, float32 activations, float32 int4 scales and
+minimums: the file's values exactly) where it is available, and otherwise in torch's two CPU
+kernels for weight-only products, which both take bfloat16 activations (their float32 path
+measured 10-70x slower on an AVX2 EPYC, their float16 one ~15x; benchmarks/RESULTS.md). Both read
+the same held codes:
 
 - `_weight_int4pack_mm_for_cpu`: 4-bit codes q in [0, 16) with a scale s and a zero z per group
   of 32 inputs and output channel, w = (q - 8) * s + z (found by a probe against a
   dequantize-then-matmul: neither q * s + z nor q * s - z). Q4_0 (w = d (q - 8)), Q4_1
   (w = d q + m) and Q4_K (w = d sc q - dmin m per sub-block of 32) are all w = scale * q + min
   per group of 32 with the file's own codes, so they go in *with their codes unchanged*:
-  s = scale, z = min + 8 scale. Only s and z are rounded, to bfloat16 (the kernel's dtype).
-- `_weight_int8pack_mm`: int8 codes with one scale per output channel. Q8_0's scale is per block
+  s = scale, z = min + 8 scale. For torch's kernel s and z are rounded to bfloat16 (its dtype);
+  `qkernel` reads the same packed codes with float32 scale and minimum, unrounded.
+- `_weight_int8pack_mm` (and `qkernel`'s int8 product): int8 codes with one scale per output channel. Q8_0's scale is per block
   of 32 and Q5_x/Q6_K's per 16-32, so no GGUF type fits it exactly: those are re-quantized per
   channel from the file's dequantized values, and the error that adds is measured and logged.
 
@@ -41,7 +45,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkcache.model import dequant, upcast
+from chunkcache.model import dequant, qkernel, upcast
+from chunkcache.model.quant_names import EMBEDDING, module_of, source_names
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +60,6 @@ _FLOAT_TYPES = ("F32", "F16", "BF16")
 _ERROR_ROWS = 64
 # Rows of a GGUF tensor dequantized at once while it is re-quantized (`Int8Part.of_raw`).
 CONVERT_ROWS = 1024
-EMBEDDING = "model.embed_tokens.weight"  # the token embedding's checkpoint name
 
 
 @dataclass
@@ -115,27 +119,49 @@ def affine_int4(raw: RawTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 class Int4Part:
-    """Output rows whose weight is 4-bit codes with a bfloat16 scale and zero per group of 32."""
+    """Output rows whose weight is 4-bit codes (torch's int4 packing, the one copy held) with a
+    scale and a minimum per group of 32: float32 where `qkernel` serves the few-row products
+    (`native`), else the bfloat16 scale and zero torch's kernel takes."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, native: bool | None = None
+    ) -> None:
+        """`qkernel` serves where it is available and the rows are whole tiles of the packing it
+        reads (never otherwise, whatever `native` says); `native=False` keeps torch's kernel."""
         self.rows = q.shape[0]
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
-        zero = minimum + 8 * scale  # the kernel's w = (q - 8) s + z
-        self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.native = native is not False and qkernel.available() and dequant.int4_blocks_apply(self.rows)
+        if self.native:  # [groups, rows] each: a group's factors for a tile of rows are contiguous
+            self.scale, self.minimum = scale.t().float().contiguous(), minimum.t().float().contiguous()
+        else:
+            zero = minimum + 8 * scale  # the kernel's w = (q - 8) s + z
+            self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+    def affine(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, minimum) float32 [groups, rows] of the weight served: w = scale q + minimum."""
+        if self.native:
+            return self.scale[:, rows], self.minimum[:, rows]
+        s = self.scale_zeros[:, rows, 0].float()
+        return s, self.scale_zeros[:, rows, 1].float() - 8 * s
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT4_MIN_ROWS`
         rows, float32 GEMMs over dequantized blocks from it (where the packing is known)."""
         if x.shape[0] >= dequant.INT4_MIN_ROWS and dequant.int4_blocks_apply(self.rows):
-            return dequant.int4_product(x.float(), self.packed, self.scale_zeros).to(x.dtype)
-        return self.kernel(x.to(torch.bfloat16)).to(x.dtype)
+            return dequant.int4_product(x.float(), self.packed, *self.affine()).to(x.dtype)
+        return self.kernel(x).to(x.dtype)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """The int4 kernel alone: bfloat16 x, bfloat16 y."""
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)
+        """The kernel alone: `qkernel`'s (float32 x and y, `qkernel.MAX_ROWS` rows a call), or
+        torch's (bfloat16 x and y)."""
+        if self.native:
+            return qkernel.int4(x, self.packed, self.scale, self.minimum)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, GROUP, self.scale_zeros
+        )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.packed, self.scale_zeros)
+        return (self.packed, self.scale, self.minimum) if self.native else (self.packed, self.scale_zeros)
 
 
 class Int8Part:
@@ -143,6 +169,7 @@ class Int8Part:
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         self.rows, self.codes, self.scales = codes.shape[0], codes.contiguous(), scales
+        self.native = qkernel.available()  # whether `qkernel` serves the few-row products
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int8Part:
@@ -166,11 +193,17 @@ class Int8Part:
         return cls(codes, scales)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] times the weight, in x's dtype: the kernel (bfloat16 x) below
-        `dequant.INT8_MIN_ROWS` rows, float32 GEMMs over blocks of converted codes from it."""
+        """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT8_MIN_ROWS`
+        rows, float32 GEMMs over blocks of converted codes from it."""
         if x.shape[0] >= dequant.INT8_MIN_ROWS:
             return dequant.int8_product(x.float(), self.codes, self.scales).to(x.dtype)
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).to(x.dtype)
+        return self.kernel(x).to(x.dtype)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel alone: `qkernel`'s (float32 x and y) or torch's (bfloat16 x and y)."""
+        if self.native:
+            return qkernel.int8(x, self.codes, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.codes, self.scales)
@@ -197,8 +230,9 @@ Part = Int4Part | Int8Part | DensePart
 class QuantProduct:
     """`x W^T + b` of a Linear whose weight is held in quantized parts of output rows (in order).
     Each part takes x in the model's dtype and gives y in it: a few rows (decode) through the
-    weight-only kernels (bfloat16 x and y), many (prefill) through float32 GEMMs over dequantized
-    blocks of its weight (`model/dequant.py`), rounded once to x's dtype."""
+    weight-only kernels (`qkernel`'s float32 one, else torch's with bfloat16 x and y), many
+    (prefill) through float32 GEMMs over dequantized blocks of its weight (`model/dequant.py`),
+    rounded once to x's dtype."""
 
     def __init__(self, parts: list[Part], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.parts, self.bias, self.dtype = parts, bias, dtype  # dtype: the model's (dense_weight)
@@ -255,10 +289,18 @@ def native_parts(raws: list[RawTensor], dtype: torch.dtype, report: dict[str, Co
         if raw.qtype in INT4_TYPES and raw.shape[1] % GROUP == 0:
             q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
             args = [q, scale, minimum]
-            s = scale[rows].to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
-            z = (minimum[rows] + 8 * scale[rows]).to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
-            served = ((q[rows].float() - 8) * s + z).numpy()
-            kind, form = Int4Part, "int4 (own codes, bfloat16 scales and zeros)"
+            if qkernel.available() and raw.shape[0] % qkernel.TILE == 0:  # float32 factors
+                s, m = (a[rows].repeat_interleave(GROUP, 1) for a in (scale, minimum))
+                served, form = (
+                    (q[rows].float() * s + m).numpy(),
+                    "int4 (own codes, float32 scales and minimums)",
+                )
+            else:
+                s = scale[rows].to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
+                z = (minimum[rows] + 8 * scale[rows]).to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
+                served = ((q[rows].float() - 8) * s + z).numpy()
+                form = "int4 (own codes, bfloat16 scales and zeros)"
+            kind = Int4Part
         elif raw.qtype in INT8_TYPES:
             part = Int8Part.of_raw(raw)
             args = [part.codes, part.scales]
@@ -291,36 +333,6 @@ def log_conversions(report: dict[str, Conversion]) -> None:
             "weights native: %d %s tensor(s) -> %s; weight error %.2e relative to the file's values",
             c.tensors, qtype, c.form, c.error,
         )  # fmt: skip
-
-
-# A merged projection's GGUF tensors (transformers names), in the order its rows are merged.
-_MERGED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-
-def source_names(module: str, tied: bool) -> list[str]:
-    """The checkpoint tensors (transformers names) the Linear `module` of the model was made of."""
-    if module == "lm_head":
-        return [EMBEDDING if tied else "lm_head.weight"]
-    layer, rest = module.split(".", 2)[:2], module.split(".", 2)[2]
-    prefix = "model." + ".".join(layer) + "."
-    return [f"{prefix}{part}.weight" for part in _MERGED.get(rest, (rest,))]
-
-
-def module_of(name: str) -> str | None:
-    """The Linear of the model the checkpoint tensor `name` is (part of) the weight of, or None
-    (the inverse of `source_names`, the tied embedding aside)."""
-    if name == "lm_head.weight":
-        return "lm_head"
-    if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
-        return None
-    module = name.removeprefix("model.").removesuffix(".weight")
-    layer, group, projection = module.rsplit(".", 2)
-    rest = f"{group}.{projection}"
-    merged = next((m for m, parts in _MERGED.items() if rest in parts), rest)
-    return f"{layer}.{merged}"
 
 
 def embedding_quantized(qtype: str, tied: bool, dense_modules: frozenset[str] = frozenset()) -> bool:

@@ -1,0 +1,185 @@
+"""Decode's few-row products over quantized weights in float32, by a small AVX2 + FMA kernel
+(`qkernel.c`) compiled on first use: what `weights native` / `int8` serve at 1-8 rows.
+
+torch's weight-only CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) take
+bfloat16 activations, bfloat16 scales and zeros, and on one AVX2 EPYC core read the 1.5B's codes
+at ~4.8 GB/s, where one core streams 13-16 GB/s: they are bound by their arithmetic, not by the
+bytes (benchmarks/RESULTS.md, "A float32 AVX2 kernel for decode"). This one reads the same codes
+(torch's own int4 packing, so prefill's dequantized blocks and the held bytes are unchanged; the
+int8 codes and bfloat16 scales as they are), with float32 activations and float32 int4 scales and
+minimums (the file's values exactly, no bfloat16 rounding), and factors a group's minimum out of
+a 1-row product: sum(x (s q + m)) = s sum(x q) + m sum(x), one conversion and one FMA per code.
+
+It is built with the system C compiler (`cc -O3 -mavx2 -mfma -fopenmp`: 4.5-5.3 s wall on a
+loaded 2-core EPYC, logged), cached by source hash under `envs.kernel_dir()`, loaded with ctypes
+(eager calls go to it directly) and exposed as torch custom ops (`torch.ops.chunkcache.int4_product`
+/ `int8_product`) so a compiled decode graph can call it. ctypes over `cpp_extension.load_inline`:
+a plain C file with no torch headers builds in seconds (load_inline's build was not measured).
+It serves only where the CPU has AVX2 and FMA, the compiler works and torch packs int4 as the
+kernel reads it (`dequant.int4_layout()`: tiles of 32 rows, halves); elsewhere `available()` is
+False, one log line says why, and torch's kernels serve as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from chunkcache import envs
+from chunkcache.model import dequant
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qkernel.c")
+MAX_ROWS = 8  # qkernel.c's MAX_ROWS: the most rows of x one call takes
+TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+def _why_not() -> str | None:
+    """Why the kernel cannot serve on this machine, or None."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "/proc/cpuinfo is unreadable (FMA unknown)"
+    if " fma" not in flags:
+        return "the CPU has no FMA"
+    if shutil.which(envs.c_compiler()) is None:
+        return f"no C compiler ({envs.c_compiler()}) on PATH"
+    return None
+
+
+def _build() -> Path:
+    """The shared library for the current source, compiled once into the cache directory (under
+    a temporary name, renamed into place, so concurrent first uses never load half a file)."""
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    directory = Path(envs.kernel_dir()).expanduser()
+    target = directory / f"qkernel-{digest}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [envs.c_compiler(), *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True
+        )
+        os.replace(built, target)
+    logger.info("quantized products: built %s in %.1f s", target, time.perf_counter() - start)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None (logged once with the reason)."""
+    reason = _why_not()
+    layout = dequant.int4_layout()
+    if reason is None and layout != dequant.Int4Layout(TILE, True):
+        reason = f"torch packs int4 as {layout}, not the tiles of {TILE} rows the kernel reads"
+    if reason is None:
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except (OSError, subprocess.CalledProcessError) as e:
+            detail = (
+                e.stderr.decode(errors="replace")[-500:]
+                if isinstance(e, subprocess.CalledProcessError)
+                else e
+            )
+            reason = f"building {SOURCE.name} failed: {detail}"
+        else:
+            p, i = ctypes.c_void_p, ctypes.c_int
+            lib.int4_product.argtypes = [p, i, i, i, p, p, p, p, i]
+            lib.int8_product.argtypes = [p, i, i, i, p, p, p, i]
+            lib.int4_product.restype = lib.int8_product.restype = None
+            return lib
+    logger.info("quantized products: torch's bfloat16 kernels serve decode (%s)", reason)
+    return None
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """x [T, in] (cast to float32) times the int4 weight (`packed` in torch's AVX2 packing, `scale`
+    and `minimum` float32 [in / 32, out]): float32 [T, out]. Eager, a direct ctypes call: the
+    `torch.library.custom_op` we had first cost ~40 us a call (~5 ms of a 1.5B decode step's ~150
+    products); in a graph being compiled, the op."""
+    op = torch.ops.chunkcache.int4_product if torch.compiler.is_compiling() else _int4
+    return _in_row_chunks(x.float(), lambda c: op(c, packed, scale, minimum))
+
+
+def int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [T, in] (cast to float32) times the int8 weight (`codes` [out, in], bfloat16 `scales`
+    [out]): float32 [T, out]; dispatched as `int4` is."""
+    op = torch.ops.chunkcache.int8_product if torch.compiler.is_compiling() else _int8
+    return _in_row_chunks(x.float(), lambda c: op(c, codes, scales))
+
+
+def _in_row_chunks(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`product` of x [T, in] in calls of at most `MAX_ROWS` rows, each rereading the weight (at
+    8 rows one call measured 1.3-1.8x torch's kernels; 9-63 rows were not measured against them)."""
+    if x.shape[0] <= MAX_ROWS:
+        return product(x)
+    return torch.cat([product(c) for c in x.split(MAX_ROWS)])
+
+
+def _int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
+    x = x.contiguous()
+    n = packed.shape[0]
+    y = torch.empty(x.shape[0], n)
+    lib.int4_product(
+        x.data_ptr(), x.shape[0], x.shape[1], n, packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(),
+        y.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def _int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
+    assert scales.dtype == torch.bfloat16 and scales.is_contiguous() and codes.is_contiguous()
+    x = x.contiguous()
+    n = codes.shape[0]
+    y = torch.empty(x.shape[0], n)
+    lib.int8_product(
+        x.data_ptr(), x.shape[0], x.shape[1], n, codes.data_ptr(), scales.data_ptr(), y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+# The ops compiled graphs call. Defined with `torch.library.Library` and a CPU kernel rather than
+# `torch.library.custom_op`, whose Python wrapper cost ~35 us more per call (47 against 82 us on a
+# SmolLM2 576x960 int4 part, 40 us direct): a compiled SmolLM2 step calls ~120 of them.
+_LIBRARY = torch.library.Library("chunkcache", "DEF")
+_LIBRARY.define("int4_product(Tensor x, Tensor packed, Tensor scale, Tensor minimum) -> Tensor")
+_LIBRARY.define("int8_product(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+_LIBRARY.impl("int4_product", _int4, "CPU")
+_LIBRARY.impl("int8_product", _int8, "CPU")
+
+
+@torch.library.register_fake("chunkcache::int4_product")
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@torch.library.register_fake("chunkcache::int8_product")
+def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0])

@@ -1,0 +1,254 @@
+"""The AVX2 few-row kernel of quantized products (chunkcache/model/qkernel.py, qkernel.c).
+
+Oracle: the weight dequantized from the same codes and factors, multiplied in float64 here.
+Tolerance: the kernel sums in float32 (the 1-row int4 product as s sum(x q) + m sum(x) per
+group), so against float64 it is off by float32 summation error: over the shapes and row counts
+below, 5 seeds each, measured 8e-8 to 4.1e-6 (int4) and <= 3.8e-7 (int8) of the largest |y|;
+2e-5 leaves room for other inputs, where a misread nibble or row is off by ~1e-2 or more.
+torch's bfloat16 kernels sit at ~4e-3 of the same reference.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from chunkcache.model import dequant, qkernel, quant
+from chunkcache.model.quant import Int4Part, Int8Part, QuantProduct, affine_int4
+
+pytestmark = pytest.mark.skipif(
+    not qkernel.available(), reason="qkernel unavailable here (no AVX2/FMA or no C compiler)"
+)
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from tests.test_quant import _raw, _reference  # noqa: E402
+
+TOL = 2e-5  # of max |y|, against float64; measured <= 4.1e-6
+
+
+def _close(y: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((y.double() - exact).abs().max() / exact.abs().max()).item()
+
+
+# (rows of the weight, inputs): a single tile, odd tile and group counts, the 1.5B's down shape.
+INT4_SHAPES = [(32, 32), (96, 160), (224, 1536), (64, 8960)]
+ROW_COUNTS = [1, 2, 3, 5, 8, 11]  # 11: two calls (8 + 3)
+
+
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=str)
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_int4_kernel_against_float64_dequantize_then_matmul(shape: tuple[int, int], rows: int) -> None:
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(out_f * 7 + in_f + rows)
+    q = torch.randint(0, 16, shape, dtype=torch.uint8, generator=g)
+    scale = torch.rand(out_f, in_f // 32, generator=g) * 0.01
+    minimum = -torch.rand(out_f, in_f // 32, generator=g) * 0.08
+    part = Int4Part(q, scale, minimum)
+    assert part.native
+    x = torch.randn(rows, in_f, generator=g)
+    w = q.double() * scale.double().repeat_interleave(32, 1) + minimum.double().repeat_interleave(32, 1)
+    y = part.kernel(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_f)
+    assert _close(y, x.double() @ w.t()) < TOL
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (33, 100), (40, 1536)], ids=str)
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_int8_kernel_against_float64_dequantize_then_matmul(shape: tuple[int, int], rows: int) -> None:
+    """Any shape: inputs not a multiple of 8 or 32 take the kernel's scalar tail."""
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1] + rows)
+    part = Int8Part.quantize(torch.randn(shape, generator=g))
+    assert part.native
+    x = torch.randn(rows, shape[1], generator=g)
+    w = part.codes.double() * part.scales.double()[:, None]
+    y = part.kernel(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, shape[0])
+    assert _close(y, x.double() @ w.t()) < TOL
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+def test_each_gguf_type_served_by_the_kernel_is_the_files_weight(qtype: Q) -> None:
+    """Per quant type, through `native_parts` as a load builds it: the int4 types exactly the
+    file's values in float32 (their own codes and factors), so within float32 summation of a
+    float64 product over gguf's dequantization; the int8 ones within the re-quantization's error
+    as before, and exactly the int8 weight they hold."""
+    raw = _raw(qtype, seed=20, shape=(96, 512))
+    (part,) = quant.native_parts([raw], torch.float32, {})
+    assert part.native
+    x = torch.randn(3, 512)
+    y = QuantProduct([part], None, torch.float32)(x)
+    file_weight = _reference(raw).double()
+    if isinstance(part, Int4Part):
+        assert _close(y, x.double() @ file_weight.t()) < TOL
+    else:
+        held = part.codes.double() * part.scales.double()[:, None]
+        assert _close(y, x.double() @ held.t()) < TOL
+        assert _close(y, x.double() @ file_weight.t()) < 3e-2
+
+
+def test_the_kernel_is_more_exact_than_torchs_bfloat16_one() -> None:
+    """The same Q4_K tensor through `qkernel` and through torch's kernel (its bfloat16 x,
+    scales, zeros and output), both against the file's values in float64."""
+    raw = _raw(Q.Q4_K, seed=21, shape=(128, 512))
+    q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
+    x = torch.randn(1, 512)
+    exact = x.double() @ _reference(raw).double().t()
+    ours = _close(Int4Part(q, scale, minimum).kernel(x), exact)
+    torchs = _close(Int4Part(q, scale, minimum, native=False).kernel(x), exact)
+    assert ours < TOL and torchs > 10 * ours, (ours, torchs)
+
+
+def test_the_custom_ops_run_inside_a_compiled_graph() -> None:
+    """`compile_decode` traces the products: the ops have fake kernels, and the compiled
+    function gives the eager numbers."""
+    g = torch.Generator().manual_seed(3)
+    int4 = Int4Part(
+        torch.randint(0, 16, (64, 64), dtype=torch.uint8, generator=g), torch.rand(64, 2), -torch.rand(64, 2)
+    )
+    int8 = Int8Part.quantize(torch.randn(32, 64, generator=g))
+    product = QuantProduct([int4, int8], torch.randn(96, generator=g), torch.float32)
+    x = torch.randn(1, 64, generator=g)
+    compiled = torch.compile(lambda v: torch.nn.functional.silu(product(v)), fullgraph=True)
+    torch.testing.assert_close(compiled(x), torch.nn.functional.silu(product(x)))
+
+
+def test_without_the_kernel_parts_take_torchs_kernels(monkeypatch) -> None:
+    """Where `qkernel` is unavailable, new parts hold torch's forms (bfloat16 scale and zero) and
+    serve through its kernels: the numbers of a part built with native=False."""
+    monkeypatch.setattr(qkernel, "available", lambda: False)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (64, 96), dtype=torch.uint8, generator=g)
+    scale, minimum = torch.rand(64, 3, generator=g) * 0.01, -torch.rand(64, 3, generator=g) * 0.1
+    int4 = Int4Part(q, scale, minimum)
+    int8 = Int8Part.quantize(torch.randn(32, 96, generator=g))
+    assert not int4.native and not int8.native and len(int4.tensors()) == 2
+    x = torch.randn(2, 96, generator=g)
+    torch.testing.assert_close(int4(x), Int4Part(q, scale, minimum, native=False)(x))
+    bf16 = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), int8.codes, int8.scales).float()
+    torch.testing.assert_close(int8(x), bf16)
+
+
+def test_no_compiler_means_torchs_kernels_and_one_log_line(monkeypatch, caplog) -> None:
+    """A machine without a C compiler: `library()` is None, saying why once, nothing raised."""
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    qkernel.library.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="chunkcache.model.qkernel"):
+            assert not qkernel.available() and not qkernel.available()
+        lines = [r.getMessage() for r in caplog.records if "torch's bfloat16 kernels" in r.getMessage()]
+        assert len(lines) == 1 and "/nonexistent/cc" in lines[0]
+    finally:
+        monkeypatch.undo()
+        qkernel.library.cache_clear()
+    assert qkernel.available()
+
+
+def test_a_failing_build_is_reported_not_raised(monkeypatch, tmp_path, caplog) -> None:
+    """A compiler that fails (here: a source it cannot compile) leaves torch's kernels serving,
+    with the compiler's message in the log line; the cache directory holds no partial library."""
+    bad = tmp_path / "qkernel.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(qkernel, "SOURCE", bad)
+    monkeypatch.setenv("CHUNKCACHE_KERNEL_DIR", str(tmp_path / "kernels"))
+    qkernel.library.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="chunkcache.model.qkernel"):
+            assert qkernel.library() is None
+        assert any("building qkernel.c failed" in r.getMessage() for r in caplog.records)
+        assert not list((tmp_path / "kernels").glob("*.so"))
+    finally:
+        monkeypatch.undo()
+        qkernel.library.cache_clear()
+
+
+def test_the_library_is_cached_by_source_hash(monkeypatch, tmp_path) -> None:
+    """Built once per source: a second process (here: a cleared cache) loads the same file."""
+    monkeypatch.setenv("CHUNKCACHE_KERNEL_DIR", str(tmp_path))
+    qkernel.library.cache_clear()
+    try:
+        assert qkernel.available()
+        (built,) = tmp_path.glob("qkernel-*.so")
+        stamp = built.stat().st_mtime_ns
+        qkernel.library.cache_clear()
+        assert qkernel.available() and built.stat().st_mtime_ns == stamp
+    finally:
+        monkeypatch.undo()
+        qkernel.library.cache_clear()
+
+
+def test_parts_with_a_partial_tile_keep_torchs_kernel() -> None:
+    """The kernel reads whole tiles of 32 rows: 48 rows stay on torch's kernel."""
+    q = torch.randint(0, 16, (48, 64), dtype=torch.uint8)
+    part = Int4Part(q, torch.rand(48, 2), -torch.rand(48, 2))
+    assert not part.native and not dequant.int4_blocks_apply(48)
+    assert np.isfinite(part(torch.randn(1, 64)).numpy()).all()
+
+
+def test_threads_split_output_rows_and_give_the_same_numbers() -> None:
+    """The engine's thread count (torch's) is the kernel's OpenMP team: each output row is still
+    one thread's sum in the same order, so the numbers are bit for bit the 1-thread ones."""
+    g = torch.Generator().manual_seed(5)
+    int4 = Int4Part(
+        torch.randint(0, 16, (256, 128), dtype=torch.uint8, generator=g),
+        torch.rand(256, 4),
+        -torch.rand(256, 4),
+    )
+    int8 = Int8Part.quantize(torch.randn(300, 128, generator=g))
+    x = torch.randn(3, 128, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [int4.kernel(x[:1]), int4.kernel(x), int8.kernel(x[:1]), int8.kernel(x)]
+        torch.set_num_threads(2)
+        two = [int4.kernel(x[:1]), int4.kernel(x), int8.kernel(x[:1]), int8.kernel(x)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+
+
+INT4_GGUF_CASES = [
+    ("llama", Q.Q4_K, {"hidden_size": 256, "intermediate_size": 256}),
+    ("qwen2", Q.Q4_1, {}),  # tied lm_head in int4, qkv bias
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("arch", "qtype", "overrides"), INT4_GGUF_CASES, ids=[f"{a}-{q.name}" for a, q, _ in INT4_GGUF_CASES]
+)
+def test_native_int4_decode_gives_transformers_greedy_tokens(
+    checkpoint, tmp_path, monkeypatch, arch, qtype, overrides
+):
+    """End to end on a tiny GGUF whose projections are all 4-bit: served `native` in float32,
+    every product of the prompt and the decode through `qkernel` (the blocks' thresholds raised),
+    the greedy tokens are those of the same file loaded dense in float32, which is transformers'
+    own GGUF dequantization (tests/test_gguf.py), and every step's top-5 log-probs are within
+    float32 summation of it. Measured: no token changed; log-probs within 1.8e-5 / 8.8e-6
+    (llama-Q4_K / qwen2-Q4_1), where torch's bfloat16 kernels (the same run without `qkernel`)
+    moved them by 0.053 / 0.058 and changed a qwen2 token."""
+    from chunkcache import LLM, SamplingParams
+    from tests import test_gguf
+    from tests.test_quant import _deviation
+    from tests.test_quant import _random_k_quant as small_k_quant
+
+    for name in ("INT4_MIN_ROWS", "INT8_MIN_ROWS"):
+        monkeypatch.setattr(dequant, name, 10**9)
+    served = []
+    monkeypatch.setattr(qkernel, "int4", lambda *a, f=qkernel.int4: served.append(1) or f(*a))
+    src = checkpoint(arch=arch, tie_word_embeddings=arch == "qwen2", **overrides)
+    monkeypatch.setattr(test_gguf, "_random_k_quant", lambda *a, **k: small_k_quant(*a, **{**k, "d": 1e-4}))
+    test_gguf.write_gguf(src, tmp_path / "model.gguf", qtype)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    outs = {}
+    for weights in ("dense", "native"):
+        llm = LLM(str(tmp_path), tokenizer=str(src), dtype="float32", kv_cache_tokens=512, weights=weights)
+        outs[weights] = llm.generate(test_gguf.PROMPT, params)[0].outputs[0]
+        llm.check_integrity()
+    assert served, "qkernel served no product"
+    assert outs["native"].token_ids == outs["dense"].token_ids
+    assert _deviation(outs["native"], outs["dense"]) < 2e-4
