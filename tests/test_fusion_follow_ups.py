@@ -22,8 +22,11 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 Q1, Q2, Q3 = "Where does Alice live?", "What is the dog called?", "How many coins are in the box?"
 
-# Pieces of 16 tokens: a job runs in several steps beside the requests.
-_llm = partial(tiny_llm, chunk_layout="fusion", long_prefill_token_threshold=16)
+# Pieces of 16 tokens: a job runs in several steps beside the requests. `_default` is the engine's
+# own exact_follow_ups (on, two sights); `_llm` has it off unless a test turns it on, then at one
+# sight (the first request queues the job), as these tests were written.
+_default = partial(tiny_llm, chunk_layout="fusion", long_prefill_token_threshold=16)
+_llm = partial(_default, exact_follow_ups=False, exact_follow_ups_sights=1)
 
 
 def _prompt(doc_ids: list[int], question: str) -> str:
@@ -236,11 +239,14 @@ def test_separator_free_requests_read_the_exact_prefix(checkpoint, monkeypatch) 
     _clean(llm)
 
 
-def test_with_two_sights_only_a_repeated_order_is_prefilled(checkpoint, monkeypatch) -> None:
-    """`exact_follow_ups_sights=2`: an order seen once queues nothing (random retrieval pays no
-    job); its repeat is fused and queues the job; from the third request on it is exact."""
+def test_by_default_only_a_repeated_order_is_prefilled(checkpoint, monkeypatch) -> None:
+    """The engine's default, `exact_follow_ups` with sights 2: an order seen once queues nothing
+    (random retrieval pays no job); its repeat is fused and queues the job; from the third request
+    on it is exact."""
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    llm = _llm(path, exact_follow_ups=True, exact_follow_ups_sights=2)
+    llm = _default(path)
+    chunk = llm.engine.config.chunk
+    assert (chunk.exact_follow_ups, chunk.exact_follow_ups_sights) == (True, 2)
     seen = Scheduled(llm, monkeypatch)
     for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
         llm.generate(_prompt(order, Q1), GREEDY)

@@ -61,6 +61,9 @@ class FollowUps:
         self.exact_prefix_jobs = 0
         self.jobs: dict[tuple[str | None, tuple[int, ...]], Sequence] = {}
         self._seen: OrderedDict[bytes, int] = OrderedDict()
+        # Without a prefix cache a job's KV is registered nowhere and no request could read it:
+        # the option (on by default) then does nothing rather than prefill for no one.
+        self._exact = config.exact_follow_ups and blocks.enable_prefix_caching
 
     def reads_cached_prefix(self, seq: Sequence) -> bool:
         """Whether `seq` reads its S and chunks from the prefix cache (it then runs as a plain
@@ -77,7 +80,7 @@ class FollowUps:
         prompt = plan.prompt
         context = prompt.num_tokens - len(prompt.question_token_ids)  # S and the chunks
         need = context // self.blocks.block_size
-        exact = self.config.exact_follow_ups and need > 0
+        exact = self._exact and need > 0
         if exact and self._exact_cached(seq, context):
             if seq.fusion is not None and not self._unfuse(seq):
                 return False  # its whole prompt does not fit as a plain one: its streams serve it
@@ -105,7 +108,7 @@ class FollowUps:
         request, the exact-prefix job for its follow-ups. The prefix is the prompt's own tokens
         before Q, not S and the documents joined: fusion's documents may drop a few tokens."""
         context = len(seq.prompt_token_ids) - len(prompt.question_token_ids)
-        exact = self.config.exact_follow_ups and context >= self.blocks.block_size
+        exact = self._exact and context >= self.blocks.block_size
         if exact and self._exact_cached(seq, context):
             seq.fidelity_config = None
             self.exact_prefix_hits += 1
