@@ -283,3 +283,25 @@ def test_an_exact_follow_up_is_not_checked_as_a_reuse_configuration(checkpoint) 
     assert _stats(llm)["exact_prefix_hits"] == 1
     assert _stats(llm)["fidelity"]["configs"]["default"] == checked
     _clean(llm)
+
+
+def test_jobs_never_evict_chunk_entries(checkpoint) -> None:
+    """A job's KV is prefix-cache blocks of the paged KV; the chunk pool's pages are its own budget:
+    jobs for many orders, through a KV cache that holds few of them, evict no document's entry."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path, exact_follow_ups=True, kv_cache_tokens=256, chunk_cache_size_gb=0.01)
+    pool = llm.engine.chunks.pool
+    orders = [[0, 1, 2], [2, 1, 0], [1, 2, 0], [0, 2, 1], [2, 0, 1], [1, 0, 2]]
+    llm.generate(_prompt(orders[0], Q1), GREEDY)
+    entries = {e.key for e in pool.entries()}
+    for order in orders[1:]:
+        llm.generate(_prompt(order, Q1), GREEDY)
+    assert _stats(llm)["exact_prefix_jobs"] == len(orders)
+    assert pool.stats.evictions == 0 and {e.key for e in pool.entries()} == entries
+    # The KV cache did turn over: the first order's prefix is gone, the last one's is there.
+    assert _stats(llm)["exact_prefix_hits"] == 0
+    llm.generate(_prompt(orders[-1], Q2), GREEDY)
+    assert _stats(llm)["exact_prefix_hits"] == 1
+    llm.generate(_prompt(orders[0], Q2), GREEDY)
+    assert _stats(llm)["exact_prefix_hits"] == 1
+    _clean(llm)
