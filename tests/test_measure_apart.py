@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from chunkcache.cli import main
 from chunkcache.evaluate import default_modes, evaluate
 from chunkcache.fidelity import measure
 from chunkcache.fidelity.configs import CANDIDATES
