@@ -305,3 +305,26 @@ def test_jobs_never_evict_chunk_entries(checkpoint) -> None:
     llm.generate(_prompt(orders[0], Q2), GREEDY)
     assert _stats(llm)["exact_prefix_hits"] == 1
     _clean(llm)
+
+
+def test_a_shadow_checks_prefill_serves_the_order_exactly(checkpoint) -> None:
+    """By default (sights 2) a request's order queues no job at its first sight, but a shadow check
+    of it is a plain prefill of its prompt under its salt: the next request with those documents in
+    that order is an exact hit (an exact answer: right for serving), and it is not drawn for a
+    check, so the gate's count is of the requests reuse served."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _default(path, fidelity_sample_rate=1.0, fidelity_max_share=1.0)
+    llm.generate(_prompt([0, 1, 2], Q1), GREEDY)
+    checked = _stats(llm)["fidelity"]["configs"]["default"]
+    assert checked.get("agree", 0) + checked.get("disagree", 0) == 1
+    assert _stats(llm)["exact_prefix_jobs"] == 0
+    follow = llm.generate(_prompt([0, 1, 2], Q2), GREEDY)[0]
+    assert _stats(llm)["exact_prefix_hits"] == 1 and _stats(llm)["exact_prefix_jobs"] == 0
+    assert _stats(llm)["fidelity"]["configs"]["default"] == checked
+    _is_full_prefill(path, follow)
+    # Another salt finds nothing of it: fused, and checked.
+    _salted(llm, _prompt([0, 1, 2], Q3), "b")
+    assert _stats(llm)["exact_prefix_hits"] == 1
+    again = _stats(llm)["fidelity"]["configs"]["default"]
+    assert again.get("agree", 0) + again.get("disagree", 0) == 2
+    _clean(llm)
