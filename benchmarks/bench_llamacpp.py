@@ -377,11 +377,11 @@ TARGETS = {
 RSS_TARGET = 1.3  # chunkcache's RSS <= this x the file, plus its configured caches
 
 
-def report(sides: list[Side], args: argparse.Namespace, file_bytes: int, stats: dict[str, Any]) -> int:
-    """The table and the SUMMARY line; `stats`, chunkcache's chunk cache stats at the end (its
+def report(sides: list[Side], args: argparse.Namespace, file_bytes: int, chunk_stats: dict[str, Any]) -> int:
+    """The table and the SUMMARY line; `chunk_stats`, chunkcache's chunk cache stats at the end (its
     pool's bytes, the exact-prefix jobs and hits, evictions), go into the raw JSON."""
     ours, theirs = sides
-    pool_bytes = stats.get("bytes", 0)
+    pool_bytes = chunk_stats.get("bytes", 0)
     ratios: dict[str, str] = {}
     cpu_ratios: dict[str, str] = {}
     print(
@@ -436,7 +436,7 @@ def report(sides: list[Side], args: argparse.Namespace, file_bytes: int, stats: 
             "summary": line,
             "file_bytes": file_bytes,
             "chunk_pool_bytes": pool_bytes,
-            "chunkcache_stats": stats,
+            "chunkcache_stats": chunk_stats,
         },
     )
     print(line)
