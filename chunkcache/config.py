@@ -212,9 +212,10 @@ class ChunkConfig:
     # its question (under fusion: one plain sequence, no streams; engine/follow_ups.py). On by
     # default, as every server with a prefix cache serves a repeated prefix exactly (RESULTS.md
     # "exact_follow_ups on by default"): with sights 2 an order seen once costs nothing, a repeated
-    # one is exact from its third request on. A job costs a full prefill of S and the documents, on
-    # spare budget, never beside a request's prefill (engine/scheduler.py; offline, `LLM.generate`
-    # waits for it). Tools that run a full-prefill reference beside reuse modes in one engine turn
+    # one is exact from the request after its job is done (its third, given about one full
+    # prefill of idle time between requests; later on a busy server). A job costs a full prefill
+    # of S and the documents, on spare budget, never beside a request's prefill
+    # (engine/scheduler.py; offline, `LLM.generate` waits for it). Tools that run a full-prefill reference beside reuse modes in one engine turn
     # it off (fidelity/measure.py ENGINE_OPTIONS): the reference would leave an exact prefix. Without
     # prefix caching it does nothing.
     exact_follow_ups: bool = True
