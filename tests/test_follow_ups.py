@@ -312,3 +312,18 @@ def test_a_server_answers_a_follow_up_turn_exactly(checkpoint) -> None:
         srv.on_engine(engine.check_integrity)
     finally:
         srv.stop()
+
+
+def test_by_default_a_repeated_order_read_from_its_blend_turns_exact(checkpoint) -> None:
+    """The engine's default (sights 2) under layout offset: the order's second request reads the
+    first one's blended blocks, and as its second sight queues the job, so the third is exact."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = tiny_llm(path, chunk_cache_size_gb=None, chunk_layout="offset")
+    llm.generate(_prompt(ORDER, "Where does Alice live?"), GREEDY)
+    llm.generate(_prompt(ORDER, "What is the dog called?"), GREEDY)
+    stats = llm.chunk_cache_stats()
+    assert (stats["blended_prefix_hits"], stats["exact_prefix_jobs"], stats["exact_prefix_hits"]) == (1, 1, 0)
+    third = llm.generate(_prompt(ORDER, "How many coins are in the box?"), GREEDY)[0]
+    assert llm.chunk_cache_stats()["exact_prefix_hits"] == 1
+    assert third.outputs[0].token_ids == hf_greedy(path, third.prompt_token_ids, 8)
+    llm.check_integrity()

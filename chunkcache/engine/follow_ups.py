@@ -93,6 +93,8 @@ class FollowUps:
             and self.blocks.cached_prefix_blocks(seq.token_ids, need, seq.block_keys) >= need
         ):
             self.blended_prefix_hits += 1
+            if exact:  # a repeat of its order is a sight too: else a chain hit never turns exact
+                self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
         else:
             if exact:
                 self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
