@@ -4,8 +4,9 @@ A chunked request whose S and chunks, in this order, are in the prefix cache, as
 KV (an `exact_follow_ups` job's) or (layout "offset") blended before under the same blend options
 (its `kv_key` chain), reads that KV as a prefix (the scheduler matches the chain) and computes only
 its question and the last chunk's tokens after its last full block: no pool entries, no blend.
-Where neither is cached and `exact_follow_ups` is on, a background job prefills the exact prefix
-for the next one.
+Where the exact prefix is not cached and `exact_follow_ups` is on, a background job prefills it for
+the next one, once the order has been seen `exact_follow_ups_sights` times (a request that read the
+blended KV is a sight too).
 
 Layout "fusion" (exact prefix only): a fusion request whose S and documents are so cached runs as
 one plain prompt instead of its streams (`unfuse`, before any stream is scheduled or any entry
