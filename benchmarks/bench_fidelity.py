@@ -545,6 +545,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         adapter=adapter,
         weights=args.weights,
+        **measure.ENGINE_OPTIONS,  # no mode may read the full prefill's exact prefix
     )
     t0 = time.time()
     elements = fidelity_set.load_elements(args.elements)

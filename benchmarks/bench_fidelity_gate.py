@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(
         args.model, dtype=args.dtype, weights=args.weights, device="cpu", threads=args.threads, fidelity_target=args.target,
         fidelity_profile=args.profile, fidelity_sample_rate=args.sample_rate, fidelity_window=args.window,
-        fidelity_max_share=args.max_share,
+        fidelity_max_share=args.max_share, **measure.ENGINE_OPTIONS,
     )  # fmt: skip
     engine = llm.engine
     ctl = engine.shadows.controller

@@ -13,7 +13,8 @@ model, one thread each, in one process:
 - chain: the same, prefix caching on (the default): the first question's blended blocks are
   registered under a key of its blend options and cuts, and the follow-up reads them, computing
   only its question and the last document's tokens after its last full block;
-- exact: chain with `exact_follow_ups`: after the first question a background job (run untimed
+- exact: chain with `exact_follow_ups` (`--exact-sights`, default 1; at the engine's default 2 the
+  follow-up queues the job instead, and only a third question would read it): after the first question a background job (run untimed
   here, as in a server's idle time) prefills S and the documents as a plain prompt, and the
   follow-up reads that exact KV: a full prefill's answer at a prefix-cache hit's cost;
 - fusion: layout fusion with the model's own fusion options (both known models' default,
@@ -31,7 +32,7 @@ engine, and whether chain's replies equal those of a twin engine (chain's option
 the first question and blends the follow-up itself: they should, the same KV found or computed.
 Blend's replies may differ where the last document's tail (run fresh under chain) tips them.
 
-    python benchmarks/bench_follow_up.py --threads 1 [--sets 24] [--model smollm2]
+    python benchmarks/bench_follow_up.py --threads 1 [--sets 24] [--model smollm2] [--exact-sights 1]
 
 Last line: `SUMMARY bench_follow_up: follow_chain_vs_blend=..x follow_chain_vs_plain=..x
 first_chain_vs_blend=..x follow_exact_vs_blend=..x follow_fusion_exact_vs_fusion=..x cpu_...
@@ -102,6 +103,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="checkpoint (default: chunkcache's default model)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sets", type=int, default=24, help="doc sets (first questions of the tune split)")
+    parser.add_argument(
+        "--exact-sights",
+        type=int,
+        default=1,
+        help="exact_follow_ups_sights of the exact engines: 1, the first question queues the job; at "
+        "2 (the engine's default) the follow-up is the order's second sight and queues it",
+    )
     args = parser.parse_args(argv)
     setup_torch(args.threads)
     if args.model is None:
@@ -111,17 +119,20 @@ def main(argv: list[str] | None = None) -> None:
     common: dict[str, Any] = {"device": "cpu", "dtype": "float32", "threads": args.threads}
     # Offset's blend at the engine's defaults (a known model's own layout is fusion, catalog.py).
     offset = {**common, "chunk_layout": "offset"}
+    # exact_follow_ups is on by default: the engines measured without it say so.
+    off = {"exact_follow_ups": False}
+    on = {"exact_follow_ups": True, "exact_follow_ups_sights": args.exact_sights}
     engines = {
         "plain": LLM(args.model, enable_chunk_cache=False, **common),
-        "blend": LLM(args.model, enable_prefix_caching=False, **offset),
-        "chain": LLM(args.model, **offset),
-        "exact": LLM(args.model, exact_follow_ups=True, **offset),
-        "fusion": LLM(args.model, chunk_layout="fusion", **common),
-        "fusion_exact": LLM(args.model, chunk_layout="fusion", exact_follow_ups=True, **common),
+        "blend": LLM(args.model, enable_prefix_caching=False, **offset, **off),
+        "chain": LLM(args.model, **offset, **off),
+        "exact": LLM(args.model, **offset, **on),
+        "fusion": LLM(args.model, chunk_layout="fusion", **common, **off),
+        "fusion_exact": LLM(args.model, chunk_layout="fusion", **common, **on),
     }
     # Chain's twin that never sees a first question: it blends every follow-up itself (the last
     # document's tail fresh, as chain's blend does), so its replies are what chain's must equal.
-    check = LLM(args.model, **offset)
+    check = LLM(args.model, **offset, **off)
     elements = fidelity_set.load_elements()
     questions = [q for q in fidelity_set.load() if q.split == "tune"][: args.sets]
     names = list(engines)

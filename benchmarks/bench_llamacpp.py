@@ -65,6 +65,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import fmean
+from typing import Any
 
 import httpx
 from bench_serve import ServerProcess, percentile
@@ -365,7 +366,7 @@ def main() -> int:
     finally:
         for side in sides:
             side.server.stop()
-    return report(sides, args, gguf.stat().st_size, chunk_pool.get("bytes", 0))
+    return report(sides, args, gguf.stat().st_size, chunk_pool)
 
 
 # Issue 38's targets on the same file; the F32 comparison keeps the earlier issue's.
@@ -376,8 +377,11 @@ TARGETS = {
 RSS_TARGET = 1.3  # chunkcache's RSS <= this x the file, plus its configured caches
 
 
-def report(sides: list[Side], args: argparse.Namespace, file_bytes: int, pool_bytes: int) -> int:
+def report(sides: list[Side], args: argparse.Namespace, file_bytes: int, chunk_stats: dict[str, Any]) -> int:
+    """The table and the SUMMARY line; `chunk_stats`, chunkcache's chunk cache stats at the end (its
+    pool's bytes, the exact-prefix jobs and hits, evictions), go into the raw JSON."""
     ours, theirs = sides
+    pool_bytes = chunk_stats.get("bytes", 0)
     ratios: dict[str, str] = {}
     cpu_ratios: dict[str, str] = {}
     print(
@@ -425,7 +429,16 @@ def report(sides: list[Side], args: argparse.Namespace, file_bytes: int, pool_by
         "bench_llamacpp", **ratios, **cpu_ratios, **verdict, **mem, model=args.model, file=args.file,
         threads=str(args.threads), loadavg=f"{os.getloadavg()[0]:.2f}",
     )  # fmt: skip
-    write_raw(args, sides, {"summary": line, "file_bytes": file_bytes, "chunk_pool_bytes": pool_bytes})
+    write_raw(
+        args,
+        sides,
+        {
+            "summary": line,
+            "file_bytes": file_bytes,
+            "chunk_pool_bytes": pool_bytes,
+            "chunkcache_stats": chunk_stats,
+        },
+    )
     print(line)
     return 0
 

@@ -52,6 +52,7 @@ from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.fidelity import measure
 
 # LangChain's question-answering "stuff" prompt (langchain.chains.question_answering.stuff_prompt).
 STUFF_TEMPLATE = """Use the following pieces of context to answer the question at the end. If you don't know the answer, just say that you don't know, don't try to make up an answer.
@@ -299,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
         "dtype": "float32",
         "threads": args.threads,
         "kv_cache_tokens": 16384,
+        # A later sight of an order would read the exact prefix its first sight's plain prefill
+        # left (engine/follow_ups.py) and measure the prefix cache, not separator-free matching.
+        **measure.ENGINE_OPTIONS,
     }
     if args.chunk_layout is not None:
         options["chunk_layout"] = args.chunk_layout

@@ -216,6 +216,7 @@ def run_prewarm(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     from chunkcache.evaluate import default_modes, evaluate, format_table, load_prompts, results_json
+    from chunkcache.fidelity.measure import ENGINE_OPTIONS
 
     # The file and the modes are checked before the model loads: a mistake is reported at once.
     try:
@@ -230,7 +231,9 @@ def run_eval(args: argparse.Namespace) -> int:
             raise UsageError(f"unknown modes {unknown}; available: {sorted(known)}")
         # The reference is always computed first: every other mode is measured against it.
         modes = [m for m in modes if m.name == "full" or m.name in args.modes]
-    llm = load_llm(args, enable_prefix_caching=False)
+    if engine_options(args).get("exact_follow_ups"):
+        raise UsageError("eval measures reuse modes against a full prefill: drop --exact-follow-ups")
+    llm = load_llm(args, enable_prefix_caching=False, **ENGINE_OPTIONS)
     results = evaluate(llm, prompts, modes, args.max_tokens)
     print(format_table(results, args.max_tokens))
     if args.json:

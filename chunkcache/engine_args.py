@@ -89,11 +89,13 @@ OPTION_HELP: dict[str, str] = {
     "separator_free_min_tokens": "shortest matched run reused by separator-free matching, >= 1",
     "documents_format": "how a chat request's documents are written when its template has none; "
     "must contain {text}, may contain {title}",
-    "exact_follow_ups": "layouts offset and fusion: prefill each new document order as background work so that "
-    "a later request with the same system part and documents in the same order is answered exactly, as one "
-    "plain prompt over that prefix (under fusion: no streams)",
+    "exact_follow_ups": "layouts offset and fusion: prefill a document order seen exact_follow_ups_sights times as background work so "
+    "that later requests with the same system part and documents in the same order are answered exactly, as "
+    "one plain prompt over that prefix (under fusion: no streams), as a prefix cache serves a repeated prompt; "
+    "needs prefix caching",
     "exact_follow_ups_sights": "with exact_follow_ups: requests that must show a document order before its "
-    "background prefill is queued: 1 the first, 2 a repeat (no job for orders seen once), >= 1",
+    "background prefill is queued: 1 the first, 2 a repeat (no job for orders seen once: random retrieval "
+    "pays nothing), >= 1",
     "fusion_rule": "layout fusion: how the streams' distributions combine: contrastive (PCED, against the "
     "no-document stream), max_confidence (the surest stream decides), product (relevance-weighted experts)",
     "fusion_amateur": "layout fusion: add the no-document stream S + Q (required by contrastive)",

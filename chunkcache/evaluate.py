@@ -4,6 +4,7 @@ For every chunked prompt the reference is a full prefill of the same tokens (ful
 attention, natural positions). Each reuse mode is measured against it: top-1 agreement of the
 first token, mean KL divergence KL(full || mode) of the first-token distribution, exact match of
 the greedy continuation, and mean TTFT with the prompt's chunks already in the pool (warm).
+The engine must not let the reference's KV serve a mode (`fidelity.measure.check_engine`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from chunkcache.chunk.parse import parse_chunked_prompt
+from chunkcache.fidelity.measure import check_engine
 from chunkcache.llm import LLM
 from chunkcache.outputs import RequestOutput
 from chunkcache.sampling import SamplingParams
@@ -109,6 +111,7 @@ def _kl(ref: list[float], other: list[float]) -> float:
 
 
 def evaluate(llm: LLM, prompts: list[str], modes: list[Mode], max_tokens: int) -> list[ModeResult]:
+    check_engine(llm)
     engine = llm.engine
     vocab = engine.spec.vocab_size
     first = SamplingParams(temperature=0, max_tokens=1, logprobs=vocab)

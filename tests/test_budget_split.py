@@ -202,7 +202,8 @@ def test_a_fusion_group_is_split_within_a_piece_and_answers_the_same(checkpoint,
     threshold = SMALL["long_prefill_token_threshold"]
     outs = {}
     for name, budget in (("whole", {}), ("split", SMALL)):
-        engine = tiny_llm(path, **budget).engine
+        # No exact-prefix job (the request is the order's second sight): the fusion group alone.
+        engine = tiny_llm(path, exact_follow_ups=False, **budget).engine
         engine.add_request("warm", prompt, SamplingParams(temperature=0, max_tokens=1), chunk_options=options)
         _run(engine)  # the documents' entries into the pool
         per_step = _fusion_tokens_per_step(engine)

@@ -22,7 +22,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5
 BLEND = {"chunk_layout": "offset", "blend_recompute_ratios": [0.3]}
 
 
-_llm = partial(tiny_llm, chunk_cache_size_gb=None)  # the engine's default chunk pool
+# The engine's default chunk pool; exact_follow_ups off unless a test turns it on (then at one
+# sight: the first request queues the job). The defaults are tested in test_fusion_follow_ups.py.
+_llm = partial(tiny_llm, chunk_cache_size_gb=None, exact_follow_ups=False, exact_follow_ups_sights=1)
 
 
 def _prompt(doc_ids: list[int], question: str) -> str:
@@ -270,7 +272,8 @@ def test_a_server_answers_a_follow_up_turn_exactly(checkpoint) -> None:
     from tests.support.server_util import ServerThread
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    options = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "exact_follow_ups": True}
+    # One sight: the first turn queues the job (at the default two, the follow-up would).
+    options = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "exact_follow_ups_sights": 1}
     engine = LLMEngine(EngineConfig.from_options(str(path), use_env=False, **options))
     srv = ServerThread(build_app(engine, api_key=None, max_queue=16, served_model_name="m")).start()
     documents = [DOCS[i] for i in ORDER]
@@ -309,3 +312,18 @@ def test_a_server_answers_a_follow_up_turn_exactly(checkpoint) -> None:
         srv.on_engine(engine.check_integrity)
     finally:
         srv.stop()
+
+
+def test_by_default_a_repeated_order_read_from_its_blend_turns_exact(checkpoint) -> None:
+    """The engine's default (sights 2) under layout offset: the order's second request reads the
+    first one's blended blocks, and as its second sight queues the job, so the third is exact."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = tiny_llm(path, chunk_cache_size_gb=None, chunk_layout="offset")
+    llm.generate(_prompt(ORDER, "Where does Alice live?"), GREEDY)
+    llm.generate(_prompt(ORDER, "What is the dog called?"), GREEDY)
+    stats = llm.chunk_cache_stats()
+    assert (stats["blended_prefix_hits"], stats["exact_prefix_jobs"], stats["exact_prefix_hits"]) == (1, 1, 0)
+    third = llm.generate(_prompt(ORDER, "How many coins are in the box?"), GREEDY)[0]
+    assert llm.chunk_cache_stats()["exact_prefix_hits"] == 1
+    assert third.outputs[0].token_ids == hf_greedy(path, third.prompt_token_ids, 8)
+    llm.check_integrity()

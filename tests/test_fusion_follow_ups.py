@@ -22,8 +22,11 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 Q1, Q2, Q3 = "Where does Alice live?", "What is the dog called?", "How many coins are in the box?"
 
-# Pieces of 16 tokens: a job runs in several steps beside the requests.
-_llm = partial(tiny_llm, chunk_layout="fusion", long_prefill_token_threshold=16)
+# Pieces of 16 tokens: a job runs in several steps beside the requests. `_default` is the engine's
+# own exact_follow_ups (on, two sights); `_llm` has it off unless a test turns it on, then at one
+# sight (the first request queues the job), as these tests were written.
+_default = partial(tiny_llm, chunk_layout="fusion", long_prefill_token_threshold=16)
+_llm = partial(_default, exact_follow_ups=False, exact_follow_ups_sights=1)
 
 
 def _prompt(doc_ids: list[int], question: str) -> str:
@@ -236,11 +239,14 @@ def test_separator_free_requests_read_the_exact_prefix(checkpoint, monkeypatch) 
     _clean(llm)
 
 
-def test_with_two_sights_only_a_repeated_order_is_prefilled(checkpoint, monkeypatch) -> None:
-    """`exact_follow_ups_sights=2`: an order seen once queues nothing (random retrieval pays no
-    job); its repeat is fused and queues the job; from the third request on it is exact."""
+def test_by_default_only_a_repeated_order_is_prefilled(checkpoint, monkeypatch) -> None:
+    """The engine's default, `exact_follow_ups` with sights 2: an order seen once queues nothing
+    (random retrieval pays no job); its repeat is fused and queues the job; from the third request
+    on it is exact."""
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    llm = _llm(path, exact_follow_ups=True, exact_follow_ups_sights=2)
+    llm = _default(path)
+    chunk = llm.engine.config.chunk
+    assert (chunk.exact_follow_ups, chunk.exact_follow_ups_sights) == (True, 2)
     seen = Scheduled(llm, monkeypatch)
     for order in ([0, 1, 2], [1, 0, 2], [2, 1, 0]):
         llm.generate(_prompt(order, Q1), GREEDY)
@@ -276,4 +282,49 @@ def test_an_exact_follow_up_is_not_checked_as_a_reuse_configuration(checkpoint) 
     llm.generate(_prompt([0, 1, 2], Q2), GREEDY)
     assert _stats(llm)["exact_prefix_hits"] == 1
     assert _stats(llm)["fidelity"]["configs"]["default"] == checked
+    _clean(llm)
+
+
+def test_jobs_never_evict_chunk_entries(checkpoint) -> None:
+    """A job's KV is prefix-cache blocks of the paged KV; the chunk pool's pages are its own budget:
+    jobs for many orders, through a KV cache that holds few of them, evict no document's entry."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _llm(path, exact_follow_ups=True, kv_cache_tokens=256, chunk_cache_size_gb=0.01)
+    pool = llm.engine.chunks.pool
+    orders = [[0, 1, 2], [2, 1, 0], [1, 2, 0], [0, 2, 1], [2, 0, 1], [1, 0, 2]]
+    llm.generate(_prompt(orders[0], Q1), GREEDY)
+    entries = {e.key for e in pool.entries()}
+    for order in orders[1:]:
+        llm.generate(_prompt(order, Q1), GREEDY)
+    assert _stats(llm)["exact_prefix_jobs"] == len(orders)
+    assert pool.stats.evictions == 0 and {e.key for e in pool.entries()} == entries
+    # The KV cache did turn over: the first order's prefix is gone, the last one's is there.
+    assert _stats(llm)["exact_prefix_hits"] == 0
+    llm.generate(_prompt(orders[-1], Q2), GREEDY)
+    assert _stats(llm)["exact_prefix_hits"] == 1
+    llm.generate(_prompt(orders[0], Q2), GREEDY)
+    assert _stats(llm)["exact_prefix_hits"] == 1
+    _clean(llm)
+
+
+def test_a_shadow_checks_prefill_serves_the_order_exactly(checkpoint) -> None:
+    """By default (sights 2) a request's order queues no job at its first sight, but a shadow check
+    of it is a plain prefill of its prompt under its salt: the next request with those documents in
+    that order is an exact hit (an exact answer: right for serving), and it is not drawn for a
+    check, so the gate's count is of the requests reuse served."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _default(path, fidelity_sample_rate=1.0, fidelity_max_share=1.0)
+    llm.generate(_prompt([0, 1, 2], Q1), GREEDY)
+    checked = _stats(llm)["fidelity"]["configs"]["default"]
+    assert checked.get("agree", 0) + checked.get("disagree", 0) == 1
+    assert _stats(llm)["exact_prefix_jobs"] == 0
+    follow = llm.generate(_prompt([0, 1, 2], Q2), GREEDY)[0]
+    assert _stats(llm)["exact_prefix_hits"] == 1 and _stats(llm)["exact_prefix_jobs"] == 0
+    assert _stats(llm)["fidelity"]["configs"]["default"] == checked
+    _is_full_prefill(path, follow)
+    # Another salt finds nothing of it: fused, and checked.
+    _salted(llm, _prompt([0, 1, 2], Q3), "b")
+    assert _stats(llm)["exact_prefix_hits"] == 1
+    again = _stats(llm)["fidelity"]["configs"]["default"]
+    assert again.get("agree", 0) + again.get("disagree", 0) == 2
     _clean(llm)

@@ -4,8 +4,9 @@ A chunked request whose S and chunks, in this order, are in the prefix cache, as
 KV (an `exact_follow_ups` job's) or (layout "offset") blended before under the same blend options
 (its `kv_key` chain), reads that KV as a prefix (the scheduler matches the chain) and computes only
 its question and the last chunk's tokens after its last full block: no pool entries, no blend.
-Where neither is cached and `exact_follow_ups` is on, a background job prefills the exact prefix
-for the next one.
+Where the exact prefix is not cached and `exact_follow_ups` is on, a background job prefills it for
+the next one, once the order has been seen `exact_follow_ups_sights` times (a request that read the
+blended KV is a sight too).
 
 Layout "fusion" (exact prefix only): a fusion request whose S and documents are so cached runs as
 one plain prompt instead of its streams (`unfuse`, before any stream is scheduled or any entry
@@ -61,6 +62,9 @@ class FollowUps:
         self.exact_prefix_jobs = 0
         self.jobs: dict[tuple[str | None, tuple[int, ...]], Sequence] = {}
         self._seen: OrderedDict[bytes, int] = OrderedDict()
+        # Without a prefix cache a job's KV is registered nowhere and no request could read it:
+        # the option (on by default) then does nothing rather than prefill for no one.
+        self._exact = config.exact_follow_ups and blocks.enable_prefix_caching
 
     def reads_cached_prefix(self, seq: Sequence) -> bool:
         """Whether `seq` reads its S and chunks from the prefix cache (it then runs as a plain
@@ -77,7 +81,7 @@ class FollowUps:
         prompt = plan.prompt
         context = prompt.num_tokens - len(prompt.question_token_ids)  # S and the chunks
         need = context // self.blocks.block_size
-        exact = self.config.exact_follow_ups and need > 0
+        exact = self._exact and need > 0
         if exact and self._exact_cached(seq, context):
             if seq.fusion is not None and not self._unfuse(seq):
                 return False  # its whole prompt does not fit as a plain one: its streams serve it
@@ -90,6 +94,8 @@ class FollowUps:
             and self.blocks.cached_prefix_blocks(seq.token_ids, need, seq.block_keys) >= need
         ):
             self.blended_prefix_hits += 1
+            if exact:  # a repeat of its order is a sight too: else a chain hit never turns exact
+                self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
         else:
             if exact:
                 self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
@@ -105,7 +111,7 @@ class FollowUps:
         request, the exact-prefix job for its follow-ups. The prefix is the prompt's own tokens
         before Q, not S and the documents joined: fusion's documents may drop a few tokens."""
         context = len(seq.prompt_token_ids) - len(prompt.question_token_ids)
-        exact = self.config.exact_follow_ups and context >= self.blocks.block_size
+        exact = self._exact and context >= self.blocks.block_size
         if exact and self._exact_cached(seq, context):
             seq.fidelity_config = None
             self.exact_prefix_hits += 1

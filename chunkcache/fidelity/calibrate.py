@@ -245,6 +245,8 @@ def check_args(args: Any) -> dict[str, ChunkOptions]:
     fixed = sorted(k for k in given if k in REQUEST_CHUNK_OPTIONS or k.startswith("fidelity_"))
     if given.get("enable_chunk_cache") is False:
         fixed.append("enable_chunk_cache")  # without it every configuration is a full prefill
+    if given.get("exact_follow_ups"):
+        fixed.append("exact_follow_ups")  # the full prefill's KV would serve every configuration
     if fixed or "served_model_name" in given:
         raise UsageError(
             f"calibrate measures its own reuse configurations on the weights: drop {fixed or ['served_model_name']} "
@@ -291,7 +293,7 @@ def command(args: Any, load_llm: Any) -> int:
     configs = check_args(args)
     separator = engine_config(args.model or "default", args).chunk.separator
     prompts, prompt_set = load_prompts(args, separator)
-    llm = load_llm(args)
+    llm = load_llm(args, **measure.ENGINE_OPTIONS)
     try:
         layers = llm.engine.spec.num_layers
         too_deep = [c for c, o in configs.items() if not fits(o, layers)]

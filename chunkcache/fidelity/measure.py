@@ -6,6 +6,12 @@ SEP question` after a system turn; "full" is a plain prefill of exactly the chun
 ids; a reuse configuration is a chunked request over a warm chunk pool (the documents were seen
 before, as in production); the warm TTFT is a one-token request timed before the answer run (so
 that a full prefill does not hit its own prompt's blocks in the prefix cache).
+
+The engine runs with ENGINE_OPTIONS: `exact_follow_ups` off. On, the full prefill of a prompt
+leaves its S and documents in the prefix cache as a plain prefill's KV, and the reuse
+configurations measured after it (and any after two sights of the prompt, by their own job) would
+run as that plain prompt: every configuration would report full prefill's reply and a follow-up's
+TTFT. `run`, which every request of these tools goes through, refuses an engine with it on.
 """
 
 from __future__ import annotations
@@ -36,6 +42,26 @@ MEASURE_OPTIONS: ChunkOptions = {
     "blend_selector": "stored_deviation",
 }
 _ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
+# Engine options of every tool that measures reuse configurations against a full prefill in one
+# engine (calibrate, eval, the fidelity and fusion benchmarks): see the module's docstring.
+ENGINE_OPTIONS: dict[str, Any] = {"exact_follow_ups": False}
+
+
+def leaks_full_prefill(chunk_exact: bool, prefix_caching: bool) -> bool:
+    """Whether an engine so configured could serve a reuse configuration's request from a full
+    prefill's KV (`exact_follow_ups` reads the prefix cache: without one it does nothing)."""
+    return chunk_exact and prefix_caching
+
+
+def check_engine(llm: LLM) -> None:
+    """Refuse an engine where a full prefill's KV could serve a reuse configuration's request."""
+    config = llm.engine.config
+    if leaks_full_prefill(config.chunk.exact_follow_ups, config.cache.enable_prefix_caching):
+        raise ValueError(
+            "exact_follow_ups must be off to measure reuse against full prefill in one engine "
+            "(a full prefill's exact prefix would serve every configuration): build the engine "
+            "with fidelity.measure.ENGINE_OPTIONS"
+        )
 
 
 def render(tokenizer: Any, docs: list[str], question: str, separator: str, system: str = SYSTEM) -> str:
@@ -60,7 +86,9 @@ def parse(llm: LLM, text: str) -> ChunkedPrompt:
 def run(
     llm: LLM, prompt: str | list[int], params: SamplingParams, options: ChunkOptions | None
 ) -> RequestOutput:
-    """One request; `options` None = the engine's own (a token-id prompt takes the plain path)."""
+    """One request; `options` None = the engine's own (a token-id prompt takes the plain path).
+    Every tool's requests come through here: an engine that would leak is refused first."""
+    check_engine(llm)
     return llm.generate([prompt], params, add_special_tokens=False, chunk_options=options)[0]
 
 
