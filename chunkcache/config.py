@@ -209,16 +209,17 @@ class ChunkConfig:
     # prefills its S and documents in that order as a plain prompt into the prefix cache; a later
     # request with the same S and documents in the same order (a follow-up question, a repeated
     # query) reads that exact KV and is answered as a full prefill would answer it, computing only
-    # its question (under fusion: one plain sequence, no streams; engine/follow_ups.py). On by
-    # default, as every server with a prefix cache serves a repeated prefix exactly (RESULTS.md
-    # "exact_follow_ups on by default"): with sights 2 an order seen once costs nothing, a repeated
-    # one is exact from the request after its job is done (its third, given about one full
-    # prefill of idle time between requests; later on a busy server). A job costs a full prefill
-    # of S and the documents, on spare budget, never beside a request's prefill
-    # (engine/scheduler.py; offline, `LLM.generate` waits for it). Tools that run a full-prefill reference beside reuse modes in one engine turn
-    # it off (fidelity/measure.py ENGINE_OPTIONS): the reference would leave an exact prefix. Without
-    # prefix caching it does nothing.
-    exact_follow_ups: bool = True
+    # its question (under fusion: one plain sequence, no streams; engine/follow_ups.py). Off by
+    # default, by measurement (RESULTS.md "exact_follow_ups on by default"): on a server answering
+    # back-to-back requests the job (a full prefill of S and the documents, never beside a request's
+    # prefill: engine/scheduler.py) did not finish before the order's next requests, which paid
+    # its pieces instead (same-order RAG vs llama.cpp, CPU: SmolLM2 0.84x -> 0.53x, 1.5B 0.13x ->
+    # 0.08x). With about one full prefill of idle time between requests, a repeated order is exact
+    # from its third request (sights 2). Offline, `LLM.generate` waits for the jobs. Tools that run
+    # a full-prefill reference beside reuse modes in one engine keep it off whatever the user sets
+    # (fidelity/measure.py ENGINE_OPTIONS): the reference would leave an exact prefix. Without prefix
+    # caching it does nothing.
+    exact_follow_ups: bool = False
     # How many requests must show an order (S and documents in this order, one salt) before its
     # job is queued: 1, the first; 2, a repeat, so that a workload whose orders never repeat
     # (random retrieval) pays no job and its jobs evict nothing, while a repeated order is exact

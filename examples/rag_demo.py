@@ -7,8 +7,8 @@ The documents are real text: excerpts of the READMEs of four Python packages chu
 the same documents in another order with another question, so its documents come from the chunk
 cache instead of being prefilled again. The third is a follow-up: the second's documents in the
 same order with the first question, so it reads their KV from the prefix cache and computes only
-its question; on a server started with `--exact-follow-ups-sights 1` (a job for every new order;
-by default an order must come twice) that KV is a full prefill's (computed while the server idled;
+its question; on a server started with `--exact-follow-ups --exact-follow-ups-sights 1` (a job for
+every new order; at the default sights an order must come twice) that KV is a full prefill's (computed while the server idled;
 the demo waits up to 30 s for it, as a user reading the last answer would).
 The chat puts the documents in the user turn, each after the separator:
 `# # doc # # doc ... # # question`. Each answer is checked against the words it must contain, and
@@ -103,7 +103,7 @@ def ask(
 def wait_for_exact_prefixes(
     stats_url: str, headers: dict[str, str], count: int, timeout: float = 30.0
 ) -> None:
-    """The server (`--exact-follow-ups-sights 1`) prefills each request's documents while idle: wait until
+    """The server (`--exact-follow-ups --exact-follow-ups-sights 1`) prefills each request's documents while idle: wait until
     `count` such jobs are done, as long as a user reading the last answer might take."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument(
         "--exact-follow-ups",
         action="store_true",
-        help="the server runs with --exact-follow-ups-sights 1: wait for its idle work before the follow-up",
+        help="the server runs with --exact-follow-ups --exact-follow-ups-sights 1: wait for its idle work before the follow-up",
     )
     parser.add_argument(
         "--full-prefill", action="store_true", help="also ask each question with a full prefill"

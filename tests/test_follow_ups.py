@@ -23,7 +23,7 @@ BLEND = {"chunk_layout": "offset", "blend_recompute_ratios": [0.3]}
 
 
 # The engine's default chunk pool; exact_follow_ups off unless a test turns it on (then at one
-# sight: the first request queues the job). The defaults are tested in test_fusion_follow_ups.py.
+# sight: the first request queues the job). Two sights (the option's default): test_fusion_follow_ups.py.
 _llm = partial(tiny_llm, chunk_cache_size_gb=None, exact_follow_ups=False, exact_follow_ups_sights=1)
 
 
@@ -273,7 +273,13 @@ def test_a_server_answers_a_follow_up_turn_exactly(checkpoint) -> None:
 
     path = checkpoint(arch="llama", num_hidden_layers=3)
     # One sight: the first turn queues the job (at the default two, the follow-up would).
-    options = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "exact_follow_ups_sights": 1}
+    options = {
+        "device": "cpu",
+        "dtype": "float32",
+        "kv_cache_tokens": 2048,
+        "exact_follow_ups": True,
+        "exact_follow_ups_sights": 1,
+    }
     engine = LLMEngine(EngineConfig.from_options(str(path), use_env=False, **options))
     srv = ServerThread(build_app(engine, api_key=None, max_queue=16, served_model_name="m")).start()
     documents = [DOCS[i] for i in ORDER]
@@ -314,11 +320,11 @@ def test_a_server_answers_a_follow_up_turn_exactly(checkpoint) -> None:
         srv.stop()
 
 
-def test_by_default_a_repeated_order_read_from_its_blend_turns_exact(checkpoint) -> None:
-    """The engine's default (sights 2) under layout offset: the order's second request reads the
+def test_with_two_sights_a_repeated_order_read_from_its_blend_turns_exact(checkpoint) -> None:
+    """`exact_follow_ups` on with its default sights (2) under layout offset: the order's second request reads the
     first one's blended blocks, and as its second sight queues the job, so the third is exact."""
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    llm = tiny_llm(path, chunk_cache_size_gb=None, chunk_layout="offset")
+    llm = tiny_llm(path, chunk_cache_size_gb=None, chunk_layout="offset", exact_follow_ups=True)
     llm.generate(_prompt(ORDER, "Where does Alice live?"), GREEDY)
     llm.generate(_prompt(ORDER, "What is the dog called?"), GREEDY)
     stats = llm.chunk_cache_stats()

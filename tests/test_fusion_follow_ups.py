@@ -22,11 +22,12 @@ pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 Q1, Q2, Q3 = "Where does Alice live?", "What is the dog called?", "How many coins are in the box?"
 
-# Pieces of 16 tokens: a job runs in several steps beside the requests. `_default` is the engine's
-# own exact_follow_ups (on, two sights); `_llm` has it off unless a test turns it on, then at one
-# sight (the first request queues the job), as these tests were written.
-_default = partial(tiny_llm, chunk_layout="fusion", long_prefill_token_threshold=16)
-_llm = partial(_default, exact_follow_ups=False, exact_follow_ups_sights=1)
+# Pieces of 16 tokens: a job runs in several steps beside the requests. `_sights2` is
+# exact_follow_ups as a user turns it on (two sights: the option's default); `_llm` has it off
+# unless a test turns it on, then at one sight (the first request queues the job).
+_fusion = partial(tiny_llm, chunk_layout="fusion", long_prefill_token_threshold=16)
+_sights2 = partial(_fusion, exact_follow_ups=True)
+_llm = partial(_fusion, exact_follow_ups=False, exact_follow_ups_sights=1)
 
 
 def _prompt(doc_ids: list[int], question: str) -> str:
@@ -239,12 +240,12 @@ def test_separator_free_requests_read_the_exact_prefix(checkpoint, monkeypatch) 
     _clean(llm)
 
 
-def test_by_default_only_a_repeated_order_is_prefilled(checkpoint, monkeypatch) -> None:
-    """The engine's default, `exact_follow_ups` with sights 2: an order seen once queues nothing
+def test_with_two_sights_only_a_repeated_order_is_prefilled(checkpoint, monkeypatch) -> None:
+    """`exact_follow_ups` on with its default sights, 2: an order seen once queues nothing
     (random retrieval pays no job); its repeat is fused and queues the job; from the third request
     on it is exact."""
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    llm = _default(path)
+    llm = _sights2(path)
     chunk = llm.engine.config.chunk
     assert (chunk.exact_follow_ups, chunk.exact_follow_ups_sights) == (True, 2)
     seen = Scheduled(llm, monkeypatch)
@@ -313,7 +314,7 @@ def test_a_shadow_checks_prefill_serves_the_order_exactly(checkpoint) -> None:
     that order is an exact hit (an exact answer: right for serving), and it is not drawn for a
     check, so the gate's count is of the requests reuse served."""
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    llm = _default(path, fidelity_sample_rate=1.0, fidelity_max_share=1.0)
+    llm = _sights2(path, fidelity_sample_rate=1.0, fidelity_max_share=1.0)
     llm.generate(_prompt([0, 1, 2], Q1), GREEDY)
     checked = _stats(llm)["fidelity"]["configs"]["default"]
     assert checked.get("agree", 0) + checked.get("disagree", 0) == 1

@@ -1,5 +1,5 @@
 """Tools that measure reuse configurations against a full prefill in one engine (calibrate, eval,
-the fidelity and fusion benchmarks) keep them apart: with `exact_follow_ups` (on by default) the
+the fidelity and fusion benchmarks) keep them apart: with `exact_follow_ups` (a user may serve with it on) the
 reference's plain prefill leaves the prompt's S and documents in the prefix cache, and a reuse
 request after it would run as that plain prompt and report full prefill's reply. The tools build
 their engines with `fidelity.measure.ENGINE_OPTIONS` and refuse one that would leak."""
@@ -49,8 +49,8 @@ def test_no_configuration_reads_the_full_prefills_prefix(
     assert all(o[config].reply == alone.outputs[0].text for o in outcomes)
     llm.check_integrity()
 
-    # The engine's default would leak, so the tools' helpers refuse it ...
-    leaky = tiny_llm(path, kv_cache_tokens=4096)
+    # The option on (as a user may serve) would leak, so the tools' helpers refuse it ...
+    leaky = tiny_llm(path, kv_cache_tokens=4096, exact_follow_ups=True)
     with pytest.raises(ValueError, match="exact_follow_ups"):
         measure.measure(leaky, text, configs, 6)
     with pytest.raises(ValueError, match="exact_follow_ups"):
@@ -61,7 +61,7 @@ def test_no_configuration_reads_the_full_prefills_prefix(
     leaky.generate([text], GREEDY, add_special_tokens=False, chunk_options=options)
     assert _hits(leaky)[0] == 1
     # Without prefix caching nothing can leak (and no job is queued for no one).
-    plain = tiny_llm(path, kv_cache_tokens=4096, enable_prefix_caching=False)
+    plain = tiny_llm(path, kv_cache_tokens=4096, enable_prefix_caching=False, exact_follow_ups=True)
     measure.check_engine(plain)
     for _ in range(3):
         plain.generate([text], GREEDY, add_special_tokens=False, chunk_options=options)

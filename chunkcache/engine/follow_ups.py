@@ -63,7 +63,7 @@ class FollowUps:
         self.jobs: dict[tuple[str | None, tuple[int, ...]], Sequence] = {}
         self._seen: OrderedDict[bytes, int] = OrderedDict()
         # Without a prefix cache a job's KV is registered nowhere and no request could read it:
-        # the option (on by default) then does nothing rather than prefill for no one.
+        # the option then does nothing rather than prefill for no one.
         self._exact = config.exact_follow_ups and blocks.enable_prefix_caching
 
     def reads_cached_prefix(self, seq: Sequence) -> bool:
