@@ -24,17 +24,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from bench_quant_kernels import SHAPES  # the 1.5B's (out, in, products per step) per kind
 
 from chunkcache.model import qkernel
 
-# Qwen2.5-Coder-1.5B: (out, in, products per decode step) of each projection kind.
-SHAPES = {
-    "qkv": (2048, 1536, 28),
-    "o": (1536, 1536, 28),
-    "gate_up": (17920, 1536, 28),
-    "down": (1536, 8960, 28),
-    "lm_head": (151936, 1536, 1),
-}
 FORMS = ("fp32", "bf16", "int4", "q4", "int8", "q8")
 
 
