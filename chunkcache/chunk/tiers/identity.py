@@ -5,7 +5,7 @@ name (a fine-tune served as "default") and two tokenizers can map text to the sa
 identity hashes what decides the KV: every weight's name, shape and dtype plus a sample of its
 values (the first and last 64 elements: enough to tell checkpoints apart without reading
 gigabytes), the form the projections hold their weights in (`LlamaForCausalLM.weights_form`:
-quantized products are not in the state dict), and the tokenizer's whole vocabulary.
+quantized products are not in the state dict) and whether `qkernel` serves them, and the tokenizer's whole vocabulary.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import json
 from typing import Any
 
 import torch
+
+from chunkcache.model import qkernel
 
 _SAMPLE = 64
 
@@ -28,6 +30,10 @@ def model_identity(model: torch.nn.Module, tokenizer: Any, model_name: str) -> s
     form = getattr(model, "weights_form", "dense")
     if form != "dense":
         h.update(f"weights\0{form}\0".encode())
+        # Which kernel serves them changes the KV too (`qkernel`: float32 int4 scales, also in
+        # prefill's blocks; torch's: bfloat16), so a replica without AVX2 or a compiler never
+        # shares KV with one that has them.
+        h.update(f"qkernel\0{qkernel.available()}\0".encode())
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
         sample = torch.cat((flat[:_SAMPLE], flat[-_SAMPLE:])).to("cpu", copy=True).contiguous()
