@@ -47,16 +47,11 @@ _ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 ENGINE_OPTIONS: dict[str, Any] = {"exact_follow_ups": False}
 
 
-def leaks_full_prefill(chunk_exact: bool, prefix_caching: bool) -> bool:
-    """Whether an engine so configured could serve a reuse configuration's request from a full
-    prefill's KV (`exact_follow_ups` reads the prefix cache: without one it does nothing)."""
-    return chunk_exact and prefix_caching
-
-
 def check_engine(llm: LLM) -> None:
-    """Refuse an engine where a full prefill's KV could serve a reuse configuration's request."""
+    """Refuse an engine where a full prefill's KV could serve a reuse configuration's request
+    (`exact_follow_ups` reads the prefix cache: without one it does nothing)."""
     config = llm.engine.config
-    if leaks_full_prefill(config.chunk.exact_follow_ups, config.cache.enable_prefix_caching):
+    if config.chunk.exact_follow_ups and config.cache.enable_prefix_caching:
         raise ValueError(
             "exact_follow_ups must be off to measure reuse against full prefill in one engine "
             "(a full prefill's exact prefix would serve every configuration): build the engine "
