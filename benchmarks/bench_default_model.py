@@ -14,7 +14,7 @@ With `--weights native` (or int8) the projections are weight-only quantized prod
 1-row product time of each projection kind, summed over the layers, is printed for every mode.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_default_model.py [--model qwen2.5-coder-1.5b]
-        [--dtype bfloat16] [--compile-decode] [--weights native]
+        [--dtype bfloat16] [--compile-decode] [--weights native] [--[no-]int8-activations]
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--weights", default="dense", choices=("dense", "native", "int8", "auto"))
+    parser.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     before = rss_bytes()
@@ -97,6 +98,7 @@ def main() -> None:
         enable_prefix_caching=False,
         compile_decode=args.compile_decode,
         weights=args.weights,
+        **({} if args.int8_activations is None else {"int8_activations": args.int8_activations}),
     )
     load_s = time.perf_counter() - start
     rss, peak = rss_bytes() - before, rss_bytes("VmHWM")

@@ -447,6 +447,12 @@ def main(argv: list[str] | None = None) -> None:
         help="how projections hold their weights (engine option `weights`; label the run with --label). "
         "dense by default, as every recorded run was, whatever the model serves by default",
     )
+    parser.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="engine option `int8_activations` (default: the engine's)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", choices=[*SETS, "both"], default="original", help="which questions")
     parser.add_argument("--split", choices=["all", "tune", "heldout"], default="all")
@@ -545,6 +551,7 @@ def main(argv: list[str] | None = None) -> None:
         threads=args.threads,
         adapter=adapter,
         weights=args.weights,
+        **({} if args.int8_activations is None else {"int8_activations": args.int8_activations}),
         **measure.ENGINE_OPTIONS,  # no mode may read the full prefill's exact prefix
     )
     t0 = time.time()

@@ -28,12 +28,12 @@ from bench_quant_kernels import SHAPES  # the 1.5B's (out, in, products per step
 
 from chunkcache.model import qkernel
 
-FORMS = ("fp32", "bf16", "int4", "q4", "int8", "q8")
+FORMS = ("fp32", "bf16", "int4", "q4", "q4x", "q4k", "int8", "q8", "q8x")
 
 
 def weights(form: str, out_f: int, in_f: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
     """A product of x by a random weight of the form, and the bytes it reads."""
-    if form in ("int4", "q4"):
+    if form in ("int4", "q4", "q4x", "q4k"):
         codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         groups = in_f // 32
@@ -41,16 +41,29 @@ def weights(form: str, out_f: int, in_f: int) -> tuple[Callable[[torch.Tensor], 
             sz = (torch.rand(groups, out_f, 2) * 0.01).to(torch.bfloat16)
             run = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, 32, sz)  # noqa: E731
             return run, packed.numel() + sz.numel() * 2
-        s, m = torch.rand(groups, out_f) * 0.01, -torch.rand(groups, out_f) * 0.1
-        return lambda x: qkernel.int4(x, packed, s, m), packed.numel() + 8 * s.numel()
-    if form in ("int8", "q8"):
+        if form == "q4k":  # Q4_K's own factors: d, dmin per 256 inputs, 6-bit sc, m per 32
+            supers = in_f // 256
+            f, mult = qkernel.pack_superblocks(
+                torch.rand(supers, out_f) * 1e-3,
+                torch.rand(supers, out_f) * 1e-3,
+                torch.randint(0, 64, (groups, out_f)),
+                torch.randint(0, 64, (groups, out_f)),
+            )
+            return lambda x: qkernel.int4(
+                x, packed, f, mult, True
+            ), packed.numel() + 4 * f.numel() + mult.numel()
+        factors = qkernel.pack_factors(torch.rand(groups, out_f) * 0.01, -torch.rand(groups, out_f) * 0.1)
+        return lambda x: qkernel.int4(
+            x, packed, factors, None, form == "q4x"
+        ), packed.numel() + 4 * factors.numel()
+    if form in ("int8", "q8", "q8x"):
         codes = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
         scales = torch.rand(out_f).to(torch.bfloat16)
         if form == "int8":
             return lambda x: torch.ops.aten._weight_int8pack_mm(
                 x.to(torch.bfloat16), codes, scales
             ), codes.numel() + 2 * out_f
-        return lambda x: qkernel.int8(x, codes, scales), codes.numel() + 2 * out_f
+        return lambda x: qkernel.int8(x, codes, scales, form == "q8x"), codes.numel() + 2 * out_f
     w = torch.randn(out_f, in_f) * 0.02
     if form == "bf16":
         wb = w.to(torch.bfloat16)
@@ -105,8 +118,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--cold-mb", type=float, default=96.0)
     args = parser.parse_args()
-    if {"q4", "q8"} & set(args.forms) and not qkernel.available():
-        raise SystemExit("qkernel is unavailable here (see the log line): drop q4/q8 from --forms")
+    if {"q4", "q4x", "q4k", "q8", "q8x"} & set(args.forms) and not qkernel.available():
+        raise SystemExit("qkernel is unavailable here (see the log line): drop q4*/q8* from --forms")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     stream = stream_gbs()
@@ -134,7 +147,11 @@ def main() -> None:
             f"projections of one 1.5B step at {rows} rows, every weight in the form: "
             + " ".join(f"{form} {step[form, rows]:.0f} ms" for form in args.forms)
         )
-    pairs = [(a, b) for a, b in (("q4", "int4"), ("q8", "int8")) if a in args.forms and b in args.forms]
+    pairs = [
+        (a, b)
+        for a, b in (("q4", "int4"), ("q8", "int8"), ("q4x", "q4"), ("q4k", "q4x"), ("q8x", "q8"))
+        if a in args.forms and b in args.forms
+    ]
     print(
         f"SUMMARY bench_qkernel: stream={stream:.1f}GB/s "
         + " ".join(f"rows{r}_{a}_vs_{b}={step[b, r] / step[a, r]:.2f}x" for a, b in pairs for r in args.rows)

@@ -537,6 +537,10 @@ class EngineConfig:
     # projection kind, native unless dense measures >10% faster at both 1 and 128 rows at load
     # (model/weight_forms.py); the 1.5B's default (catalog engine_defaults), dense elsewhere.
     weights: str = "dense"
+    # CPU, quantized weights (native, int8, auto's native kinds) served by qkernel: decode's
+    # 1-row products round the activations to int8 per block of 32 (llama.cpp's Q8_0) and sum
+    # integer products; off keeps float32 activations (model/qkernel.py).
+    int8_activations: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
@@ -622,6 +626,7 @@ _TOP_LEVEL = (
     "narrow_weights",
     "compile_decode",
     "weights",
+    "int8_activations",
 )
 # ChunkConfig fields whose flat option name is the field's own (blend, calibration, fusion options).
 _SAME_NAME_PREFIXES = ("blend_", "calibration_", "separator_free", "fusion_")

@@ -44,6 +44,9 @@ OPTION_HELP: dict[str, str] = {
     "the token embedding as the file's blocks (rows dequantized per lookup, exactly) unless a tied lm_head "
     "reads it densely; auto (CPU and GGUF, else dense): per projection kind and GGUF type, native unless "
     "dense measures over 1.1x as fast at both 1 and 128 rows at load (timings logged)",
+    "int8_activations": "CPU, quantized weights under the AVX2 kernel: one-row (decode) products round "
+    "the activations to int8 per block of 32 and sum integer products, as llama.cpp does; "
+    "off keeps float32 activations",
     "block_size": "tokens per paged KV block, > 0",
     "kv_cache_tokens": "KV cache budget in tokens, >= block_size; wins over --kv-cache-memory-gb "
     "(default: 0.5 GiB)",

@@ -91,6 +91,84 @@ def test_each_gguf_type_served_by_the_kernel_is_the_files_weight(qtype: Q) -> No
         assert _close(y, x.double() @ file_weight.t()) < 3e-2
 
 
+def _int8_x(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as `int8_activations` rounds it, back in float64: per block of 32 inputs,
+    d round(x / d) with d = max|x| / 127 (qkernel.c's `quantize_blocks`)."""
+    blocks = x.double().view(x.shape[0], -1, 32)
+    d = (blocks.abs().amax(-1, keepdim=True).float() / 127).double()
+    inv = torch.where(d > 0, (127 / blocks.abs().amax(-1, keepdim=True).float()).double(), 0.0)
+    return (torch.round((blocks.float() * inv.float()).double()) * d).view_as(x)
+
+
+def _superblocks(out_f: int, in_f: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Q4_K-like factors per row: d and dmin float16 values [out, in / 256], 6-bit sc and m."""
+    d, dmin = ((torch.rand(out_f, in_f // 256, generator=g) * 1e-3).half().float() for _ in range(2))
+    sc, m = (torch.randint(0, 64, (out_f, in_f // 32), generator=g, dtype=torch.uint8) for _ in range(2))
+    return d, dmin, sc, m
+
+
+@pytest.mark.parametrize("shape", [(32, 256), (96, 512), (2048, 1536), (64, 8960)], ids=str)
+@pytest.mark.parametrize("form", ["float32 factors", "Q4_K factors"])
+def test_int8_activations_int4_kernel_is_the_product_over_rounded_x(shape, form) -> None:
+    """One row with `int8_x`: the codes times x rounded to int8 per block (summed as integers,
+    so exact), the minimum's term over x itself (its float sum): within float32 rounding of
+    that product in float64. Measured 7e-8 to 9e-7 of max |y|; the rounding of x itself moves y
+    by ~6e-3 of max |y| on these random inputs (the same order as torch's bfloat16 kernels)."""
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(out_f + in_f)
+    q = torch.randint(0, 16, shape, dtype=torch.uint8, generator=g)
+    blocks = _superblocks(out_f, in_f, g) if form == "Q4_K factors" else None
+    if blocks is None:
+        scale, minimum = (
+            torch.rand(out_f, in_f // 32, generator=g) * 0.01,
+            -torch.rand(out_f, in_f // 32) * 0.08,
+        )
+    else:
+        d, dmin, sc, m = blocks
+        scale, minimum = d.repeat_interleave(8, 1) * sc.float(), -(dmin.repeat_interleave(8, 1) * m.float())
+    part = Int4Part(q, scale, minimum, int8_x=True, superblocks=blocks)
+    assert (part.multipliers is not None) == (blocks is not None)
+    x = torch.randn(1, in_f, generator=g) * torch.rand(1, in_f, generator=g) * 4  # uneven blocks
+    s64, m64 = (a.double().repeat_interleave(32, 1) for a in (scale, minimum))
+    exact = _int8_x(x) @ (q.double() * s64).t() + x.double() @ m64.t()
+    y = part.kernel(x)
+    assert _close(y, exact) < TOL
+    assert _close(y, x.double() @ (q.double() * s64 + m64).t()) > 10 * TOL  # x was rounded
+    more = torch.cat([x, x])  # more rows keep float32 x: the rows are the 1-row float product
+    assert torch.equal(part.kernel(more), Int4Part(q, scale, minimum, superblocks=blocks).kernel(more))
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (40, 1536), (300, 8960)], ids=str)
+def test_int8_activations_int8_kernel_is_the_product_over_rounded_x(shape) -> None:
+    """The int8 part's 1-row product on int8 x: |code| times x carrying the code's sign
+    (`maddubs`), within float32 rounding of the float64 product over the rounded x; inputs not a
+    multiple of 32 keep float32 x."""
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    part = Int8Part.quantize(torch.randn(shape, generator=g), int8_x=True)
+    x = torch.randn(1, shape[1], generator=g)
+    w = part.codes.double() * part.scales.double()[:, None]
+    rounded = _int8_x(x) if shape[1] % 32 == 0 else x.double()
+    assert _close(part.kernel(x), rounded @ w.t()) < TOL
+
+
+def test_q4k_factors_are_the_float32_ones_in_fewer_bytes() -> None:
+    """A Q4_K tensor through `native_parts` holds its own factors (d, dmin per 256 inputs, sc and
+    m per 32: 3 bytes per 32 weights instead of 8) whose products are exactly `affine_int4`'s
+    scale and minimum, and its products match the float32-factor part's at 1-8 rows."""
+    raw = _raw(Q.Q4_K, seed=22, shape=(64, 512))
+    (part,) = quant.native_parts([raw], torch.float32, {})
+    q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
+    plain = Int4Part(q, scale, minimum)
+    assert part.multipliers is not None and plain.multipliers is None
+    held = sum(t.numel() * t.element_size() for t in part.tensors()[1:])
+    assert held * 8 == sum(t.numel() * t.element_size() for t in plain.tensors()[1:]) * 3
+    for ours, theirs in zip(part.affine(), (scale.t(), minimum.t()), strict=True):
+        assert torch.equal(ours, theirs)
+    x = torch.randn(8, 512)
+    for rows in (1, 3, 8):
+        torch.testing.assert_close(part.kernel(x[:rows]), plain.kernel(x[:rows]), rtol=1e-6, atol=1e-6)
+
+
 def test_the_kernel_is_more_exact_than_torchs_bfloat16_one() -> None:
     """The same Q4_K tensor through `qkernel` and through torch's kernel (its bfloat16 x,
     scales, zeros and output), both against the file's values in float64."""
@@ -230,7 +308,8 @@ def test_native_int4_decode_gives_transformers_greedy_tokens(
     own GGUF dequantization (tests/test_gguf.py), and every step's top-5 log-probs are within
     float32 summation of it. Measured: no token changed; log-probs within 1.8e-5 / 8.8e-6
     (llama-Q4_K / qwen2-Q4_1), where torch's bfloat16 kernels (the same run without `qkernel`)
-    moved them by 0.053 / 0.058 and changed a qwen2 token."""
+    moved them by 0.053 / 0.058 and changed a qwen2 token. With `int8_activations` the
+    decode's rounded x moves them as the assertion below says."""
     from chunkcache import LLM, SamplingParams
     from tests import test_gguf
     from tests.test_quant import _deviation
@@ -245,10 +324,23 @@ def test_native_int4_decode_gives_transformers_greedy_tokens(
     test_gguf.write_gguf(src, tmp_path / "model.gguf", qtype)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     outs = {}
-    for weights in ("dense", "native"):
-        llm = LLM(str(tmp_path), tokenizer=str(src), dtype="float32", kv_cache_tokens=512, weights=weights)
-        outs[weights] = llm.generate(test_gguf.PROMPT, params)[0].outputs[0]
+    for weights, int8_x in (("dense", False), ("native", False), ("native", True)):
+        llm = LLM(
+            str(tmp_path),
+            tokenizer=str(src),
+            dtype="float32",
+            kv_cache_tokens=512,
+            weights=weights,
+            int8_activations=int8_x,
+        )
+        outs[weights, int8_x] = llm.generate(test_gguf.PROMPT, params)[0].outputs[0]
         llm.check_integrity()
     assert served, "qkernel served no product"
-    assert outs["native"].token_ids == outs["dense"].token_ids
-    assert _deviation(outs["native"], outs["dense"]) < 2e-4
+    dense = outs["dense", False]
+    assert outs["native", False].token_ids == dense.token_ids
+    assert _deviation(outs["native", False], dense) < 2e-4
+    # int8 activations (decode's 1-row products on x rounded per block of 32): measured 0.005
+    # (llama-Q4_K, no token changed) and 0.137 (qwen2-Q4_1, whose tied 64-wide lm_head is int4 too;
+    # the 7th token of 8 changed at a near-tie); a misread code or factor moves them by units.
+    assert outs["native", True].token_ids[0] == dense.token_ids[0]  # the prompt's float32 products
+    assert _deviation(outs["native", True], dense) < 0.3

@@ -128,7 +128,7 @@ def _gguf(checkpoint, tmp_path, monkeypatch, arch, qtype, overrides):
 def _force(monkeypatch, dense_kinds: set[str]) -> None:
     """Make every group of a kind in `dense_kinds` time dense 2x faster, the others equal."""
 
-    def measure(raws, kind, dtype, narrow_weights):
+    def measure(raws, kind, dtype, narrow_weights, int8_x=False):
         return (1.0,), (2.0 if kind in dense_kinds else 1.0,)
 
     monkeypatch.setattr(weight_forms, "time_forms", measure)
@@ -236,14 +236,19 @@ def test_the_tiers_identity_binds_the_weights_form(checkpoint, tmp_path, monkeyp
     src = _gguf(checkpoint, tmp_path, monkeypatch, arch, qtype, {})
     path = str(tmp_path / "model.gguf")
 
-    def identity(weights: str) -> str:
-        loaded = load_model(path, "cpu", "float32", tokenizer=str(src), weights=weights)
+    def identity(weights: str, int8_activations: bool = False) -> str:
+        loaded = load_model(
+            path, "cpu", "float32", tokenizer=str(src), weights=weights, int8_activations=int8_activations
+        )
         return model_identity(loaded.model, loaded.tokenizer, "m")
 
     _force(monkeypatch, {"qkv", "o"})
     dense, native, mixed = identity("dense"), identity("native"), identity("auto")
     assert dense == identity("dense")
     assert len({dense, native, mixed}) == 3
+    # Decode's int8 activations change the KV of the tokens it generates; dense weights ignore it.
+    assert identity("native", int8_activations=True) not in (dense, native, mixed)
+    assert identity("dense", int8_activations=True) == dense
     _force(monkeypatch, {"qkv", "o", "gate_up", "down", "lm_head"})
     assert identity("auto") == dense  # everything dense: a dense load exactly
     # The kernel that serves native weights changes their KV too (float32 against bfloat16 int4

@@ -81,6 +81,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         config.adapter,
         config.narrow_weights,
         config.weights,
+        config.int8_activations,
     )
     if loaded.device.type == "cpu":
         # What the load freed goes back; activations freed by a step stay mapped for the next

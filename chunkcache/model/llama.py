@@ -146,6 +146,9 @@ class LlamaForCausalLM(nn.Module):
         # `weights` ("dense", "native", "int8", or native with the projections `auto` kept dense
         # named): KV computed through other forms differs, so the tiers' identity binds it.
         self.weights_form = "dense"
+        # Whether the quantized products of one row round x to int8 (engine option
+        # `int8_activations`): decode's KV differs with it, so the identity binds it too.
+        self.int8_activations = False
 
     def forward(
         self,

@@ -236,13 +236,15 @@ def load_model(
     adapter: str | None = None,
     narrow_weights: bool = True,
     weights: str = "dense",
+    int8_activations: bool = False,
 ) -> LoadedModel:
     """The model at `model` (directory, .gguf file or hub id) on `device`, with its tokenizer, or
     with the one in the directory `tokenizer` where given; a LoRA `adapter` (peft's format) is
     merged into the weights. `narrow_weights`: see `LlamaForCausalLM.prepare`. `weights`: how
     the projections hold their weights (`model/quant.py`): dense, native (a GGUF's own
     quantization), int8 (per output channel), auto (per projection kind, dense or native,
-    whichever measures faster here: `model/weight_forms.py`)."""
+    whichever measures faster here: `model/weight_forms.py`). `int8_activations`: quantized
+    weights' 1-row products round x to int8 per block of 32 (`qkernel`)."""
     start = time.perf_counter()
     path = resolve_model_path(model)
     lora = LoraAdapter.open(adapter) if adapter is not None else None
@@ -264,7 +266,13 @@ def load_model(
     forms = None
     if weights == "auto":
         forms = _auto_forms(
-            dev, checkpoint if gguf is not None else None, adapter, spec, torch_dtype, narrow_weights
+            dev,
+            checkpoint if gguf is not None else None,
+            adapter,
+            spec,
+            torch_dtype,
+            narrow_weights,
+            int8_activations,
         )
     served = weights if forms is None else forms.served
     dense_modules = frozenset() if forms is None else forms.dense_modules
@@ -281,7 +289,7 @@ def load_model(
         if dev.type != "cpu":
             raise ModelLoadError(f"weights {weights!r} are CPU kernels; on {dev.type} use weights 'dense'")
         raw = _raw_reader(checkpoint) if gguf is not None else None
-        apply_weights(net, served, raw, spec.tie_word_embeddings, dense_modules)
+        apply_weights(net, served, raw, spec.tie_word_embeddings, dense_modules, int8_activations)
         unbuilt = [n for n, p in net.named_parameters() if p.is_meta]
         if unbuilt:  # a tensor dense_at_load skipped that no quantized form replaced: a bug here
             raise ModelLoadError(f"weights {weights!r} left {unbuilt[:4]} without values")
@@ -291,6 +299,7 @@ def load_model(
     # A GGUF's metadata is its whole config: a generation_config.json beside it belongs to something else.
     gen = path / "generation_config.json" if gguf is None else None
     net.weights_form = served if forms is None else forms.form
+    net.int8_activations = int8_activations and served != "dense"
     why = f"{str(torch_dtype).removeprefix('torch.')} on {dev} ({reason})"
     if weights != "dense":
         why += f", weights {weights if forms is None else forms.summary()}"
@@ -306,6 +315,7 @@ def _auto_forms(
     spec: ModelSpec,
     dtype: torch.dtype,
     narrow_weights: bool,
+    int8_x: bool,
 ) -> weight_forms.Forms:
     """`weights auto`'s choice per projection group (timed on the file's blocks), or why it is
     dense untimed (`weight_forms.fallback`)."""
@@ -313,7 +323,9 @@ def _auto_forms(
     if why_dense is not None or checkpoint is None:
         forms = weight_forms.Forms((), why_dense)
     else:
-        forms = weight_forms.resolve(checkpoint.qtype, _raw_reader(checkpoint), spec, dtype, narrow_weights)
+        forms = weight_forms.resolve(
+            checkpoint.qtype, _raw_reader(checkpoint), spec, dtype, narrow_weights, int8_x
+        )
     logger.info("weights %s", forms.summary())
     return forms
 

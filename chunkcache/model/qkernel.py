@@ -102,8 +102,8 @@ def library() -> ctypes.CDLL | None:
             reason = f"building {SOURCE.name} failed: {detail}"
         else:
             p, i = ctypes.c_void_p, ctypes.c_int
-            lib.int4_product.argtypes = [p, i, i, i, p, p, p, p, i]
-            lib.int8_product.argtypes = [p, i, i, i, p, p, p, i]
+            lib.int4_product.argtypes = [p, i, i, i, p, p, p, p, i, i]
+            lib.int8_product.argtypes = [p, i, i, i, p, p, p, i, i]
             lib.int4_product.restype = lib.int8_product.restype = None
             return lib
     logger.info("quantized products: torch's bfloat16 kernels serve decode (%s)", reason)
@@ -114,20 +114,69 @@ def available() -> bool:
     return library() is not None
 
 
-def int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """x [T, in] (cast to float32) times the int4 weight (`packed` in torch's AVX2 packing, `scale`
-    and `minimum` float32 [in / 32, out]): float32 [T, out]. Eager, a direct ctypes call: the
-    `torch.library.custom_op` we had first cost ~40 us a call (~5 ms of a 1.5B decode step's ~150
-    products); in a graph being compiled, the op."""
+def int4(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    factors: torch.Tensor,
+    multipliers: torch.Tensor | None = None,
+    int8_x: bool = False,
+) -> torch.Tensor:
+    """x [T, in] (cast to float32) times the int4 weight (`packed` in torch's AVX2 packing, the
+    factors as `pack_factors` or `pack_superblocks` lays them out): float32 [T, out]. `int8_x`: a 1-row x is rounded to
+    int8 per block of 32 and the products summed as integers (`quantize_x` in qkernel.c); more
+    rows keep float32. Eager, a direct ctypes call: the `torch.library.custom_op` we had first
+    cost ~40 us a call (~5 ms of a 1.5B decode step's ~150 products); in a graph being compiled,
+    the op."""
     op = torch.ops.chunkcache.int4_product if torch.compiler.is_compiling() else _int4
-    return _in_row_chunks(x.float(), lambda c: op(c, packed, scale, minimum))
+    return _in_row_chunks(x.float(), lambda c: op(c, packed, factors, multipliers, int8_x))
 
 
-def int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: bool = False) -> torch.Tensor:
     """x [T, in] (cast to float32) times the int8 weight (`codes` [out, in], bfloat16 `scales`
-    [out]): float32 [T, out]; dispatched as `int4` is."""
+    [out]): float32 [T, out]; dispatched as `int4` is, `int8_x` as there where `in` is a multiple
+    of 32 (float32 x otherwise)."""
     op = torch.ops.chunkcache.int8_product if torch.compiler.is_compiling() else _int8
-    return _in_row_chunks(x.float(), lambda c: op(c, codes, scales))
+    return _in_row_chunks(x.float(), lambda c: op(c, codes, scales, int8_x))
+
+
+def _tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two [G, out] tables as [out / TILE, G, 2, TILE]: a tile's values for every G in one run."""
+    groups, n = a.shape
+    return torch.stack([a, b]).view(2, groups, n // TILE, TILE).permute(2, 1, 0, 3).contiguous()
+
+
+def _untile(tiled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    tiles, groups = tiled.shape[:2]
+    both = tiled.permute(2, 1, 0, 3).reshape(2, groups, tiles * TILE)
+    return both[0], both[1]
+
+
+def pack_factors(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """An int4 weight's scale and minimum [groups, out] as the kernel reads them: float32
+    [out / TILE, groups, 2, TILE]."""
+    return _tiles(scale.float(), minimum.float())
+
+
+def pack_superblocks(
+    d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_K weight's own factors as the kernel reads them (scale = d sc, minimum = -dmin m):
+    d and dmin float32 [in / 256, out] as float32 [out / TILE, in / 256, 2, TILE] (d, -dmin), and
+    the 6-bit sc and m [in / 32, out] as uint8 [out / TILE, in / 32, 2, TILE]."""
+    return _tiles(d.float(), -dmin.float()), _tiles(sc.to(torch.uint8), m.to(torch.uint8))
+
+
+def unpack_factors(
+    factors: torch.Tensor, multipliers: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_factors` or `pack_superblocks` undone: (scale, minimum) float32 [groups, out], copies
+    (the kernel's products: d sc and -dmin m in float32)."""
+    a, b = _untile(factors)
+    if multipliers is None:
+        return a, b
+    sc, m = (t.float() for t in _untile(multipliers))
+    per = sc.shape[0] // a.shape[0]
+    return a.repeat_interleave(per, 0) * sc, b.repeat_interleave(per, 0) * m
 
 
 def _in_row_chunks(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -138,20 +187,27 @@ def _in_row_chunks(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tens
     return torch.cat([product(c) for c in x.split(MAX_ROWS)])
 
 
-def _int4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+def _int4(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    factors: torch.Tensor,
+    multipliers: torch.Tensor | None,
+    int8_x: bool,
+) -> torch.Tensor:
     lib = library()
     assert lib is not None and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
     x = x.contiguous()
     n = packed.shape[0]
     y = torch.empty(x.shape[0], n)
     lib.int4_product(
-        x.data_ptr(), x.shape[0], x.shape[1], n, packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(),
-        y.data_ptr(), torch.get_num_threads(),
+        x.data_ptr(), x.shape[0], x.shape[1], n, packed.data_ptr(), factors.data_ptr(),
+        None if multipliers is None else multipliers.data_ptr(),
+        y.data_ptr(), torch.get_num_threads(), int(int8_x),
     )  # fmt: skip
     return y
 
 
-def _int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: bool) -> torch.Tensor:
     lib = library()
     assert lib is not None and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
     assert scales.dtype == torch.bfloat16 and scales.is_contiguous() and codes.is_contiguous()
@@ -160,7 +216,7 @@ def _int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.T
     y = torch.empty(x.shape[0], n)
     lib.int8_product(
         x.data_ptr(), x.shape[0], x.shape[1], n, codes.data_ptr(), scales.data_ptr(), y.data_ptr(),
-        torch.get_num_threads(),
+        torch.get_num_threads(), int(int8_x and x.shape[1] % 32 == 0),
     )  # fmt: skip
     return y
 
@@ -169,17 +225,25 @@ def _int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.T
 # `torch.library.custom_op`, whose Python wrapper cost ~35 us more per call (47 against 82 us on a
 # SmolLM2 576x960 int4 part, 40 us direct): a compiled SmolLM2 step calls ~120 of them.
 _LIBRARY = torch.library.Library("chunkcache", "DEF")
-_LIBRARY.define("int4_product(Tensor x, Tensor packed, Tensor scale, Tensor minimum) -> Tensor")
-_LIBRARY.define("int8_product(Tensor x, Tensor codes, Tensor scales) -> Tensor")
+_LIBRARY.define(
+    "int4_product(Tensor x, Tensor packed, Tensor factors, Tensor? multipliers, bool int8_x) -> Tensor"
+)
+_LIBRARY.define("int8_product(Tensor x, Tensor codes, Tensor scales, bool int8_x) -> Tensor")
 _LIBRARY.impl("int4_product", _int4, "CPU")
 _LIBRARY.impl("int8_product", _int8, "CPU")
 
 
 @torch.library.register_fake("chunkcache::int4_product")
-def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+def _(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    factors: torch.Tensor,
+    multipliers: torch.Tensor | None,
+    int8_x: bool,
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
 @torch.library.register_fake("chunkcache::int8_product")
-def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], codes.shape[0])

@@ -98,11 +98,7 @@ def affine_int4(raw: RawTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # low nibbles are elements 0-15
         scale = d
     elif raw.qtype == "Q4_K":
-        from gguf.quants import Q4_K
-
-        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+        d, dmin, sc, m = _q4k_factors(blocks)
         scale = d * sc.astype(np.float32)  # [blocks, 8]
         minimum = -(dmin * m.astype(np.float32))
         # Per 64 elements, 32 bytes: low nibbles are the first sub-block of 32, high the second.
@@ -118,31 +114,67 @@ def affine_int4(raw: RawTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
+def _q4k_factors(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_K tensor's blocks' d and dmin (float32 [blocks, 1], from float16) and 6-bit sc and m
+    (uint8 [blocks, 8], one per sub-block of 32)."""
+    from gguf.quants import Q4_K
+
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    return d, dmin, sc.astype(np.uint8), m.astype(np.uint8)
+
+
+def q4k_superblocks(raw: RawTensor) -> tuple[np.ndarray, ...]:
+    """A Q4_K tensor's own factors per output row: d and dmin float32 [rows, cols / 256], sc and
+    m uint8 [rows, cols / 32] (scale = d sc, minimum = -dmin m: `affine_int4`'s values)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    rows = raw.shape[0]
+    blocks = raw.data.reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K][1])
+    d, dmin, sc, m = _q4k_factors(blocks)
+    return d.reshape(rows, -1), dmin.reshape(rows, -1), sc.reshape(rows, -1), m.reshape(rows, -1)
+
+
 class Int4Part:
     """Output rows whose weight is 4-bit codes (torch's int4 packing, the one copy held) with a
-    scale and a minimum per group of 32: float32 where `qkernel` serves the few-row products
-    (`native`), else the bfloat16 scale and zero torch's kernel takes."""
+    scale and a minimum per group of 32: where `qkernel` serves the few-row products (`native`),
+    float32, or a Q4_K file's own factors (`superblocks`: 3 bytes per 32 weights instead of 8,
+    the same values); else the bfloat16 scale and zero torch's kernel takes."""
 
     def __init__(
-        self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, native: bool | None = None
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        native: bool | None = None,
+        int8_x: bool = False,
+        superblocks: tuple[torch.Tensor, ...] | None = None,
     ) -> None:
         """`qkernel` serves where it is available and the rows are whole tiles of the packing it
-        reads (never otherwise, whatever `native` says); `native=False` keeps torch's kernel."""
-        self.rows = q.shape[0]
+        reads (never otherwise, whatever `native` says); `native=False` keeps torch's kernel.
+        `int8_x`: its 1-row products round x to int8 per block of 32 (engine option
+        `int8_activations`); the default keeps float32 x. `superblocks`: (d, dmin, sc, m) per row
+        (`q4k_superblocks`) of the same weight, held instead of float32 factors."""
+        self.rows, self.int8_x = q.shape[0], int8_x
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
         self.native = native is not False and qkernel.available() and dequant.int4_blocks_apply(self.rows)
-        if self.native:  # [groups, rows] each: a group's factors for a tile of rows are contiguous
-            self.scale, self.minimum = scale.t().float().contiguous(), minimum.t().float().contiguous()
+        self.multipliers: torch.Tensor | None = None
+        if self.native and superblocks is not None and q.shape[1] % 256 == 0:
+            self.factors, self.multipliers = qkernel.pack_superblocks(*(t.t() for t in superblocks))
+        elif self.native:  # [tiles, groups, 2, 32]: qkernel.pack_factors
+            self.factors = qkernel.pack_factors(scale.t(), minimum.t())
         else:
             zero = minimum + 8 * scale  # the kernel's w = (q - 8) s + z
             self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
 
-    def affine(self, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, minimum) float32 [groups, rows] of the weight served: w = scale q + minimum."""
+    def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, minimum) float32 [groups, rows] of the weight served: w = scale q + minimum
+        (copies: ~1 ms for the 1.5B's gate/up, against the ~0.3 s GEMM of a 256-row prefill)."""
         if self.native:
-            return self.scale[:, rows], self.minimum[:, rows]
-        s = self.scale_zeros[:, rows, 0].float()
-        return s, self.scale_zeros[:, rows, 1].float() - 8 * s
+            return qkernel.unpack_factors(self.factors, self.multipliers)
+        s = self.scale_zeros[..., 0].float()
+        return s, self.scale_zeros[..., 1].float() - 8 * s
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT4_MIN_ROWS`
@@ -155,32 +187,39 @@ class Int4Part:
         """The kernel alone: `qkernel`'s (float32 x and y, `qkernel.MAX_ROWS` rows a call), or
         torch's (bfloat16 x and y)."""
         if self.native:
-            return qkernel.int4(x, self.packed, self.scale, self.minimum)
+            return qkernel.int4(x, self.packed, self.factors, self.multipliers, self.int8_x)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, GROUP, self.scale_zeros
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.packed, self.scale, self.minimum) if self.native else (self.packed, self.scale_zeros)
+        if not self.native:
+            return (self.packed, self.scale_zeros)
+        return (
+            (self.packed, self.factors)
+            if self.multipliers is None
+            else (self.packed, self.factors, self.multipliers)
+        )
 
 
 class Int8Part:
     """Output rows quantized to int8 with one bfloat16 scale per row (symmetric, absmax / 127)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, int8_x: bool = False) -> None:
         self.rows, self.codes, self.scales = codes.shape[0], codes.contiguous(), scales
         self.native = qkernel.available()  # whether `qkernel` serves the few-row products
+        self.int8_x = int8_x  # as Int4Part's
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Part:
+    def quantize(cls, weight: torch.Tensor, int8_x: bool = False) -> Int8Part:
         """`weight` per output channel; row by row, so a tensor converted in row blocks and
         concatenated is bit for bit the tensor converted whole."""
         w = weight.float()
         scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
-        return cls(torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8), scale)
+        return cls(torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8), scale, int8_x)
 
     @classmethod
-    def of_raw(cls, raw: RawTensor) -> Int8Part:
+    def of_raw(cls, raw: RawTensor, int8_x: bool = False) -> Int8Part:
         """A GGUF tensor re-quantized per channel from its dequantized values, `CONVERT_ROWS` rows
         at a time: a whole float32 copy of a large tensor (the 1.5B's Q6_K lm_head: 0.93 GB,
         and ~3x that in the conversion's temporaries) would set the load's peak. Each block is
@@ -190,7 +229,7 @@ class Int8Part:
         for start in range(0, rows, CONVERT_ROWS):
             block = cls.quantize(torch.from_numpy(raw.dequantize(slice(start, start + CONVERT_ROWS))))
             codes[start : start + block.rows], scales[start : start + block.rows] = block.codes, block.scales
-        return cls(codes, scales)
+        return cls(codes, scales, int8_x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT8_MIN_ROWS`
@@ -202,7 +241,7 @@ class Int8Part:
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel alone: `qkernel`'s (float32 x and y) or torch's (bfloat16 x and y)."""
         if self.native:
-            return qkernel.int8(x, self.codes, self.scales)
+            return qkernel.int8(x, self.codes, self.scales, self.int8_x)
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -278,10 +317,13 @@ class Conversion:
         return (self.error_sq / self.norm_sq) ** 0.5 if self.norm_sq else 0.0
 
 
-def native_parts(raws: list[RawTensor], dtype: torch.dtype, report: dict[str, Conversion]) -> list[Part]:
+def native_parts(
+    raws: list[RawTensor], dtype: torch.dtype, report: dict[str, Conversion], int8_x: bool = False
+) -> list[Part]:
     """The parts of a (merged) projection made of the GGUF tensors `raws`, in order; consecutive
     tensors of the same form share one part (one kernel call). `report` gathers per type the form
-    it took and the error measured against gguf's dequantization."""
+    it took and the error measured against gguf's dequantization. `int8_x`: the quantized parts'
+    1-row products round x to int8 (`Int4Part`)."""
     pieces: list[tuple[type, list[torch.Tensor]]] = []  # (part class, its arguments, rows stacked)
     for raw in raws:
         rows = slice(0, min(_ERROR_ROWS, raw.shape[0]))
@@ -289,6 +331,8 @@ def native_parts(raws: list[RawTensor], dtype: torch.dtype, report: dict[str, Co
         if raw.qtype in INT4_TYPES and raw.shape[1] % GROUP == 0:
             q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
             args = [q, scale, minimum]
+            if raw.qtype == "Q4_K":
+                args += [torch.from_numpy(a) for a in q4k_superblocks(raw)]
             if qkernel.available() and raw.shape[0] % qkernel.TILE == 0:  # float32 factors
                 s, m = (a[rows].repeat_interleave(GROUP, 1) for a in (scale, minimum))
                 served, form = (
@@ -302,7 +346,7 @@ def native_parts(raws: list[RawTensor], dtype: torch.dtype, report: dict[str, Co
                 form = "int4 (own codes, bfloat16 scales and zeros)"
             kind = Int4Part
         elif raw.qtype in INT8_TYPES:
-            part = Int8Part.of_raw(raw)
+            part = Int8Part.of_raw(raw, int8_x)
             args = [part.codes, part.scales]
             served = (part.codes[rows].float() * part.scales[rows].float()[:, None]).numpy()
             kind, form = Int8Part, "int8 per channel (re-quantized)"
@@ -324,7 +368,18 @@ def native_parts(raws: list[RawTensor], dtype: torch.dtype, report: dict[str, Co
             pieces[-1][1].append(args)
         else:
             pieces.append((kind, [args]))
-    return [kind(*(torch.cat(column) for column in zip(*group, strict=True))) for kind, group in pieces]
+    parts: list[Part] = []
+    for kind, group in pieces:
+        if kind is Int4Part and len({len(a) for a in group}) > 1:  # Q4_K beside another 4-bit type
+            group = [a[:3] for a in group]
+        args = [torch.cat(column) for column in zip(*group, strict=True)]
+        if kind is DensePart:
+            parts.append(DensePart(*args))
+        elif kind is Int4Part:
+            parts.append(Int4Part(*args[:3], int8_x=int8_x, superblocks=tuple(args[3:]) or None))
+        else:
+            parts.append(Int8Part(*args, int8_x=int8_x))
+    return parts
 
 
 def log_conversions(report: dict[str, Conversion]) -> None:
@@ -363,13 +418,15 @@ def apply_weights(
     raw: Callable[[str], RawTensor] | None,
     tied: bool,
     dense_modules: frozenset[str] = frozenset(),
+    int8_x: bool = False,
 ) -> None:
     """Give every Linear of `net` a quantized product and drop its dense weight: `native`, the
     GGUF tensors `raw(name)` in their own forms, and the token embedding its file blocks where
     `embedding_quantized`; `int8`, the loaded weight per output channel. The dense weights are
     read here, so they must be the final ones (tied, merged); under `native` the ones
     `dense_at_load` skips are meta tensors, of which only the dtype is read. The Linears named
-    in `dense_modules` keep their dense weight (`weights auto`)."""
+    in `dense_modules` keep their dense weight (`weights auto`). `int8_x`: the quantized products
+    of one row round x to int8 per block of 32 (engine option `int8_activations`)."""
     from chunkcache.model.linear import Linear
     from chunkcache.model.quant_embedding import QuantEmbedding
 
@@ -380,7 +437,7 @@ def apply_weights(
         weight, bias = m.weight.detach(), None if m.bias is None else m.bias.detach()
         sources = [] if raw is None else [raw(n) for n in source_names(name, tied)]
         if weights == "int8":
-            parts: list[Part] = [Int8Part.quantize(weight)]
+            parts: list[Part] = [Int8Part.quantize(weight, int8_x)]
         elif name == "lm_head" and not embedding_quantized(sources[0].qtype, tied, dense_modules):
             # The embedding's dense weight is held anyway for row lookups: the tied lm_head reads
             # it exactly at no memory cost, where int8 measured worse on SmolLM2 (its Q8_0
@@ -391,7 +448,7 @@ def apply_weights(
                 f"{sources[0].qtype} (tied lm_head)", Conversion("the embedding's dense weight")
             )
         else:
-            parts = native_parts(sources, weight.dtype, report)
+            parts = native_parts(sources, weight.dtype, report, int8_x)
         m.quant = QuantProduct(parts, bias, weight.dtype)
         m.weight = None
         m.bias = None

@@ -170,6 +170,7 @@ def resolve(
     spec: ModelSpec,
     dtype: torch.dtype,
     narrow_weights: bool,
+    int8_x: bool = False,
 ) -> Forms:
     """Time each group of projections (kind and GGUF types; `qtype(name)` gives a checkpoint
     tensor's type, `raw(name)` its blocks) in both forms (`time_forms`), on its
@@ -195,7 +196,7 @@ def resolve(
                 RawTensor(r.name, r.qtype, r.data[:LM_HEAD_ROWS], (min(LM_HEAD_ROWS, r.shape[0]), r.shape[1]))
                 for r in raws
             ]
-        dense, native = time_forms(raws, kind, dtype, narrow_weights)
+        dense, native = time_forms(raws, kind, dtype, narrow_weights, int8_x=int8_x)
         timings.append(Timing(kind, types, tuple(modules), tuple(dense), tuple(native)))
         logger.info("weights auto: %s", timings[-1].line())
     return Forms(tuple(timings))
@@ -215,17 +216,17 @@ def dense_weight(raws: list[RawTensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 def candidates(
-    raws: list[RawTensor], kind: str, dtype: torch.dtype, narrow_weights: bool
+    raws: list[RawTensor], kind: str, dtype: torch.dtype, narrow_weights: bool, int8_x: bool = False
 ) -> tuple[Linear, Linear]:
     """The projection made of `raws` in both forms: dense, laid out as the model lays it out,
-    and native (`quant.native_parts`)."""
+    and native (`quant.native_parts`, with the activations the load serves: `int8_x`)."""
     rows, cols = sum(r.shape[0] for r in raws), raws[0].shape[1]
     with torch.device("meta"):  # no float32 placeholder weight (0.93 GB for the 1.5B's lm_head)
         dense, native = (Linear(cols, rows, bias=False, gated=kind == "gate_up") for _ in range(2))
     dense.weight = nn.Parameter(dense_weight(raws, dtype), requires_grad=False)
     prepare_projection(dense, narrow_weights, kind == "lm_head")
     native.weight = None
-    native.quant = QuantProduct(native_parts(raws, dtype, {}), None, dtype)
+    native.quant = QuantProduct(native_parts(raws, dtype, {}, int8_x), None, dtype)
     return dense, native
 
 
@@ -236,12 +237,13 @@ def time_forms(
     dtype: torch.dtype,
     narrow_weights: bool,
     timer: Callable[[], float] = time.process_time,
+    int8_x: bool = False,
 ) -> tuple[list[float], list[float]]:
     """CPU seconds (`timer`: the process's, so intra-op threads count) of the projection's
     product in each form, per size (1 row; and PREFILL_ROWS rows but for the lm_head): the
     fastest of `REPEATS` after a warm-up, the forms interleaved, each product after
-    `_EVICT_FLOATS` written."""
-    forms = candidates(raws, kind, dtype, narrow_weights)
+    `_EVICT_FLOATS` written; native with `int8_x` as the load would serve it."""
+    forms = candidates(raws, kind, dtype, narrow_weights, int8_x)
     evict = torch.empty(_EVICT_FLOATS)
     generator = torch.Generator().manual_seed(0)
     best: list[list[float]] = [[], []]
