@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from chunkcache.model import dequant, qkernel, quant
-from chunkcache.model.quant import Int4Part, Int8Part, QuantProduct, affine_int4
+from chunkcache.model.gguf_blocks import affine_int4
+from chunkcache.model.quant import Int4Part, Int8Part, QuantProduct
 
 pytestmark = pytest.mark.skipif(
     not qkernel.available(), reason="qkernel unavailable here (no AVX2/FMA or no C compiler)"

@@ -23,6 +23,7 @@ import torch
 from chunkcache import config
 from chunkcache.errors import ModelLoadError
 from chunkcache.model import dequant, quant, quant_embedding
+from chunkcache.model.gguf_blocks import RawTensor, affine_int4
 from chunkcache.model.linear import Linear
 from chunkcache.model.loader import load_model
 from chunkcache.model.quant import (
@@ -30,8 +31,6 @@ from chunkcache.model.quant import (
     Int4Part,
     Int8Part,
     QuantProduct,
-    RawTensor,
-    affine_int4,
     native_parts,
 )
 

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from chunkcache.errors import ModelLoadError
-from chunkcache.model.quant import RawTensor
+from chunkcache.model.gguf_blocks import RawTensor
 
 # general.architecture -> transformers architecture. llama.cpp writes Mistral models as "llama";
 # like transformers, we tell them apart by general.name.

@@ -25,10 +25,11 @@ from tqdm import tqdm
 from chunkcache.errors import ModelLoadError
 from chunkcache.model import catalog, weight_forms
 from chunkcache.model.adapter import LoraAdapter
+from chunkcache.model.gguf_blocks import RawTensor
 from chunkcache.model.gguf_file import GGUFCheckpoint, load_gguf_tokenizer
 from chunkcache.model.linear import Linear
 from chunkcache.model.llama import LlamaForCausalLM
-from chunkcache.model.quant import WEIGHTS, RawTensor, apply_weights, dense_at_load
+from chunkcache.model.quant import WEIGHTS, apply_weights, dense_at_load
 from chunkcache.model.quant_embedding import QuantEmbedding
 from chunkcache.model.rope import RotaryEmbedding
 from chunkcache.model.source import find_gguf, resolve_model_path

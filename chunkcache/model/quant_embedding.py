@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from chunkcache.model.quant import RawTensor
+from chunkcache.model.gguf_blocks import RawTensor
 
 
 class QuantEmbedding(torch.nn.Module):

@@ -40,18 +40,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from chunkcache.model.gguf_blocks import INT4_TYPES, RawTensor
 from chunkcache.model.linear import PREFILL_ROWS, Linear
 from chunkcache.model.llama import prepare_projection
 from chunkcache.model.quant import (
     CONVERT_ROWS,
-    INT4_TYPES,
     INT8_TYPES,
     QuantProduct,
-    RawTensor,
     embedding_quantized,
     native_parts,
-    source_names,
 )
+from chunkcache.model.quant_names import source_names
 from chunkcache.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
