@@ -22,14 +22,12 @@
  * products summed as integers (`_mm256_maddubs_epi16`: u8 x s8 pairs into int16), one float
  * multiply-add per block: ~3x fewer vector operations per code than converting codes to float.
  */
-#include <immintrin.h>
-#include <stdint.h>
 #include <math.h>
 #include <string.h>
 
-#define GROUP 32
+#include "qkernel.h"
+
 #define TILE 32
-#define MAX_ROWS 8
 
 typedef struct {
     const float *f;
@@ -48,13 +46,6 @@ static inline const float *group_factors(Factors fa, int k, int t, int g, float 
         _mm256_storeu_ps(buf + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(d + 8 * j), multiple));
     }
     return buf;
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* One row of x: per group, a = sum_k x_k q_k for the tile's 32 rows (8 accumulators: two
@@ -124,8 +115,9 @@ static inline __attribute__((always_inline)) void int4_tile_r(const int R, const
     }
 }
 
-/* x [k] (k a multiple of 32) as int8 per block of 32: qx = round(x / dx), dx = max|x| / 127. */
-static void quantize_blocks(const float *x, int k, int8_t *qx, float *dx) {
+/* x [k] (k a multiple of 32) as int8 per block of 32: qx = round(x / dx), dx = max|x| / 127
+ * (declared in qkernel.h: qkernel_q6k.c rounds x the same way). */
+void quantize_blocks(const float *x, int k, int8_t *qx, float *dx) {
     for (int g = 0; g < k / GROUP; g++) {
         float amax = 0;
         for (int c = 0; c < GROUP; c++) amax = fmaxf(amax, fabsf(x[g * GROUP + c]));
@@ -198,11 +190,6 @@ static void pair_columns(const int8_t *qx, int k, int8_t *xv) {
             xv[c * 8 + 16 + b] = qx[c + 1], xv[c * 8 + 16 + b + 1] = qx[c + 3];
         }
 }
-
-#define ROWS_CASE(R, call) \
-    case R:                \
-        call;              \
-        break;
 
 void int4_product(const float *x, int rows, int k, int n, const uint8_t *packed, const float *factors,
                   const uint8_t *multipliers, float *y, int threads, int quantize_x) {

@@ -42,8 +42,15 @@ from chunkcache.model import dequant
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qkernel.c")
+# Compiled together into one library (`SOURCE` first); the header is hashed with them.
+EXTRA_SOURCES = (Path(__file__).with_name("qkernel_q6k.c"),)
+HEADER = Path(__file__).with_name("qkernel.h")
 MAX_ROWS = 8  # qkernel.c's MAX_ROWS: the most rows of x one call takes
 TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
+# What the native forms `qkernel` serves are, bound into the model identity (chunk/tiers/identity.py):
+# a change of a native weight's numbers changes the KV (Q6_K: int8 re-quantized per channel, then
+# the file's own blocks, exactly), so KV stored under the old forms is never loaded.
+FORMS_VERSION = "int4-q4k-factors;int8;q6k-blocks"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -65,8 +72,9 @@ def _why_not() -> str | None:
 def _build() -> Path:
     """The shared library for the current source, compiled once into the cache directory (under
     a temporary name, renamed into place, so concurrent first uses never load half a file)."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    sources = [SOURCE, *EXTRA_SOURCES]
+    text = b"".join(p.read_bytes() for p in (*sources, HEADER))
+    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     directory = Path(envs.kernel_dir()).expanduser()
     target = directory / f"qkernel-{digest}.so"
     if target.exists():
@@ -76,7 +84,9 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [envs.c_compiler(), *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True
+            [envs.c_compiler(), *FLAGS, f"-I{HEADER.parent}", *map(str, sources), "-o", str(built)],
+            check=True,
+            capture_output=True,
         )
         os.replace(built, target)
     logger.info("quantized products: built %s in %.1f s", target, time.perf_counter() - start)
@@ -104,7 +114,10 @@ def library() -> ctypes.CDLL | None:
             p, i = ctypes.c_void_p, ctypes.c_int
             lib.int4_product.argtypes = [p, i, i, i, p, p, p, p, i, i]
             lib.int8_product.argtypes = [p, i, i, i, p, p, p, i, i]
+            lib.q6k_product.argtypes = [p, i, i, i, p, p, i, i]
+            lib.q6k_dequantize.argtypes = [p, i, i, p, i]
             lib.int4_product.restype = lib.int8_product.restype = None
+            lib.q6k_product.restype = lib.q6k_dequantize.restype = None
             return lib
     logger.info("quantized products: torch's bfloat16 kernels serve decode (%s)", reason)
     return None
@@ -137,6 +150,29 @@ def int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: boo
     of 32 (float32 x otherwise)."""
     op = torch.ops.chunkcache.int8_product if torch.compiler.is_compiling() else _int8
     return _in_row_chunks(x.float(), lambda c: op(c, codes, scales, int8_x))
+
+
+def q6k(x: torch.Tensor, blocks: torch.Tensor, int8_x: bool = False) -> torch.Tensor:
+    """x [T, in] (cast to float32) times a Q6_K weight held as the file's blocks (`blocks` uint8
+    [out, in / 256 * 210], qkernel_q6k.c): float32 [T, out]; dispatched as `int4` is, `int8_x`
+    as there."""
+    op = torch.ops.chunkcache.q6k_product if torch.compiler.is_compiling() else _q6k
+    return _in_row_chunks(x.float(), lambda c: op(c, blocks, int8_x))
+
+
+def q6k_dequantize(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Q6_K rows (`blocks` uint8 [rows, in / 256 * 210]) as float32 [rows, in], gguf's values bit
+    for bit, into `out` where given (prefill's reused buffer)."""
+    lib = library()
+    assert lib is not None and blocks.dtype == torch.uint8 and blocks.is_contiguous()
+    rows, cols = blocks.shape[0], blocks.shape[1] // Q6K_BLOCK_BYTES * 256
+    out = torch.empty(rows, cols) if out is None else out
+    assert out.shape == (rows, cols) and out.dtype == torch.float32 and out.is_contiguous()
+    lib.q6k_dequantize(blocks.data_ptr(), cols, rows, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+Q6K_BLOCK_BYTES = 210  # per 256 weights: ql[128], qh[64], scales[16], d
 
 
 def _tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -221,6 +257,21 @@ def _int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: bo
     return y
 
 
+def _q6k(x: torch.Tensor, blocks: torch.Tensor, int8_x: bool) -> torch.Tensor:
+    lib = library()
+    assert lib is not None and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
+    assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+    x = x.contiguous()
+    n = blocks.shape[0]
+    assert x.shape[1] == blocks.shape[1] // Q6K_BLOCK_BYTES * 256
+    y = torch.empty(x.shape[0], n)
+    lib.q6k_product(
+        x.data_ptr(), x.shape[0], x.shape[1], n, blocks.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+        int(int8_x),
+    )  # fmt: skip
+    return y
+
+
 # The ops compiled graphs call. Defined with `torch.library.Library` and a CPU kernel rather than
 # `torch.library.custom_op`, whose Python wrapper cost ~35 us more per call (47 against 82 us on a
 # SmolLM2 576x960 int4 part, 40 us direct): a compiled SmolLM2 step calls ~120 of them.
@@ -229,7 +280,9 @@ _LIBRARY.define(
     "int4_product(Tensor x, Tensor packed, Tensor factors, Tensor? multipliers, bool int8_x) -> Tensor"
 )
 _LIBRARY.define("int8_product(Tensor x, Tensor codes, Tensor scales, bool int8_x) -> Tensor")
+_LIBRARY.define("q6k_product(Tensor x, Tensor blocks, bool int8_x) -> Tensor")
 _LIBRARY.impl("int4_product", _int4, "CPU")
+_LIBRARY.impl("q6k_product", _q6k, "CPU")
 _LIBRARY.impl("int8_product", _int8, "CPU")
 
 
@@ -247,3 +300,8 @@ def _(
 @torch.library.register_fake("chunkcache::int8_product")
 def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], codes.shape[0])
+
+
+@torch.library.register_fake("chunkcache::q6k_product")
+def _(x: torch.Tensor, blocks: torch.Tensor, int8_x: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], blocks.shape[0])

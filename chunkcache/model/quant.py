@@ -17,9 +17,11 @@ the same held codes:
   per group of 32 with the file's own codes, so they go in *with their codes unchanged*:
   s = scale, z = min + 8 scale. For torch's kernel s and z are rounded to bfloat16 (its dtype);
   `qkernel` reads the same packed codes with float32 scale and minimum, unrounded.
-- `_weight_int8pack_mm` (and `qkernel`'s int8 product): int8 codes with one scale per output channel. Q8_0's scale is per block
-  of 32 and Q5_x/Q6_K's per 16-32, so no GGUF type fits it exactly: those are re-quantized per
-  channel from the file's dequantized values, and the error that adds is measured and logged.
+- `_weight_int8pack_mm` (and `qkernel`'s int8 product): int8 codes with one scale per output
+  channel. Q8_0's scale is per block of 32 and Q5_x's per 16-32, so no GGUF type fits it exactly:
+  those are re-quantized per channel from the file's dequantized values, and the error that adds
+  is measured and logged. Q6_K too where `qkernel` does not serve; where it does, Q6_K is held as
+  the file's own blocks, exactly (`quant_q6k.Q6KPart`).
 
 Other types (F32/F16/BF16, Q2_K, Q3_K) stay dense (today's path), the quantized ones with a
 warning naming the type. A merged projection (q/k/v, gate/up) whose parts differ in type (the
@@ -48,12 +50,15 @@ import torch
 from chunkcache.model import dequant, qkernel, upcast
 from chunkcache.model.gguf_blocks import GROUP, INT4_TYPES, RawTensor, affine_int4, q4k_superblocks
 from chunkcache.model.quant_names import EMBEDDING, module_of, source_names
+from chunkcache.model.quant_q6k import Q6KPart
 
 logger = logging.getLogger(__name__)
 
 # The engine option `weights` (config.WEIGHTS is this tuple); `auto`: model/weight_forms.py.
 WEIGHTS = ("dense", "native", "int8", "auto")
-INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")  # re-quantized per channel
+INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # re-quantized per channel
+# Every type a quantized form takes: Q6_K its own blocks (`Q6KPart`), or int8 without `qkernel`.
+QUANTIZED_TYPES = (*INT4_TYPES, *INT8_TYPES, "Q6_K")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 # Weight rows sampled per tensor to measure a conversion's error (the log line at load).
 _ERROR_ROWS = 64
@@ -188,7 +193,7 @@ class DensePart:
         return (self.weight,)
 
 
-Part = Int4Part | Int8Part | DensePart
+Part = Int4Part | Int8Part | Q6KPart | DensePart
 
 
 class QuantProduct:
@@ -270,7 +275,11 @@ def native_parts(
                 served = ((q[rows].float() - 8) * s + z).numpy()
                 form = "int4 (own codes, bfloat16 scales and zeros)"
             kind = Int4Part
-        elif raw.qtype in INT8_TYPES:
+        elif raw.qtype == "Q6_K" and qkernel.available():
+            part = Q6KPart.of_raw(raw, int8_x)
+            args, served = [part.blocks], part.dequantize(rows).numpy()
+            kind, form = Q6KPart, "Q6_K's own blocks (exact)"
+        elif raw.qtype in QUANTIZED_TYPES:  # INT8_TYPES, and Q6_K without qkernel
             part = Int8Part.of_raw(raw, int8_x)
             args = [part.codes, part.scales]
             served = (part.codes[rows].float() * part.scales[rows].float()[:, None]).numpy()
@@ -302,6 +311,8 @@ def native_parts(
             parts.append(DensePart(*args))
         elif kind is Int4Part:
             parts.append(Int4Part(*args[:3], int8_x=int8_x, superblocks=tuple(args[3:]) or None))
+        elif kind is Q6KPart:
+            parts.append(Q6KPart(*args, int8_x=int8_x))
         else:
             parts.append(Int8Part(*args, int8_x=int8_x))
     return parts

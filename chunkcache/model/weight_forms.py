@@ -6,7 +6,7 @@ Which is faster depends on the CPU, the dtype, the GGUF type and the shape: on t
 on SmolLM2 in float32 they decode faster but prefill ~20% slower (benchmarks/RESULTS.md). So
 `auto` times both forms of one projection per group (a kind: qkv, o, gate_up, down, lm_head,
 and the GGUF types of its tensors: the 1.5B's down projection is Q6_K in half its layers and
-Q4_K in the others, int8 and int4 once native), on the group's first layer, and serves the
+Q4_K in the others: the file's Q6_K blocks and int4 once native), on the group's first layer, and serves the
 whole group in the form it chose. The dense candidate is built by the code that builds the
 served one (`llama.prepare_projection`: transposed or oneDNN-packed layouts in float32, the
 "upcast" blocks in bfloat16 where the CPU has no bf16 GEMM), from the values a dense load holds.
@@ -40,12 +40,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from chunkcache.model.gguf_blocks import INT4_TYPES, RawTensor
+from chunkcache.model.gguf_blocks import RawTensor
 from chunkcache.model.linear import PREFILL_ROWS, Linear
 from chunkcache.model.llama import prepare_projection
 from chunkcache.model.quant import (
     CONVERT_ROWS,
-    INT8_TYPES,
+    QUANTIZED_TYPES,
     QuantProduct,
     embedding_quantized,
     native_parts,
@@ -180,7 +180,7 @@ def resolve(
     groups: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for module in projections(spec):
         types = tuple(qtype(n) for n in source_names(module, tied))
-        if not any(t in INT4_TYPES + INT8_TYPES for t in types):
+        if not any(t in QUANTIZED_TYPES for t in types):
             continue
         if module == "lm_head" and not embedding_quantized(types[0], tied):
             continue

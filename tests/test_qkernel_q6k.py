@@ -1,0 +1,191 @@
+"""Q6_K served as the file's own blocks (chunkcache/model/quant_q6k.py, qkernel_q6k.c).
+
+Oracle: gguf's own dequantization of the same bytes (`Q6_K.dequantize_blocks`), multiplied in
+float64 here. The prefill dequantization must be it bit for bit; the products within float32
+summation of it (the kernel's w are exactly gguf's values, so only the sums' rounding remains):
+measured 7e-8 to 7e-7 of the largest |y| over the shapes and row counts below, against test_qkernel's
+2e-5 (TOL), where a misread code or scale is off by ~1e-2 or more. With int8 x: the float64
+product over x rounded as qkernel rounds it (`_int8_x`), measured <= 3.5e-7.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from chunkcache.model import qkernel, quant, quant_q6k
+from chunkcache.model.quant import Int4Part, Int8Part, QuantProduct
+from chunkcache.model.quant_q6k import Q6KPart
+
+pytestmark = pytest.mark.skipif(
+    not qkernel.available(), reason="qkernel unavailable here (no AVX2/FMA or no C compiler)"
+)
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from tests.test_qkernel import TOL, _close, _int8_x  # noqa: E402
+from tests.test_quant import _raw, _reference  # noqa: E402
+
+# (rows of the weight, inputs): one block, odd row counts, the 1.5B's down (8960 in) and o shapes.
+SHAPES = [(1, 256), (33, 512), (40, 1536), (64, 8960)]
+
+
+def _blocks(shape: tuple[int, int], seed: int, specials: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q6_K bytes (every code and int8 scale, -128 included) and gguf's float32 weight of
+    them. `specials`: d takes float16's edge values (zero, subnormals, negatives, the largest)."""
+    raw = _raw(Q.Q6_K, seed=seed, shape=shape)
+    if specials:
+        d = np.array([1e-4, 0.0, 6e-8, -6e-8, 3e-5, -1e-3, 2.0, -65504.0], np.float16)
+        blocks = raw.data.reshape(-1, 210)
+        blocks[:, 208:] = np.resize(d, len(blocks)).view(np.uint8).reshape(-1, 2)
+    return torch.from_numpy(raw.data.copy()), _reference(raw)
+
+
+@pytest.mark.parametrize("specials", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_dequantize_is_ggufs_bit_for_bit(shape, specials) -> None:
+    blocks, reference = _blocks(shape, seed=shape[0] + shape[1], specials=specials)
+    ours = qkernel.q6k_dequantize(blocks)
+    assert ours.dtype == torch.float32 and ours.shape == shape
+    assert torch.equal(ours.view(torch.int32), reference.view(torch.int32))
+    # A row range into a given buffer (prefill's reused one): the same rows.
+    out = torch.empty(shape[0] - shape[0] // 2, shape[1])
+    qkernel.q6k_dequantize(blocks[shape[0] // 2 :], out)
+    assert torch.equal(out, reference[shape[0] // 2 :])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])  # 11: two calls (8 + 3)
+def test_float_x_products_against_float64_over_ggufs_weight(shape, rows) -> None:
+    blocks, reference = _blocks(shape, seed=3 * shape[0] + rows)
+    part = Q6KPart(blocks)
+    x = torch.randn(rows, shape[1])
+    y = part.kernel(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, shape[0])
+    assert _close(y, x.double() @ reference.double().t()) < TOL
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_int8_x_is_the_product_over_x_rounded_per_block(shape) -> None:
+    """One row with `int8_x`: integer sums of the codes against x rounded to int8 per block of 32
+    (the -32 offset through sums of the rounded x), within float32 rounding of that product in
+    float64; x was rounded (float x's product is further off); more rows keep float32 x."""
+    blocks, reference = _blocks(shape, seed=shape[1] - shape[0], specials=True)
+    g = torch.Generator().manual_seed(shape[0])
+    x = torch.randn(1, shape[1], generator=g) * torch.rand(1, shape[1], generator=g) * 4  # uneven blocks
+    part = Q6KPart(blocks, int8_x=True)
+    y, w = part.kernel(x), reference.double()
+    assert _close(y, _int8_x(x) @ w.t()) < TOL
+    assert _close(y, x.double() @ w.t()) > 10 * TOL
+    more = torch.cat([x, x])
+    assert torch.equal(part.kernel(more), Q6KPart(blocks).kernel(more))
+
+
+@pytest.mark.parametrize("tokens", [quant_q6k.Q6K_MIN_ROWS - 1, quant_q6k.Q6K_MIN_ROWS, 130])
+def test_products_of_many_rows_take_the_blocks(tokens) -> None:
+    """From `Q6K_MIN_ROWS` rows, GEMMs over dequantized blocks (a whole block of 256 weight rows
+    and a partial one): float32 x times gguf's weight up to the GEMM's summation order."""
+    blocks, reference = _blocks((320, 512), seed=tokens)
+    x = torch.randn(tokens, 512)
+    y = Q6KPart(blocks)(x)
+    assert _close(y, x.double() @ reference.double().t()) < TOL
+    if tokens >= quant_q6k.Q6K_MIN_ROWS:
+        torch.testing.assert_close(y, x @ reference.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_native_parts_hold_q6k_as_its_blocks_with_no_error() -> None:
+    """A Q6_K tensor takes `Q6KPart` (the file's bytes, 210 per 256 weights: ~18% fewer than int8
+    per channel's codes and scales), and the load's report says no re-quantization error."""
+    raw = _raw(Q.Q6_K, seed=30, shape=(96, 1536))
+    report: dict[str, quant.Conversion] = {}
+    (part,) = quant.native_parts([raw], torch.float32, report)
+    assert isinstance(part, Q6KPart) and part.rows == 96
+    assert part.blocks.numpy().tobytes() == raw.data.tobytes()
+    assert report["Q6_K"].error == 0.0 and report["Q6_K"].tensors == 1 and "own blocks" in report["Q6_K"].form
+    held = sum(t.numel() * t.element_size() for t in part.tensors())
+    int8 = sum(t.numel() * t.element_size() for t in Int8Part.of_raw(raw).tensors())
+    assert held == 96 * 1536 * 210 // 256 and held < 0.83 * int8
+
+
+def test_without_the_kernel_q6k_stays_int8(monkeypatch) -> None:
+    monkeypatch.setattr(qkernel, "available", lambda: False)
+    report: dict[str, quant.Conversion] = {}
+    (part,) = quant.native_parts([_raw(Q.Q6_K, seed=31)], torch.float32, report)
+    assert isinstance(part, Int8Part) and report["Q6_K"].error > 0
+
+
+def test_a_merged_projection_of_q4k_and_q6k() -> None:
+    """The 1.5B's q/k/v: Q4_K q and k (one int4 part), a Q6_K v (its blocks): each part in its form,
+    outputs concatenated; within float32 summation of the file's weights at 1, 3 and 20 rows."""
+    raws = [_raw(Q.Q4_K, 32, (64, 512)), _raw(Q.Q4_K, 33, (32, 512)), _raw(Q.Q6_K, 34, (32, 512))]
+    parts = quant.native_parts(raws, torch.float32, {})
+    assert [type(p) for p in parts] == [Int4Part, Q6KPart] and [p.rows for p in parts] == [96, 32]
+    bias = torch.randn(128)
+    product = QuantProduct(parts, bias, torch.float32)
+    assert product.describe() == "int4+q6k"
+    w = torch.cat([_reference(r) for r in raws]).double()
+    for rows in (1, 3, 20):
+        x = torch.randn(rows, 512)
+        assert _close(product(x), x.double() @ w.t() + bias.double()) < TOL
+
+
+def test_threads_split_output_rows_and_give_the_same_numbers() -> None:
+    blocks, _ = _blocks((300, 512), seed=35)
+    x = torch.randn(3, 512)
+    float_x, int8_x = Q6KPart(blocks), Q6KPart(blocks, int8_x=True)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append([float_x.kernel(x[:1]), float_x.kernel(x), int8_x.kernel(x[:1])])
+            results[-1].append(qkernel.q6k_dequantize(blocks))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_the_custom_op_runs_inside_a_compiled_graph() -> None:
+    blocks, _ = _blocks((64, 256), seed=36)
+    product = QuantProduct([Q6KPart(blocks)], torch.randn(64), torch.float32)
+    x = torch.randn(1, 256)
+    compiled = torch.compile(lambda v: torch.nn.functional.silu(product(v)), fullgraph=True)
+    torch.testing.assert_close(compiled(x), torch.nn.functional.silu(product(x)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefill", ["kernel", "blocks"])
+def test_native_q6k_decode_gives_transformers_greedy_tokens(checkpoint, tmp_path, monkeypatch, prefill):
+    """End to end on a tiny GGUF whose projections and embedding are all Q6_K, served `native` in
+    float32: every decode product through `qkernel.q6k`, the prompt's too (`kernel`) or through
+    the dequantized blocks (`blocks`); the greedy tokens are those of the same file loaded dense
+    in float32 (transformers' own GGUF dequantization, tests/test_gguf.py), every step's top-5
+    log-probs within float32 summation of it. Measured: no token changed, log-probs within
+    ~1e-5 (`kernel` and `blocks`); as int8 per channel (before) they moved by ~1e-2."""
+    from chunkcache import LLM, SamplingParams
+    from tests import test_gguf
+    from tests.test_quant import _deviation
+    from tests.test_quant import _random_k_quant as small_k_quant
+
+    monkeypatch.setattr(quant_q6k, "Q6K_MIN_ROWS", 2 if prefill == "blocks" else 10**9)
+    served, blocks = [], []
+    monkeypatch.setattr(qkernel, "q6k", lambda *a, f=qkernel.q6k: served.append(1) or f(*a))
+    monkeypatch.setattr(quant_q6k, "product", lambda *a, f=quant_q6k.product: blocks.append(1) or f(*a))
+    src = checkpoint(arch="llama", hidden_size=256, intermediate_size=256)
+    monkeypatch.setattr(test_gguf, "_random_k_quant", lambda *a, **k: small_k_quant(*a, **{**k, "d": 1e-4}))
+    test_gguf.write_gguf(src, tmp_path / "model.gguf", Q.Q6_K)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    outs = {}
+    for weights in ("dense", "native"):
+        llm = LLM(str(tmp_path), tokenizer=str(src), dtype="float32", kv_cache_tokens=512, weights=weights)
+        outs[weights] = llm.generate(test_gguf.PROMPT, params)[0].outputs[0]
+        llm.check_integrity()
+    model = llm.engine.runner.model
+    assert all(
+        type(p) is Q6KPart for m in model.modules() if hasattr(m, "quant") and m.quant for p in m.quant.parts
+    )
+    assert served and bool(blocks) == (prefill == "blocks")
+    assert outs["native"].token_ids == outs["dense"].token_ids
+    assert _deviation(outs["native"], outs["dense"]) < 2e-4
