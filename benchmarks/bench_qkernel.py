@@ -6,7 +6,8 @@ beside the rate one core streams memory at (`torch.sum` over 256 MB).
 Forms: `int4` torch's `_weight_int4pack_mm_for_cpu` (bfloat16 x, scale and zero per group of 32:
 0.625 B/weight), `q4` qkernel's int4 (float32 x, the same packed codes, float32 scale and minimum:
 0.75 B/weight), `int8` torch's `_weight_int8pack_mm` (bfloat16 x), `q8` qkernel's int8 (same codes
-and bfloat16 per-row scales: ~1 B/weight), `bf16` and `fp32` dense (`F.linear`; fp32 also
+and bfloat16 per-row scales: ~1 B/weight), `q6k` qkernel's Q6_K product over the file's own
+blocks (random bytes; 0.82 B/weight), `bf16` and `fp32` dense (`F.linear`; fp32 also
 `x @ W^T` on the transposed weight, the faster kept). Each form's weights are copied until the
 copies exceed `--cold-mb` and the copies are multiplied in turn, so each product reads its weight
 from memory as a decode step does (a single 1.5 MB q/k/v weight would otherwise sit in cache).
@@ -28,7 +29,9 @@ from bench_quant_kernels import SHAPES  # the 1.5B's (out, in, products per step
 
 from chunkcache.model import qkernel
 
-FORMS = ("fp32", "bf16", "int4", "q4", "q4x", "q4k", "int8", "q8", "q8x")
+FORMS = ("fp32", "bf16", "int4", "q4", "q4x", "q4k", "int8", "q8", "q8x", "q6k", "q6kx")
+# The forms `qkernel` serves (an `x` suffix: 1-row products on int8 x, `int8_activations`).
+QKERNEL_FORMS = {"q4", "q4x", "q4k", "q8", "q8x", "q6k", "q6kx"}
 
 
 def weights(form: str, out_f: int, in_f: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
@@ -56,6 +59,12 @@ def weights(form: str, out_f: int, in_f: int) -> tuple[Callable[[torch.Tensor], 
         return lambda x: qkernel.int4(
             x, packed, factors, None, form == "q4x"
         ), packed.numel() + 4 * factors.numel()
+    if form in ("q6k", "q6kx"):
+        blocks = torch.randint(0, 256, (out_f, in_f // 256 * qkernel.Q6K_BLOCK_BYTES), dtype=torch.uint8)
+        blocks.view(out_f, -1, qkernel.Q6K_BLOCK_BYTES)[..., 208:] = torch.full(
+            (1,), 1e-4, dtype=torch.float16
+        ).view(torch.uint8)  # finite d
+        return lambda x: qkernel.q6k(x, blocks, form == "q6kx"), blocks.numel()
     if form in ("int8", "q8", "q8x"):
         codes = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
         scales = torch.rand(out_f).to(torch.bfloat16)
@@ -118,7 +127,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--cold-mb", type=float, default=96.0)
     args = parser.parse_args()
-    if {"q4", "q4x", "q4k", "q8", "q8x"} & set(args.forms) and not qkernel.available():
+    if QKERNEL_FORMS & set(args.forms) and not qkernel.available():
         raise SystemExit("qkernel is unavailable here (see the log line): drop q4*/q8* from --forms")
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -149,7 +158,15 @@ def main() -> None:
         )
     pairs = [
         (a, b)
-        for a, b in (("q4", "int4"), ("q8", "int8"), ("q4x", "q4"), ("q4k", "q4x"), ("q8x", "q8"))
+        for a, b in (
+            ("q4", "int4"),
+            ("q8", "int8"),
+            ("q4x", "q4"),
+            ("q4k", "q4x"),
+            ("q8x", "q8"),
+            ("q6k", "q8"),
+            ("q6kx", "q8x"),
+        )
         if a in args.forms and b in args.forms
     ]
     print(

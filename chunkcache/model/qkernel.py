@@ -10,12 +10,12 @@ int8 codes and bfloat16 scales as they are), with float32 activations and float3
 minimums (the file's values exactly, no bfloat16 rounding), and factors a group's minimum out of
 a 1-row product: sum(x (s q + m)) = s sum(x q) + m sum(x), one conversion and one FMA per code.
 
-It is built with the system C compiler (`cc -O3 -mavx2 -mfma -fopenmp`: 4.5-5.3 s wall on a
+It is built with the system C compiler (`cc -O3 -mavx2 -mfma -mf16c -fopenmp`: 4.5-5.3 s wall on a
 loaded 2-core EPYC, logged), cached by source hash under `envs.kernel_dir()`, loaded with ctypes
 (eager calls go to it directly) and exposed as torch custom ops (`torch.ops.chunkcache.int4_product`
 / `int8_product`) so a compiled decode graph can call it. ctypes over `cpp_extension.load_inline`:
 a plain C file with no torch headers builds in seconds (load_inline's build was not measured).
-It serves only where the CPU has AVX2 and FMA, the compiler works and torch packs int4 as the
+It serves only where the CPU has AVX2, FMA and F16C, the compiler works and torch packs int4 as the
 kernel reads it (`dequant.int4_layout()`: tiles of 32 rows, halves); elsewhere `available()` is
 False, one log line says why, and torch's kernels serve as before.
 """
@@ -51,7 +51,7 @@ TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
 # a change of a native weight's numbers changes the KV (Q6_K: int8 re-quantized per channel, then
 # the file's own blocks, exactly), so KV stored under the old forms is never loaded.
 FORMS_VERSION = "int4-q4k-factors;int8;q6k-blocks"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
 def _why_not() -> str | None:
@@ -62,8 +62,8 @@ def _why_not() -> str | None:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "/proc/cpuinfo is unreadable (FMA unknown)"
-    if " fma" not in flags:
-        return "the CPU has no FMA"
+    if " fma" not in flags or " f16c" not in flags:
+        return "the CPU has no FMA or no F16C"
     if shutil.which(envs.c_compiler()) is None:
         return f"no C compiler ({envs.c_compiler()}) on PATH"
     return None

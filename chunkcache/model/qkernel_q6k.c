@@ -8,8 +8,11 @@
  * `Q6_K.dequantize_blocks` computes, and exact ones (d's 11-bit mantissa times an 8-bit scale times
  * a 6-bit code fit float32's 24 bits), so every path here starts from the file's weights bit for bit.
  *
- * - `q6k_product`, float32 x, 1-8 rows: each block's codes unpacked to bytes (llama.cpp's AVX2
- *   shifts and masks), converted to w in float32 and FMA'd into each row's sum.
+ * - `q6k_product`, float32 x, 2-8 rows: each block's codes unpacked to bytes (llama.cpp's AVX2
+ *   shifts and masks), converted to w in float32 (gguf's values) and FMA'd into each row's sum;
+ *   1 row: per chunk of 32, sum x q over the unsigned codes, times d sc, and the -32 offset
+ *   through per-16 sums of x (32 d sum_s sc_s xsum_s): a conversion and an FMA per 8 codes,
+ *   where w per code (a sign extension and a multiply more) measured ~1.3x slower.
  * - the same with `quantize_x` (one row): x rounded to int8 per block of 32 (`quantize_blocks`, as
  *   the int4 and int8 kernels round it), llama.cpp's `ggml_vec_dot_q6_K_q8_K` way: the unsigned
  *   codes 0..63 against signed x by `maddubs` (pairs <= 2 * 63 * 127: no int16 overflow), the 16
@@ -19,6 +22,7 @@
  * Output rows are split over `threads` (OpenMP), each row one thread's sum: the same numbers at
  * any thread count.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "qkernel.h"
@@ -29,15 +33,7 @@
 static inline float fp16_to_float(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, u;
-    if (exp == 0) { /* zero or subnormal: mant * 2^-24, exact in float32 */
-        float f = (float)mant * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    u = exp == 31 ? sign | 0x7F800000u | (mant << 13) : sign | ((exp + 112) << 23) | (mant << 13);
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+    return _cvtsh_ss(h); /* F16C: exact */
 }
 
 /* Half h of a block's codes, unsigned 0..63, as 4 x 32 bytes: q[j] holds weights 32 j .. 32 j + 31
@@ -59,51 +55,92 @@ static inline void q6k_codes(const uint8_t *blk, int h, __m256i q[4]) {
     q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4), h3);
 }
 
-/* A block's 256 codes minus 32, as int8 in weight order. */
-static inline void q6k_unpack(const uint8_t *blk, int8_t *out) {
-    const __m256i offset = _mm256_set1_epi8(32);
-    for (int h = 0; h < 2; h++) {
-        __m256i q[4];
-        q6k_codes(blk, h, q);
+/* The 1-8 row float32 products read x permuted per 32 inputs (`permute_x`) so that a block's
+ * bytes reach 32-bit lanes by in-lane shuffles: vector j (0..3) of a chunk of 32 codes holds codes
+ * 4j..4j+3 in its low 128-bit lane and 16+4j..16+4j+3 in its high one (`SPREAD`: each byte into
+ * the top byte of its 32-bit lane, then an arithmetic shift sign-extends it). The lane-crossing
+ * `cvtepi8_epi32` and a stack buffer of unpacked codes measured ~2x slower. */
+static inline __m256i spread(int j) {
+    const int b = 4 * j;
+    return _mm256_setr_epi8(-1, -1, -1, b, -1, -1, -1, b + 1, -1, -1, -1, b + 2, -1, -1, -1, b + 3,
+                            -1, -1, -1, b, -1, -1, -1, b + 1, -1, -1, -1, b + 2, -1, -1, -1, b + 3);
+}
+
+static inline __m256i spread_low(int j) {
+    const int b = 4 * j;
+    return _mm256_setr_epi8(b, -1, -1, -1, b + 1, -1, -1, -1, b + 2, -1, -1, -1, b + 3, -1, -1, -1,
+                            b, -1, -1, -1, b + 1, -1, -1, -1, b + 2, -1, -1, -1, b + 3, -1, -1, -1);
+}
+
+static void permute_x(const float *x, int k, float *xp) {
+    for (int c = 0; c < k; c += 32)
         for (int j = 0; j < 4; j++)
-            _mm256_storeu_si256((__m256i *)(out + 128 * h + 32 * j), _mm256_sub_epi8(q[j], offset));
-    }
+            for (int t = 0; t < 4; t++) {
+                xp[c + 8 * j + t] = x[c + 4 * j + t];
+                xp[c + 8 * j + 4 + t] = x[c + 16 + 4 * j + t];
+            }
 }
 
-static inline __m256 i8_to_ps(const int8_t *c) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+/* A block's 16 sub-block scales d sc in float32 (gguf's products), 8 and 8. */
+static inline void block_scales(const uint8_t *blk, __m256 ds[2]) {
+    const __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+    const __m256 d = _mm256_set1_ps(fp16_to_float(blk + 208));
+    ds[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)), d);
+    ds[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))), d);
 }
 
-/* Weight row i against R rows of float32 x: per 8 weights, w = (d sc) (q - 32) in float32 and one
- * FMA per row of x. R == 1 keeps 4 accumulators (independent FMA chains). */
-static inline __attribute__((always_inline)) void q6k_row(const int R, const float *x, int k, int n, int i,
+/* Weight row i against R rows of permuted float32 x (`xp`): per 8 weights, w = (d sc) (q - 32) in
+ * float32 (gguf's value) and one FMA per row of x; R == 1 as the header says (`xsum`: x's sums
+ * per 16 inputs), 4 accumulators (independent FMA chains). */
+static inline __attribute__((always_inline)) void q6k_row(const int R, const float *xp, const float *xsum, int k, int n, int i,
                                                           const uint8_t *blocks, float *y) {
     const uint8_t *row = blocks + (size_t)i * (k / QK) * BLOCK_BYTES;
+    const __m256i offset = _mm256_set1_epi8(32);
     __m256 acc[MAX_ROWS > 4 ? MAX_ROWS : 4];
     for (int r = 0; r < (R > 4 ? R : 4); r++) acc[r] = _mm256_setzero_ps();
-    int8_t q[QK];
+    __m256 off = _mm256_setzero_ps();
     for (int b = 0; b < k / QK; b++) {
         const uint8_t *blk = row + (size_t)b * BLOCK_BYTES;
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = fp16_to_float(blk + 208);
-        q6k_unpack(blk, q);
-        for (int j = 0; j < QK / 16; j++) {
-            const __m256 ds = _mm256_set1_ps(d * (float)sc[j]);
-            const __m256 w0 = _mm256_mul_ps(i8_to_ps(q + 16 * j), ds), w1 = _mm256_mul_ps(i8_to_ps(q + 16 * j + 8), ds);
-            const float *xc = x + (size_t)b * QK + 16 * j;
-            if (R == 1) {
-                acc[2 * (j & 1)] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xc), acc[2 * (j & 1)]);
-                acc[2 * (j & 1) + 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xc + 8), acc[2 * (j & 1) + 1]);
-            } else {
-                for (int r = 0; r < R; r++) {
-                    acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xc + (size_t)r * k), acc[r]);
-                    acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xc + (size_t)r * k + 8), acc[r]);
+        __m256 ds[2];
+        block_scales(blk, ds);
+        if (R == 1)
+            off = _mm256_fmadd_ps(ds[0], _mm256_loadu_ps(xsum + (size_t)b * 16),
+                                  _mm256_fmadd_ps(ds[1], _mm256_loadu_ps(xsum + (size_t)b * 16 + 8), off));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256i q[4];
+            q6k_codes(blk, h, q);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const int c = 4 * h + j; /* chunk of 32: sub-blocks 2c (low lane) and 2c + 1 (high) */
+                const __m256i v = _mm256_sub_epi8(q[j], offset);
+                const __m256i pick = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                                       2 * j + 1);
+                const __m256 scale = _mm256_permutevar8x32_ps(ds[h], pick);
+                if (R == 1) { /* the chunk's sums of x q per lane, then times d sc: no multiply per code */
+                    __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(q[j], spread_low(0))),
+                                             _mm256_loadu_ps(xp + (size_t)b * QK + 32 * c));
+#pragma GCC unroll 4
+                    for (int u = 1; u < 4; u++) {
+                        const __m256 code = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(q[j], spread_low(u)));
+                        a = _mm256_fmadd_ps(code, _mm256_loadu_ps(xp + (size_t)b * QK + 32 * c + 8 * u), a);
+                    }
+                    acc[j] = _mm256_fmadd_ps(a, scale, acc[j]);
+                    continue;
+                }
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; u++) {
+                    const __m256 w = _mm256_mul_ps(
+                        _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_shuffle_epi8(v, spread(u)), 24)), scale);
+                    const float *xc = xp + (size_t)b * QK + 32 * c + 8 * u;
+                    for (int r = 0; r < R; r++)
+                        acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xc + (size_t)r * k), acc[r]);
                 }
             }
         }
     }
     if (R == 1) {
-        y[i] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+        y[i] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) - 32 * hsum(off);
         return;
     }
     for (int r = 0; r < R; r++) y[(size_t)r * n + i] = hsum(acc[r]);
@@ -111,30 +148,34 @@ static inline __attribute__((always_inline)) void q6k_row(const int R, const flo
 
 /* Weight row i against int8 x (qx, dx per block of 32, bsums: sums of qx per 16). Per block of
  * 32 weights (two sub-blocks of 16): maddubs(q, qx) into 16 int16 pair sums, madd_epi16 with the
- * two sub-blocks' scales into 8 int32, to float times dx. Per block of 256, the -32 offset:
- * 32 sum_s sc_s bsum_s per block of 32 (one madd_epi16: lane i pairs sub-blocks 2i and 2i + 1,
- * <= 2 * 128 * 2032 * 32 < 2^24, exact in float32), times its dx; then times d. */
+ * two sub-blocks' scales (llama.cpp's scale shuffle: bytes 0-7 the first, 8-15 the second, widened)
+ * into 8 int32, to float times dx. Per block of 256, the -32 offset: 32 sum_s sc_s bsum_s per
+ * block of 32 (one madd_epi16: lane i pairs sub-blocks 2i and 2i + 1, <= 2 * 128 * 2032 * 32 < 2^24,
+ * exact in float32), times its dx; then times d. */
 static inline void q6k_row_q8(const int8_t *qx, const float *dx, const int16_t *bsums, int k, int i,
                               const uint8_t *blocks, float *y) {
     const uint8_t *row = blocks + (size_t)i * (k / QK) * BLOCK_BYTES;
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < k / QK; b++) {
         const uint8_t *blk = row + (size_t)b * BLOCK_BYTES;
-        const int8_t *sc = (const int8_t *)(blk + 192);
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
         __m256 part[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             __m256i q[4];
             q6k_codes(blk, h, q);
+#pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 const int s = 8 * h + 2 * j, g = 8 * b + 4 * h + j;
+                const __m128i pick = _mm_setr_epi8(s, s, s, s, s, s, s, s, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1,
+                                                   s + 1, s + 1);
+                const __m256i scales = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
                 __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + (size_t)b * QK + 128 * h + 32 * j));
-                __m256i p16 = _mm256_maddubs_epi16(q[j], xq);
-                __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[s + 1]), _mm_set1_epi16(sc[s]));
-                __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(scales, p16));
+                __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(scales, _mm256_maddubs_epi16(q[j], xq)));
                 part[j & 1] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(dx + g), part[j & 1]);
             }
         }
-        __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)),
+        __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc),
                                         _mm256_loadu_si256((const __m256i *)(bsums + (size_t)b * 16)));
         __m256 sum = _mm256_add_ps(part[0], part[1]);
         sum = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.0f)),
@@ -149,9 +190,9 @@ static inline void q6k_row_q8(const int8_t *qx, const float *dx, const int16_t *
 void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads,
                  int quantize_x) {
     if (rows == 1 && quantize_x) {
-        int8_t qx[k];
-        float dx[k / GROUP];
-        int16_t bsums[k / 16];
+        int8_t *qx = malloc((size_t)k);
+        int16_t *bsums = malloc((size_t)k / 16 * sizeof *bsums);
+        float *dx = malloc((size_t)k / GROUP * sizeof *dx);
         quantize_blocks(x, k, qx, dx);
         for (int s = 0; s < k / 16; s++) {
             int sum = 0;
@@ -160,38 +201,58 @@ void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, 
         }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int i = 0; i < n; i++) q6k_row_q8(qx, dx, bsums, k, i, blocks, y);
+        free(qx), free(bsums), free(dx);
         return;
+    }
+    float *xp = malloc((size_t)rows * k * sizeof *xp);
+    for (int r = 0; r < rows; r++) permute_x(x + (size_t)r * k, k, xp + (size_t)r * k);
+    float *xsum = malloc((size_t)k / 16 * sizeof *xsum);
+    for (int s = 0; s < k / 16; s++) {
+        float sum = 0;
+        for (int c = 0; c < 16; c++) sum += x[16 * s + c];
+        xsum[s] = sum;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int i = 0; i < n; i++) {
         switch (rows) {
-            ROWS_CASE(1, q6k_row(1, x, k, n, i, blocks, y))
-            ROWS_CASE(2, q6k_row(2, x, k, n, i, blocks, y))
-            ROWS_CASE(3, q6k_row(3, x, k, n, i, blocks, y))
-            ROWS_CASE(4, q6k_row(4, x, k, n, i, blocks, y))
-            ROWS_CASE(5, q6k_row(5, x, k, n, i, blocks, y))
-            ROWS_CASE(6, q6k_row(6, x, k, n, i, blocks, y))
-            ROWS_CASE(7, q6k_row(7, x, k, n, i, blocks, y))
-            ROWS_CASE(8, q6k_row(8, x, k, n, i, blocks, y))
+            ROWS_CASE(1, q6k_row(1, xp, xsum, k, n, i, blocks, y))
+            ROWS_CASE(2, q6k_row(2, xp, NULL, k, n, i, blocks, y))
+            ROWS_CASE(3, q6k_row(3, xp, NULL, k, n, i, blocks, y))
+            ROWS_CASE(4, q6k_row(4, xp, NULL, k, n, i, blocks, y))
+            ROWS_CASE(5, q6k_row(5, xp, NULL, k, n, i, blocks, y))
+            ROWS_CASE(6, q6k_row(6, xp, NULL, k, n, i, blocks, y))
+            ROWS_CASE(7, q6k_row(7, xp, NULL, k, n, i, blocks, y))
+            ROWS_CASE(8, q6k_row(8, xp, NULL, k, n, i, blocks, y))
         }
     }
+    free(xp), free(xsum);
 }
 
-/* `rows` weight rows from `blocks` (the first of them) as float32 [rows][k]: gguf's values. */
+/* `rows` weight rows from `blocks` (the first of them) as float32 [rows][k]: gguf's values, in
+ * order (each chunk's 32 codes widened by 128-bit halves, no stack round trip). */
 void q6k_dequantize(const uint8_t *blocks, int k, int rows, float *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int i = 0; i < rows; i++) {
-        int8_t q[QK];
+        const __m256i offset = _mm256_set1_epi8(32);
         for (int b = 0; b < k / QK; b++) {
             const uint8_t *blk = blocks + ((size_t)i * (k / QK) + b) * BLOCK_BYTES;
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            const float d = fp16_to_float(blk + 208);
             float *o = out + (size_t)i * k + (size_t)b * QK;
-            q6k_unpack(blk, q);
-            for (int j = 0; j < QK / 16; j++) {
-                const __m256 ds = _mm256_set1_ps(d * (float)sc[j]);
-                _mm256_storeu_ps(o + 16 * j, _mm256_mul_ps(i8_to_ps(q + 16 * j), ds));
-                _mm256_storeu_ps(o + 16 * j + 8, _mm256_mul_ps(i8_to_ps(q + 16 * j + 8), ds));
+            __m256 dv[2];
+            block_scales(blk, dv);
+            for (int h = 0; h < 2; h++) {
+                __m256i q[4];
+                q6k_codes(blk, h, q);
+                for (int j = 0; j < 4; j++) {
+                    const __m256i v = _mm256_sub_epi8(q[j], offset);
+                    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+                    const __m256 a = _mm256_permutevar8x32_ps(dv[h], _mm256_set1_epi32(2 * j));
+                    const __m256 c = _mm256_permutevar8x32_ps(dv[h], _mm256_set1_epi32(2 * j + 1));
+                    float *oc = o + 128 * h + 32 * j;
+                    _mm256_storeu_ps(oc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), a));
+                    _mm256_storeu_ps(oc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), a));
+                    _mm256_storeu_ps(oc + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), c));
+                    _mm256_storeu_ps(oc + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), c));
+                }
             }
         }
     }

@@ -23,7 +23,10 @@ from chunkcache.model import dequant, qkernel
 from chunkcache.model.gguf_blocks import RawTensor
 
 # From this many rows a product takes the dequantized blocks; fewer keep the kernel. Measured on
-# the 1.5B's shapes (AVX2 EPYC, one thread, benchmarks/RESULTS.md "Q6_K in its own blocks").
+# the 1.5B's down shape (1536 x 8960; AVX2 EPYC, one thread, shared machine, two runs): kernel
+# against blocks 7.4-9.7 / 7.8-10.7 ms at 12 rows, 9.9-10.0 / 9.1-12.6 at 16, 15-22 / 17-24 at 24,
+# 22-25 / 19 at 32: a crossing at 16-24 rows, as int8's (`dequant.INT8_MIN_ROWS`). Dequantizing
+# costs 0.17 ns per weight (int8 codes to float32: 0.15; gguf's numpy: 7.9).
 Q6K_MIN_ROWS = 16
 
 
