@@ -19,6 +19,7 @@ import torch
 from chunkcache.model import dequant, qkernel, quant
 from chunkcache.model.gguf_blocks import affine_int4
 from chunkcache.model.quant import Int4Part, Int8Part, QuantProduct
+from chunkcache.model.quant_q6k import Q6KPart
 
 pytestmark = pytest.mark.skipif(
     not qkernel.available(), reason="qkernel unavailable here (no AVX2/FMA or no C compiler)"
@@ -84,7 +85,7 @@ def test_each_gguf_type_served_by_the_kernel_is_the_files_weight(qtype: Q) -> No
     x = torch.randn(3, 512)
     y = QuantProduct([part], None, torch.float32)(x)
     file_weight = _reference(raw).double()
-    if isinstance(part, Int4Part):
+    if isinstance(part, (Int4Part, Q6KPart)):  # Q6_K: its own blocks (tests/test_qkernel_q6k.py)
         assert _close(y, x.double() @ file_weight.t()) < TOL
     else:
         held = part.codes.double() * part.scales.double()[:, None]

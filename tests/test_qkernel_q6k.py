@@ -189,3 +189,19 @@ def test_native_q6k_decode_gives_transformers_greedy_tokens(checkpoint, tmp_path
     assert served and bool(blocks) == (prefill == "blocks")
     assert outs["native"].token_ids == outs["dense"].token_ids
     assert _deviation(outs["native"], outs["dense"]) < 2e-4
+
+
+def test_the_model_identity_binds_the_native_forms(monkeypatch) -> None:
+    """Q6_K's form changed its numbers (int8 per channel -> the file's blocks), so the KV of a
+    native model changed: the identity the KV tiers key entries by names the forms' version, and
+    a dense model's identity ignores it."""
+    from chunkcache.chunk.tiers.identity import model_identity
+
+    model = torch.nn.Linear(4, 4)
+    ids = {}
+    for form in ("native", "dense"):
+        model.weights_form = form
+        ids[form] = model_identity(model, None, "m")
+        monkeypatch.setattr(qkernel, "FORMS_VERSION", qkernel.FORMS_VERSION + "-next")
+        assert (model_identity(model, None, "m") != ids[form]) == (form == "native")
+        monkeypatch.undo()

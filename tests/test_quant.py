@@ -22,7 +22,7 @@ import torch
 
 from chunkcache import config
 from chunkcache.errors import ModelLoadError
-from chunkcache.model import dequant, quant, quant_embedding
+from chunkcache.model import dequant, qkernel, quant, quant_embedding, quant_q6k
 from chunkcache.model.gguf_blocks import RawTensor, affine_int4
 from chunkcache.model.linear import Linear
 from chunkcache.model.loader import load_model
@@ -33,6 +33,7 @@ from chunkcache.model.quant import (
     QuantProduct,
     native_parts,
 )
+from chunkcache.model.quant_q6k import Q6KPart
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -44,6 +45,9 @@ ROWS, COLS = 96, 512
 INT4_TOL = 5e-3  # measured 2.8-3.0e-3
 INT8_TOL = 1.5e-2  # measured 6.4-7.4e-3
 LOGPROB_TOL = 1.0  # placeholder until measured
+# Q6_K's form: the file's own blocks where `qkernel` serves (exact: tests/test_qkernel_q6k.py),
+# else int8 per channel.
+Q6K_FORM = Q6KPart if qkernel.available() else Int8Part
 
 
 def _raw(qtype: Q, seed: int = 0, shape: tuple[int, int] = (ROWS, COLS)) -> RawTensor:
@@ -108,7 +112,7 @@ def test_int4_kernel_is_w_equals_q_minus_8_times_s_plus_z(qtype: Q) -> None:
         (Q.Q4_K, Int4Part, INT4_TOL),
         (Q.Q8_0, Int8Part, INT8_TOL),
         (Q.Q5_K, Int8Part, INT8_TOL),
-        (Q.Q6_K, Int8Part, INT8_TOL),
+        (Q.Q6_K, Q6K_FORM, INT8_TOL),
         (Q.F32, DensePart, 1e-6),
     ],
     ids=lambda v: getattr(v, "name", None) or getattr(v, "__name__", str(v)),
@@ -208,7 +212,7 @@ _THRESHOLDS = [dequant.INT8_MIN_ROWS, dequant.INT4_MIN_ROWS]
 
 @pytest.mark.parametrize("tokens", sorted({1, 130, *_THRESHOLDS, *(t - 1 for t in _THRESHOLDS)}))
 @pytest.mark.parametrize(
-    ("qtype", "form"), [(Q.Q4_K, Int4Part), (Q.Q4_1, Int4Part), (Q.Q8_0, Int8Part), (Q.Q6_K, Int8Part)],
+    ("qtype", "form"), [(Q.Q4_K, Int4Part), (Q.Q4_1, Int4Part), (Q.Q8_0, Int8Part), (Q.Q6_K, Q6K_FORM)],
     ids=lambda v: getattr(v, "name", None) or getattr(v, "__name__", str(v)),
 )  # fmt: skip
 def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: type, tokens: int) -> None:
@@ -228,6 +232,8 @@ def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: 
     part = parts[0]
     if form is Int4Part:
         held = _served_int4(part, torch.from_numpy(affine_int4(raw)[0]))
+    elif form is Q6KPart:  # the file's values themselves
+        held = _reference(raw)
     else:
         held = part.codes.float() * part.scales.float()[:, None]
     exact = x @ held.t() + bias
@@ -265,7 +271,7 @@ def test_a_merged_projection_keeps_each_part_in_its_form() -> None:
         _raw(Q.F32, 6, (16, COLS)),
     ]
     parts = native_parts(raws, torch.float32, {})
-    assert [type(p) for p in parts] == [Int4Part, Int8Part, DensePart]
+    assert [type(p) for p in parts] == [Int4Part, Q6K_FORM, DensePart]
     assert [p.rows for p in parts] == [ROWS + 64, 32, 16]
     product = QuantProduct(parts, None, torch.float32)
     x = torch.randn(3, COLS)
@@ -346,7 +352,11 @@ def test_int8_from_the_file_in_row_blocks_equals_the_tensor_converted_whole(monk
 GGUF_CASES = [
     ("llama", Q.Q4_K, {"hidden_size": 256, "intermediate_size": 256}),  # Q/K rows permuted in the file
     ("qwen2", Q.Q4_1, {}),  # tied lm_head in int4, qkv bias
-    ("llama", Q.Q6_K, {"hidden_size": 256, "intermediate_size": 256}),  # int8 everywhere
+    (
+        "llama",
+        Q.Q6_K,
+        {"hidden_size": 256, "intermediate_size": 256},
+    ),  # its own blocks (int8 without qkernel)
 ]
 
 
@@ -376,12 +386,12 @@ def test_gguf_served_native_is_as_close_to_the_file_as_bfloat16(
     from chunkcache import LLM, SamplingParams
     from tests import test_gguf
 
-    for name in ("INT4_MIN_ROWS", "INT8_MIN_ROWS"):
-        monkeypatch.setattr(dequant, name, 2 if prefill == "blocks" else 10**9)
+    for module, name in ((dequant, "INT4_MIN_ROWS"), (dequant, "INT8_MIN_ROWS"), (quant_q6k, "Q6K_MIN_ROWS")):
+        monkeypatch.setattr(module, name, 2 if prefill == "blocks" else 10**9)
     blocks = []  # the block products that ran
-    for name in ("int4_product", "int8_product"):
-        product = getattr(dequant, name)
-        monkeypatch.setattr(dequant, name, lambda *a, product=product: blocks.append(1) or product(*a))
+    for module, name in ((dequant, "int4_product"), (dequant, "int8_product"), (quant_q6k, "product")):
+        product = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, product=product: blocks.append(1) or product(*a))
 
     src = checkpoint(arch=arch, tie_word_embeddings=arch == "qwen2", **overrides)
     # Random K-quant weights of a trained model's size (|w| < 0.1), not test_gguf's (< 1.9), whose
@@ -450,7 +460,7 @@ EXACT_CASES = [
     ("llama", Q.Q4_K, {"hidden_size": 256, "intermediate_size": 256}),  # int4; embedding Q4_K
     ("qwen2", Q.Q4_1, {}),  # tied: the embedding and its int4 lm_head both from the file's blocks
     ("qwen2", Q.Q8_0, {}),  # tied Q8_0 (SmolLM2's case): a dense embedding its lm_head reads
-    ("llama", Q.Q6_K, {"hidden_size": 256, "intermediate_size": 256}),  # int8; embedding Q6_K
+    ("llama", Q.Q6_K, {"hidden_size": 256, "intermediate_size": 256}),  # own blocks; embedding Q6_K
 ]
 
 
