@@ -22,7 +22,7 @@ import torch
 
 from chunkcache import config
 from chunkcache.errors import ModelLoadError
-from chunkcache.model import dequant, qkernel, quant, quant_embedding, quant_q6k
+from chunkcache.model import dequant, quant, quant_embedding, quant_q6k
 from chunkcache.model.gguf_blocks import RawTensor, affine_int4
 from chunkcache.model.linear import Linear
 from chunkcache.model.loader import load_model
@@ -45,9 +45,9 @@ ROWS, COLS = 96, 512
 INT4_TOL = 5e-3  # measured 2.8-3.0e-3
 INT8_TOL = 1.5e-2  # measured 6.4-7.4e-3
 LOGPROB_TOL = 1.0  # placeholder until measured
-# Q6_K's form: the file's own blocks where `qkernel` serves (exact: tests/test_qkernel_q6k.py),
-# else int8 per channel.
-Q6K_FORM = Q6KPart if qkernel.available() else Int8Part
+# Q6_K's form with float32 activations (the default): int8 per channel (its own blocks with
+# `int8_activations`: tests/test_qkernel_q6k.py).
+Q6K_FORM = Int8Part
 
 
 def _raw(qtype: Q, seed: int = 0, shape: tuple[int, int] = (ROWS, COLS)) -> RawTensor:
@@ -460,7 +460,7 @@ EXACT_CASES = [
     ("llama", Q.Q4_K, {"hidden_size": 256, "intermediate_size": 256}),  # int4; embedding Q4_K
     ("qwen2", Q.Q4_1, {}),  # tied: the embedding and its int4 lm_head both from the file's blocks
     ("qwen2", Q.Q8_0, {}),  # tied Q8_0 (SmolLM2's case): a dense embedding its lm_head reads
-    ("llama", Q.Q6_K, {"hidden_size": 256, "intermediate_size": 256}),  # own blocks; embedding Q6_K
+    ("llama", Q.Q6_K, {"hidden_size": 256, "intermediate_size": 256}),  # int8; embedding Q6_K
 ]
 
 

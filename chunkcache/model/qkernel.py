@@ -50,7 +50,7 @@ TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
 # What the native forms `qkernel` serves are, bound into the model identity (chunk/tiers/identity.py):
 # a change of a native weight's numbers changes the KV (Q6_K: int8 re-quantized per channel, then
 # the file's own blocks, exactly), so KV stored under the old forms is never loaded.
-FORMS_VERSION = "int4-q4k-factors;int8;q6k-blocks"
+FORMS_VERSION = "int4-q4k-factors;int8;q6k-blocks-with-int8-x"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 

@@ -20,8 +20,8 @@ the same held codes:
 - `_weight_int8pack_mm` (and `qkernel`'s int8 product): int8 codes with one scale per output
   channel. Q8_0's scale is per block of 32 and Q5_x's per 16-32, so no GGUF type fits it exactly:
   those are re-quantized per channel from the file's dequantized values, and the error that adds
-  is measured and logged. Q6_K too where `qkernel` does not serve; where it does, Q6_K is held as
-  the file's own blocks, exactly (`quant_q6k.Q6KPart`).
+  is measured and logged. Q6_K too, except with `int8_activations` where `qkernel` serves: the
+  file's own blocks then, exactly (`quant_q6k`).
 
 Other types (F32/F16/BF16, Q2_K, Q3_K) stay dense (today's path), the quantized ones with a
 warning naming the type. A merged projection (q/k/v, gate/up) whose parts differ in type (the
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkcache.model import dequant, qkernel, upcast
+from chunkcache.model import dequant, qkernel, quant_q6k, upcast
 from chunkcache.model.gguf_blocks import GROUP, INT4_TYPES, RawTensor, affine_int4, q4k_superblocks
 from chunkcache.model.quant_names import EMBEDDING, module_of, source_names
 from chunkcache.model.quant_q6k import Q6KPart
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 # The engine option `weights` (config.WEIGHTS is this tuple); `auto`: model/weight_forms.py.
 WEIGHTS = ("dense", "native", "int8", "auto")
 INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # re-quantized per channel
-# Every type a quantized form takes: Q6_K its own blocks (`Q6KPart`), or int8 without `qkernel`.
+# Every type a quantized form takes: Q6_K its own blocks (`quant_q6k.own_blocks`), or int8.
 QUANTIZED_TYPES = (*INT4_TYPES, *INT8_TYPES, "Q6_K")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 # Weight rows sampled per tensor to measure a conversion's error (the log line at load).
@@ -275,7 +275,7 @@ def native_parts(
                 served = ((q[rows].float() - 8) * s + z).numpy()
                 form = "int4 (own codes, bfloat16 scales and zeros)"
             kind = Int4Part
-        elif raw.qtype == "Q6_K" and qkernel.available():
+        elif raw.qtype == "Q6_K" and quant_q6k.own_blocks(int8_x):
             part = Q6KPart.of_raw(raw, int8_x)
             args, served = [part.blocks], part.dequantize(rows).numpy()
             kind, form = Q6KPart, "Q6_K's own blocks (exact)"

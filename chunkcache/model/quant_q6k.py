@@ -1,4 +1,5 @@
-"""Q6_K weights served as the GGUF file's own blocks (`weights native`, where `qkernel` serves).
+"""Q6_K weights served as the GGUF file's own blocks (`weights native` with `int8_activations`,
+where `qkernel` serves: `own_blocks`).
 
 The 1.5B default's Q4_K_M file holds its lm_head (151936 x 1536), the down projection of about
 half its layers and some attn_v in Q6_K: 6.5625 bits per weight (ql, qh, 16 int8 scales and a
@@ -8,8 +9,10 @@ a re-quantization error of ~7e-3 of the weight; a batch-1 decode step reads ever
 those bytes bound it. Held as the file's blocks they are ~18% fewer bytes and exact: every product
 here starts from gguf's own float32 weights bit for bit (qkernel_q6k.c says why that is exact).
 
-- Few rows (decode): `qkernel.q6k`, float32 x by default, or x rounded to int8 per block of 32 for
-  1-row products with `int8_activations` (llama.cpp's Q6_K x Q8 dot product, integer sums).
+- Few rows (decode): `qkernel.q6k`, x rounded to int8 per block of 32 for 1-row products with
+  `int8_activations` (llama.cpp's Q6_K x Q8 dot product, integer sums), float32 x for 2-8 rows.
+  Without `int8_activations` Q6_K stays int8 per channel: this form's float32 1-row product
+  measured slower than the int8 one (`own_blocks`).
 - Many rows (prefill): float32 GEMMs over blocks of `dequant.BLOCK_ROWS` weight rows dequantized
   by the same C code into one reused buffer, as `dequant.int8_product` does with its codes.
 """
@@ -30,11 +33,22 @@ from chunkcache.model.gguf_blocks import RawTensor
 Q6K_MIN_ROWS = 16
 
 
+def own_blocks(int8_x: bool) -> bool:
+    """Whether `weights native` holds a Q6_K tensor as its blocks (`Q6KPart`) rather than int8 per
+    channel: where `qkernel` serves and decode's 1-row products take int8 x (`int8_activations`).
+    With float32 x this kernel converts ~1.7x the vector operations per weight the int8 one does
+    (unpacking 6-bit codes; no integer dot product to absorb it), and measured slower despite
+    its fewer bytes (the 1.5B's lm_head, 1 row: 22.9 against 19.1 ms; 8 rows: 108 against 85;
+    down 1.38 against 1.18; one thread, shared AVX2 EPYC); with int8 x faster (lm_head 16.9
+    against 19.7 ms, down 0.94 against 1.19). benchmarks/RESULTS.md, "Q6_K in its own blocks"."""
+    return int8_x and qkernel.available()
+
+
 class Q6KPart:
     """Output rows whose weight is Q6_K blocks as the file stores them (uint8 [rows, in / 256 *
     210], the one copy held): `quant.Int8Part`'s interface."""
 
-    native = True  # built only where `qkernel` serves (`quant.native_parts`)
+    native = True  # built only where `qkernel` serves (`own_blocks`)
 
     def __init__(self, blocks: torch.Tensor, int8_x: bool = False) -> None:
         """`int8_x`: 1-row products round x to int8 per block of 32 (engine option
