@@ -539,7 +539,8 @@ class EngineConfig:
     weights: str = "dense"
     # CPU, quantized weights (native, int8, auto's native kinds) served by qkernel: decode's
     # 1-row products round the activations to int8 per block of 32 (llama.cpp's Q8_0) and sum
-    # integer products; off keeps float32 activations (model/qkernel.py).
+    # integer products, and native Q6_K tensors are held as the file's blocks (model/quant_q6k.py);
+    # off keeps float32 activations (model/qkernel.py).
     int8_activations: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
