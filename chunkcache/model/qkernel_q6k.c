@@ -40,15 +40,16 @@ static inline float fp16_to_float(const uint8_t *p) {
  * of the half, in order (llama.cpp's unpacking: q[0], q[1] the low nibbles of ql[0..31], ql[32..63],
  * q[2], q[3] their high nibbles; qh's 2-bit pairs 0, 1, 2, 3 above them). */
 static inline void q6k_codes(const uint8_t *blk, int h, __m256i q[4]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
     __m256i l2 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
     __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-    /* (bits & 3) << 4 within 16-bit lanes: values < 64, so no bit crosses into the next byte. */
-    __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(hb, m2), 4);
-    __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m2), 4);
-    __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), 4);
-    __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m2), 4);
+    /* qh's pair j moved to bits 4-5 of its byte and masked there: the bits a 16-bit shift carries
+     * across the byte boundary land outside 0x30 (7 operations where shift, mask, shift took 11). */
+    __m256i h0 = _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30);
+    __m256i h1 = _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30);
+    __m256i h2 = _mm256_and_si256(hb, m30);
+    __m256i h3 = _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30);
     q[0] = _mm256_or_si256(_mm256_and_si256(l1, m4), h0);
     q[1] = _mm256_or_si256(_mm256_and_si256(l2, m4), h1);
     q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), h2);
