@@ -59,12 +59,16 @@ def test_dequantize_is_ggufs_bit_for_bit(shape, specials) -> None:
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])  # 11: two calls (8 + 3)
 def test_float_x_products_against_float64_over_ggufs_weight(shape, rows) -> None:
+    """Against the scale of the sums (max of |x| |w|), not of |y|: a single output (1 x 256) can
+    cancel to near zero, where any float32 summation is relatively far off."""
     blocks, reference = _blocks(shape, seed=3 * shape[0] + rows)
     part = Q6KPart(blocks)
-    x = torch.randn(rows, shape[1])
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
     y = part.kernel(x)
     assert y.dtype == torch.float32 and y.shape == (rows, shape[0])
-    assert _close(y, x.double() @ reference.double().t()) < TOL
+    w = reference.double()
+    scale = (x.double().abs() @ w.abs().t()).max()
+    assert ((y.double() - x.double() @ w.t()).abs().max() / scale).item() < TOL
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

@@ -36,11 +36,12 @@ Q6K_MIN_ROWS = 16
 def own_blocks(int8_x: bool) -> bool:
     """Whether `weights native` holds a Q6_K tensor as its blocks (`Q6KPart`) rather than int8 per
     channel: where `qkernel` serves and decode's 1-row products take int8 x (`int8_activations`).
-    With float32 x this kernel converts ~1.7x the vector operations per weight the int8 one does
-    (unpacking 6-bit codes; no integer dot product to absorb it), and measured slower despite
-    its fewer bytes (the 1.5B's lm_head, 1 row: 22.9 against 19.1 ms; 8 rows: 108 against 85;
-    down 1.38 against 1.18; one thread, shared AVX2 EPYC); with int8 x faster (lm_head 16.9
-    against 19.7 ms, down 0.94 against 1.19). benchmarks/RESULTS.md, "Q6_K in its own blocks"."""
+    Measured in one process on the 1.5B, the forms alternated (benchmarks/bench_q6k_forms.py,
+    RESULTS.md "Q6_K in its own blocks"): with int8 x the blocks decode faster (medians 105.5
+    against 124.0 and 115.7 against 128.9 ms per token, faster in 6 rounds of 6); with float32 x
+    not (148.8 against 149.7 in one run, 163.6 against 154.1 in another, slower in 4 rounds of
+    6): unpacking 6-bit codes to float costs more vector operations per weight than converting
+    int8 codes, and 18% fewer bytes do not clearly pay for it there."""
     return int8_x and qkernel.available()
 
 
