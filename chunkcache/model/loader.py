@@ -304,6 +304,8 @@ def load_model(
     why = f"{str(torch_dtype).removeprefix('torch.')} on {dev} ({reason})"
     if weights != "dense":
         why += f", weights {weights if forms is None else forms.summary()}"
+    if net.int8_activations:
+        why += ", int8 activations in decode's products"
     _log_loaded(net, name, size, why, time.perf_counter() - start)
     eos = _eos_ids(gen, tok, hf)
     return LoadedModel(net, spec, tok, path, name, eos, torch_dtype, dev, net.weights_form)
