@@ -7,7 +7,9 @@ Forms: `int4` torch's `_weight_int4pack_mm_for_cpu` (bfloat16 x, scale and zero 
 0.625 B/weight), `q4` qkernel's int4 (float32 x, the same packed codes, float32 scale and minimum:
 0.75 B/weight), `int8` torch's `_weight_int8pack_mm` (bfloat16 x), `q8` qkernel's int8 (same codes
 and bfloat16 per-row scales: ~1 B/weight), `q6k` qkernel's Q6_K product over the file's own
-blocks (random bytes; 0.82 B/weight), `bf16` and `fp32` dense (`F.linear`; fp32 also
+blocks (random bytes; 0.82 B/weight); `q4x`, `q8x`, `q6kx` the same with x rounded to int8 per
+block of 32 (`int8_activations`, 1-row products), `q4k` `q4x` over Q4_K's own factors (d, dmin
+per 256 inputs, 6-bit sc and m per 32: 0.59 B/weight); `bf16` and `fp32` dense (`F.linear`; fp32 also
 `x @ W^T` on the transposed weight, the faster kept). Each form's weights are copied until the
 copies exceed `--cold-mb` and the copies are multiplied in turn, so each product reads its weight
 from memory as a decode step does (a single 1.5 MB q/k/v weight would otherwise sit in cache).
