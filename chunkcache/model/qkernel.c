@@ -194,27 +194,22 @@ static void pair_columns(const int8_t *qx, int k, int8_t *xv) {
 void int4_product(const float *x, int rows, int k, int n, const uint8_t *packed, const float *factors,
                   const uint8_t *multipliers, float *y, int threads, int quantize_x) {
     Factors fa = {factors, multipliers};
-    float xsum[k / GROUP];
-    if (rows == 1 && quantize_x) {
-        int8_t qx[k], xv[k * 8];
-        float dx[k / GROUP];
-        quantize_blocks(x, k, qx, dx);
-        pair_columns(qx, k, xv);
-        for (int g = 0; g < k / GROUP; g++) {
-            float s = 0;
-            for (int c = 0; c < GROUP; c++) s += x[g * GROUP + c];
-            xsum[g] = s;
-        }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int t = 0; t < n / TILE; t++) int4_tile_q8(xv, dx, xsum, k, n, t, packed, fa, y);
-        return;
-    }
+    float xsum[k / GROUP]; /* one row: sum(x) per group, the minimum's term of both 1-row paths */
     if (rows == 1)
         for (int g = 0; g < k / GROUP; g++) {
             float s = 0;
             for (int c = 0; c < GROUP; c++) s += x[g * GROUP + c];
             xsum[g] = s;
         }
+    if (rows == 1 && quantize_x) {
+        int8_t qx[k], xv[k * 8];
+        float dx[k / GROUP];
+        quantize_blocks(x, k, qx, dx);
+        pair_columns(qx, k, xv);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int t = 0; t < n / TILE; t++) int4_tile_q8(xv, dx, xsum, k, n, t, packed, fa, y);
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int t = 0; t < n / TILE; t++) {
         switch (rows) {
