@@ -171,6 +171,27 @@ def test_q4k_factors_are_the_float32_ones_in_fewer_bytes() -> None:
         torch.testing.assert_close(part.kernel(x[:rows]), plain.kernel(x[:rows]), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_prefill_blocks_are_torchs_unpacking_bit_for_bit(qtype: Q) -> None:
+    """`qkernel.int4_dequantize` (prefill's blocks of a native part, over the factors it holds:
+    float32 ones for Q4_1, Q4_K's own) gives `dequant.int4_block`'s floats over `affine()` exactly,
+    block by block (a whole one of 256 rows and a partial one of 64), and so the same products:
+    the faster path changes no number a prefill computes."""
+    raw = _raw(qtype, seed=23, shape=(dequant.BLOCK_ROWS + 64, 512))
+    (part,) = quant.native_parts([raw], torch.float32, {})
+    assert part.native and (part.multipliers is not None) == (qtype == Q.Q4_K)
+    scale, minimum = part.affine()
+    for start in (0, dequant.BLOCK_ROWS):
+        rows = min(dequant.BLOCK_ROWS, part.rows - start)
+        ours = qkernel.int4_dequantize(
+            part.packed, part.factors, part.multipliers, start, torch.empty(512, rows)
+        )
+        theirs = dequant.int4_block(part.packed, scale, minimum, start, rows, dequant.int4_layout())
+        assert torch.equal(ours, theirs)
+    x = torch.randn(dequant.INT4_MIN_ROWS + 3, 512)
+    assert torch.equal(part(x), dequant.int4_product(x, part.packed, scale, minimum))
+
+
 def test_the_kernel_is_more_exact_than_torchs_bfloat16_one() -> None:
     """The same Q4_K tensor through `qkernel` and through torch's kernel (its bfloat16 x,
     scales, zeros and output), both against the file's values in float64."""

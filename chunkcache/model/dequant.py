@@ -12,7 +12,11 @@ on them, as
 `model/upcast.py` does for bfloat16 weights on CPUs without a bfloat16 GEMM.
 
 The int4 kernel's packed tensor is the only copy of the 4-bit codes held, so the blocks unpack it
-directly. Its nibble order is private to torch and differs per CPU capability (in torch 2.13's
+directly: `int4_block` here in torch operations (~1 ns a weight, parts torch's kernel serves),
+`qkernel.int4_dequantize` in C for the parts `qkernel` serves (the same floats, 0.2-0.8 ns a
+weight: a prefill in pieces of 256 tokens dequantizes every weight once per piece, and the 1.5B's
+prefill ran 20.6 -> 24.0 tokens/s of CPU with it, RESULTS.md); `blockwise_product` multiplies
+either. Its nibble order is private to torch and differs per CPU capability (in torch 2.13's
 `int4mm_kernel.cpp`: tiles of 32 output rows on AVX2, 64 on AVX512, where a byte holds row `b`
 of the tile in its low nibble and row `b + tile / 2` in its high one, per input column; tiles of
 2 rows elsewhere), so it is not assumed: `int4_layout` packs probe codes once and reads back
@@ -23,6 +27,7 @@ to the kernel.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -139,11 +144,19 @@ def int4_product(
     `int4_layout()` (`int4_blocks_apply`)."""
     layout = int4_layout()
     assert layout is not None
-    n = packed.shape[0]
+    return blockwise_product(
+        x, packed.shape[0], lambda start, rows: int4_block(packed, scale, minimum, start, rows, layout)
+    )
+
+
+def blockwise_product(x: torch.Tensor, n: int, block: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """float32 x [T, in] times a weight of `n` output rows that `block(start, rows)` gives
+    `BLOCK_ROWS` rows at a time as the GEMM's float32 B [in, rows] (a transposed [rows, in] view
+    serves as well): float32 [T, n]."""
     out = torch.empty(x.shape[0], n)
     for start in range(0, n, BLOCK_ROWS):
         rows = min(BLOCK_ROWS, n - start)
-        torch.mm(x, int4_block(packed, scale, minimum, start, rows, layout), out=out[:, start : start + rows])
+        torch.mm(x, block(start, rows), out=out[:, start : start + rows])
     return out
 
 

@@ -116,8 +116,9 @@ def library() -> ctypes.CDLL | None:
             lib.int8_product.argtypes = [p, i, i, i, p, p, p, i, i]
             lib.q6k_product.argtypes = [p, i, i, i, p, p, i, i]
             lib.q6k_dequantize.argtypes = [p, i, i, p, i]
+            lib.int4_dequantize.argtypes = [p, p, p, i, i, i, p, i]
             lib.int4_product.restype = lib.int8_product.restype = None
-            lib.q6k_product.restype = lib.q6k_dequantize.restype = None
+            lib.q6k_product.restype = lib.q6k_dequantize.restype = lib.int4_dequantize.restype = None
             return lib
     logger.info("quantized products: torch's bfloat16 kernels serve decode (%s)", reason)
     return None
@@ -169,6 +170,28 @@ def q6k_dequantize(blocks: torch.Tensor, out: torch.Tensor | None = None) -> tor
     out = torch.empty(rows, cols) if out is None else out
     assert out.shape == (rows, cols) and out.dtype == torch.float32 and out.is_contiguous()
     lib.q6k_dequantize(blocks.data_ptr(), cols, rows, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def int4_dequantize(
+    packed: torch.Tensor,
+    factors: torch.Tensor,
+    multipliers: torch.Tensor | None,
+    start: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Weight rows [start, start + rows) of an int4 part (the kernel's tile-major factors, as
+    `int4` takes them) as float32 [in, rows] into `out` (prefill's reused buffer, `rows` whole
+    tiles): `dequant.int4_block`'s values over the same factors, bit for bit, ~5x faster."""
+    lib = library()
+    assert lib is not None and packed.is_contiguous() and factors.is_contiguous()
+    cols, rows = packed.shape[1] * 2, out.shape[1]
+    assert out.shape[0] == cols and out.dtype == torch.float32 and out.is_contiguous()
+    assert start % TILE == 0 and rows % TILE == 0 and start + rows <= packed.shape[0]
+    lib.int4_dequantize(
+        packed.data_ptr(), factors.data_ptr(), None if multipliers is None else multipliers.data_ptr(),
+        cols, start, rows, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     return out
 
 

@@ -110,8 +110,18 @@ class Int4Part:
         """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT4_MIN_ROWS`
         rows, float32 GEMMs over dequantized blocks from it (where the packing is known)."""
         if x.shape[0] >= dequant.INT4_MIN_ROWS and dequant.int4_blocks_apply(self.rows):
+            if self.native:  # qkernel's dequantization over the factors it holds
+                return dequant.blockwise_product(x.float(), self.rows, self._block()).to(x.dtype)
             return dequant.int4_product(x.float(), self.packed, *self.affine()).to(x.dtype)
         return self.kernel(x).to(x.dtype)
+
+    def _block(self) -> Callable[[int, int], torch.Tensor]:
+        """`dequant.blockwise_product`'s blocks from `qkernel.int4_dequantize`, in one buffer."""
+        cols = self.packed.shape[1] * 2
+        buffer = torch.empty(cols * min(dequant.BLOCK_ROWS, self.rows))
+        return lambda start, rows: qkernel.int4_dequantize(
+            self.packed, self.factors, self.multipliers, start, buffer[: cols * rows].view(cols, rows)
+        )
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel alone: `qkernel`'s (float32 x and y, `qkernel.MAX_ROWS` rows a call), or

@@ -88,10 +88,7 @@ def product(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """float32 x [T, in] times a Q6_K weight, `dequant.BLOCK_ROWS` weight rows at a time
     dequantized into one reused float32 buffer: float32 [T, out]."""
     n = blocks.shape[0]
-    out = torch.empty(x.shape[0], n)
     buffer = torch.empty(min(dequant.BLOCK_ROWS, n), x.shape[1])
-    for start in range(0, n, dequant.BLOCK_ROWS):
-        block = blocks[start : start + dequant.BLOCK_ROWS]
-        weight = qkernel.q6k_dequantize(block, buffer[: block.shape[0]])
-        torch.mm(x, weight.t(), out=out[:, start : start + block.shape[0]])
-    return out
+    return dequant.blockwise_product(
+        x, n, lambda start, rows: qkernel.q6k_dequantize(blocks[start : start + rows], buffer[:rows]).t()
+    )
