@@ -453,6 +453,9 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="engine option `int8_activations` (default: the engine's)",
     )
+    parser.add_argument(
+        "--compile-decode", action="store_true", help="engine option `compile_decode` (label the run)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--set", choices=[*SETS, "both"], default="original", help="which questions")
     parser.add_argument("--split", choices=["all", "tune", "heldout"], default="all")
@@ -552,6 +555,7 @@ def main(argv: list[str] | None = None) -> None:
         adapter=adapter,
         weights=args.weights,
         **({} if args.int8_activations is None else {"int8_activations": args.int8_activations}),
+        **({"compile_decode": True} if args.compile_decode else {}),
         **measure.ENGINE_OPTIONS,  # no mode may read the full prefill's exact prefix
     )
     t0 = time.time()
