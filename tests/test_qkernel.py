@@ -338,7 +338,7 @@ def test_native_int4_decode_gives_transformers_greedy_tokens(
     from tests.test_quant import _deviation
     from tests.test_quant import _random_k_quant as small_k_quant
 
-    for name in ("INT4_MIN_ROWS", "INT8_MIN_ROWS"):
+    for name in ("INT4_MIN_ROWS", "NATIVE_INT4_MIN_ROWS", "INT8_MIN_ROWS"):
         monkeypatch.setattr(dequant, name, 10**9)
     served = []
     monkeypatch.setattr(qkernel, "int4", lambda *a, f=qkernel.int4: served.append(1) or f(*a))

@@ -42,6 +42,12 @@ GROUP = 32  # inputs per int4 scale and zero (quant.GROUP; here to keep the impo
 # 14% behind in another) and in every run from 80.
 INT4_MIN_ROWS = 64
 INT8_MIN_ROWS = 16
+# The int4 parts `qkernel` serves dequantize in C (`qkernel.int4_dequantize`, 0.2-0.8 ns a
+# weight), so their blocks win from fewer rows: a 1.5B prefill of 32 / 40 / 48 / 56 tokens ran
+# 1.18x / 1.11x / 1.22x / 1.31x faster through them than through the kernel's calls of 8 rows
+# (one process, alternated; RESULTS.md "Prefill's int4 blocks in C"); 24 rows measured a tie
+# on gate/up and the kernel ahead on down.
+NATIVE_INT4_MIN_ROWS = 32
 
 # Weight rows per dequantized block (a multiple of every tile below): the float32 block is
 # 1.5 MB at 1,536 inputs and 9 MB at 8,960, as in `upcast._UPCAST_ROWS`.

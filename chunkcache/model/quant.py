@@ -108,8 +108,10 @@ class Int4Part:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT4_MIN_ROWS`
-        rows, float32 GEMMs over dequantized blocks from it (where the packing is known)."""
-        if x.shape[0] >= dequant.INT4_MIN_ROWS and dequant.int4_blocks_apply(self.rows):
+        rows (`NATIVE_INT4_MIN_ROWS` where qkernel serves), float32 GEMMs over dequantized blocks
+        from it (where the packing is known)."""
+        threshold = dequant.NATIVE_INT4_MIN_ROWS if self.native else dequant.INT4_MIN_ROWS
+        if x.shape[0] >= threshold and dequant.int4_blocks_apply(self.rows):
             if self.native:  # qkernel's dequantization over the factors it holds
                 return dequant.blockwise_product(x.float(), self.rows, self._block()).to(x.dtype)
             return dequant.int4_product(x.float(), self.packed, *self.affine()).to(x.dtype)
