@@ -529,8 +529,10 @@ class EngineConfig:
     # CPU 1.17-1.28x the tokens/s of eager mode at batch 1 on SmolLM2, and ~1.45x more where its
     # 1-row products are fused loops (timed per projection kind at start; up to one more copy
     # of the projections);
-    # compiled at engine start (12-50 s on two CPU cores) and needs a C++ compiler there. Off by
-    # default for that start-up cost.
+    # compiled at engine start (12-50 s on two CPU cores; ~100 s for the 1.5B, whose decode it
+    # brings from 0.81-0.95x to 0.98-1.08x llama.cpp's, answers kept: RESULTS.md) and needs a C++
+    # compiler there. Off by default for that start-up cost, the 1.5B's too: its default reuse
+    # decodes a RAG request's fusion streams as a batch, which the one-sequence graph does not serve.
     compile_decode: bool = False
     # CPU: dense (the checkpoint's weights in `dtype`), native (a GGUF's own quantized weights,
     # 4-bit codes kept as they are), int8 (per output channel); model/quant.py. auto: per
