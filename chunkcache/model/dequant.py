@@ -178,11 +178,6 @@ def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
     row): the codes converted to float32 a block at a time, the scales applied to the output (one
     pass over [T, out] instead of one over the weight)."""
     n = codes.shape[0]
-    out = torch.empty(x.shape[0], n)
     buffer = torch.empty(min(BLOCK_ROWS, n), codes.shape[1])
-    for start in range(0, n, BLOCK_ROWS):
-        block = codes[start : start + BLOCK_ROWS]
-        weight = buffer[: block.shape[0]]
-        weight.copy_(block)
-        torch.mm(x, weight.t(), out=out[:, start : start + block.shape[0]])
+    out = blockwise_product(x, n, lambda start, rows: buffer[:rows].copy_(codes[start : start + rows]).t())
     return out.mul_(scales.float())
