@@ -1,4 +1,4 @@
-"""Decode with a GGUF's Q6_K tensors in their own blocks (`quant_q6k.Q6KPart`) against the same
+"""Decode with a GGUF's Q6_K tensors in their own blocks (`quant_blocks.BlocksPart`) against the same
 tensors re-quantized to int8 per channel (`quant.Int8Part`, the form without `int8_activations`),
 in one process, the forms swapped in place and alternated round by round, so a shared machine's
 load drifts over both alike (separate processes measured +-15% apart on the same code).
@@ -20,7 +20,7 @@ import time
 import torch
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.model import qkernel, quant_q6k
+from chunkcache.model import qkernel, quant_blocks
 from chunkcache.model.gguf_blocks import RawTensor
 from chunkcache.model.linear import Linear
 from chunkcache.model.quant import Int8Part
@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     int8_x = args.x == "int8"
     torch.set_num_threads(1)
-    quant_q6k.own_blocks = lambda int8_x: qkernel.available()  # both x forms hold the blocks here
+    quant_blocks.own_blocks = lambda qtype, int8_x: qkernel.available() and qtype in ("Q6_K", "Q8_0")  # any x
     llm = LLM(
         args.model,
         dtype="float32",
@@ -50,8 +50,8 @@ def main() -> None:
     for name, m in modules.items():
         if isinstance(m, Linear) and m.quant is not None:
             for i, p in enumerate(m.quant.parts):
-                if isinstance(p, quant_q6k.Q6KPart):
-                    shape = (p.rows, p.blocks.shape[1] // qkernel.Q6K_BLOCK_BYTES * 256)
+                if isinstance(p, quant_blocks.BlocksPart) and p.qtype == "Q6_K":
+                    shape = (p.rows, p.blocks.shape[1] // p.format.block_bytes * p.format.block_weights)
                     forms["q6k"][name, i] = p
                     forms["int8"][name, i] = Int8Part.of_raw(
                         RawTensor(name, "Q6_K", p.blocks.numpy(), shape), int8_x

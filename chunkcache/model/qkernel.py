@@ -43,14 +43,14 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qkernel.c")
 # Compiled together into one library (`SOURCE` first); the header is hashed with them.
-EXTRA_SOURCES = (Path(__file__).with_name("qkernel_q6k.c"),)
+EXTRA_SOURCES = (Path(__file__).with_name("qkernel_q6k.c"), Path(__file__).with_name("qkernel_q8_0.c"))
 HEADER = Path(__file__).with_name("qkernel.h")
 MAX_ROWS = 8  # qkernel.c's MAX_ROWS: the most rows of x one call takes
 TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
 # What the native forms `qkernel` serves are, bound into the model identity (chunk/tiers/identity.py):
 # a change of a native weight's numbers changes the KV (Q6_K: int8 re-quantized per channel, then
 # the file's own blocks, exactly), so KV stored under the old forms is never loaded.
-FORMS_VERSION = "int4-q4k-factors;int8;q6k-blocks-with-int8-x"
+FORMS_VERSION = "int4-q4k-factors;int8;q6k-blocks-with-int8-x;q8_0-blocks"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -112,13 +112,15 @@ def library() -> ctypes.CDLL | None:
             reason = f"building {SOURCE.name} failed: {detail}"
         else:
             p, i = ctypes.c_void_p, ctypes.c_int
-            lib.int4_product.argtypes = [p, i, i, i, p, p, p, p, i, i]
-            lib.int8_product.argtypes = [p, i, i, i, p, p, p, i, i]
-            lib.q6k_product.argtypes = [p, i, i, i, p, p, i, i]
-            lib.q6k_dequantize.argtypes = [p, i, i, p, i]
-            lib.int4_dequantize.argtypes = [p, p, p, i, i, i, p, i]
-            lib.int4_product.restype = lib.int8_product.restype = None
-            lib.q6k_product.restype = lib.q6k_dequantize.restype = lib.int4_dequantize.restype = None
+            block_product, block_dequantize = [p, i, i, i, p, p, i, i], [p, i, i, p, i]
+            for name, argtypes in (
+                ("int4_product", [p, i, i, i, p, p, p, p, i, i]),
+                ("int8_product", [p, i, i, i, p, p, p, i, i]),
+                ("int4_dequantize", [p, p, p, i, i, i, p, i]),
+                *((product, block_product) for product, _ in _BLOCK_FUNCTIONS.values()),
+                *((dequantize, block_dequantize) for _, dequantize in _BLOCK_FUNCTIONS.values()),
+            ):
+                getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
             return lib
     logger.info("quantized products: torch's bfloat16 kernels serve decode (%s)", reason)
     return None
@@ -153,23 +155,25 @@ def int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: boo
     return _in_row_chunks(x.float(), lambda c: op(c, codes, scales, int8_x))
 
 
-def q6k(x: torch.Tensor, blocks: torch.Tensor, int8_x: bool = False) -> torch.Tensor:
-    """x [T, in] (cast to float32) times a Q6_K weight held as the file's blocks (`blocks` uint8
-    [out, in / 256 * 210], qkernel_q6k.c): float32 [T, out]; dispatched as `int4` is, `int8_x`
-    as there."""
-    op = torch.ops.chunkcache.q6k_product if torch.compiler.is_compiling() else _q6k
-    return _in_row_chunks(x.float(), lambda c: op(c, blocks, int8_x))
+def blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor, int8_x: bool = False) -> torch.Tensor:
+    """x [T, in] (cast to float32) times a weight held as the file's blocks of `qtype` (one of
+    `BLOCK_TYPES`; `blocks` uint8 [out, in / weights per block * bytes per block],
+    qkernel_q6k.c, qkernel_q8_0.c): float32 [T, out]; dispatched as `int4` is, `int8_x` as there."""
+    op = torch.ops.chunkcache.blocks_product if torch.compiler.is_compiling() else _blocks_product
+    return _in_row_chunks(x.float(), lambda c: op(c, blocks, qtype, int8_x))
 
 
-def q6k_dequantize(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Q6_K rows (`blocks` uint8 [rows, in / 256 * 210]) as float32 [rows, in], gguf's values bit
-    for bit, into `out` where given (prefill's reused buffer)."""
+def blocks_dequantize(qtype: str, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of a weight held as `qtype`'s blocks as float32 [rows, in], gguf's values bit for bit,
+    into `out` where given (prefill's reused buffer)."""
     lib = library()
     assert lib is not None and blocks.dtype == torch.uint8 and blocks.is_contiguous()
-    rows, cols = blocks.shape[0], blocks.shape[1] // Q6K_BLOCK_BYTES * 256
+    rows, cols = blocks.shape[0], _columns(qtype, blocks)
     out = torch.empty(rows, cols) if out is None else out
     assert out.shape == (rows, cols) and out.dtype == torch.float32 and out.is_contiguous()
-    lib.q6k_dequantize(blocks.data_ptr(), cols, rows, out.data_ptr(), torch.get_num_threads())
+    getattr(lib, _BLOCK_FUNCTIONS[qtype][1])(
+        blocks.data_ptr(), cols, rows, out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 
@@ -195,7 +199,16 @@ def int4_dequantize(
     return out
 
 
-Q6K_BLOCK_BYTES = 210  # per 256 weights: ql[128], qh[64], scales[16], d
+# The types held as the file's blocks: (bytes per block, weights per block). Q6_K: ql[128],
+# qh[64], scales[16], d; Q8_0: d, then 32 int8 codes.
+BLOCK_TYPES = {"Q6_K": (210, 256), "Q8_0": (34, 32)}
+# Their library functions: (product, dequantize).
+_BLOCK_FUNCTIONS = {"Q6_K": ("q6k_product", "q6k_dequantize"), "Q8_0": ("q8_0_product", "q8_0_dequantize")}
+
+
+def _columns(qtype: str, blocks: torch.Tensor) -> int:
+    block_bytes, weights = BLOCK_TYPES[qtype]
+    return blocks.shape[1] // block_bytes * weights
 
 
 def _tiles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -280,15 +293,15 @@ def _int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: bo
     return y
 
 
-def _q6k(x: torch.Tensor, blocks: torch.Tensor, int8_x: bool) -> torch.Tensor:
+def _blocks_product(x: torch.Tensor, blocks: torch.Tensor, qtype: str, int8_x: bool) -> torch.Tensor:
     lib = library()
     assert lib is not None and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
     x = x.contiguous()
     n = blocks.shape[0]
-    assert x.shape[1] == blocks.shape[1] // Q6K_BLOCK_BYTES * 256
+    assert x.shape[1] == _columns(qtype, blocks)
     y = torch.empty(x.shape[0], n)
-    lib.q6k_product(
+    getattr(lib, _BLOCK_FUNCTIONS[qtype][0])(
         x.data_ptr(), x.shape[0], x.shape[1], n, blocks.data_ptr(), y.data_ptr(), torch.get_num_threads(),
         int(int8_x),
     )  # fmt: skip
@@ -303,9 +316,9 @@ _LIBRARY.define(
     "int4_product(Tensor x, Tensor packed, Tensor factors, Tensor? multipliers, bool int8_x) -> Tensor"
 )
 _LIBRARY.define("int8_product(Tensor x, Tensor codes, Tensor scales, bool int8_x) -> Tensor")
-_LIBRARY.define("q6k_product(Tensor x, Tensor blocks, bool int8_x) -> Tensor")
+_LIBRARY.define("blocks_product(Tensor x, Tensor blocks, str qtype, bool int8_x) -> Tensor")
 _LIBRARY.impl("int4_product", _int4, "CPU")
-_LIBRARY.impl("q6k_product", _q6k, "CPU")
+_LIBRARY.impl("blocks_product", _blocks_product, "CPU")
 _LIBRARY.impl("int8_product", _int8, "CPU")
 
 
@@ -325,6 +338,6 @@ def _(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: bool) 
     return x.new_empty(x.shape[0], codes.shape[0])
 
 
-@torch.library.register_fake("chunkcache::q6k_product")
-def _(x: torch.Tensor, blocks: torch.Tensor, int8_x: bool) -> torch.Tensor:
+@torch.library.register_fake("chunkcache::blocks_product")
+def _(x: torch.Tensor, blocks: torch.Tensor, qtype: str, int8_x: bool) -> torch.Tensor:
     return x.new_empty(x.shape[0], blocks.shape[0])

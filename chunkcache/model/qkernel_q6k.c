@@ -1,4 +1,4 @@
-/* Q6_K weights served in the file's own blocks (`model/quant_q6k.py`), AVX2 + FMA; built into the
+/* Q6_K weights served in the file's own blocks (`model/quant_blocks.py`), AVX2 + FMA; built into the
  * same library as qkernel.c by `model/qkernel.py`.
  *
  * A weight row is k / 256 blocks of 210 bytes, as the GGUF stores them: ql[128], qh[64], int8

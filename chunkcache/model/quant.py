@@ -20,8 +20,8 @@ the same held codes:
 - `_weight_int8pack_mm` (and `qkernel`'s int8 product): int8 codes with one scale per output
   channel. Q8_0's scale is per block of 32 and Q5_x's per 16-32, so no GGUF type fits it exactly:
   those are re-quantized per channel from the file's dequantized values, and the error that adds
-  is measured and logged. Q6_K too, except with `int8_activations` where `qkernel` serves: the
-  file's own blocks then, exactly (`quant_q6k`).
+  is measured and logged. Where `qkernel` serves, Q8_0 and (with `int8_activations`) Q6_K are the
+  file's own blocks instead, exactly (`quant_blocks`).
 
 Other types (F32/F16/BF16, Q2_K, Q3_K) stay dense (today's path), the quantized ones with a
 warning naming the type. A merged projection (q/k/v, gate/up) whose parts differ in type (the
@@ -47,17 +47,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkcache.model import dequant, qkernel, quant_q6k, upcast
+from chunkcache.model import dequant, qkernel, quant_blocks, upcast
 from chunkcache.model.gguf_blocks import GROUP, INT4_TYPES, RawTensor, affine_int4, q4k_superblocks
+from chunkcache.model.quant_blocks import BlocksPart
 from chunkcache.model.quant_names import EMBEDDING, module_of, source_names
-from chunkcache.model.quant_q6k import Q6KPart
 
 logger = logging.getLogger(__name__)
 
 # The engine option `weights` (config.WEIGHTS is this tuple); `auto`: model/weight_forms.py.
 WEIGHTS = ("dense", "native", "int8", "auto")
 INT8_TYPES = ("Q8_0", "Q5_0", "Q5_1", "Q5_K")  # re-quantized per channel
-# Every type a quantized form takes: Q6_K its own blocks (`quant_q6k.own_blocks`), or int8.
+# Every type a quantized form takes: Q6_K and Q8_0 their own blocks (`quant_blocks.own_blocks`),
+# or int8.
 QUANTIZED_TYPES = (*INT4_TYPES, *INT8_TYPES, "Q6_K")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 # Weight rows sampled per tensor to measure a conversion's error (the log line at load).
@@ -205,7 +206,7 @@ class DensePart:
         return (self.weight,)
 
 
-Part = Int4Part | Int8Part | Q6KPart | DensePart
+Part = Int4Part | Int8Part | BlocksPart | DensePart
 
 
 class QuantProduct:
@@ -241,7 +242,10 @@ class QuantProduct:
         return held if self.bias is None else [*held, self.bias]
 
     def describe(self) -> str:
-        return "+".join(type(p).__name__.removesuffix("Part").lower() for p in self.parts)
+        return "+".join(
+            p.qtype.lower() if isinstance(p, BlocksPart) else type(p).__name__.removesuffix("Part").lower()
+            for p in self.parts
+        )
 
 
 @dataclass
@@ -266,7 +270,8 @@ def native_parts(
     tensors of the same form share one part (one kernel call). `report` gathers per type the form
     it took and the error measured against gguf's dequantization. `int8_x`: the quantized parts'
     1-row products round x to int8 (`Int4Part`)."""
-    pieces: list[tuple[type, list[torch.Tensor]]] = []  # (part class, its arguments, rows stacked)
+    # ((part class, blocks' type), its arguments per tensor, rows to stack)
+    pieces: list[tuple[tuple[type, str | None], list[list[torch.Tensor]]]] = []
     for raw in raws:
         rows = slice(0, min(_ERROR_ROWS, raw.shape[0]))
         reference = raw.dequantize(rows)
@@ -287,11 +292,11 @@ def native_parts(
                 served = ((q[rows].float() - 8) * s + z).numpy()
                 form = "int4 (own codes, bfloat16 scales and zeros)"
             kind = Int4Part
-        elif raw.qtype == "Q6_K" and quant_q6k.own_blocks(int8_x):
-            part = Q6KPart.of_raw(raw, int8_x)
+        elif quant_blocks.own_blocks(raw.qtype, int8_x):
+            part = BlocksPart.of_raw(raw, int8_x)
             args, served = [part.blocks], part.dequantize(rows).numpy()
-            kind, form = Q6KPart, "Q6_K's own blocks (exact)"
-        elif raw.qtype in QUANTIZED_TYPES:  # INT8_TYPES, and Q6_K without qkernel
+            kind, form = BlocksPart, f"{raw.qtype}'s own blocks (exact)"
+        elif raw.qtype in QUANTIZED_TYPES:  # INT8_TYPES and Q6_K, not held as their blocks
             part = Int8Part.of_raw(raw, int8_x)
             args = [part.codes, part.scales]
             served = (part.codes[rows].float() * part.scales[rows].float()[:, None]).numpy()
@@ -310,12 +315,13 @@ def native_parts(
         entry.error_sq += float(np.square(served - reference).sum())
         entry.norm_sq += float(np.square(reference).sum())
         entry.tensors += 1
-        if pieces and pieces[-1][0] is kind:
+        key = (kind, raw.qtype if kind is BlocksPart else None)  # blocks of one type share a part
+        if pieces and pieces[-1][0] == key:
             pieces[-1][1].append(args)
         else:
-            pieces.append((kind, [args]))
+            pieces.append((key, [args]))
     parts: list[Part] = []
-    for kind, group in pieces:
+    for (kind, blocks_type), group in pieces:
         if kind is Int4Part and len({len(a) for a in group}) > 1:  # Q4_K beside another 4-bit type
             group = [a[:3] for a in group]
         args = [torch.cat(column) for column in zip(*group, strict=True)]
@@ -323,8 +329,8 @@ def native_parts(
             parts.append(DensePart(*args))
         elif kind is Int4Part:
             parts.append(Int4Part(*args[:3], int8_x=int8_x, superblocks=tuple(args[3:]) or None))
-        elif kind is Q6KPart:
-            parts.append(Q6KPart(*args, int8_x=int8_x))
+        elif kind is BlocksPart:
+            parts.append(BlocksPart(*args, blocks_type, int8_x=int8_x))
         else:
             parts.append(Int8Part(*args, int8_x=int8_x))
     return parts
@@ -341,9 +347,11 @@ def log_conversions(report: dict[str, Conversion]) -> None:
 def embedding_quantized(qtype: str, tied: bool, dense_modules: frozenset[str] = frozenset()) -> bool:
     """Whether `native` weights serve the token embedding from its file blocks
     (`QuantEmbedding`): always, except where it is tied to an lm_head that reads its dense
-    weight (a type without an exact kernel: SmolLM2's Q8_0; see `apply_weights`; or an lm_head
-    `weights auto` keeps dense, `dense_modules`)."""
-    return not tied or (qtype in INT4_TYPES and "lm_head" not in dense_modules)
+    weight (a type without an exact kernel here: see `apply_weights`; or an lm_head `weights
+    auto` keeps dense, `dense_modules`). A tied Q8_0 table (SmolLM2's) is one copy of the file's
+    blocks for both (`quant_blocks`)."""
+    exact = qtype in INT4_TYPES or quant_blocks.own_blocks(qtype, int8_x=False)
+    return not tied or (exact and "lm_head" not in dense_modules)
 
 
 def dense_at_load(name: str, qtype: str, tied: bool, dense_modules: frozenset[str] = frozenset()) -> bool:
@@ -379,6 +387,7 @@ def apply_weights(
     from chunkcache.model.quant_embedding import QuantEmbedding
 
     report: dict[str, Conversion] = {}
+    lm_head_parts: list[Part] = []
     for name, m in net.named_modules():
         if not isinstance(m, Linear) or m.weight is None or name in dense_modules:
             continue
@@ -388,9 +397,10 @@ def apply_weights(
             parts: list[Part] = [Int8Part.quantize(weight, int8_x)]
         elif name == "lm_head" and not embedding_quantized(sources[0].qtype, tied, dense_modules):
             # The embedding's dense weight is held anyway for row lookups: the tied lm_head reads
-            # it exactly at no memory cost, where int8 measured worse on SmolLM2 (its Q8_0
-            # embedding: top-5 log-probs within 0.29 of transformers' over 4 prompts x 16 greedy
-            # tokens with it, 0.54 and one token changed with an int8 copy).
+            # it exactly at no memory cost, where int8 per channel measured worse on SmolLM2 (its
+            # Q8_0 embedding, before `qkernel` held Q8_0 as its blocks: top-5 log-probs within
+            # 0.29 of transformers' over 4 prompts x 16 greedy tokens with it, 0.54 and one token
+            # changed with an int8 copy).
             parts = [DensePart(weight)]
             report.setdefault(
                 f"{sources[0].qtype} (tied lm_head)", Conversion("the embedding's dense weight")
@@ -398,13 +408,18 @@ def apply_weights(
         else:
             parts = native_parts(sources, weight.dtype, report, int8_x)
         m.quant = QuantProduct(parts, bias, weight.dtype)
+        if name == "lm_head":
+            lm_head_parts = parts
         m.weight = None
         m.bias = None
     if weights == "native" and raw is not None:
         embedding = raw(EMBEDDING)
         if embedding_quantized(embedding.qtype, tied, dense_modules):
-            net.embed_tokens = QuantEmbedding(embedding, net.embed_tokens.weight.dtype)
+            # A tied lm_head held as the same blocks: its bytes serve the lookups too.
+            shared = [p.blocks for p in lm_head_parts if tied and isinstance(p, BlocksPart)]
+            net.embed_tokens = QuantEmbedding(embedding, net.embed_tokens.weight.dtype, *shared)
+            held = "the tied lm_head's blocks" if shared else "the file's blocks"
             report.setdefault(
-                f"{embedding.qtype} (embedding)", Conversion("the file's blocks, rows dequantized per lookup")
+                f"{embedding.qtype} (embedding)", Conversion(f"{held}, rows dequantized per lookup")
             )
     log_conversions(report)

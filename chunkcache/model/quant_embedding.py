@@ -16,13 +16,17 @@ class QuantEmbedding(torch.nn.Module):
     dense load holds (the same function over the same bytes, each row its own blocks), cast to
     the model's dtype as the loader casts. Costs ~0.25 ms per decode step, ~2.4 ms for 256 rows."""
 
-    def __init__(self, raw: RawTensor, dtype: torch.dtype) -> None:
+    def __init__(self, raw: RawTensor, dtype: torch.dtype, blocks: torch.Tensor | None = None) -> None:
+        """`blocks`: the same bytes already held (a tied lm_head's `BlocksPart`), read in place."""
         super().__init__()
         self.qtype, self.dtype = raw.qtype, dtype
         self.num_embeddings, self.embedding_dim = raw.shape
         # A copy, not the file's memory map: the model owns its bytes (a file replaced on disk
         # while serving would otherwise fault), and the mapping can close after load.
-        self.register_buffer("blocks", torch.from_numpy(np.array(raw.data, copy=True)), persistent=False)
+        if blocks is None:
+            blocks = torch.from_numpy(np.array(raw.data, copy=True))
+        assert blocks.numpy().shape == raw.data.shape
+        self.register_buffer("blocks", blocks, persistent=False)
 
     @torch.compiler.disable  # numpy inside; a compiled decode step breaks its graph here, once
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,22 +1,26 @@
-"""Q6_K served as the file's own blocks (chunkcache/model/quant_q6k.py, qkernel_q6k.c).
+"""Q6_K and Q8_0 served as the file's own blocks (chunkcache/model/quant_blocks.py, qkernel_q6k.c,
+qkernel_q8_0.c).
 
-Oracle: gguf's own dequantization of the same bytes (`Q6_K.dequantize_blocks`), multiplied in
+Oracle: gguf's own dequantization of the same bytes (`Q6_K.dequantize_blocks`, Q8_0's), multiplied in
 float64 here. The prefill dequantization must be it bit for bit; the products within float32
 summation of it (the kernel's w are exactly gguf's values, so only the sums' rounding remains):
 measured 7e-8 to 7e-7 of the largest |y| over the shapes and row counts below, against test_qkernel's
 2e-5 (TOL), where a misread code or scale is off by ~1e-2 or more. With int8 x: the float64
-product over x rounded as qkernel rounds it (`_int8_x`), measured <= 3.5e-7.
+product over x rounded as qkernel rounds it (`_int8_x`), measured <= 3.5e-7. Q8_0 the same way
+(measured below in each test's docstring where it differs).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from chunkcache.model import qkernel, quant, quant_q6k
+from chunkcache.model import qkernel, quant, quant_blocks
 from chunkcache.model.quant import Int4Part, Int8Part, QuantProduct
-from chunkcache.model.quant_q6k import Q6KPart
+from chunkcache.model.quant_blocks import BlocksPart
 
 pytestmark = pytest.mark.skipif(
     not qkernel.available(), reason="qkernel unavailable here (no AVX2/FMA or no C compiler)"
@@ -30,39 +34,48 @@ from tests.test_quant import _raw, _reference  # noqa: E402
 
 # (rows of the weight, inputs): one block, odd row counts, the 1.5B's down (8960 in) and o shapes.
 SHAPES = [(1, 256), (33, 512), (40, 1536), (64, 8960)]
+TYPES = ["Q6_K", "Q8_0"]
+# Where d sits in each type's block (its float16 bytes).
+_D_OFFSET = {"Q6_K": 208, "Q8_0": 0}
 
 
-def _blocks(shape: tuple[int, int], seed: int, specials: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random Q6_K bytes (every code and int8 scale, -128 included) and gguf's float32 weight of
-    them. `specials`: d takes float16's edge values (zero, subnormals, negatives, the largest)."""
-    raw = _raw(Q.Q6_K, seed=seed, shape=shape)
+def _blocks(
+    shape: tuple[int, int], seed: int, specials: bool = False, qtype: str = "Q6_K"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bytes of `qtype` (every code, and Q6_K's every int8 scale, -128 included) and
+    gguf's float32 weight of them. `specials`: d takes float16's edge values (zero, subnormals,
+    negatives, the largest)."""
+    raw = _raw(Q[qtype], seed=seed, shape=shape)
     if specials:
         d = np.array([1e-4, 0.0, 6e-8, -6e-8, 3e-5, -1e-3, 2.0, -65504.0], np.float16)
-        blocks = raw.data.reshape(-1, 210)
-        blocks[:, 208:] = np.resize(d, len(blocks)).view(np.uint8).reshape(-1, 2)
+        blocks = raw.data.reshape(-1, qkernel.BLOCK_TYPES[qtype][0])
+        at = _D_OFFSET[qtype]
+        blocks[:, at : at + 2] = np.resize(d, len(blocks)).view(np.uint8).reshape(-1, 2)
     return torch.from_numpy(raw.data.copy()), _reference(raw)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("specials", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_dequantize_is_ggufs_bit_for_bit(shape, specials) -> None:
-    blocks, reference = _blocks(shape, seed=shape[0] + shape[1], specials=specials)
-    ours = qkernel.q6k_dequantize(blocks)
+def test_dequantize_is_ggufs_bit_for_bit(shape, specials, qtype) -> None:
+    blocks, reference = _blocks(shape, seed=shape[0] + shape[1], specials=specials, qtype=qtype)
+    ours = qkernel.blocks_dequantize(qtype, blocks)
     assert ours.dtype == torch.float32 and ours.shape == shape
     assert torch.equal(ours.view(torch.int32), reference.view(torch.int32))
     # A row range into a given buffer (prefill's reused one): the same rows.
     out = torch.empty(shape[0] - shape[0] // 2, shape[1])
-    qkernel.q6k_dequantize(blocks[shape[0] // 2 :], out)
+    qkernel.blocks_dequantize(qtype, blocks[shape[0] // 2 :], out)
     assert torch.equal(out, reference[shape[0] // 2 :])
 
 
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])  # 11: two calls (8 + 3)
-def test_float_x_products_against_float64_over_ggufs_weight(shape, rows) -> None:
+def test_float_x_products_against_float64_over_ggufs_weight(shape, rows, qtype) -> None:
     """Against the scale of the sums (max of |x| |w|), not of |y|: a single output (1 x 256) can
     cancel to near zero, where any float32 summation is relatively far off."""
-    blocks, reference = _blocks(shape, seed=3 * shape[0] + rows)
-    part = Q6KPart(blocks)
+    blocks, reference = _blocks(shape, seed=3 * shape[0] + rows, qtype=qtype)
+    part = BlocksPart(blocks, qtype)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
     y = part.kernel(x)
     assert y.dtype == torch.float32 and y.shape == (rows, shape[0])
@@ -71,43 +84,47 @@ def test_float_x_products_against_float64_over_ggufs_weight(shape, rows) -> None
     assert ((y.double() - x.double() @ w.t()).abs().max() / scale).item() < TOL
 
 
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_int8_x_is_the_product_over_x_rounded_per_block(shape) -> None:
+def test_int8_x_is_the_product_over_x_rounded_per_block(shape, qtype) -> None:
     """One row with `int8_x`: integer sums of the codes against x rounded to int8 per block of 32
     (the -32 offset through sums of the rounded x), within float32 rounding of that product in
     float64; x was rounded (float x's product is further off); more rows keep float32 x."""
-    blocks, reference = _blocks(shape, seed=shape[1] - shape[0], specials=True)
+    blocks, reference = _blocks(shape, seed=shape[1] - shape[0], specials=True, qtype=qtype)
     g = torch.Generator().manual_seed(shape[0])
     x = torch.randn(1, shape[1], generator=g) * torch.rand(1, shape[1], generator=g) * 4  # uneven blocks
-    part = Q6KPart(blocks, int8_x=True)
+    part = BlocksPart(blocks, qtype, int8_x=True)
     y, w = part.kernel(x), reference.double()
     assert _close(y, _int8_x(x) @ w.t()) < TOL
     assert _close(y, x.double() @ w.t()) > 10 * TOL
     more = torch.cat([x, x])
-    assert torch.equal(part.kernel(more), Q6KPart(blocks).kernel(more))
+    assert torch.equal(part.kernel(more), BlocksPart(blocks, qtype).kernel(more))
 
 
-@pytest.mark.parametrize("tokens", [quant_q6k.Q6K_MIN_ROWS - 1, quant_q6k.Q6K_MIN_ROWS, 130])
-def test_products_of_many_rows_take_the_blocks(tokens) -> None:
-    """From `Q6K_MIN_ROWS` rows, GEMMs over dequantized blocks (a whole block of 256 weight rows
-    and a partial one): float32 x times gguf's weight up to the GEMM's summation order."""
-    blocks, reference = _blocks((320, 512), seed=tokens)
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("below", [1, 0, -114])  # the threshold's row count minus this
+def test_products_of_many_rows_take_the_blocks(below, qtype) -> None:
+    """From the format's `min_rows` rows, GEMMs over dequantized blocks (a whole block of 256
+    weight rows and a partial one): float32 x times gguf's weight up to the GEMM's summation order."""
+    min_rows = quant_blocks.BLOCK_FORMATS[qtype].min_rows
+    tokens = min_rows - below
+    blocks, reference = _blocks((320, 512), seed=tokens, qtype=qtype)
     x = torch.randn(tokens, 512)
-    y = Q6KPart(blocks)(x)
+    y = BlocksPart(blocks, qtype)(x)
     assert _close(y, x.double() @ reference.double().t()) < TOL
-    if tokens >= quant_q6k.Q6K_MIN_ROWS:
+    if tokens >= min_rows:
         torch.testing.assert_close(y, x @ reference.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_native_parts_hold_q6k_as_its_blocks_with_no_error() -> None:
-    """With int8 activations a Q6_K tensor takes `Q6KPart` (the file's bytes, 210 per 256 weights:
+    """With int8 activations a Q6_K tensor takes `BlocksPart` (the file's bytes, 210 per 256 weights:
     ~18% fewer than int8 per channel's codes and scales), and the load's report says no
     re-quantization error."""
     raw = _raw(Q.Q6_K, seed=30, shape=(96, 1536))
     report: dict[str, quant.Conversion] = {}
     (part,) = quant.native_parts([raw], torch.float32, report, int8_x=True)
     assert part.int8_x
-    assert isinstance(part, Q6KPart) and part.rows == 96
+    assert isinstance(part, BlocksPart) and part.qtype == "Q6_K" and part.rows == 96
     assert part.blocks.numpy().tobytes() == raw.data.tobytes()
     assert report["Q6_K"].error == 0.0 and report["Q6_K"].tensors == 1 and "own blocks" in report["Q6_K"].form
     held = sum(t.numel() * t.element_size() for t in part.tensors())
@@ -118,7 +135,7 @@ def test_native_parts_hold_q6k_as_its_blocks_with_no_error() -> None:
 @pytest.mark.parametrize("case", ["float32 x", "no qkernel"])
 def test_float_x_or_no_kernel_keeps_q6k_int8(monkeypatch, case) -> None:
     """Float32 activations (the default): int8 per channel, whose float x kernel measured faster
-    (`quant_q6k.own_blocks`); without `qkernel`, int8 whatever the activations."""
+    (`quant_blocks.own_blocks`); without `qkernel`, int8 whatever the activations."""
     if case == "no qkernel":
         monkeypatch.setattr(qkernel, "available", lambda: False)
     report: dict[str, quant.Conversion] = {}
@@ -131,10 +148,10 @@ def test_a_merged_projection_of_q4k_and_q6k() -> None:
     outputs concatenated; within float32 summation of the file's weights at 1, 3 and 20 rows."""
     raws = [_raw(Q.Q4_K, 32, (64, 512)), _raw(Q.Q4_K, 33, (32, 512)), _raw(Q.Q6_K, 34, (32, 512))]
     parts = quant.native_parts(raws, torch.float32, {}, int8_x=True)
-    assert [type(p) for p in parts] == [Int4Part, Q6KPart] and [p.rows for p in parts] == [96, 32]
+    assert [type(p) for p in parts] == [Int4Part, BlocksPart] and [p.rows for p in parts] == [96, 32]
     bias = torch.randn(128)
     product = QuantProduct(parts, bias, torch.float32)
-    assert product.describe() == "int4+q6k"
+    assert product.describe() == "int4+q6_k"
     w = torch.cat([_reference(r) for r in raws]).double()
     for rows in (3, 20):  # float32 x
         x = torch.randn(rows, 512)
@@ -143,58 +160,70 @@ def test_a_merged_projection_of_q4k_and_q6k() -> None:
     assert _close(product(x)[:, 96:], _int8_x(x) @ w[96:].t() + bias[96:].double()) < TOL
 
 
-def test_threads_split_output_rows_and_give_the_same_numbers() -> None:
-    blocks, _ = _blocks((300, 512), seed=35)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_threads_split_output_rows_and_give_the_same_numbers(qtype) -> None:
+    blocks, _ = _blocks((300, 512), seed=35, qtype=qtype)
     x = torch.randn(3, 512)
-    float_x, int8_x = Q6KPart(blocks), Q6KPart(blocks, int8_x=True)
+    float_x, int8_x = BlocksPart(blocks, qtype), BlocksPart(blocks, qtype, int8_x=True)
     before = torch.get_num_threads()
     results = []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             results.append([float_x.kernel(x[:1]), float_x.kernel(x), int8_x.kernel(x[:1])])
-            results[-1].append(qkernel.q6k_dequantize(blocks))
+            results[-1].append(qkernel.blocks_dequantize(qtype, blocks))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_the_custom_op_runs_inside_a_compiled_graph() -> None:
-    blocks, _ = _blocks((64, 256), seed=36)
-    product = QuantProduct([Q6KPart(blocks)], torch.randn(64), torch.float32)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_custom_op_runs_inside_a_compiled_graph(qtype) -> None:
+    blocks, _ = _blocks((64, 256), seed=36, qtype=qtype)
+    product = QuantProduct([BlocksPart(blocks, qtype)], torch.randn(64), torch.float32)
     x = torch.randn(1, 256)
     compiled = torch.compile(lambda v: torch.nn.functional.silu(product(v)), fullgraph=True)
     torch.testing.assert_close(compiled(x), torch.nn.functional.silu(product(x)))
 
 
+E2E_CASES = [("Q6_K", "llama"), ("Q8_0", "qwen2")]  # qwen2: tied, one copy of the blocks for both
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("int8_x", [False, True], ids=["float-x", "int8-x"])
 @pytest.mark.parametrize("prefill", ["kernel", "blocks"])
-def test_native_q6k_decode_gives_transformers_greedy_tokens(
-    checkpoint, tmp_path, monkeypatch, prefill, int8_x
+@pytest.mark.parametrize(("qtype", "arch"), E2E_CASES, ids=[q for q, _ in E2E_CASES])
+def test_native_blocks_decode_gives_transformers_greedy_tokens(
+    checkpoint, tmp_path, monkeypatch, qtype, arch, prefill, int8_x
 ):
-    """End to end on a tiny GGUF whose projections and embedding are all Q6_K, served `native` in
-    float32 as its own blocks (with float32 x too, `own_blocks` forced: the kernel's float path
-    end to end): every decode product through `qkernel.q6k`, the prompt's too (`kernel`) or
+    """End to end on a tiny GGUF whose projections and embedding are all Q6_K (or Q8_0, with a
+    tied lm_head), served `native` in float32 as its own blocks (with float32 x too, `own_blocks`
+    forced for Q6_K: the kernel's float path end to end): every decode product through
+    `qkernel.blocks_product`, the prompt's too (`kernel`) or
     through the dequantized blocks (`blocks`). With float32 x the greedy tokens are those of the
     same file loaded dense in float32 (transformers' own GGUF dequantization, tests/test_gguf.py)
     and every step's top-5 log-probs within float32 summation of it: measured 5.6e-5 (`kernel`)
     and 2.8e-5 (`blocks`), where int8 per channel (today's float x form) moves them by 0.57 on the
     same random file. With int8 x the decode's rounded x moves them: measured 0.62 (both), int8
-    per channel with int8 x 1.07; the first token (the prompt's float32 products) unchanged."""
+    per channel with int8 x 1.07; the first token (the prompt's float32 products) unchanged.
+    Q8_0: 2.0e-5 / 2.3e-5 with float32 x, 0.23 with int8 x."""
     from chunkcache import LLM, SamplingParams
     from tests import test_gguf
     from tests.test_quant import _deviation
     from tests.test_quant import _random_k_quant as small_k_quant
 
-    monkeypatch.setattr(quant_q6k, "Q6K_MIN_ROWS", 2 if prefill == "blocks" else 10**9)
-    monkeypatch.setattr(quant_q6k, "own_blocks", lambda int8_x: True)
+    form = quant_blocks.BLOCK_FORMATS[qtype]
+    threshold = 2 if prefill == "blocks" else 10**9
+    monkeypatch.setitem(quant_blocks.BLOCK_FORMATS, qtype, dataclasses.replace(form, min_rows=threshold))
+    monkeypatch.setattr(quant_blocks, "own_blocks", lambda qtype, int8_x: qtype in TYPES)
     served, blocks = [], []
-    monkeypatch.setattr(qkernel, "q6k", lambda *a, f=qkernel.q6k: served.append(1) or f(*a))
-    monkeypatch.setattr(quant_q6k, "product", lambda *a, f=quant_q6k.product: blocks.append(1) or f(*a))
-    src = checkpoint(arch="llama", hidden_size=256, intermediate_size=256)
+    monkeypatch.setattr(
+        qkernel, "blocks_product", lambda *a, f=qkernel.blocks_product: served.append(1) or f(*a)
+    )
+    monkeypatch.setattr(quant_blocks, "product", lambda *a, f=quant_blocks.product: blocks.append(1) or f(*a))
+    src = checkpoint(arch=arch, hidden_size=256, intermediate_size=256, tie_word_embeddings=arch == "qwen2")
     monkeypatch.setattr(test_gguf, "_random_k_quant", lambda *a, **k: small_k_quant(*a, **{**k, "d": 1e-4}))
-    test_gguf.write_gguf(src, tmp_path / "model.gguf", Q.Q6_K)
+    test_gguf.write_gguf(src, tmp_path / "model.gguf", Q[qtype])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     outs = {}
     for weights in ("dense", "native"):
@@ -210,7 +239,10 @@ def test_native_q6k_decode_gives_transformers_greedy_tokens(
         llm.check_integrity()
     model = llm.engine.runner.model
     assert all(
-        type(p) is Q6KPart for m in model.modules() if hasattr(m, "quant") and m.quant for p in m.quant.parts
+        type(p) is BlocksPart and p.qtype == qtype
+        for m in model.modules()
+        if hasattr(m, "quant") and m.quant
+        for p in m.quant.parts
     )
     assert served and bool(blocks) == (prefill == "blocks")
     deviation = _deviation(outs["native"], outs["dense"])

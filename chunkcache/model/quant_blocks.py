@@ -1,0 +1,128 @@
+"""GGUF tensors served as the file's own blocks (`weights native`, where `qkernel` serves:
+`own_blocks`): Q6_K (with `int8_activations`) and Q8_0.
+
+- Q6_K: the 1.5B default's Q4_K_M file holds its lm_head (151936 x 1536), the down projection of
+  about half its layers and some attn_v in Q6_K: 6.5625 bits per weight (ql, qh, 16 int8 scales
+  and a float16 d per 256 weights). Re-quantized to int8 per output channel (`quant.Int8Part`,
+  still the form where `qkernel` does not serve) they held 8 bits and a bfloat16 scale per row,
+  and a re-quantization error of ~7e-3 of the weight; a batch-1 decode step reads every weight
+  once, so those bytes bound it. Held as the file's blocks they are ~18% fewer bytes and exact.
+- Q8_0: a float16 d and 32 int8 codes per block (8.5 bits per weight). SmolLM2's Q4_1 file holds
+  its tied token embedding so (49152 x 576); a Q8_0 file, every projection. Per channel int8
+  cannot hold the per-block scales (~4e-3 of the weight re-quantized); the blocks are exact, and a
+  tied embedding's row lookups read the same bytes (`quant_embedding`), where a float32 copy for
+  the lm_head held 113 MB on SmolLM2 and its 1-row product took ~14 ms against ~3.5 (RESULTS.md).
+
+Every product here starts from gguf's own float32 weights bit for bit (qkernel_q6k.c and
+qkernel_q8_0.c say why that is exact).
+
+- Few rows (decode): `qkernel.blocks_product`, x rounded to int8 per block of 32 for 1-row
+  products with `int8_activations` (llama.cpp's Q6_K / Q8_0 x Q8 dot products, integer sums),
+  float32 x otherwise.
+- Many rows (prefill): float32 GEMMs over blocks of `dequant.BLOCK_ROWS` weight rows dequantized
+  by the same C code into one reused buffer, as `dequant.int8_product` does with its codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from chunkcache.model import dequant, qkernel
+from chunkcache.model.gguf_blocks import RawTensor
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """What serving one GGUF type's blocks needs to know of them."""
+
+    qtype: str
+    block_bytes: int  # bytes per block (`qkernel.BLOCK_TYPES`)
+    block_weights: int  # weights per block
+    # From this many rows a product takes the dequantized blocks; fewer keep the kernel.
+    min_rows: int
+
+
+BLOCK_FORMATS = {
+    # Measured on the 1.5B's down shape (1536 x 8960; AVX2 EPYC, one thread, shared machine, two
+    # runs): kernel against blocks 7.4-9.7 / 7.8-10.7 ms at 12 rows, 9.9-10.0 / 9.1-12.6 at 16,
+    # 15-22 / 17-24 at 24, 22-25 / 19 at 32: a crossing at 16-24 rows, as int8's
+    # (`dequant.INT8_MIN_ROWS`). Dequantizing costs 0.17 ns per weight (gguf's numpy: 7.9).
+    "Q6_K": BlockFormat("Q6_K", *qkernel.BLOCK_TYPES["Q6_K"], min_rows=16),
+    # int8 codes and one multiply per weight to float32, as int8 per channel's: its threshold.
+    "Q8_0": BlockFormat("Q8_0", *qkernel.BLOCK_TYPES["Q8_0"], min_rows=dequant.INT8_MIN_ROWS),
+}
+
+
+def own_blocks(qtype: str, int8_x: bool) -> bool:
+    """Whether `weights native` holds a tensor of `qtype` as its blocks (`BlocksPart`) rather
+    than int8 per channel, where `qkernel` serves.
+
+    Q8_0: always (exact, 6% more bytes than per channel int8's codes). Q6_K: where decode's 1-row
+    products take int8 x (`int8_activations`). Measured in one process on the 1.5B, the forms
+    alternated (benchmarks/bench_q6k_forms.py, RESULTS.md "Q6_K in its own blocks"): with int8 x
+    the blocks decode faster (medians 105.5 against 124.0 and 115.7 against 128.9 ms per token,
+    faster in 6 rounds of 6); with float32 x not (148.8 against 149.7 in one run, 163.6 against
+    154.1 in another, slower in 4 rounds of 6): unpacking 6-bit codes to float costs more vector
+    operations per weight than converting int8 codes, and 18% fewer bytes do not clearly pay for
+    it there."""
+    if qtype not in BLOCK_FORMATS or not qkernel.available():
+        return False
+    return qtype == "Q8_0" or int8_x
+
+
+class BlocksPart:
+    """Output rows whose weight is a GGUF type's blocks as the file stores them (uint8 [rows,
+    in / block_weights * block_bytes], the one copy held): `quant.Int8Part`'s interface."""
+
+    native = True  # built only where `qkernel` serves (`own_blocks`)
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, int8_x: bool = False) -> None:
+        """`int8_x`: 1-row products round x to int8 per block of 32 (engine option
+        `int8_activations`); the default keeps float32 x."""
+        self.format = BLOCK_FORMATS[qtype]
+        assert blocks.dtype == torch.uint8 and blocks.shape[1] % self.format.block_bytes == 0
+        self.rows, self.blocks, self.int8_x = blocks.shape[0], blocks.contiguous(), int8_x
+
+    @classmethod
+    def of_raw(cls, raw: RawTensor, int8_x: bool = False) -> BlocksPart:
+        """The GGUF tensor's blocks, copied out of the file's mapping (the weight is held in memory
+        as every other form is)."""
+        data = np.array(raw.data, dtype=np.uint8, copy=True).reshape(raw.shape[0], -1)
+        return cls(torch.from_numpy(data), raw.qtype, int8_x)
+
+    @property
+    def qtype(self) -> str:
+        return self.format.qtype
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The float32 weight (of `rows`): gguf's values bit for bit."""
+        return qkernel.blocks_dequantize(self.qtype, self.blocks[rows])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] times the weight, in x's dtype: the kernel below the format's `min_rows`
+        rows, float32 GEMMs over dequantized blocks from it."""
+        if x.shape[0] >= self.format.min_rows:
+            return product(x.float(), self.qtype, self.blocks).to(x.dtype)
+        return self.kernel(x).to(x.dtype)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel alone: float32 x and y, `qkernel.MAX_ROWS` rows a call."""
+        return qkernel.blocks_product(x, self.qtype, self.blocks, self.int8_x)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.blocks,)
+
+
+def product(x: torch.Tensor, qtype: str, blocks: torch.Tensor) -> torch.Tensor:
+    """float32 x [T, in] times a weight held as `qtype`'s blocks, `dequant.BLOCK_ROWS` weight rows
+    at a time dequantized into one reused float32 buffer: float32 [T, out]."""
+    n = blocks.shape[0]
+    buffer = torch.empty(min(dequant.BLOCK_ROWS, n), x.shape[1])
+    return dequant.blockwise_product(
+        x,
+        n,
+        lambda start, rows: qkernel.blocks_dequantize(qtype, blocks[start : start + rows], buffer[:rows]).t(),
+    )
