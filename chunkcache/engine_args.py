@@ -45,8 +45,9 @@ OPTION_HELP: dict[str, str] = {
     "the token embedding as the file's blocks (rows dequantized per lookup, exactly) unless a tied lm_head "
     "reads it densely; auto (CPU and GGUF, else dense): per projection kind and GGUF type, native unless "
     "dense measures over 1.1x as fast at both 1 and 128 rows at load (timings logged)",
-    "int8_activations": "CPU, quantized weights under the AVX2 kernel: one-row (decode) products round "
-    "the activations to int8 per block of 32 and sum integer products, as llama.cpp does, and native "
+    "int8_activations": "CPU, quantized weights under the AVX2 kernel: a decode step's products "
+    "(every sequence of a batch, with the numbers of its step alone) round the activations to int8 per block "
+    "of 32 and sum integer products, as llama.cpp does (prompts keep float32), and native "
     "weights hold Q6_K tensors as the file's own blocks (exact, 0.82x the bytes of int8); "
     "off keeps float32 activations",
     "block_size": "tokens per paged KV block, > 0",

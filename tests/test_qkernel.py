@@ -117,7 +117,8 @@ def test_int8_activations_int4_kernel_is_the_product_over_rounded_x(shape, form)
     """One row with `int8_x`: the codes times x rounded to int8 per block (summed as integers,
     so exact), the minimum's term over x itself (its float sum): within float32 rounding of
     that product in float64. Measured 7e-8 to 9e-7 of max |y|; the rounding of x itself moves y
-    by ~6e-3 of max |y| on these random inputs (the same order as torch's bfloat16 kernels)."""
+    by ~6e-3 of max |y| on these random inputs (the same order as torch's bfloat16 kernels).
+    More rows: each the row's 1-row product, bit for bit."""
     out_f, in_f = shape
     g = torch.Generator().manual_seed(out_f + in_f)
     q = torch.randint(0, 16, shape, dtype=torch.uint8, generator=g)
@@ -138,21 +139,33 @@ def test_int8_activations_int4_kernel_is_the_product_over_rounded_x(shape, form)
     y = part.kernel(x)
     assert _close(y, exact) < TOL
     assert _close(y, x.double() @ (q.double() * s64 + m64).t()) > 10 * TOL  # x was rounded
-    more = torch.cat([x, x])  # more rows keep float32 x: the rows are the 1-row float product
-    assert torch.equal(part.kernel(more), Int4Part(q, scale, minimum, superblocks=blocks).kernel(more))
+    assert_rows_as_alone(part.kernel, torch.randn(11, in_f, generator=g))
 
 
 @pytest.mark.parametrize("shape", [(5, 7), (40, 1536), (300, 8960)], ids=str)
 def test_int8_activations_int8_kernel_is_the_product_over_rounded_x(shape) -> None:
     """The int8 part's 1-row product on int8 x: |code| times x carrying the code's sign
     (`maddubs`), within float32 rounding of the float64 product over the rounded x; inputs not a
-    multiple of 32 keep float32 x."""
+    multiple of 32 keep float32 x. More rows: each the row's 1-row product, bit for bit."""
     g = torch.Generator().manual_seed(shape[0] + shape[1])
     part = Int8Part.quantize(torch.randn(shape, generator=g), int8_x=True)
     x = torch.randn(1, shape[1], generator=g)
     w = part.codes.double() * part.scales.double()[:, None]
     rounded = _int8_x(x) if shape[1] % 32 == 0 else x.double()
     assert _close(part.kernel(x), rounded @ w.t()) < TOL
+    if shape[1] % 32 == 0:
+        assert_rows_as_alone(part.kernel, torch.randn(11, shape[1], generator=g))
+
+
+def assert_rows_as_alone(kernel, x: torch.Tensor) -> None:
+    """In a decode step (`qkernel.decode_step`) each row of an int8-x `kernel(x)` is `kernel` of
+    that row alone, bit for bit (a sequence's decode does not depend on the batch it runs in);
+    outside one (a prompt's rows) more rows keep float32 x, other numbers."""
+    with qkernel.decode_step():
+        y = kernel(x)
+    for r in range(x.shape[0]):
+        assert torch.equal(y[r : r + 1], kernel(x[r : r + 1])), r
+    assert not torch.equal(kernel(x), y)
 
 
 def test_q4k_factors_are_the_float32_ones_in_fewer_bytes() -> None:

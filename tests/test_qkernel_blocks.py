@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from tests.test_qkernel import TOL, _close, _int8_x  # noqa: E402
+from tests.test_qkernel import TOL, _close, _int8_x, assert_rows_as_alone  # noqa: E402
 from tests.test_quant import _raw, _reference  # noqa: E402
 
 # (rows of the weight, inputs): one block, odd row counts, the 1.5B's down (8960 in) and o shapes.
@@ -89,7 +89,8 @@ def test_float_x_products_against_float64_over_ggufs_weight(shape, rows, qtype) 
 def test_int8_x_is_the_product_over_x_rounded_per_block(shape, qtype) -> None:
     """One row with `int8_x`: integer sums of the codes against x rounded to int8 per block of 32
     (the -32 offset through sums of the rounded x), within float32 rounding of that product in
-    float64; x was rounded (float x's product is further off); more rows keep float32 x."""
+    float64; x was rounded (float x's product is further off); more rows (11: two calls) each the
+    row's 1-row product, bit for bit."""
     blocks, reference = _blocks(shape, seed=shape[1] - shape[0], specials=True, qtype=qtype)
     g = torch.Generator().manual_seed(shape[0])
     x = torch.randn(1, shape[1], generator=g) * torch.rand(1, shape[1], generator=g) * 4  # uneven blocks
@@ -97,8 +98,7 @@ def test_int8_x_is_the_product_over_x_rounded_per_block(shape, qtype) -> None:
     y, w = part.kernel(x), reference.double()
     assert _close(y, _int8_x(x) @ w.t()) < TOL
     assert _close(y, x.double() @ w.t()) > 10 * TOL
-    more = torch.cat([x, x])
-    assert torch.equal(part.kernel(more), BlocksPart(blocks, qtype).kernel(more))
+    assert_rows_as_alone(part.kernel, torch.randn(11, shape[1], generator=g))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -145,7 +145,9 @@ def test_float_x_or_no_kernel_keeps_q6k_int8(monkeypatch, case) -> None:
 
 def test_a_merged_projection_of_q4k_and_q6k() -> None:
     """The 1.5B's q/k/v: Q4_K q and k (one int4 part), a Q6_K v (its blocks): each part in its form,
-    outputs concatenated; within float32 summation of the file's weights at 1, 3 and 20 rows."""
+    outputs concatenated; within float32 summation of the file's weights at 40 rows (prefill's
+    dequantized blocks, float32 x); at 1 row and a decode step's 3 (the kernels, int8 x) v's rows
+    are the product over x rounded."""
     raws = [_raw(Q.Q4_K, 32, (64, 512)), _raw(Q.Q4_K, 33, (32, 512)), _raw(Q.Q6_K, 34, (32, 512))]
     parts = quant.native_parts(raws, torch.float32, {}, int8_x=True)
     assert [type(p) for p in parts] == [Int4Part, BlocksPart] and [p.rows for p in parts] == [96, 32]
@@ -153,11 +155,12 @@ def test_a_merged_projection_of_q4k_and_q6k() -> None:
     product = QuantProduct(parts, bias, torch.float32)
     assert product.describe() == "int4+q6_k"
     w = torch.cat([_reference(r) for r in raws]).double()
-    for rows in (3, 20):  # float32 x
+    x = torch.randn(40, 512)
+    assert _close(product(x), x.double() @ w.t() + bias.double()) < TOL
+    for rows in (1, 3):  # 3: a decode step's rows
         x = torch.randn(rows, 512)
-        assert _close(product(x), x.double() @ w.t() + bias.double()) < TOL
-    x = torch.randn(1, 512)  # int8 x: v's rows are the product over x rounded
-    assert _close(product(x)[:, 96:], _int8_x(x) @ w[96:].t() + bias[96:].double()) < TOL
+        with qkernel.decode_step():
+            assert _close(product(x)[:, 96:], _int8_x(x) @ w[96:].t() + bias[96:].double()) < TOL
 
 
 @pytest.mark.parametrize("qtype", TYPES)

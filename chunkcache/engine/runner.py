@@ -21,6 +21,7 @@ from chunkcache.engine.fusion import record_question_logprobs
 from chunkcache.engine.prompt_logprobs import record_prompt_logprobs
 from chunkcache.engine.scheduler import ScheduledBatch
 from chunkcache.engine.sensitivity import measure
+from chunkcache.model import qkernel
 from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 from chunkcache.model.calibration import ContextCalibration, calibration_for
 from chunkcache.model.loader import LoadedModel
@@ -153,6 +154,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Logits [num sampling sequences, vocab] and the batch rows they belong to."""
         hidden: dict[int, torch.Tensor] = {}
+        decode_only = False
         regular = ScheduledBatch()
         regular_rows: list[int] = []
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
@@ -167,7 +169,11 @@ class ModelRunner:
             regular_rows.append(row)
         if regular.seqs:
             input_ids, positions, meta, sample_index = self.prepare(regular)
-            out = self.model(input_ids, positions, self.kv_caches, meta)
+            # A step of decode rows only: the quantized products round each row's x to int8 as
+            # its 1-row step would (`int8_activations`; qkernel.decode_step).
+            decode_only = not meta.prefills and not hidden
+            with qkernel.decode_step(decode_only):
+                out = self.model(input_ids, positions, self.kv_caches, meta)
             if any(s.params.prompt_logprobs is not None for s in regular.seqs):
                 record_prompt_logprobs(self.model.compute_logits, out, regular.seqs, regular.num_new_tokens)
             if any(s.fusion is not None for s in regular.seqs):
@@ -178,7 +184,8 @@ class ModelRunner:
         rows = sorted(hidden)
         if not rows:
             return torch.empty(0, self.spec.vocab_size), rows
-        return self.model.compute_logits(torch.cat([hidden[r] for r in rows])).cpu(), rows
+        with qkernel.decode_step(decode_only):
+            return self.model.compute_logits(torch.cat([hidden[r] for r in rows])).cpu(), rows
 
     def _blend(self, seq: Sequence, stop: int | None) -> torch.Tensor | None:
         """The blend prefill of a layout-"offset" request, its layers up to `stop` (None: all of

@@ -17,12 +17,13 @@
  * int8: `codes` [n][k] int8, `scales` [n] bfloat16 (raw bits): w = scale * code.
  * x is float32 [rows][k], y float32 [rows][n]; rows <= 8 (MAX_ROWS).
  *
- * `quantize_x` (one row, k a multiple of 32): x rounded to int8 per block of 32 inputs,
+ * `quantize_x` (k a multiple of 32): each row of x rounded to int8 per block of 32 inputs,
  * x ~ dx * qx with dx = max|x| / 127 (llama.cpp's Q8_0 activations, dx kept in float32), and the
  * products summed as integers (`_mm256_maddubs_epi16`: u8 x s8 pairs into int16), one float
  * multiply-add per block: ~3x fewer vector operations per code than converting codes to float.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "qkernel.h"
@@ -191,25 +192,51 @@ static void pair_columns(const int8_t *qx, int k, int8_t *xv) {
         }
 }
 
+/* sum(x) per group of one row: the minimum's term of the 1-row paths. */
+static void group_sums(const float *x, int k, float *xsum) {
+    for (int g = 0; g < k / GROUP; g++) {
+        float s = 0;
+        for (int c = 0; c < GROUP; c++) s += x[g * GROUP + c];
+        xsum[g] = s;
+    }
+}
+
+void quantize_rows(const float *x, int rows, int k, int8_t *qx, float *dx) {
+    for (int r = 0; r < rows; r++) quantize_blocks(x + (size_t)r * k, k, qx + (size_t)r * k, dx + (size_t)r * (k / GROUP));
+}
+
+/* int8 x, any rows: each row is the 1-row product's computation (the same integer sums and float
+ * operations in the same order, so the same bits as that row alone: a sequence's decode does
+ * not depend on the batch it runs in), the rows one after another per tile, whose codes the
+ * second row on reads from cache: 2-8 rows of float32 x cost ~5x a 1-row step (each code
+ * converted to float, R FMAs), int8 x ~R times the 1-row kernel's compute (RESULTS.md). */
+static void int4_rows_q8(const float *x, int rows, int k, int n, const uint8_t *packed, Factors fa, float *y,
+                         int threads) {
+    const int groups = k / GROUP;
+    int8_t *qx = malloc((size_t)rows * k), *xv = malloc((size_t)rows * k * 8);
+    float *dx = malloc((size_t)rows * groups * sizeof *dx), *xsum = malloc((size_t)rows * groups * sizeof *xsum);
+    quantize_rows(x, rows, k, qx, dx);
+    for (int r = 0; r < rows; r++) {
+        group_sums(x + (size_t)r * k, k, xsum + (size_t)r * groups);
+        pair_columns(qx + (size_t)r * k, k, xv + (size_t)r * k * 8);
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int t = 0; t < n / TILE; t++)
+        for (int r = 0; r < rows; r++)
+            int4_tile_q8(xv + (size_t)r * k * 8, dx + (size_t)r * groups, xsum + (size_t)r * groups, k, n, t, packed,
+                         fa, y + (size_t)r * n);
+    free(qx), free(xv), free(dx), free(xsum);
+}
+
 void int4_product(const float *x, int rows, int k, int n, const uint8_t *packed, const float *factors,
                   const uint8_t *multipliers, float *y, int threads, int quantize_x) {
     Factors fa = {factors, multipliers};
-    float xsum[k / GROUP]; /* one row: sum(x) per group, the minimum's term of both 1-row paths */
-    if (rows == 1)
-        for (int g = 0; g < k / GROUP; g++) {
-            float s = 0;
-            for (int c = 0; c < GROUP; c++) s += x[g * GROUP + c];
-            xsum[g] = s;
-        }
-    if (rows == 1 && quantize_x) {
-        int8_t qx[k], xv[k * 8];
-        float dx[k / GROUP];
-        quantize_blocks(x, k, qx, dx);
-        pair_columns(qx, k, xv);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int t = 0; t < n / TILE; t++) int4_tile_q8(xv, dx, xsum, k, n, t, packed, fa, y);
+    if (quantize_x) {
+        int4_rows_q8(x, rows, k, n, packed, fa, y, threads);
         return;
     }
+    float xsum[k / GROUP];
+    if (rows == 1) group_sums(x, k, xsum);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int t = 0; t < n / TILE; t++) {
         switch (rows) {
@@ -318,12 +345,15 @@ static inline void int8_row_q8(const int8_t *qx, const float *dx, int k, int i, 
 
 void int8_product(const float *x, int rows, int k, int n, const int8_t *codes, const uint16_t *scales, float *y,
                   int threads, int quantize_x) {
-    if (rows == 1 && quantize_x) {
-        int8_t qx[k];
-        float dx[k / GROUP];
-        quantize_blocks(x, k, qx, dx);
+    if (quantize_x) { /* each row as alone (see `int4_rows_q8`), the weight row read from cache */
+        int8_t *qx = malloc((size_t)rows * k);
+        float *dx = malloc((size_t)rows * (k / GROUP) * sizeof *dx);
+        quantize_rows(x, rows, k, qx, dx);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int i = 0; i < n; i++) int8_row_q8(qx, dx, k, i, codes, scales, y);
+        for (int i = 0; i < n; i++)
+            for (int r = 0; r < rows; r++)
+                int8_row_q8(qx + (size_t)r * k, dx + (size_t)r * (k / GROUP), k, i, codes, scales, y + (size_t)r * n);
+        free(qx), free(dx);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)

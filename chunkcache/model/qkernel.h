@@ -27,4 +27,8 @@ static inline __m256 i8_to_ps(const int8_t *c) {
 /* x [k] (k a multiple of 32) as int8 per block of 32: qx = round(x / dx), dx = max|x| / 127. */
 void quantize_blocks(const float *x, int k, int8_t *qx, float *dx);
 
+/* `rows` rows of x [rows][k] so, each as `quantize_blocks` rounds it alone: qx [rows][k], dx
+ * [rows][k / 32]. */
+void quantize_rows(const float *x, int rows, int k, int8_t *qx, float *dx);
+
 #endif

@@ -22,6 +22,8 @@ False, one log line says why, and torch's kernels serve as before.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
@@ -31,7 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -130,6 +132,30 @@ def available() -> bool:
     return library() is not None
 
 
+# Whether the products being computed are a decode step's (each row one sequence's new token):
+# `int8_x` then rounds every row, each to the bits of its 1-row product (a sequence's decode does
+# not depend on its batch: fusion's 4-5 streams, a busy server's batch), where float32 x for 2-8
+# rows cost ~5x a 1-row step. Elsewhere (a prompt's rows) only a 1-row product takes int8 x: on
+# prompts of 30-40 tokens it moved SmolLM2's greedy tokens (tests/test_quant.py).
+_DECODE_STEP = contextvars.ContextVar("qkernel_decode_step", default=False)
+
+
+@contextlib.contextmanager
+def decode_step(active: bool = True) -> Iterator[None]:
+    """Products inside are a decode step's, where `active` (`engine/runner.py`)."""
+    token = _DECODE_STEP.set(active)
+    try:
+        yield
+    finally:
+        _DECODE_STEP.reset(token)
+
+
+def _int8_rows(x: torch.Tensor, int8_x: bool) -> bool:
+    """Whether this product rounds x to int8: one row, or a decode step's rows. A compiled decode
+    graph serves one sequence (one row) and passes the option on as it is."""
+    return int8_x and (torch.compiler.is_compiling() or x.shape[0] == 1 or _DECODE_STEP.get())
+
+
 def int4(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -138,12 +164,13 @@ def int4(
     int8_x: bool = False,
 ) -> torch.Tensor:
     """x [T, in] (cast to float32) times the int4 weight (`packed` in torch's AVX2 packing, the
-    factors as `pack_factors` or `pack_superblocks` lays them out): float32 [T, out]. `int8_x`: a 1-row x is rounded to
-    int8 per block of 32 and the products summed as integers (`quantize_x` in qkernel.c); more
-    rows keep float32. Eager, a direct ctypes call: the `torch.library.custom_op` we had first
-    cost ~40 us a call (~5 ms of a 1.5B decode step's ~150 products); in a graph being compiled,
-    the op."""
+    factors as `pack_factors` or `pack_superblocks` lays them out): float32 [T, out]. `int8_x`:
+    x is rounded to int8 per block of 32 and the products summed as integers (`quantize_x` in
+    qkernel.c), for one row or every row of a decode step (`decode_step`), each exactly as it
+    would be alone. Eager, a direct ctypes call: the `torch.library.custom_op` we had first cost
+    ~40 us a call (~5 ms of a 1.5B decode step's ~150 products); in a graph being compiled, the op."""
     op = torch.ops.chunkcache.int4_product if torch.compiler.is_compiling() else _int4
+    int8_x = _int8_rows(x, int8_x)
     return _in_row_chunks(x.float(), lambda c: op(c, packed, factors, multipliers, int8_x))
 
 
@@ -152,6 +179,7 @@ def int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: boo
     [out]): float32 [T, out]; dispatched as `int4` is, `int8_x` as there where `in` is a multiple
     of 32 (float32 x otherwise)."""
     op = torch.ops.chunkcache.int8_product if torch.compiler.is_compiling() else _int8
+    int8_x = _int8_rows(x, int8_x)
     return _in_row_chunks(x.float(), lambda c: op(c, codes, scales, int8_x))
 
 
@@ -160,6 +188,7 @@ def blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor, int8_x: bo
     `BLOCK_TYPES`; `blocks` uint8 [out, in / weights per block * bytes per block],
     qkernel_q6k.c, qkernel_q8_0.c): float32 [T, out]; dispatched as `int4` is, `int8_x` as there."""
     op = torch.ops.chunkcache.blocks_product if torch.compiler.is_compiling() else _blocks_product
+    int8_x = _int8_rows(x, int8_x)
     return _in_row_chunks(x.float(), lambda c: op(c, blocks, qtype, int8_x))
 
 

@@ -13,7 +13,7 @@
  *   1 row: per chunk of 32, sum x q over the unsigned codes, times d sc, and the -32 offset
  *   through per-16 sums of x (32 d sum_s sc_s xsum_s): a conversion and an FMA per 8 codes,
  *   where w per code (a sign extension and a multiply more) measured ~1.3x slower.
- * - the same with `quantize_x` (one row): x rounded to int8 per block of 32 (`quantize_blocks`, as
+ * - the same with `quantize_x` (any rows, each as alone): x rounded to int8 per block of 32 (`quantize_blocks`, as
  *   the int4 and int8 kernels round it), llama.cpp's `ggml_vec_dot_q6_K_q8_K` way: the unsigned
  *   codes 0..63 against signed x by `maddubs` (pairs <= 2 * 63 * 127: no int16 overflow), the 16
  *   scales by `madd_epi16`, the -32 offset through per-16 sums of qx (one `madd_epi16` per block);
@@ -190,18 +190,21 @@ static inline void q6k_row_q8(const int8_t *qx, const float *dx, const int16_t *
  * blocks]: y float32 [rows][n]. */
 void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads,
                  int quantize_x) {
-    if (rows == 1 && quantize_x) {
-        int8_t *qx = malloc((size_t)k);
-        int16_t *bsums = malloc((size_t)k / 16 * sizeof *bsums);
-        float *dx = malloc((size_t)k / GROUP * sizeof *dx);
-        quantize_blocks(x, k, qx, dx);
-        for (int s = 0; s < k / 16; s++) {
+    if (quantize_x) { /* each row as alone (qkernel.c's `int4_rows_q8`), the weight row from cache */
+        int8_t *qx = malloc((size_t)rows * k);
+        int16_t *bsums = malloc((size_t)rows * (k / 16) * sizeof *bsums);
+        float *dx = malloc((size_t)rows * (k / GROUP) * sizeof *dx);
+        quantize_rows(x, rows, k, qx, dx);
+        for (int s = 0; s < rows * (k / 16); s++) {
             int sum = 0;
             for (int c = 0; c < 16; c++) sum += qx[16 * s + c];
             bsums[s] = (int16_t)sum;
         }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int i = 0; i < n; i++) q6k_row_q8(qx, dx, bsums, k, i, blocks, y);
+        for (int i = 0; i < n; i++)
+            for (int r = 0; r < rows; r++)
+                q6k_row_q8(qx + (size_t)r * k, dx + (size_t)r * (k / GROUP), bsums + (size_t)r * (k / 16), k, i, blocks,
+                           y + (size_t)r * n);
         free(qx), free(bsums), free(dx);
         return;
     }

@@ -9,13 +9,14 @@
  *
  * - `q8_0_product`, float32 x: 1 row, per block sum x q in float32 (4 FMAs), times d; 2-8 rows,
  *   each block's w = d q once (exact) and R FMAs over it.
- * - the same with `quantize_x` (one row): x rounded to int8 per block of 32 (`quantize_blocks`, as
+ * - the same with `quantize_x` (any rows, each as alone): x rounded to int8 per block of 32 (`quantize_blocks`, as
  *   the other kernels round it), |q| times x with q's sign by `maddubs` (llama.cpp's
  *   `ggml_vec_dot_q8_0_q8_0`), the integer sum exact, to float once per block (dx d).
  * - `q8_0_dequantize`: rows to float32 (prefill's blocks for a GEMM), gguf's values bit for bit.
  * Output rows are split over `threads` (OpenMP), each row one thread's sum: the same numbers at
  * any thread count.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "qkernel.h"
@@ -76,12 +77,15 @@ static inline void q8_0_row_q8(const int8_t *qx, const float *dx, int k, int i, 
 
 void q8_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads,
                   int quantize_x) {
-    if (rows == 1 && quantize_x) {
-        int8_t qx[k];
-        float dx[k / GROUP];
-        quantize_blocks(x, k, qx, dx);
+    if (quantize_x) { /* each row as alone (qkernel.c's `int4_rows_q8`), the weight row from cache */
+        int8_t *qx = malloc((size_t)rows * k);
+        float *dx = malloc((size_t)rows * (k / GROUP) * sizeof *dx);
+        quantize_rows(x, rows, k, qx, dx);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int i = 0; i < n; i++) q8_0_row_q8(qx, dx, k, i, blocks, y);
+        for (int i = 0; i < n; i++)
+            for (int r = 0; r < rows; r++)
+                q8_0_row_q8(qx + (size_t)r * k, dx + (size_t)r * (k / GROUP), k, i, blocks, y + (size_t)r * n);
+        free(qx), free(dx);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)

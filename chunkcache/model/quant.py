@@ -84,8 +84,8 @@ class Int4Part:
     ) -> None:
         """`qkernel` serves where it is available and the rows are whole tiles of the packing it
         reads (never otherwise, whatever `native` says); `native=False` keeps torch's kernel.
-        `int8_x`: its 1-row products round x to int8 per block of 32 (engine option
-        `int8_activations`); the default keeps float32 x. `superblocks`: (d, dmin, sc, m) per row
+        `int8_x`: the kernel's 1-row products and a decode step's round x to int8 per block of 32
+        (engine option `int8_activations`, `qkernel.decode_step`); the default keeps float32 x. `superblocks`: (d, dmin, sc, m) per row
         (`q4k_superblocks`) of the same weight, held instead of float32 factors."""
         self.rows, self.int8_x = q.shape[0], int8_x
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
@@ -381,8 +381,9 @@ def apply_weights(
     `embedding_quantized`; `int8`, the loaded weight per output channel. The dense weights are
     read here, so they must be the final ones (tied, merged); under `native` the ones
     `dense_at_load` skips are meta tensors, of which only the dtype is read. The Linears named
-    in `dense_modules` keep their dense weight (`weights auto`). `int8_x`: the quantized products
-    of one row round x to int8 per block of 32 (engine option `int8_activations`)."""
+    in `dense_modules` keep their dense weight (`weights auto`). `int8_x`: the kernel's 1-row
+    products and a decode step's round x to int8 per block of 32 (engine option
+    `int8_activations`)."""
     from chunkcache.model.linear import Linear
     from chunkcache.model.quant_embedding import QuantEmbedding
 

@@ -16,9 +16,9 @@
 Every product here starts from gguf's own float32 weights bit for bit (qkernel_q6k.c and
 qkernel_q8_0.c say why that is exact).
 
-- Few rows (decode): `qkernel.blocks_product`, x rounded to int8 per block of 32 for 1-row
-  products with `int8_activations` (llama.cpp's Q6_K / Q8_0 x Q8 dot products, integer sums),
-  float32 x otherwise.
+- Few rows (decode): `qkernel.blocks_product`, x rounded to int8 per block of 32 in decode steps
+  with `int8_activations` (llama.cpp's Q6_K / Q8_0 x Q8 dot products, integer sums), float32 x
+  otherwise.
 - Many rows (prefill): float32 GEMMs over blocks of `dequant.BLOCK_ROWS` weight rows dequantized
   by the same C code into one reused buffer, as `dequant.int8_product` does with its codes.
 """
@@ -80,8 +80,8 @@ class BlocksPart:
     native = True  # built only where `qkernel` serves (`own_blocks`)
 
     def __init__(self, blocks: torch.Tensor, qtype: str, int8_x: bool = False) -> None:
-        """`int8_x`: 1-row products round x to int8 per block of 32 (engine option
-        `int8_activations`); the default keeps float32 x."""
+        """`int8_x`: the kernel's 1-row products and a decode step's round x to int8 per block of
+        32 (engine option `int8_activations`, `qkernel.decode_step`); the default keeps float32 x."""
         self.format = BLOCK_FORMATS[qtype]
         assert blocks.dtype == torch.uint8 and blocks.shape[1] % self.format.block_bytes == 0
         self.rows, self.blocks, self.int8_x = blocks.shape[0], blocks.contiguous(), int8_x

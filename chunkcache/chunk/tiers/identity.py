@@ -36,7 +36,7 @@ def model_identity(model: torch.nn.Module, tokenizer: Any, model_name: str) -> s
         h.update(f"qkernel\0{qkernel.available()}\0".encode())
         if qkernel.available():  # and what its forms are (Q6_K: its own blocks, not int8)
             h.update(f"forms\0{qkernel.FORMS_VERSION}\0".encode())
-        if getattr(model, "int8_activations", False):  # decode's 1-row products on int8 x
+        if getattr(model, "int8_activations", False):  # the kernel's products on int8 x
             h.update(b"int8_activations\0")
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
