@@ -150,7 +150,8 @@ def main() -> None:
             while len(runs) * nbytes < args.cold_mb * 1e6:
                 runs.append(weights(form, out_f, in_f)[0])
             for rows in args.rows:
-                ms = best_ms(runs, torch.randn(rows, in_f), args.repeats)
+                with qkernel.decode_step():  # the `x` forms round every row, as a decode step's
+                    ms = best_ms(runs, torch.randn(rows, in_f), args.repeats)
                 step[form, rows] = step.get((form, rows), 0.0) + ms * count
                 gbs.setdefault((form, rows), []).append(nbytes / ms / 1e6)
                 print(

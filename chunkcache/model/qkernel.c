@@ -128,6 +128,29 @@ void quantize_blocks(const float *x, int k, int8_t *qx, float *dx) {
     }
 }
 
+/* Group g's term of output rows 8 j .. 8 j + 7 of tile t, added to `acc`, from one x row's int16
+ * pair sums `a` (`int4_tile_q8`'s a[j]) and its dx d and sum(x) sx: y += dx s sum(qx q) + m
+ * sum(x). `s`: the group's float32 factors (NULL with Q4_K's own, read here). One function for
+ * every row count, so each row's float operations are the 1-row kernel's, in its order. */
+static inline __attribute__((always_inline)) __m256 q8_group_term(__m256i a, int j, __m256 d, __m256 sx, Factors fa,
+                                                                  int k, int t, int g, const float *s, __m256 acc) {
+    __m256i sum = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a)),
+                                   _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a, 1)));
+    if (fa.mult) {
+        /* Q4_K's factors in registers: sum * sc stays an exact integer (<= 60960 * 63 < 2^24),
+         * times dx d; the minimum's term (-dmin) m sum(x). */
+        const float *f = fa.f + ((size_t)t * (k / SUPER) + g / (SUPER / GROUP)) * 2 * TILE;
+        const uint8_t *u = fa.mult + ((size_t)t * (k / GROUP) + g) * 2 * TILE;
+        __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 8 * j)));
+        __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + TILE + 8 * j)));
+        __m256 scaled = _mm256_cvtepi32_ps(_mm256_mullo_epi32(sum, sc));
+        acc = _mm256_fmadd_ps(scaled, _mm256_mul_ps(_mm256_loadu_ps(f + 8 * j), d), acc);
+        return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_loadu_ps(f + TILE + 8 * j)), sx, acc);
+    }
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), d), _mm256_loadu_ps(s + 8 * j), acc);
+    return _mm256_fmadd_ps(_mm256_loadu_ps(s + TILE + 8 * j), sx, acc);
+}
+
 /* One row of int8 x against a tile. Per 4 input columns c..c+3 the tile's 64 bytes are two
  * 32-byte loads, [c | c+1] and [c+2 | c+3]; after the nibble split, `unpack{lo,hi}_epi8` pairs
  * row b's code at column c with its code at c+2 (lane 0) and c+1 with c+3 (lane 1), so one
@@ -136,7 +159,6 @@ void quantize_blocks(const float *x, int k, int8_t *qx, float *dx) {
  * int16 (|qx| <= 127): no overflow. Per group, y += dx s sum(qx q) + m sum(x). */
 static void int4_tile_q8(const int8_t *xv, const float *dx, const float *xsum, int k, int n, int t,
                          const uint8_t *packed, Factors fa, float *y) {
-    float buf[2 * TILE];
     const uint8_t *p = packed + (size_t)t * TILE * (k / 2);
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -154,33 +176,56 @@ static void int4_tile_q8(const int8_t *xv, const float *dx, const float *xsum, i
             a[2] = _mm256_add_epi16(a[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(vh, wh), xq));
             a[3] = _mm256_add_epi16(a[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(vh, wh), xq));
         }
+        float buf[2 * TILE];
+        const float *s = fa.mult ? NULL : group_factors(fa, k, t, g, buf);
         __m256 d = _mm256_broadcast_ss(dx + g), sx = _mm256_broadcast_ss(xsum + g);
-        __m256i sum[4];
-        for (int j = 0; j < 4; j++)
-            sum[j] = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a[j])),
-                                      _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a[j], 1)));
-        if (fa.mult) {
-            /* Q4_K's factors in registers: sum * sc stays an exact integer (<= 60960 * 63 < 2^24),
-             * times dx d; the minimum's term (-dmin) m sum(x). */
-            const float *f = fa.f + ((size_t)t * (k / SUPER) + g / (SUPER / GROUP)) * 2 * TILE;
-            const uint8_t *u = fa.mult + ((size_t)t * (k / GROUP) + g) * 2 * TILE;
-            for (int j = 0; j < 4; j++) {
-                __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 8 * j)));
-                __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + TILE + 8 * j)));
-                __m256 scaled = _mm256_cvtepi32_ps(_mm256_mullo_epi32(sum[j], sc));
-                acc[j] = _mm256_fmadd_ps(scaled, _mm256_mul_ps(_mm256_loadu_ps(f + 8 * j), d), acc[j]);
-                acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_loadu_ps(f + TILE + 8 * j)), sx,
-                                         acc[j]);
-            }
-            continue;
-        }
-        const float *s = group_factors(fa, k, t, g, buf), *m = s + TILE;
-        for (int j = 0; j < 4; j++) {
-            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum[j]), d), _mm256_loadu_ps(s + 8 * j), acc[j]);
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(m + 8 * j), sx, acc[j]);
-        }
+        for (int j = 0; j < 4; j++) acc[j] = q8_group_term(a[j], j, d, sx, fa, k, t, g, s, acc[j]);
     }
     for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + t * TILE + 8 * j, acc[j]);
+}
+
+/* R rows of int8 x against a tile, each row's numbers `int4_tile_q8`'s for it alone: the same
+ * integer sums (exact, in any order) and `q8_group_term` per group and 8 output rows. A half of
+ * the tile at a time (the low nibbles: its rows 0-15; the high: 16-31), so a column pair's
+ * codes are split and paired once for all R rows (two accumulators a row; runs of up to 4 rows),
+ * where calling the 1-row kernel per row split them R times (~half its operations). */
+static inline __attribute__((always_inline)) void int4_tile_q8_rows(const int R, const int8_t *xv, const float *dx,
+                                                                    const float *xsum, int k, int n, int t,
+                                                                    const uint8_t *packed, Factors fa, float *y) {
+    const uint8_t *p = packed + (size_t)t * TILE * (k / 2);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const int groups = k / GROUP;
+    for (int half = 0; half < 2; half++) {
+        __m256 acc[MAX_ROWS][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int g = 0; g < groups; g++) {
+            __m256i a[MAX_ROWS][2];
+            for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_si256();
+            for (int c = g * GROUP; c < (g + 1) * GROUP; c += 4) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(p + (size_t)c * 16));
+                __m256i w = _mm256_loadu_si256((const __m256i *)(p + (size_t)(c + 2) * 16));
+                if (half) v = _mm256_srli_epi16(v, 4), w = _mm256_srli_epi16(w, 4);
+                v = _mm256_and_si256(v, low), w = _mm256_and_si256(w, low);
+                __m256i lo = _mm256_unpacklo_epi8(v, w), hi = _mm256_unpackhi_epi8(v, w);
+                for (int r = 0; r < R; r++) {
+                    __m256i xq = _mm256_loadu_si256((const __m256i *)(xv + (size_t)r * k * 8 + (size_t)c * 8));
+                    a[r][0] = _mm256_add_epi16(a[r][0], _mm256_maddubs_epi16(lo, xq));
+                    a[r][1] = _mm256_add_epi16(a[r][1], _mm256_maddubs_epi16(hi, xq));
+                }
+            }
+            float buf[2 * TILE];
+            const float *s = fa.mult ? NULL : group_factors(fa, k, t, g, buf);
+            for (int r = 0; r < R; r++) {
+                __m256 d = _mm256_broadcast_ss(dx + (size_t)r * groups + g);
+                __m256 sx = _mm256_broadcast_ss(xsum + (size_t)r * groups + g);
+                for (int j = 0; j < 2; j++)
+                    acc[r][j] = q8_group_term(a[r][j], 2 * half + j, d, sx, fa, k, t, g, s, acc[r][j]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < 2; j++)
+                _mm256_storeu_ps(y + (size_t)r * n + t * TILE + 8 * (2 * half + j), acc[r][j]);
+    }
 }
 
 /* xv for `int4_tile_q8`: per 4 columns, 32 bytes [x_c, x_c+2] x 8 then [x_c+1, x_c+3] x 8. */
@@ -221,10 +266,20 @@ static void int4_rows_q8(const float *x, int rows, int k, int n, const uint8_t *
         pair_columns(qx + (size_t)r * k, k, xv + (size_t)r * k * 8);
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int t = 0; t < n / TILE; t++)
-        for (int r = 0; r < rows; r++)
-            int4_tile_q8(xv + (size_t)r * k * 8, dx + (size_t)r * groups, xsum + (size_t)r * groups, k, n, t, packed,
-                         fa, y + (size_t)r * n);
+    for (int t = 0; t < n / TILE; t++) {
+        /* Rows in runs of at most 4 (a run's accumulators in registers). */
+        for (int r = 0; r < rows; r += 4) {
+            const int8_t *v = xv + (size_t)r * k * 8;
+            const float *d = dx + (size_t)r * groups, *xs = xsum + (size_t)r * groups;
+            float *yr = y + (size_t)r * n;
+            switch (rows - r < 4 ? rows - r : 4) {
+                ROWS_CASE(1, int4_tile_q8(v, d, xs, k, n, t, packed, fa, yr))
+                ROWS_CASE(2, int4_tile_q8_rows(2, v, d, xs, k, n, t, packed, fa, yr))
+                ROWS_CASE(3, int4_tile_q8_rows(3, v, d, xs, k, n, t, packed, fa, yr))
+                ROWS_CASE(4, int4_tile_q8_rows(4, v, d, xs, k, n, t, packed, fa, yr))
+            }
+        }
+    }
     free(qx), free(xv), free(dx), free(xsum);
 }
 
