@@ -186,6 +186,52 @@ static inline void q6k_row_q8(const int8_t *qx, const float *dx, const int16_t *
     y[i] = hsum(acc);
 }
 
+/* R rows of int8 x against weight row i, each row's numbers `q6k_row_q8`'s for it alone (the same
+ * operations per row, in its order): a half block's codes unpacked and each chunk's scales
+ * widened once for all R rows, where calling the 1-row product per row did it R times. */
+static inline __attribute__((always_inline)) void q6k_row_q8_rows(const int R, const int8_t *qx, const float *dx,
+                                                                  const int16_t *bsums, int k, int n, int i,
+                                                                  const uint8_t *blocks, float *y) {
+    const uint8_t *row = blocks + (size_t)i * (k / QK) * BLOCK_BYTES;
+    const int groups = k / GROUP;
+    __m256 acc[MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < k / QK; b++) {
+        const uint8_t *blk = row + (size_t)b * BLOCK_BYTES;
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        __m256 part[MAX_ROWS][2];
+        for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256i q[4];
+            q6k_codes(blk, h, q);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const int s = 8 * h + 2 * j, g = 8 * b + 4 * h + j;
+                const __m128i pick = _mm_setr_epi8(s, s, s, s, s, s, s, s, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1,
+                                                   s + 1, s + 1);
+                const __m256i scales = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = qx + (size_t)r * k;
+                    __m256i xq = _mm256_loadu_si256((const __m256i *)(xr + (size_t)b * QK + 128 * h + 32 * j));
+                    __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(scales, _mm256_maddubs_epi16(q[j], xq)));
+                    part[r][j & 1] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(dx + (size_t)r * groups + g), part[r][j & 1]);
+                }
+            }
+        }
+        const __m256 d = _mm256_set1_ps(fp16_to_float(blk + 208));
+        for (int r = 0; r < R; r++) {
+            const int16_t *bs = bsums + (size_t)r * (k / 16) + (size_t)b * 16;
+            __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc), _mm256_loadu_si256((const __m256i *)bs));
+            __m256 sum = _mm256_add_ps(part[r][0], part[r][1]);
+            sum = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.0f)),
+                                   _mm256_loadu_ps(dx + (size_t)r * groups + (size_t)b * 8), sum);
+            acc[r] = _mm256_fmadd_ps(sum, d, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[(size_t)r * n + i] = hsum(acc[r]);
+}
+
 /* x float32 [rows][k] (k a multiple of 256, rows <= MAX_ROWS) times the weight `blocks` [n][k / 256
  * blocks]: y float32 [rows][n]. */
 void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads,
@@ -202,9 +248,18 @@ void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, 
         }
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int i = 0; i < n; i++)
-            for (int r = 0; r < rows; r++)
-                q6k_row_q8(qx + (size_t)r * k, dx + (size_t)r * (k / GROUP), bsums + (size_t)r * (k / 16), k, i, blocks,
-                           y + (size_t)r * n);
+            for (int r = 0; r < rows; r += 4) { /* runs of at most 4 rows */
+                const int8_t *q = qx + (size_t)r * k;
+                const float *d = dx + (size_t)r * (k / GROUP);
+                const int16_t *bs = bsums + (size_t)r * (k / 16);
+                float *yr = y + (size_t)r * n;
+                switch (rows - r < 4 ? rows - r : 4) {
+                    ROWS_CASE(1, q6k_row_q8(q, d, bs, k, i, blocks, yr))
+                    ROWS_CASE(2, q6k_row_q8_rows(2, q, d, bs, k, n, i, blocks, yr))
+                    ROWS_CASE(3, q6k_row_q8_rows(3, q, d, bs, k, n, i, blocks, yr))
+                    ROWS_CASE(4, q6k_row_q8_rows(4, q, d, bs, k, n, i, blocks, yr))
+                }
+            }
         free(qx), free(bsums), free(dx);
         return;
     }
