@@ -147,51 +147,18 @@ static inline __attribute__((always_inline)) void q6k_row(const int R, const flo
     for (int r = 0; r < R; r++) y[(size_t)r * n + i] = hsum(acc[r]);
 }
 
-/* Weight row i against int8 x (qx, dx per block of 32, bsums: sums of qx per 16). Per block of
- * 32 weights (two sub-blocks of 16): maddubs(q, qx) into 16 int16 pair sums, madd_epi16 with the
- * two sub-blocks' scales (llama.cpp's scale shuffle: bytes 0-7 the first, 8-15 the second, widened)
- * into 8 int32, to float times dx. Per block of 256, the -32 offset: 32 sum_s sc_s bsum_s per
- * block of 32 (one madd_epi16: lane i pairs sub-blocks 2i and 2i + 1, <= 2 * 128 * 2032 * 32 < 2^24,
- * exact in float32), times its dx; then times d. */
-static inline void q6k_row_q8(const int8_t *qx, const float *dx, const int16_t *bsums, int k, int i,
-                              const uint8_t *blocks, float *y) {
-    const uint8_t *row = blocks + (size_t)i * (k / QK) * BLOCK_BYTES;
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < k / QK; b++) {
-        const uint8_t *blk = row + (size_t)b * BLOCK_BYTES;
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
-        __m256 part[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            __m256i q[4];
-            q6k_codes(blk, h, q);
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
-                const int s = 8 * h + 2 * j, g = 8 * b + 4 * h + j;
-                const __m128i pick = _mm_setr_epi8(s, s, s, s, s, s, s, s, s + 1, s + 1, s + 1, s + 1, s + 1, s + 1,
-                                                   s + 1, s + 1);
-                const __m256i scales = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
-                __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + (size_t)b * QK + 128 * h + 32 * j));
-                __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(scales, _mm256_maddubs_epi16(q[j], xq)));
-                part[j & 1] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(dx + g), part[j & 1]);
-            }
-        }
-        __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc),
-                                        _mm256_loadu_si256((const __m256i *)(bsums + (size_t)b * 16)));
-        __m256 sum = _mm256_add_ps(part[0], part[1]);
-        sum = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.0f)),
-                               _mm256_loadu_ps(dx + (size_t)b * 8), sum);
-        acc = _mm256_fmadd_ps(sum, _mm256_set1_ps(fp16_to_float(blk + 208)), acc);
-    }
-    y[i] = hsum(acc);
-}
-
-/* R rows of int8 x against weight row i, each row's numbers `q6k_row_q8`'s for it alone (the same
- * operations per row, in its order): a half block's codes unpacked and each chunk's scales
- * widened once for all R rows, where calling the 1-row product per row did it R times. */
-static inline __attribute__((always_inline)) void q6k_row_q8_rows(const int R, const int8_t *qx, const float *dx,
-                                                                  const int16_t *bsums, int k, int n, int i,
-                                                                  const uint8_t *blocks, float *y) {
+/* Weight row i against R rows of int8 x (qx, dx per block of 32, bsums: sums of qx per 16; each
+ * row k apart). Per block of 32 weights (two sub-blocks of 16): maddubs(q, qx) into 16 int16 pair
+ * sums, madd_epi16 with the two sub-blocks' scales (llama.cpp's scale shuffle: bytes 0-7 the
+ * first, 8-15 the second, widened) into 8 int32, to float times dx. Per block of 256, the -32
+ * offset: 32 sum_s sc_s bsum_s per block of 32 (one madd_epi16: lane i pairs sub-blocks 2i and
+ * 2i + 1, <= 2 * 128 * 2032 * 32 < 2^24, exact in float32), times its dx; then times d. Each
+ * row's operations are those of R == 1 in the same order (its bits those of its product alone);
+ * a half block's codes are unpacked and each chunk's scales widened once for all R rows (a
+ * product per row did it R times). */
+static inline __attribute__((always_inline)) void q6k_row_q8(const int R, const int8_t *qx, const float *dx,
+                                                             const int16_t *bsums, int k, int n, int i,
+                                                             const uint8_t *blocks, float *y) {
     const uint8_t *row = blocks + (size_t)i * (k / QK) * BLOCK_BYTES;
     const int groups = k / GROUP;
     __m256 acc[MAX_ROWS];
@@ -254,10 +221,10 @@ void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, 
                 const int16_t *bs = bsums + (size_t)r * (k / 16);
                 float *yr = y + (size_t)r * n;
                 switch (rows - r < 4 ? rows - r : 4) {
-                    ROWS_CASE(1, q6k_row_q8(q, d, bs, k, i, blocks, yr))
-                    ROWS_CASE(2, q6k_row_q8_rows(2, q, d, bs, k, n, i, blocks, yr))
-                    ROWS_CASE(3, q6k_row_q8_rows(3, q, d, bs, k, n, i, blocks, yr))
-                    ROWS_CASE(4, q6k_row_q8_rows(4, q, d, bs, k, n, i, blocks, yr))
+                    ROWS_CASE(1, q6k_row_q8(1, q, d, bs, k, n, i, blocks, yr))
+                    ROWS_CASE(2, q6k_row_q8(2, q, d, bs, k, n, i, blocks, yr))
+                    ROWS_CASE(3, q6k_row_q8(3, q, d, bs, k, n, i, blocks, yr))
+                    ROWS_CASE(4, q6k_row_q8(4, q, d, bs, k, n, i, blocks, yr))
                 }
             }
         free(qx), free(bsums), free(dx);
