@@ -1,0 +1,126 @@
+"""Decode steps with one serving choice on and off, swapped in place and alternated round by round in
+one process, so a shared machine's drift falls on both alike (separate processes measured +-15%
+apart on the same code).
+
+`--compare rows`: a decode step of `--sequences` sequences with every row's activations rounded to
+int8 (`qkernel.decode_step`, the runner's marking of decode-only steps; `int8_activations`)
+against the previous behaviour, int8 x for 1-row products only (the steps left unmarked: 2+ rows
+run float32 x). `--compare lm_head`: a tied Q8_0 lm_head held as the file's blocks (`BlocksPart`)
+against a dense float32 copy of the same values (SmolLM2's before Q8_0 had a kernel).
+
+Per round and side: one 1-token generate (the prompts' prefill), then a `--tokens`+1-token one;
+the CPU time (time.process_time) of the difference over `--tokens` steps is a decode step.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode_forms.py --compare rows [--model qwen2.5-coder-1.5b] [--sequences 5]
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode_forms.py --compare lm_head --model smollm2 --sequences 1 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from chunkcache import LLM, SamplingParams
+from chunkcache.model import qkernel
+from chunkcache.model.quant import DensePart
+from chunkcache.model.quant_blocks import BlocksPart
+
+PROMPTS = [
+    "def quicksort(xs):",
+    "The capital of France is",
+    "In 1905 Albert Einstein published",
+    "SELECT name FROM users WHERE",
+    "The mitochondria is the",
+    "Once upon a time in a land",
+    "import numpy as np\n",
+    "The history of the Roman empire begins with",
+]
+
+
+def sides(llm: LLM, compare: str) -> dict[str, contextlib.AbstractContextManager]:
+    """The two sides as context managers that set the choice while they are entered."""
+    if compare == "rows":
+        marked = qkernel.decode_step
+
+        @contextlib.contextmanager
+        def unmarked():  # the runner's marking left out: 2+ rows keep float32 x
+            qkernel.decode_step = lambda active=True: contextlib.nullcontext()
+            try:
+                yield
+            finally:
+                qkernel.decode_step = marked
+
+        return {"int8 x every row": contextlib.nullcontext, "int8 x at 1 row": unmarked}
+    lm_head = llm.engine.runner.model.lm_head.quant
+    blocks = lm_head.parts
+    if not (len(blocks) == 1 and isinstance(blocks[0], BlocksPart)):
+        raise SystemExit(f"the lm_head is {lm_head.describe()}, not a file's blocks: nothing to compare")
+    dense = [DensePart(blocks[0].dequantize())]
+
+    @contextlib.contextmanager
+    def held(parts):
+        lm_head.parts = parts
+        try:
+            yield
+        finally:
+            lm_head.parts = blocks
+
+    return {"lm_head blocks": lambda: held(blocks), "lm_head dense float32": lambda: held(dense)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--compare", choices=("rows", "lm_head"), required=True)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--sequences", type=int, default=5, choices=range(1, len(PROMPTS) + 1))
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    llm = LLM(
+        args.model,
+        dtype="float32",
+        weights="native",
+        int8_activations=args.compare == "rows",
+        kv_cache_tokens=4096,
+        enable_chunk_cache=False,
+    )
+    ids = [llm.tokenizer.encode(t, add_special_tokens=False) for t in PROMPTS[: args.sequences]]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True)
+    choices = sides(llm, args.compare)
+    ms: dict[str, list[float]] = {name: [] for name in choices}
+    tokens: dict[str, list[list[int]]] = {}
+    for r in tqdm(range(args.rounds), desc="rounds"):
+        for name in list(choices) if r % 2 == 0 else list(choices)[::-1]:
+            with choices[name]():
+                start = time.process_time()
+                llm.generate(ids, one)
+                first = time.process_time() - start
+                start = time.process_time()
+                outs = llm.generate(ids, many)
+                ms[name].append((time.process_time() - start - first) / args.tokens * 1e3)
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+    (a, b) = choices
+    for name in choices:
+        print(
+            f"{name}: {' '.join(f'{t:.1f}' for t in ms[name])} ms a step, median {statistics.median(ms[name]):.1f}"
+        )
+    same = sum(x == y for x, y in zip(tokens[a], tokens[b], strict=True))
+    print(
+        f"SUMMARY bench_decode_forms: compare={args.compare} model={args.model} sequences={args.sequences} "
+        f"tokens={args.tokens} rounds={args.rounds} new_ms={statistics.median(ms[a]):.1f} "
+        f"old_ms={statistics.median(ms[b]):.1f} speedup={statistics.median(ms[b]) / statistics.median(ms[a]):.2f}x "
+        f"same_tokens={same}/{args.sequences}"
+    )
+
+
+if __name__ == "__main__":
+    main()
