@@ -252,9 +252,9 @@ void quantize_rows(const float *x, int rows, int k, int8_t *qx, float *dx) {
 
 /* int8 x, any rows: each row is the 1-row product's computation (the same integer sums and float
  * operations in the same order, so the same bits as that row alone: a sequence's decode does
- * not depend on the batch it runs in), the rows one after another per tile, whose codes the
- * second row on reads from cache: 2-8 rows of float32 x cost ~5x a 1-row step (each code
- * converted to float, R FMAs), int8 x ~R times the 1-row kernel's compute (RESULTS.md). */
+ * not depend on the batch it runs in), runs of up to 4 rows sharing a tile's unpacked codes
+ * (`int4_tile_q8_rows`). 2-8 rows of float32 x cost ~5x a 1-row step (each code converted to
+ * float, R FMAs); these ~1.6-3.9x (RESULTS.md, "Q8_0 in its own blocks, int8 activations ..."). */
 static void int4_rows_q8(const float *x, int rows, int k, int n, const uint8_t *packed, Factors fa, float *y,
                          int threads) {
     const int groups = k / GROUP;
