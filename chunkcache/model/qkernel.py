@@ -51,8 +51,9 @@ MAX_ROWS = 8  # qkernel.c's MAX_ROWS: the most rows of x one call takes
 TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
 # What the native forms `qkernel` serves are, bound into the model identity (chunk/tiers/identity.py):
 # a change of a native weight's numbers changes the KV (Q6_K: int8 re-quantized per channel, then
-# the file's own blocks, exactly), so KV stored under the old forms is never loaded.
-FORMS_VERSION = "int4-q4k-factors;int8;q6k-blocks-with-int8-x;q8_0-blocks"
+# the file's own blocks, exactly; int8 x for every row of a decode step, where 2+ rows had float32
+# x), so KV stored under the old forms is never loaded.
+FORMS_VERSION = "int4-q4k-factors;int8;q6k-blocks-with-int8-x;q8_0-blocks;int8-x-decode-rows"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
