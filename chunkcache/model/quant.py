@@ -85,8 +85,9 @@ class Int4Part:
         """`qkernel` serves where it is available and the rows are whole tiles of the packing it
         reads (never otherwise, whatever `native` says); `native=False` keeps torch's kernel.
         `int8_x`: the kernel's 1-row products and a decode step's round x to int8 per block of 32
-        (engine option `int8_activations`, `qkernel.decode_step`); the default keeps float32 x. `superblocks`: (d, dmin, sc, m) per row
-        (`q4k_superblocks`) of the same weight, held instead of float32 factors."""
+        (engine option `int8_activations`, `qkernel.decode_step`); the default keeps float32 x.
+        `superblocks`: (d, dmin, sc, m) per row (`q4k_superblocks`) of the same weight, held
+        instead of float32 factors."""
         self.rows, self.int8_x = q.shape[0], int8_x
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
         self.native = native is not False and qkernel.available() and dequant.int4_blocks_apply(self.rows)
@@ -269,7 +270,7 @@ def native_parts(
     """The parts of a (merged) projection made of the GGUF tensors `raws`, in order; consecutive
     tensors of the same form share one part (one kernel call). `report` gathers per type the form
     it took and the error measured against gguf's dequantization. `int8_x`: the quantized parts'
-    1-row products round x to int8 (`Int4Part`)."""
+    1-row and decode-step products round x to int8 (`Int4Part`)."""
     # ((part class, blocks' type), its arguments per tensor, rows to stack)
     pieces: list[tuple[tuple[type, str | None], list[list[torch.Tensor]]]] = []
     for raw in raws:
