@@ -348,9 +348,8 @@ def test_native_int4_decode_gives_transformers_greedy_tokens(
     (llama-Q4_K / qwen2-Q4_1), where torch's bfloat16 kernels (the same run without `qkernel`)
     moved them by 0.053 / 0.058 and changed a qwen2 token. With `int8_activations` the
     decode's rounded x moves them as the assertion below says."""
-    from chunkcache import LLM, SamplingParams
     from tests import test_gguf
-    from tests.test_quant import _deviation
+    from tests.test_quant import _deviation, _generate_in_forms
     from tests.test_quant import _random_k_quant as small_k_quant
 
     for name in ("INT4_MIN_ROWS", "NATIVE_INT4_MIN_ROWS", "INT8_MIN_ROWS"):
@@ -360,25 +359,15 @@ def test_native_int4_decode_gives_transformers_greedy_tokens(
     src = checkpoint(arch=arch, tie_word_embeddings=arch == "qwen2", **overrides)
     monkeypatch.setattr(test_gguf, "_random_k_quant", lambda *a, **k: small_k_quant(*a, **{**k, "d": 1e-4}))
     test_gguf.write_gguf(src, tmp_path / "model.gguf", qtype)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
-    outs = {}
-    for weights, int8_x in (("dense", False), ("native", False), ("native", True)):
-        llm = LLM(
-            str(tmp_path),
-            tokenizer=str(src),
-            dtype="float32",
-            kv_cache_tokens=512,
-            weights=weights,
-            int8_activations=int8_x,
-        )
-        outs[weights, int8_x] = llm.generate(test_gguf.PROMPT, params)[0].outputs[0]
-        llm.check_integrity()
+    forms = [("dense", "float32", False), ("native", "float32", False), ("native", "float32", True)]
+    outs, _ = _generate_in_forms(tmp_path, src, forms)
     assert served, "qkernel served no product"
-    dense = outs["dense", False]
-    assert outs["native", False].token_ids == dense.token_ids
-    assert _deviation(outs["native", False], dense) < 2e-4
+    dense, native = outs["dense", "float32", False], outs["native", "float32", False]
+    assert native.token_ids == dense.token_ids
+    assert _deviation(native, dense) < 2e-4
     # int8 activations (decode's 1-row products on x rounded per block of 32): measured 0.005
     # (llama-Q4_K, no token changed) and 0.137 (qwen2-Q4_1, whose tied 64-wide lm_head is int4 too;
     # the 7th token of 8 changed at a near-tie); a misread code or factor moves them by units.
-    assert outs["native", True].token_ids[0] == dense.token_ids[0]  # the prompt's float32 products
-    assert _deviation(outs["native", True], dense) < 0.3
+    int8_x = outs["native", "float32", True]
+    assert int8_x.token_ids[0] == dense.token_ids[0]  # the prompt's float32 products
+    assert _deviation(int8_x, dense) < 0.3

@@ -210,9 +210,8 @@ def test_native_blocks_decode_gives_transformers_greedy_tokens(
     same random file. With int8 x the decode's rounded x moves them: measured 0.62 (both), int8
     per channel with int8 x 1.07; the first token (the prompt's float32 products) unchanged.
     Q8_0: 2.0e-5 / 2.3e-5 with float32 x, 0.23 with int8 x."""
-    from chunkcache import LLM, SamplingParams
     from tests import test_gguf
-    from tests.test_quant import _deviation
+    from tests.test_quant import _deviation, _generate_in_forms
     from tests.test_quant import _random_k_quant as small_k_quant
 
     form = quant_blocks.BLOCK_FORMATS[qtype]
@@ -227,20 +226,8 @@ def test_native_blocks_decode_gives_transformers_greedy_tokens(
     src = checkpoint(arch=arch, hidden_size=256, intermediate_size=256, tie_word_embeddings=arch == "qwen2")
     monkeypatch.setattr(test_gguf, "_random_k_quant", lambda *a, **k: small_k_quant(*a, **{**k, "d": 1e-4}))
     test_gguf.write_gguf(src, tmp_path / "model.gguf", Q[qtype])
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
-    outs = {}
-    for weights in ("dense", "native"):
-        llm = LLM(
-            str(tmp_path),
-            tokenizer=str(src),
-            dtype="float32",
-            kv_cache_tokens=512,
-            weights=weights,
-            int8_activations=int8_x,
-        )
-        outs[weights] = llm.generate(test_gguf.PROMPT, params)[0].outputs[0]
-        llm.check_integrity()
-    model = llm.engine.runner.model
+    outs, model = _generate_in_forms(tmp_path, src, [(w, "float32", int8_x) for w in ("dense", "native")])
+    dense, native = outs["dense", "float32", int8_x], outs["native", "float32", int8_x]
     assert all(
         type(p) is BlocksPart and p.qtype == qtype
         for m in model.modules()
@@ -248,12 +235,12 @@ def test_native_blocks_decode_gives_transformers_greedy_tokens(
         for p in m.quant.parts
     )
     assert served and bool(blocks) == (prefill == "blocks")
-    deviation = _deviation(outs["native"], outs["dense"])
+    deviation = _deviation(native, dense)
     if not int8_x:
-        assert outs["native"].token_ids == outs["dense"].token_ids
+        assert native.token_ids == dense.token_ids
         assert deviation < 2e-4
     else:  # the prompt's float32 products give the first token
-        assert outs["native"].token_ids[0] == outs["dense"].token_ids[0]
+        assert native.token_ids[0] == dense.token_ids[0]
         assert deviation < 0.8
 
 

@@ -363,6 +363,30 @@ GGUF_CASES = [
 ]
 
 
+def _generate_in_forms(path, src, forms):
+    """The tiny GGUF in `path` (its tokenizer from the checkpoint `src`) loaded in each form of
+    `forms` (weights, dtype, int8_activations): each one's greedy 8 tokens for test_gguf.PROMPT
+    with the top-5 log-probs of every step, by form, each engine's integrity checked; and the
+    last one's model."""
+    from chunkcache import LLM, SamplingParams
+    from tests import test_gguf
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    outs = {}
+    for weights, dtype, int8_x in forms:
+        llm = LLM(
+            str(path),
+            tokenizer=str(src),
+            dtype=dtype,
+            kv_cache_tokens=512,
+            weights=weights,
+            int8_activations=int8_x,
+        )
+        outs[weights, dtype, int8_x] = llm.generate(test_gguf.PROMPT, params)[0].outputs[0]
+        llm.check_integrity()
+    return outs, llm.engine.runner.model
+
+
 def _deviation(out, ref) -> float:
     """Largest |log-prob difference| of `out` from `ref` over the steps both took with the same
     tokens before them (random tiny models have near-ties, so greedy paths may part)."""
@@ -386,7 +410,6 @@ def test_gguf_served_native_is_as_close_to_the_file_as_bfloat16(
     with the kernels everywhere; `blocks` prefills the (short) prompt through the dequantized
     blocks instead (thresholds lowered to 2 rows; decode steps stay on the kernels): 0.96x,
     0.76x, 0.86x."""
-    from chunkcache import LLM, SamplingParams
     from tests import test_gguf
 
     thresholds = ("INT4_MIN_ROWS", "NATIVE_INT4_MIN_ROWS", "INT8_MIN_ROWS")
@@ -407,24 +430,13 @@ def test_gguf_served_native_is_as_close_to_the_file_as_bfloat16(
     # logits run to the thousands, where any rounding moves log-probs by whole units.
     monkeypatch.setattr(test_gguf, "_random_k_quant", functools.partial(_random_k_quant, d=1e-4))
     test_gguf.write_gguf(src, tmp_path / "model.gguf", qtype)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
-    outs = {}
-    for weights, dtype in (("dense", "bfloat16"), ("dense", "float32"), ("native", "float32")):
-        llm = LLM(  # float32 x: int8 activations' own bound is in tests/test_qkernel.py
-            str(tmp_path),
-            tokenizer=str(src),
-            dtype=dtype,
-            kv_cache_tokens=512,
-            weights=weights,
-            int8_activations=False,
-        )
-        outs[weights, dtype] = llm.generate(test_gguf.PROMPT, params)[0].outputs[0]
-        llm.check_integrity()
-    model = llm.engine.runner.model
+    # float32 x: int8 activations' own bound is in tests/test_qkernel.py
+    forms = [("dense", "bfloat16", False), ("dense", "float32", False), ("native", "float32", False)]
+    outs, model = _generate_in_forms(tmp_path, src, forms)
     assert all(m.quant is not None and m.weight is None for m in model.modules() if isinstance(m, Linear))
-    reference = outs["dense", "float32"]
-    native = _deviation(outs["native", "float32"], reference)
-    bf16 = _deviation(outs["dense", "bfloat16"], reference)
+    reference = outs["dense", "float32", False]
+    native = _deviation(outs["native", "float32", False], reference)
+    bf16 = _deviation(outs["dense", "bfloat16", False], reference)
     assert 0 < native <= 1.25 * bf16, (native, bf16)
     assert bool(blocks) == (prefill == "blocks")
 

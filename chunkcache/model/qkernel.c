@@ -265,6 +265,7 @@ static void int4_rows_q8(const float *x, int rows, int k, int n, const uint8_t *
         group_sums(x + (size_t)r * k, k, xsum + (size_t)r * groups);
         pair_columns(qx + (size_t)r * k, k, xv + (size_t)r * k * 8);
     }
+#define ROW(R) (R == 1 ? int4_tile_q8(v, d, xs, k, n, t, packed, fa, yr) : int4_tile_q8_rows(R, v, d, xs, k, n, t, packed, fa, yr))
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int t = 0; t < n / TILE; t++) {
         /* Rows in runs of at most 4 (a run's accumulators in registers). */
@@ -272,14 +273,10 @@ static void int4_rows_q8(const float *x, int rows, int k, int n, const uint8_t *
             const int8_t *v = xv + (size_t)r * k * 8;
             const float *d = dx + (size_t)r * groups, *xs = xsum + (size_t)r * groups;
             float *yr = y + (size_t)r * n;
-            switch (rows - r < 4 ? rows - r : 4) {
-                ROWS_CASE(1, int4_tile_q8(v, d, xs, k, n, t, packed, fa, yr))
-                ROWS_CASE(2, int4_tile_q8_rows(2, v, d, xs, k, n, t, packed, fa, yr))
-                ROWS_CASE(3, int4_tile_q8_rows(3, v, d, xs, k, n, t, packed, fa, yr))
-                ROWS_CASE(4, int4_tile_q8_rows(4, v, d, xs, k, n, t, packed, fa, yr))
-            }
+            switch (rows - r < 4 ? rows - r : 4) { ROWS_CASES_4(ROW) }
         }
     }
+#undef ROW
     free(qx), free(xv), free(dx), free(xsum);
 }
 
@@ -292,19 +289,12 @@ void int4_product(const float *x, int rows, int k, int n, const uint8_t *packed,
     }
     float xsum[k / GROUP];
     if (rows == 1) group_sums(x, k, xsum);
+#define ROW(R) (R == 1 ? int4_tile_1(x, xsum, k, n, t, packed, fa, y) : int4_tile_r(R, x, k, n, t, packed, fa, y))
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int t = 0; t < n / TILE; t++) {
-        switch (rows) {
-            ROWS_CASE(1, int4_tile_1(x, xsum, k, n, t, packed, fa, y))
-            ROWS_CASE(2, int4_tile_r(2, x, k, n, t, packed, fa, y))
-            ROWS_CASE(3, int4_tile_r(3, x, k, n, t, packed, fa, y))
-            ROWS_CASE(4, int4_tile_r(4, x, k, n, t, packed, fa, y))
-            ROWS_CASE(5, int4_tile_r(5, x, k, n, t, packed, fa, y))
-            ROWS_CASE(6, int4_tile_r(6, x, k, n, t, packed, fa, y))
-            ROWS_CASE(7, int4_tile_r(7, x, k, n, t, packed, fa, y))
-            ROWS_CASE(8, int4_tile_r(8, x, k, n, t, packed, fa, y))
-        }
+        switch (rows) { ROWS_CASES_8(ROW) }
     }
+#undef ROW
 }
 
 /* Prefill's B: weight rows [start, start + rows) (whole tiles) as float32 [k][rows], w = s q + m
@@ -383,9 +373,14 @@ static inline __attribute__((always_inline)) void int8_row(const int R, const fl
 /* One weight row against int8 x: |code| (unsigned) times x with the code's sign, pairs summed by
  * `maddubs` (at most 2 * 128 * 127 = 32512: no saturation), then to int32 and one float
  * multiply-add per block of 32 (its dx); two accumulators, so the chains overlap. */
-static inline void int8_row_q8(const int8_t *qx, const float *dx, int k, int i, const int8_t *codes,
-                               const uint16_t *scales, float *y) {
-    const int8_t *c = codes + (size_t)i * k;
+typedef struct {
+    const int8_t *codes;
+    const uint16_t *scales;
+} Int8Weights;
+
+static inline void int8_row_q8(const int8_t *qx, const float *dx, int k, int i, const void *weights, float *y) {
+    const Int8Weights *w8 = weights;
+    const int8_t *c = w8->codes + (size_t)i * k;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int g = 0; g < k / GROUP; g++) {
@@ -395,33 +390,19 @@ static inline void int8_row_q8(const int8_t *qx, const float *dx, int k, int i, 
         __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
         acc[g & 1] = _mm256_fmadd_ps(sum, _mm256_broadcast_ss(dx + g), acc[g & 1]);
     }
-    y[i] = hsum(_mm256_add_ps(acc[0], acc[1])) * bf16_to_float(scales[i]);
+    y[i] = hsum(_mm256_add_ps(acc[0], acc[1])) * bf16_to_float(w8->scales[i]);
 }
 
 void int8_product(const float *x, int rows, int k, int n, const int8_t *codes, const uint16_t *scales, float *y,
                   int threads, int quantize_x) {
-    if (quantize_x) { /* each row as alone (see `int4_rows_q8`), the weight row read from cache */
-        int8_t *qx = malloc((size_t)rows * k);
-        float *dx = malloc((size_t)rows * (k / GROUP) * sizeof *dx);
-        quantize_rows(x, rows, k, qx, dx);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int i = 0; i < n; i++)
-            for (int r = 0; r < rows; r++)
-                int8_row_q8(qx + (size_t)r * k, dx + (size_t)r * (k / GROUP), k, i, codes, scales, y + (size_t)r * n);
-        free(qx), free(dx);
+    if (quantize_x) {
+        q8_rows_each(x, rows, k, n, int8_row_q8, &(Int8Weights){codes, scales}, y, threads);
         return;
     }
+#define ROW(R) int8_row(R, x, k, n, i, codes, scales, y)
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int i = 0; i < n; i++) {
-        switch (rows) {
-            ROWS_CASE(1, int8_row(1, x, k, n, i, codes, scales, y))
-            ROWS_CASE(2, int8_row(2, x, k, n, i, codes, scales, y))
-            ROWS_CASE(3, int8_row(3, x, k, n, i, codes, scales, y))
-            ROWS_CASE(4, int8_row(4, x, k, n, i, codes, scales, y))
-            ROWS_CASE(5, int8_row(5, x, k, n, i, codes, scales, y))
-            ROWS_CASE(6, int8_row(6, x, k, n, i, codes, scales, y))
-            ROWS_CASE(7, int8_row(7, x, k, n, i, codes, scales, y))
-            ROWS_CASE(8, int8_row(8, x, k, n, i, codes, scales, y))
-        }
+        switch (rows) { ROWS_CASES_8(ROW) }
     }
+#undef ROW
 }

@@ -3,13 +3,39 @@
 #define CHUNKCACHE_QKERNEL_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define GROUP 32   /* inputs per int4 group and per block of int8 x */
 #define MAX_ROWS 8 /* the most rows of x one call takes */
 
-#define ROWS_CASE(R, call) \
-    case R:                \
-        call;              \
+/* The cases of a `switch (rows)` over 1..4 or 1..8 rows, each calling ROW(R) with R a constant, so
+ * each case compiles its own body for its number of rows. */
+#define ROWS_CASES_4(ROW) \
+    case 1:               \
+        ROW(1);           \
+        break;            \
+    case 2:               \
+        ROW(2);           \
+        break;            \
+    case 3:               \
+        ROW(3);           \
+        break;            \
+    case 4:               \
+        ROW(4);           \
+        break;
+#define ROWS_CASES_8(ROW) \
+    ROWS_CASES_4(ROW)     \
+    case 5:               \
+        ROW(5);           \
+        break;            \
+    case 6:               \
+        ROW(6);           \
+        break;            \
+    case 7:               \
+        ROW(7);           \
+        break;            \
+    case 8:               \
+        ROW(8);           \
         break;
 
 static inline float hsum(__m256 v) {
@@ -30,5 +56,25 @@ void quantize_blocks(const float *x, int k, int8_t *qx, float *dx);
 /* `rows` rows of x [rows][k] so, each as `quantize_blocks` rounds it alone: qx [rows][k], dx
  * [rows][k / 32]. */
 void quantize_rows(const float *x, int rows, int k, int8_t *qx, float *dx);
+
+/* One output row `i` of a product against one row of int8 x (qx, dx: a row as `quantize_rows`
+ * writes it), into y[i]. */
+typedef void (*q8_row_fn)(const int8_t *qx, const float *dx, int k, int i, const void *weights, float *y);
+
+/* The int8-x product of the kernels whose rows share no unpacking (int8 per channel, Q8_0): x
+ * rounded row by row, each as alone (see `int4_rows_q8`), then every output row against every row
+ * of x, the weight row read from cache after the first. Inlined into each caller with its own
+ * `row` (a constant there), so the row function is inlined too, not called through the pointer. */
+static inline __attribute__((always_inline)) void q8_rows_each(const float *x, int rows, int k, int n, q8_row_fn row,
+                                                               const void *weights, float *y, int threads) {
+    int8_t *qx = malloc((size_t)rows * k);
+    float *dx = malloc((size_t)rows * (k / GROUP) * sizeof *dx);
+    quantize_rows(x, rows, k, qx, dx);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int i = 0; i < n; i++)
+        for (int r = 0; r < rows; r++)
+            row(qx + (size_t)r * k, dx + (size_t)r * (k / GROUP), k, i, weights, y + (size_t)r * n);
+    free(qx), free(dx);
+}
 
 #endif

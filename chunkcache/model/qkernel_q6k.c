@@ -213,6 +213,7 @@ void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, 
             for (int c = 0; c < 16; c++) sum += qx[16 * s + c];
             bsums[s] = (int16_t)sum;
         }
+#define ROW(R) q6k_row_q8(R, q, d, bs, k, n, i, blocks, yr)
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int i = 0; i < n; i++)
             for (int r = 0; r < rows; r += 4) { /* runs of at most 4 rows */
@@ -220,13 +221,9 @@ void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, 
                 const float *d = dx + (size_t)r * (k / GROUP);
                 const int16_t *bs = bsums + (size_t)r * (k / 16);
                 float *yr = y + (size_t)r * n;
-                switch (rows - r < 4 ? rows - r : 4) {
-                    ROWS_CASE(1, q6k_row_q8(1, q, d, bs, k, n, i, blocks, yr))
-                    ROWS_CASE(2, q6k_row_q8(2, q, d, bs, k, n, i, blocks, yr))
-                    ROWS_CASE(3, q6k_row_q8(3, q, d, bs, k, n, i, blocks, yr))
-                    ROWS_CASE(4, q6k_row_q8(4, q, d, bs, k, n, i, blocks, yr))
-                }
+                switch (rows - r < 4 ? rows - r : 4) { ROWS_CASES_4(ROW) }
             }
+#undef ROW
         free(qx), free(bsums), free(dx);
         return;
     }
@@ -238,19 +235,12 @@ void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, 
         for (int c = 0; c < 16; c++) sum += x[16 * s + c];
         xsum[s] = sum;
     }
+#define ROW(R) q6k_row(R, xp, R == 1 ? xsum : NULL, k, n, i, blocks, y)
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int i = 0; i < n; i++) {
-        switch (rows) {
-            ROWS_CASE(1, q6k_row(1, xp, xsum, k, n, i, blocks, y))
-            ROWS_CASE(2, q6k_row(2, xp, NULL, k, n, i, blocks, y))
-            ROWS_CASE(3, q6k_row(3, xp, NULL, k, n, i, blocks, y))
-            ROWS_CASE(4, q6k_row(4, xp, NULL, k, n, i, blocks, y))
-            ROWS_CASE(5, q6k_row(5, xp, NULL, k, n, i, blocks, y))
-            ROWS_CASE(6, q6k_row(6, xp, NULL, k, n, i, blocks, y))
-            ROWS_CASE(7, q6k_row(7, xp, NULL, k, n, i, blocks, y))
-            ROWS_CASE(8, q6k_row(8, xp, NULL, k, n, i, blocks, y))
-        }
+        switch (rows) { ROWS_CASES_8(ROW) }
     }
+#undef ROW
     free(xp), free(xsum);
 }
 

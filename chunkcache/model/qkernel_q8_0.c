@@ -60,8 +60,8 @@ static inline __attribute__((always_inline)) void q8_0_row(const int R, const fl
 }
 
 /* One weight row against int8 x: as `int8_row_q8` in qkernel.c, with the block's d beside dx. */
-static inline void q8_0_row_q8(const int8_t *qx, const float *dx, int k, int i, const uint8_t *blocks, float *y) {
-    const uint8_t *row = blocks + (size_t)i * (k / GROUP) * BLOCK_BYTES;
+static inline void q8_0_row_q8(const int8_t *qx, const float *dx, int k, int i, const void *blocks, float *y) {
+    const uint8_t *row = (const uint8_t *)blocks + (size_t)i * (k / GROUP) * BLOCK_BYTES;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int g = 0; g < k / GROUP; g++) {
@@ -77,30 +77,16 @@ static inline void q8_0_row_q8(const int8_t *qx, const float *dx, int k, int i, 
 
 void q8_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads,
                   int quantize_x) {
-    if (quantize_x) { /* each row as alone (qkernel.c's `int4_rows_q8`), the weight row from cache */
-        int8_t *qx = malloc((size_t)rows * k);
-        float *dx = malloc((size_t)rows * (k / GROUP) * sizeof *dx);
-        quantize_rows(x, rows, k, qx, dx);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int i = 0; i < n; i++)
-            for (int r = 0; r < rows; r++)
-                q8_0_row_q8(qx + (size_t)r * k, dx + (size_t)r * (k / GROUP), k, i, blocks, y + (size_t)r * n);
-        free(qx), free(dx);
+    if (quantize_x) {
+        q8_rows_each(x, rows, k, n, q8_0_row_q8, blocks, y, threads);
         return;
     }
+#define ROW(R) q8_0_row(R, x, k, n, i, blocks, y)
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int i = 0; i < n; i++) {
-        switch (rows) {
-            ROWS_CASE(1, q8_0_row(1, x, k, n, i, blocks, y))
-            ROWS_CASE(2, q8_0_row(2, x, k, n, i, blocks, y))
-            ROWS_CASE(3, q8_0_row(3, x, k, n, i, blocks, y))
-            ROWS_CASE(4, q8_0_row(4, x, k, n, i, blocks, y))
-            ROWS_CASE(5, q8_0_row(5, x, k, n, i, blocks, y))
-            ROWS_CASE(6, q8_0_row(6, x, k, n, i, blocks, y))
-            ROWS_CASE(7, q8_0_row(7, x, k, n, i, blocks, y))
-            ROWS_CASE(8, q8_0_row(8, x, k, n, i, blocks, y))
-        }
+        switch (rows) { ROWS_CASES_8(ROW) }
     }
+#undef ROW
 }
 
 /* Rows to float32 [rows][k]: w = d q per block, gguf's values bit for bit. */
