@@ -2,8 +2,8 @@
 
 By default both sides serve THE SAME FILE, the packaged quantized GGUF of `--model` as a user runs
 it (SmolLM2-135M-Instruct's Q4_1, Qwen2.5-Coder-1.5B-Instruct's Q4_K_M): llama.cpp with its own
-quantized kernels, chunkcache with `--weights native --dtype float32` (the file's 4-bit codes in
-torch's int4 kernel; float32 activations, the fast dense path on a CPU without native bfloat16).
+quantized kernels, chunkcache with `--weights native --dtype auto` (the file's 4-bit codes;
+float32 activations on a CPU without native bfloat16, bfloat16 on one with AMX / AVX512-BF16).
 `--file f32` keeps the earlier comparison (SmolLM2 only): both serve an F32 GGUF made as a
 llama.cpp user makes one (transformers dequantizes the packaged Q4_1 GGUF and exports it in HF
 format, and llama.cpp's own `convert_hf_to_gguf.py`, from the llama-cpp-python sdist of the
@@ -88,13 +88,14 @@ class Files:
 
 
 def served_files(model: str, file: str, cache_dir: Path) -> Files:
-    """`same`: the packaged GGUF on both sides, chunkcache keeping its codes (`--weights native`);
-    `f32`: llama.cpp's F32 conversion of SmolLM2 on both sides, chunkcache dense."""
+    """`same`: the packaged GGUF on both sides, chunkcache keeping its codes (`--weights native`,
+    `--dtype auto`: bfloat16 where the CPU multiplies it natively, else float32); `f32`:
+    llama.cpp's F32 conversion of SmolLM2 on both sides, chunkcache dense."""
     from chunkcache.model.loader import model_path
 
     packaged = Path(model_path(model))
     if file == "same":
-        return Files(packaged, packaged, ("--weights", "native", "--dtype", "float32"))
+        return Files(packaged, packaged, ("--weights", "native", "--dtype", "auto"))
     if model != "smollm2":
         raise SystemExit(f"--file f32 converts SmolLM2 only (got --model {model})")
     f32 = f32_gguf(cache_dir)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from chunkcache import LLM, SamplingParams
 from chunkcache.errors import InvalidRequestError, ModelLoadError, PromptTooLongError
 from chunkcache.hashing import block_hashes
-from chunkcache.model import loader
+from chunkcache.model import loader, upcast
 from tests.support.oracle import hf_first_token_logprobs, hf_greedy, linear_reference
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
@@ -287,12 +287,12 @@ def test_device_and_dtype_auto(
 
 
 def test_native_bf16_detection_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(upcast.platform, "machine", lambda: "x86_64")
     for amx, avx in ((True, True), (False, True), (True, False), (False, False)):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda a=amx: a)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx: v)
         names = [n for n, on in (("AMX", amx), ("AVX512-BF16", avx)) if on]
-        assert loader.native_bf16_matmul() == (" and ".join(names) or None)
+        assert upcast.native_bf16_matmul() == (" and ".join(names) or None)
 
 
 # (pack, narrow_copy, pack_prefill, in, out) -> expected (narrow, wide, prefill) layouts

@@ -252,7 +252,7 @@ def test_without_the_kernel_parts_take_torchs_kernels(monkeypatch) -> None:
 def test_no_compiler_means_torchs_kernels_and_one_log_line(monkeypatch, caplog) -> None:
     """A machine without a C compiler: `library()` is None, saying why once, nothing raised."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    qkernel.library.cache_clear()
+    qkernel.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="chunkcache.model.qkernel"):
             assert not qkernel.available() and not qkernel.available()
@@ -260,7 +260,7 @@ def test_no_compiler_means_torchs_kernels_and_one_log_line(monkeypatch, caplog) 
         assert len(lines) == 1 and "/nonexistent/cc" in lines[0]
     finally:
         monkeypatch.undo()
-        qkernel.library.cache_clear()
+        qkernel.cache_clear()
     assert qkernel.available()
 
 
@@ -271,7 +271,7 @@ def test_a_failing_build_is_reported_not_raised(monkeypatch, tmp_path, caplog) -
     bad.write_text("this is not C\n")
     monkeypatch.setattr(qkernel, "SOURCE", bad)
     monkeypatch.setenv("CHUNKCACHE_KERNEL_DIR", str(tmp_path / "kernels"))
-    qkernel.library.cache_clear()
+    qkernel.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="chunkcache.model.qkernel"):
             assert qkernel.library() is None
@@ -279,22 +279,22 @@ def test_a_failing_build_is_reported_not_raised(monkeypatch, tmp_path, caplog) -
         assert not list((tmp_path / "kernels").glob("*.so"))
     finally:
         monkeypatch.undo()
-        qkernel.library.cache_clear()
+        qkernel.cache_clear()
 
 
 def test_the_library_is_cached_by_source_hash(monkeypatch, tmp_path) -> None:
     """Built once per source: a second process (here: a cleared cache) loads the same file."""
     monkeypatch.setenv("CHUNKCACHE_KERNEL_DIR", str(tmp_path))
-    qkernel.library.cache_clear()
+    qkernel.cache_clear()
     try:
         assert qkernel.available()
         (built,) = tmp_path.glob("qkernel-*.so")
         stamp = built.stat().st_mtime_ns
-        qkernel.library.cache_clear()
+        qkernel.cache_clear()
         assert qkernel.available() and built.stat().st_mtime_ns == stamp
     finally:
         monkeypatch.undo()
-        qkernel.library.cache_clear()
+        qkernel.cache_clear()
 
 
 def test_parts_with_a_partial_tile_keep_torchs_kernel() -> None:

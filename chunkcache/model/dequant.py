@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from chunkcache.model.upcast import native_bf16_matmul
+
 GROUP = 32  # inputs per int4 scale and zero (quant.GROUP; here to keep the import one way)
 
 # From this many rows a quantized product takes the dequantized blocks; fewer keep the kernels.
@@ -46,7 +48,10 @@ INT8_MIN_ROWS = 16
 # weight), so their blocks win from fewer rows: a 1.5B prefill of 32 / 40 / 48 / 56 tokens ran
 # 1.18x / 1.11x / 1.22x / 1.31x faster through them than through the kernel's calls of 8 rows
 # (one process, alternated; RESULTS.md "Prefill's int4 blocks in C"); 24 rows measured a tie
-# on gate/up and the kernel ahead on down.
+# on gate/up and the kernel ahead on down. The bfloat16 blocks (`qkernel.int4_dequantize_bf16`,
+# AMX / AVX512-BF16 CPUs, ~0.25 ns a weight) take the same threshold: at 64 rows of the 1.5B's
+# gate/up they ran 15.6 ms against torch's int4 kernel's 39.8 (RESULTS.md, "Native weights on
+# a CPU with AMX").
 NATIVE_INT4_MIN_ROWS = 32
 
 # Weight rows per dequantized block (a multiple of every tile below): the float32 block is
@@ -156,10 +161,10 @@ def int4_product(
 
 
 def blockwise_product(x: torch.Tensor, n: int, block: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
-    """float32 x [T, in] times a weight of `n` output rows that `block(start, rows)` gives
-    `BLOCK_ROWS` rows at a time as the GEMM's float32 B [in, rows] (a transposed [rows, in] view
-    serves as well): float32 [T, n]."""
-    out = torch.empty(x.shape[0], n)
+    """x [T, in] times a weight of `n` output rows that `block(start, rows)` gives `BLOCK_ROWS`
+    rows at a time as the GEMM's B [in, rows] in x's dtype (a transposed [rows, in] view serves
+    as well): [T, n] in x's dtype."""
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
     for start in range(0, n, BLOCK_ROWS):
         rows = min(BLOCK_ROWS, n - start)
         torch.mm(x, block(start, rows), out=out[:, start : start + rows])
@@ -174,10 +179,20 @@ def int4_blocks_apply(rows: int) -> bool:
 
 
 def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 x [T, in] times an int8 part's weight (codes [out, in] int8, one bfloat16 scale per
-    row): the codes converted to float32 a block at a time, the scales applied to the output (one
-    pass over [T, out] instead of one over the weight)."""
+    """x [T, in] (float32, or bfloat16 where `bf16_gemm()`) times an int8 part's weight (codes
+    [out, in] int8, one bfloat16 scale per row): the codes converted to x's dtype a block at a
+    time (exactly: |code| <= 127 fits bfloat16), the scales applied to the output (one pass over
+    [T, out] instead of one over the weight)."""
     n = codes.shape[0]
-    buffer = torch.empty(min(BLOCK_ROWS, n), codes.shape[1])
+    buffer = torch.empty(min(BLOCK_ROWS, n), codes.shape[1], dtype=x.dtype)
     out = blockwise_product(x, n, lambda start, rows: buffer[:rows].copy_(codes[start : start + rows]).t())
-    return out.mul_(scales.float())
+    return out.mul_(scales.to(x.dtype))
+
+
+@functools.cache
+def bf16_gemm() -> bool:
+    """Whether the CPU multiplies bfloat16 matrices natively (AMX, AVX512-BF16): then a prefill's
+    products of a bfloat16 model run as bfloat16 GEMMs over bfloat16 blocks of the quantized
+    weights, 4-7x the float32 GEMMs over float32 blocks there (RESULTS.md, "Native weights on a
+    CPU with AMX")."""
+    return native_bf16_matmul() is not None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import platform
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from chunkcache.model.quant_embedding import QuantEmbedding
 from chunkcache.model.rope import RotaryEmbedding
 from chunkcache.model.source import find_gguf, resolve_model_path
 from chunkcache.model.spec import ModelSpec
+from chunkcache.model.upcast import native_bf16_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -77,24 +77,6 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("npu")
     except ImportError:
         return torch.device("cpu")
-
-
-def native_bf16_matmul() -> str | None:
-    """The CPU's native bfloat16 matrix instructions, as torch (its cpuinfo / oneDNN) reports them,
-    or None. Without them bf16 products run through float32 (oneDNN's emulation on AVX512 CPUs,
-    `upcast.upcast_product` on others) and bf16 only saves memory."""
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        # On ARM oneDNN's bf16 check is the CPU's BF16 extension (BFMMLA).
-        return "ARM BF16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
-    found = [
-        name
-        for name, check in (
-            ("AMX", torch.cpu._is_amx_tile_supported),
-            ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported),
-        )
-        if check()
-    ]
-    return " and ".join(found) or None
 
 
 def resolve_dtype(dtype: str, spec: ModelSpec, device: torch.device) -> tuple[torch.dtype, str]:

@@ -40,15 +40,17 @@ import torch
 
 from chunkcache import envs
 from chunkcache.model import dequant
+from chunkcache.model.upcast import native_bf16_matmul
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qkernel.c")
 # Compiled together into one library (`SOURCE` first); the header is hashed with them.
-EXTRA_SOURCES = (Path(__file__).with_name("qkernel_q6k.c"), Path(__file__).with_name("qkernel_q8_0.c"))
+EXTRA_SOURCES = tuple(Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q8_0", "bf16"))
 HEADER = Path(__file__).with_name("qkernel.h")
 MAX_ROWS = 8  # qkernel.c's MAX_ROWS: the most rows of x one call takes
 TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
+TILE_BF16 = 64  # the same in torch's AVX512 packing, which `int4_dequantize_bf16` reads
 # What the native forms `qkernel` serves are, bound into the model identity (chunk/tiers/identity.py):
 # a change of a native weight's numbers changes the KV (Q6_K: int8 re-quantized per channel, then
 # the file's own blocks, exactly; int8 x for every row of a decode step, where 2+ rows had float32
@@ -97,36 +99,67 @@ def _build() -> Path:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (logged once with the reason)."""
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """The built library, or None and why not."""
     reason = _why_not()
+    if reason is not None:
+        return None, reason
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = (
+            e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
+        )
+        return None, f"building {SOURCE.name} failed: {detail}"
+    p, i = ctypes.c_void_p, ctypes.c_int
+    block_product, block_dequantize = [p, i, i, i, p, p, i, i], [p, i, i, p, i]
+    for name, argtypes in (
+        ("int4_product", [p, i, i, i, p, p, p, p, i, i]),
+        ("int8_product", [p, i, i, i, p, p, p, i, i]),
+        ("int4_dequantize", [p, p, p, i, i, i, p, i]),
+        ("int4_dequantize_bf16", [p, p, i, i, i, i, p, i]),
+        *((product, block_product) for product, _ in _BLOCK_FUNCTIONS.values()),
+        *((dequantize, block_dequantize) for _, dequantize in _BLOCK_FUNCTIONS.values()),
+    ):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+    return lib, None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel where it serves decode's products (torch packs int4 in the tiles of 32
+    rows it reads), or None (logged once with the reason)."""
+    lib, reason = _loaded()
     layout = dequant.int4_layout()
     if reason is None and layout != dequant.Int4Layout(TILE, True):
         reason = f"torch packs int4 as {layout}, not the tiles of {TILE} rows the kernel reads"
     if reason is None:
-        try:
-            lib = ctypes.CDLL(str(_build()))
-        except (OSError, subprocess.CalledProcessError) as e:
-            detail = (
-                e.stderr.decode(errors="replace")[-500:]
-                if isinstance(e, subprocess.CalledProcessError)
-                else e
-            )
-            reason = f"building {SOURCE.name} failed: {detail}"
-        else:
-            p, i = ctypes.c_void_p, ctypes.c_int
-            block_product, block_dequantize = [p, i, i, i, p, p, i, i], [p, i, i, p, i]
-            for name, argtypes in (
-                ("int4_product", [p, i, i, i, p, p, p, p, i, i]),
-                ("int8_product", [p, i, i, i, p, p, p, i, i]),
-                ("int4_dequantize", [p, p, p, i, i, i, p, i]),
-                *((product, block_product) for product, _ in _BLOCK_FUNCTIONS.values()),
-                *((dequantize, block_dequantize) for _, dequantize in _BLOCK_FUNCTIONS.values()),
-            ):
-                getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-            return lib
+        return lib
     logger.info("quantized products: torch's bfloat16 kernels serve decode (%s)", reason)
     return None
+
+
+@functools.cache
+def bf16_blocks() -> bool:
+    """Whether prefill's int4 blocks are written in bfloat16 for the CPU's native bfloat16 GEMM
+    (`qkernel_bf16.c`): the library builds, torch packs int4 in its AVX512 tiles of 64 rows (where
+    its own kernel serves decode) and the CPU multiplies bfloat16 matrices natively. Logged once."""
+    lib = _loaded()[0]
+    native = native_bf16_matmul()
+    serves = (
+        lib is not None
+        and dequant.int4_layout() == dequant.Int4Layout(TILE_BF16, True)
+        and native is not None
+    )
+    if serves:
+        logger.info("quantized products: prefill's int4 blocks in bfloat16 for the CPU's %s GEMM", native)
+    return serves
+
+
+def cache_clear() -> None:
+    """Forget the loaded library and what it serves (tests: another compiler or directory)."""
+    for cached in (_loaded, library, bf16_blocks):
+        cached.cache_clear()
 
 
 def available() -> bool:
@@ -225,6 +258,26 @@ def int4_dequantize(
     lib.int4_dequantize(
         packed.data_ptr(), factors.data_ptr(), None if multipliers is None else multipliers.data_ptr(),
         cols, start, rows, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def int4_dequantize_bf16(
+    packed: torch.Tensor, scale_zeros: torch.Tensor, start: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Weight rows [start, start + rows) of an int4 part in torch's AVX512 packing, with torch's
+    bfloat16 scale and zero per group (`scale_zeros` [groups, out, 2]), as bfloat16 [in, rows]
+    into `out` (`rows` whole tiles of 64): `dequant.int4_block(...).bfloat16()` bit for bit, for
+    prefill's bfloat16 GEMM where `bf16_blocks()`."""
+    lib = _loaded()[0]
+    assert lib is not None and packed.is_contiguous() and scale_zeros.is_contiguous()
+    assert scale_zeros.dtype == torch.bfloat16 and scale_zeros.shape[1:] == (packed.shape[0], 2)
+    cols, rows = packed.shape[1] * 2, out.shape[1]
+    assert out.shape[0] == cols and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert start % TILE_BF16 == 0 and rows % TILE_BF16 == 0 and start + rows <= packed.shape[0]
+    lib.int4_dequantize_bf16(
+        packed.data_ptr(), scale_zeros.data_ptr(), cols, packed.shape[0], start, rows, out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -112,17 +112,26 @@ class Int4Part:
         """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT4_MIN_ROWS`
         rows (`NATIVE_INT4_MIN_ROWS` where qkernel serves), float32 GEMMs over dequantized blocks
         from it (where the packing is known)."""
-        threshold = dequant.NATIVE_INT4_MIN_ROWS if self.native else dequant.INT4_MIN_ROWS
+        bf16 = not self.native and x.dtype == torch.bfloat16 and qkernel.bf16_blocks()
+        threshold = dequant.NATIVE_INT4_MIN_ROWS if self.native or bf16 else dequant.INT4_MIN_ROWS
         if x.shape[0] >= threshold and dequant.int4_blocks_apply(self.rows):
             if self.native:  # qkernel's dequantization over the factors it holds
                 return dequant.blockwise_product(x.float(), self.rows, self._block()).to(x.dtype)
+            if bf16:  # bfloat16 blocks for the CPU's bfloat16 GEMM
+                return dequant.blockwise_product(x, self.rows, self._block(torch.bfloat16))
             return dequant.int4_product(x.float(), self.packed, *self.affine()).to(x.dtype)
         return self.kernel(x).to(x.dtype)
 
-    def _block(self) -> Callable[[int, int], torch.Tensor]:
-        """`dequant.blockwise_product`'s blocks from `qkernel.int4_dequantize`, in one buffer."""
+    def _block(self, dtype: torch.dtype = torch.float32) -> Callable[[int, int], torch.Tensor]:
+        """`dequant.blockwise_product`'s blocks in one buffer: float32 from
+        `qkernel.int4_dequantize` (the kernel's factors), bfloat16 from `int4_dequantize_bf16`
+        (torch's packing and scales)."""
         cols = self.packed.shape[1] * 2
-        buffer = torch.empty(cols * min(dequant.BLOCK_ROWS, self.rows))
+        buffer = torch.empty(cols * min(dequant.BLOCK_ROWS, self.rows), dtype=dtype)
+        if dtype == torch.bfloat16:
+            return lambda start, rows: qkernel.int4_dequantize_bf16(
+                self.packed, self.scale_zeros, start, buffer[: cols * rows].view(cols, rows)
+            )
         return lambda start, rows: qkernel.int4_dequantize(
             self.packed, self.factors, self.multipliers, start, buffer[: cols * rows].view(cols, rows)
         )
@@ -179,6 +188,8 @@ class Int8Part:
         """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT8_MIN_ROWS`
         rows, float32 GEMMs over blocks of converted codes from it."""
         if x.shape[0] >= dequant.INT8_MIN_ROWS:
+            if x.dtype == torch.bfloat16 and dequant.bf16_gemm():
+                return dequant.int8_product(x, self.codes, self.scales)
             return dequant.int8_product(x.float(), self.codes, self.scales).to(x.dtype)
         return self.kernel(x).to(x.dtype)
 

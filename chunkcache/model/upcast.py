@@ -7,8 +7,29 @@ one rule, and tests can patch it in one place.
 
 from __future__ import annotations
 
+import platform
+
 import torch
 import torch.nn.functional as F
+
+
+def native_bf16_matmul() -> str | None:
+    """The CPU's native bfloat16 matrix instructions, as torch (its cpuinfo / oneDNN) reports them,
+    or None. Without them bf16 products run through float32 (oneDNN's emulation on AVX512 CPUs,
+    `upcast.upcast_product` on others) and bf16 only saves memory."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        # On ARM oneDNN's bf16 check is the CPU's BF16 extension (BFMMLA).
+        return "ARM BF16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    found = [
+        name
+        for name, check in (
+            ("AMX", torch.cpu._is_amx_tile_supported),
+            ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported),
+        )
+        if check()
+    ]
+    return " and ".join(found) or None
+
 
 # From this many rows a product takes the float32 blocks (`linear._MIN_ROWS`, the narrow band's
 # end): 1-3 rows keep bf16 GEMV, which streams the weight faster than the blocks.
