@@ -7,7 +7,11 @@ plain layout (`x @ W^T` on the transposed weight or `F.linear`, whichever is fas
 bfloat16 (`F.linear`), int4 with groups of 32 (`_weight_int4pack_mm_for_cpu`, bfloat16
 activations) and int8 per channel (`_weight_int8pack_mm`, bfloat16 activations), and the same int4
 and int8 weights multiplied in float32 over dequantized blocks of weight rows (`int4blk`,
-`int8blk`: model/dequant.py, what products of `dequant.MIN_ROWS` rows and more run). Each time is
+`int8blk`: model/dequant.py, what products of `dequant.MIN_ROWS` rows and more run), and on a CPU
+with a native bfloat16 GEMM (AMX, AVX512-BF16) the int4 weight multiplied in bfloat16 over blocks
+written by `qkernel.int4_dequantize_bf16` (`int4bf16`: what a bfloat16 model's prefill runs there;
+skipped elsewhere), and `int8bf16` the int8 codes converted to bfloat16 blocks likewise. Each
+time is
 the fastest of `--repeats` runs in this thread's CPU time (one thread: a shared machine's queue
 for a core does not inflate it; its memory traffic still does).
 
@@ -24,7 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from chunkcache.model import dequant
+from chunkcache.model import dequant, qkernel
 
 # Qwen2.5-Coder-1.5B: (name, out, in) of each projection kind, and how many a decode step runs.
 SHAPES = {
@@ -36,7 +40,7 @@ SHAPES = {
 }
 
 
-FORMS = ("fp32", "bf16", "int4", "int8", "int4blk", "int8blk")
+FORMS = ("fp32", "bf16", "int4", "int8", "int4blk", "int8blk", "int4bf16", "int8bf16")
 
 
 def best_ms(fn: Callable[..., torch.Tensor], args: tuple, repeats: int) -> float:
@@ -49,6 +53,20 @@ def best_ms(fn: Callable[..., torch.Tensor], args: tuple, repeats: int) -> float
     return best * 1e3
 
 
+def bf16_blocks_product(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    """bfloat16 x times the int4 weight over bfloat16 blocks, as `quant.Int4Part` runs a bfloat16
+    prefill where `qkernel.bf16_blocks()`."""
+    cols = packed.shape[1] * 2
+    buffer = torch.empty(cols * dequant.BLOCK_ROWS, dtype=torch.bfloat16)
+    return dequant.blockwise_product(
+        x,
+        packed.shape[0],
+        lambda start, rows: qkernel.int4_dequantize_bf16(
+            packed, scale_zeros, start, buffer[: cols * rows].view(cols, rows)
+        ),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -59,6 +77,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     forms = ["fp32", *(f for f in args.forms if f != "fp32")]  # fp32: every speed's reference
+    for form, serves in (("int4bf16", qkernel.bf16_blocks()), ("int8bf16", dequant.bf16_gemm())):
+        if form in forms and not serves:
+            print(f"{form} skipped: no native bfloat16 GEMM here (int4: or not torch's AVX512 packing)")
+            forms.remove(form)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     step: dict[tuple[str, int], float] = {}
@@ -69,6 +91,8 @@ def main() -> None:
         codes = torch.randint(0, 16, (out_f, in_f), dtype=torch.int32)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         scale_zeros = (torch.rand(in_f // 32, out_f, 2) * 0.01).to(torch.bfloat16)
+        scale = scale_zeros[..., 0].float()
+        minimum = scale_zeros[..., 1].float() - 8 * scale  # `Int4Part.affine`
         w8, s8 = (
             torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8),
             torch.rand(out_f).to(torch.bfloat16),
@@ -81,8 +105,10 @@ def main() -> None:
                 "bf16": (F.linear, (xb, wb)),
                 "int4": (torch.ops.aten._weight_int4pack_mm_for_cpu, (xb, packed, 32, scale_zeros)),
                 "int8": (torch.ops.aten._weight_int8pack_mm, (xb, w8, s8)),
-                "int4blk": (dequant.int4_product, (x, packed, scale_zeros)),
+                "int4blk": (dequant.int4_product, (x, packed, scale, minimum)),
                 "int8blk": (dequant.int8_product, (x, w8, s8)),
+                "int4bf16": (bf16_blocks_product, (xb, packed, scale_zeros)),
+                "int8bf16": (dequant.int8_product, (xb, w8, s8)),
             }
             ms = {"fp32": min(best_ms(torch.mm, (x, wt), r), best_ms(F.linear, (x, w), r))}
             ms.update({form: best_ms(*calls[form], r) for form in forms[1:]})
