@@ -110,8 +110,9 @@ class Int4Part:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT4_MIN_ROWS`
-        rows (`NATIVE_INT4_MIN_ROWS` where qkernel serves), float32 GEMMs over dequantized blocks
-        from it (where the packing is known)."""
+        rows (`NATIVE_INT4_MIN_ROWS` where qkernel serves or the blocks are bfloat16), GEMMs over
+        dequantized blocks from it (where the packing is known): float32, or bfloat16 for a
+        bfloat16 x on a CPU with a native bfloat16 GEMM (`qkernel.bf16_blocks`)."""
         bf16 = not self.native and x.dtype == torch.bfloat16 and qkernel.bf16_blocks()
         threshold = dequant.NATIVE_INT4_MIN_ROWS if self.native or bf16 else dequant.INT4_MIN_ROWS
         if x.shape[0] >= threshold and dequant.int4_blocks_apply(self.rows):
@@ -186,7 +187,8 @@ class Int8Part:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel below `dequant.INT8_MIN_ROWS`
-        rows, float32 GEMMs over blocks of converted codes from it."""
+        rows, GEMMs over blocks of converted codes from it (bfloat16 for a bfloat16 x where
+        `dequant.bf16_gemm()`, else float32)."""
         if x.shape[0] >= dequant.INT8_MIN_ROWS:
             if x.dtype == torch.bfloat16 and dequant.bf16_gemm():
                 return dequant.int8_product(x, self.codes, self.scales)

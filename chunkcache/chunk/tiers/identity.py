@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from chunkcache.model import qkernel
+from chunkcache.model import dequant, qkernel
 
 _SAMPLE = 64
 
@@ -36,8 +36,8 @@ def model_identity(model: torch.nn.Module, tokenizer: Any, model_name: str) -> s
         h.update(f"qkernel\0{qkernel.available()}\0".encode())
         if qkernel.available():  # and what its forms are (Q6_K: its own blocks, not int8)
             h.update(f"forms\0{qkernel.FORMS_VERSION}\0".encode())
-        elif qkernel.bf16_blocks():  # prefill's int4 blocks in bfloat16, not float32
-            h.update(b"bf16_blocks\0")
+        elif dequant.bf16_gemm():  # a bfloat16 prefill's blocks in bfloat16 (int4: where C writes them)
+            h.update(f"bf16_blocks\0{qkernel.bf16_blocks()}\0".encode())
         if getattr(model, "int8_activations", False):  # the kernel's products on int8 x
             h.update(b"int8_activations\0")
     for name, tensor in sorted(model.state_dict().items()):
