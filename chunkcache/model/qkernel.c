@@ -24,7 +24,6 @@
  */
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "qkernel.h"
 
@@ -328,13 +327,6 @@ void int4_dequantize(const uint8_t *packed, const float *factors, const uint8_t 
             }
         }
     }
-}
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t u = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 /* One weight row against R rows of x; R == 1 keeps 4 accumulators (independent FMA chains). */

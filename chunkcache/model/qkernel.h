@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define GROUP 32   /* inputs per int4 group and per block of int8 x */
 #define MAX_ROWS 8 /* the most rows of x one call takes */
@@ -43,6 +44,14 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* A bfloat16 bit pattern as float32 (exact). */
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t u = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 /* 8 int8 codes as float32. */

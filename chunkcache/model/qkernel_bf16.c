@@ -26,15 +26,6 @@ static inline __m128i to_bf16(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
 }
 
-/* A bfloat16 bit pattern as float32 (exact). */
-static inline float bf16_bits_to_float(uint16_t bits) {
-    union {
-        uint32_t u;
-        float f;
-    } v = {(uint32_t)bits << 16};
-    return v.f;
-}
-
 /* Weight rows [start, start + rows) (whole tiles of 64) as bfloat16 [k][rows] (the GEMM's B).
  * `packed` [n][k / 2]: a tile's column c is 32 bytes, rows 0-31 in the low nibbles and 32-63 in
  * the high; `scale_zeros` bfloat16 [k / 32][n][2]. Tiles are split over `threads`. */
@@ -50,7 +41,7 @@ void int4_dequantize_bf16(const uint8_t *packed, const uint16_t *scale_zeros, in
             float s_buf[TILE64], m_buf[TILE64];
             const uint16_t *sz = scale_zeros + ((size_t)g * n + row0) * 2;
             for (int j = 0; j < TILE64; j++) {
-                float s = bf16_bits_to_float(sz[2 * j]), z = bf16_bits_to_float(sz[2 * j + 1]);
+                float s = bf16_to_float(sz[2 * j]), z = bf16_to_float(sz[2 * j + 1]);
                 s_buf[j] = s;
                 m_buf[j] = z - 8.0f * s;
             }
