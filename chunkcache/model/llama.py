@@ -224,6 +224,15 @@ class LlamaForCausalLM(nn.Module):
                 f"compile_decode needs narrow_weights: {packed[0]} serves 1-row steps with oneDNN's "
                 "packed layout, which torch.compile cannot lower"
             )
+        served = [
+            n for n, m in self.named_modules() if isinstance(m, Linear) and m.quant and m.quant.qkernel_ops()
+        ]
+        if served and torch.backends.cpu.get_cpu_capability() == "AVX512":
+            raise ValueError(
+                f"compile_decode: {served[0]} is served by qkernel's C products, and with torch's AVX512 "
+                "kernels graphs compiled around them aborted in glibc's heap checks (a known bug: "
+                "docs/operations.md); serve without compile_decode here"
+            )
         linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
         # A tied lm_head's [out, in] weight is the embedding's, held anyway for row lookups.
         # (Native weights' quantized embedding holds no dense weight: its tied lm_head is int4.)

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qkernel.c")
 # Compiled together into one library (`SOURCE` first); the header is hashed with them.
-EXTRA_SOURCES = tuple(Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q8_0", "bf16"))
+EXTRA_SOURCES = tuple(Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q4k", "q8_0", "bf16"))
 HEADER = Path(__file__).with_name("qkernel.h")
 MAX_ROWS = 8  # qkernel.c's MAX_ROWS: the most rows of x one call takes
 TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
@@ -55,7 +55,10 @@ TILE_BF16 = 64  # the same in torch's AVX512 packing, which `int4_dequantize_bf1
 # a change of a native weight's numbers changes the KV (Q6_K: int8 re-quantized per channel, then
 # the file's own blocks, exactly; int8 x for every row of a decode step, where 2+ rows had float32
 # x), so KV stored under the old forms is never loaded.
-FORMS_VERSION = "int4-q4k-factors;int8;q6k-blocks-with-int8-x;q8_0-blocks;int8-x-decode-rows"
+FORMS_VERSION = (
+    "int4-q4k-factors;int8;q6k-blocks-with-int8-x;q8_0-blocks;int8-x-decode-rows;q4k-blocks-with-int8-x;"
+    "blocks-bf16-prefill"
+)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -112,7 +115,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         )
         return None, f"building {SOURCE.name} failed: {detail}"
     p, i = ctypes.c_void_p, ctypes.c_int
-    block_product, block_dequantize = [p, i, i, i, p, p, i, i], [p, i, i, p, i]
+    block_product, block_dequantize = [p, i, i, i, p, p, i, i], [p, i, i, p, i, i]
     for name, argtypes in (
         ("int4_product", [p, i, i, i, p, p, p, p, i, i]),
         ("int8_product", [p, i, i, i, p, p, p, i, i]),
@@ -156,9 +159,20 @@ def bf16_blocks() -> bool:
     return serves
 
 
+@functools.cache
+def blocks_available() -> bool:
+    """Whether the file's own blocks (`BLOCK_TYPES`: qkernel_q6k.c, qkernel_q4k.c, qkernel_q8_0.c)
+    can be served: wherever the library builds, whatever torch's int4 packing (they read none of
+    it). Logged once where not."""
+    lib, reason = _loaded()
+    if lib is None:
+        logger.info("quantized products: no GGUF blocks served as they are (%s)", reason)
+    return lib is not None
+
+
 def cache_clear() -> None:
     """Forget the loaded library and what it serves (tests: another compiler or directory)."""
-    for cached in (_loaded, library, bf16_blocks):
+    for cached in (_loaded, library, bf16_blocks, blocks_available):
         cached.cache_clear()
 
 
@@ -226,16 +240,24 @@ def blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor, int8_x: bo
     return _in_row_chunks(x.float(), lambda c: op(c, blocks, qtype, int8_x))
 
 
-def blocks_dequantize(qtype: str, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of a weight held as `qtype`'s blocks as float32 [rows, in], gguf's values bit for bit,
-    into `out` where given (prefill's reused buffer)."""
-    lib = library()
+def blocks_dequantize(
+    qtype: str, blocks: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Rows of a weight held as `qtype`'s blocks as [rows, in] in `dtype` (float32: gguf's values
+    bit for bit; bfloat16: those rounded to nearest even, for a native bfloat16 GEMM), into `out`
+    where given (prefill's reused buffer, its dtype then)."""
+    lib = _loaded()[0]
     assert lib is not None and blocks.dtype == torch.uint8 and blocks.is_contiguous()
     rows, cols = blocks.shape[0], _columns(qtype, blocks)
-    out = torch.empty(rows, cols) if out is None else out
-    assert out.shape == (rows, cols) and out.dtype == torch.float32 and out.is_contiguous()
+    out = torch.empty(rows, cols, dtype=dtype) if out is None else out
+    assert out.shape == (rows, cols) and out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
     getattr(lib, _BLOCK_FUNCTIONS[qtype][1])(
-        blocks.data_ptr(), cols, rows, out.data_ptr(), torch.get_num_threads()
+        blocks.data_ptr(),
+        cols,
+        rows,
+        out.data_ptr(),
+        torch.get_num_threads(),
+        int(out.dtype == torch.bfloat16),
     )
     return out
 
@@ -283,10 +305,14 @@ def int4_dequantize_bf16(
 
 
 # The types held as the file's blocks: (bytes per block, weights per block). Q6_K: ql[128],
-# qh[64], scales[16], d; Q8_0: d, then 32 int8 codes.
-BLOCK_TYPES = {"Q6_K": (210, 256), "Q8_0": (34, 32)}
+# qh[64], scales[16], d; Q4_K: d, dmin, scales[12], qs[128]; Q8_0: d, then 32 int8 codes.
+BLOCK_TYPES = {"Q6_K": (210, 256), "Q4_K": (144, 256), "Q8_0": (34, 32)}
 # Their library functions: (product, dequantize).
-_BLOCK_FUNCTIONS = {"Q6_K": ("q6k_product", "q6k_dequantize"), "Q8_0": ("q8_0_product", "q8_0_dequantize")}
+_BLOCK_FUNCTIONS = {
+    "Q6_K": ("q6k_product", "q6k_dequantize"),
+    "Q4_K": ("q4k_product", "q4k_dequantize"),
+    "Q8_0": ("q8_0_product", "q8_0_dequantize"),
+}
 
 
 def _columns(qtype: str, blocks: torch.Tensor) -> int:
@@ -377,7 +403,7 @@ def _int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: bo
 
 
 def _blocks_product(x: torch.Tensor, blocks: torch.Tensor, qtype: str, int8_x: bool) -> torch.Tensor:
-    lib = library()
+    lib = _loaded()[0]
     assert lib is not None and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
     x = x.contiguous()
@@ -385,8 +411,8 @@ def _blocks_product(x: torch.Tensor, blocks: torch.Tensor, qtype: str, int8_x: b
     assert x.shape[1] == _columns(qtype, blocks)
     y = torch.empty(x.shape[0], n)
     getattr(lib, _BLOCK_FUNCTIONS[qtype][0])(
-        x.data_ptr(), x.shape[0], x.shape[1], n, blocks.data_ptr(), y.data_ptr(), torch.get_num_threads(),
-        int(int8_x),
+        x.data_ptr(), x.shape[0], x.shape[1], n, blocks.data_ptr(), y.data_ptr(),
+        torch.get_num_threads(), int(int8_x),
     )  # fmt: skip
     return y
 
@@ -400,6 +426,7 @@ _LIBRARY.define(
 )
 _LIBRARY.define("int8_product(Tensor x, Tensor codes, Tensor scales, bool int8_x) -> Tensor")
 _LIBRARY.define("blocks_product(Tensor x, Tensor blocks, str qtype, bool int8_x) -> Tensor")
+
 _LIBRARY.impl("int4_product", _int4, "CPU")
 _LIBRARY.impl("blocks_product", _blocks_product, "CPU")
 _LIBRARY.impl("int8_product", _int8, "CPU")

@@ -18,14 +18,6 @@
 
 #define TILE64 64
 
-/* 8 float32 to bfloat16, rounded to nearest even (finite values: the weights here). */
-static inline __m128i to_bf16(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
-}
-
 /* Weight rows [start, start + rows) (whole tiles of 64) as bfloat16 [k][rows] (the GEMM's B).
  * `packed` [n][k / 2]: a tile's column c is 32 bytes, rows 0-31 in the low nibbles and 32-63 in
  * the high; `scale_zeros` bfloat16 [k / 32][n][2]. Tiles are split over `threads`. */

@@ -165,6 +165,7 @@ static inline __attribute__((always_inline)) void q6k_row_q8(const int R, const 
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < k / QK; b++) {
         const uint8_t *blk = row + (size_t)b * BLOCK_BYTES;
+        for (int l = 0; l < 4; l++) _mm_prefetch((const char *)blk + PREFETCH + 64 * l, _MM_HINT_T0);
         const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
         __m256 part[MAX_ROWS][2];
         for (int r = 0; r < R; r++) part[r][0] = part[r][1] = _mm256_setzero_ps();
@@ -244,15 +245,15 @@ void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, 
     free(xp), free(xsum);
 }
 
-/* `rows` weight rows from `blocks` (the first of them) as float32 [rows][k]: gguf's values, in
- * order (each chunk's 32 codes widened by 128-bit halves, no stack round trip). */
-void q6k_dequantize(const uint8_t *blocks, int k, int rows, float *out, int threads) {
+/* `rows` weight rows from `blocks` (the first of them) as [rows][k], float32 or (`bf16`) bfloat16:
+ * gguf's values, in order (each chunk's 32 codes widened by 128-bit halves, no stack round trip). */
+void q6k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int i = 0; i < rows; i++) {
         const __m256i offset = _mm256_set1_epi8(32);
         for (int b = 0; b < k / QK; b++) {
             const uint8_t *blk = blocks + ((size_t)i * (k / QK) + b) * BLOCK_BYTES;
-            float *o = out + (size_t)i * k + (size_t)b * QK;
+            const size_t o = (size_t)i * k + (size_t)b * QK;
             __m256 dv[2];
             block_scales(blk, dv);
             for (int h = 0; h < 2; h++) {
@@ -263,11 +264,11 @@ void q6k_dequantize(const uint8_t *blocks, int k, int rows, float *out, int thre
                     const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
                     const __m256 a = _mm256_permutevar8x32_ps(dv[h], _mm256_set1_epi32(2 * j));
                     const __m256 c = _mm256_permutevar8x32_ps(dv[h], _mm256_set1_epi32(2 * j + 1));
-                    float *oc = o + 128 * h + 32 * j;
-                    _mm256_storeu_ps(oc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), a));
-                    _mm256_storeu_ps(oc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), a));
-                    _mm256_storeu_ps(oc + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), c));
-                    _mm256_storeu_ps(oc + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), c));
+                    const size_t oc = o + 128 * h + 32 * j;
+                    store8(out, bf16, oc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), a));
+                    store8(out, bf16, oc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), a));
+                    store8(out, bf16, oc + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), c));
+                    store8(out, bf16, oc + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), c));
                 }
             }
         }

@@ -89,17 +89,17 @@ void q8_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks,
 #undef ROW
 }
 
-/* Rows to float32 [rows][k]: w = d q per block, gguf's values bit for bit. */
-void q8_0_dequantize(const uint8_t *blocks, int k, int rows, float *out, int threads) {
+/* Rows to [rows][k], float32 or (`bf16`) bfloat16: w = d q per block, gguf's values bit for bit
+ * (bfloat16: those rounded to nearest even). */
+void q8_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int i = 0; i < rows; i++) {
         const uint8_t *row = blocks + (size_t)i * (k / GROUP) * BLOCK_BYTES;
         for (int g = 0; g < k / GROUP; g++) {
             const uint8_t *blk = row + (size_t)g * BLOCK_BYTES;
             __m256 d = _mm256_set1_ps(block_d(blk));
-            float *o = out + (size_t)i * k + g * GROUP;
             for (int j = 0; j < 4; j++)
-                _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(i8_to_ps((const int8_t *)(blk + 2) + 8 * j), d));
+                store8(out, bf16, (size_t)i * k + g * GROUP + 8 * j, _mm256_mul_ps(i8_to_ps((const int8_t *)(blk + 2) + 8 * j), d));
         }
     }
 }

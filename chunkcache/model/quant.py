@@ -251,6 +251,12 @@ class QuantProduct:
             cols.append(torch.cat([p(eye) for p in self.parts], -1))
         return torch.cat(cols).t().contiguous()
 
+    def qkernel_ops(self) -> bool:
+        """Whether a compiled graph would call `qkernel`'s ops for these parts' few-row products."""
+        return any(
+            isinstance(p, BlocksPart) or (isinstance(p, Int4Part | Int8Part) and p.native) for p in self.parts
+        )
+
     def tensors(self) -> list[torch.Tensor]:
         held = [t for p in self.parts for t in p.tensors()]
         return held if self.bias is None else [*held, self.bias]
@@ -289,7 +295,11 @@ def native_parts(
     for raw in raws:
         rows = slice(0, min(_ERROR_ROWS, raw.shape[0]))
         reference = raw.dequantize(rows)
-        if raw.qtype in INT4_TYPES and raw.shape[1] % GROUP == 0:
+        if quant_blocks.own_blocks(raw.qtype, int8_x):
+            part = BlocksPart.of_raw(raw, int8_x)
+            args, served = [part.blocks], part.dequantize(rows).numpy()
+            kind, form = BlocksPart, f"{raw.qtype}'s own blocks (exact)"
+        elif raw.qtype in INT4_TYPES and raw.shape[1] % GROUP == 0:
             q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
             args = [q, scale, minimum]
             if raw.qtype == "Q4_K":
@@ -306,10 +316,6 @@ def native_parts(
                 served = ((q[rows].float() - 8) * s + z).numpy()
                 form = "int4 (own codes, bfloat16 scales and zeros)"
             kind = Int4Part
-        elif quant_blocks.own_blocks(raw.qtype, int8_x):
-            part = BlocksPart.of_raw(raw, int8_x)
-            args, served = [part.blocks], part.dequantize(rows).numpy()
-            kind, form = BlocksPart, f"{raw.qtype}'s own blocks (exact)"
         elif raw.qtype in QUANTIZED_TYPES:  # INT8_TYPES and Q6_K, not held as their blocks
             part = Int8Part.of_raw(raw, int8_x)
             args = [part.codes, part.scales]

@@ -51,6 +51,7 @@ BLOCK_FORMATS = {
     # 15-22 / 17-24 at 24, 22-25 / 19 at 32: a crossing at 16-24 rows, as int8's
     # (`dequant.INT8_MIN_ROWS`). Dequantizing costs 0.17 ns per weight (gguf's numpy: 7.9).
     "Q6_K": BlockFormat("Q6_K", *qkernel.BLOCK_TYPES["Q6_K"], min_rows=16),
+    "Q4_K": BlockFormat("Q4_K", *qkernel.BLOCK_TYPES["Q4_K"], min_rows=16),
     # int8 codes and one multiply per weight to float32, as int8 per channel's: its threshold.
     "Q8_0": BlockFormat("Q8_0", *qkernel.BLOCK_TYPES["Q8_0"], min_rows=dequant.INT8_MIN_ROWS),
 }
@@ -68,7 +69,7 @@ def own_blocks(qtype: str, int8_x: bool) -> bool:
     154.1 in another, slower in 4 rounds of 6): unpacking 6-bit codes to float costs more vector
     operations per weight than converting int8 codes, and 18% fewer bytes do not clearly pay for
     it there."""
-    if qtype not in BLOCK_FORMATS or not qkernel.available():
+    if qtype not in BLOCK_FORMATS or not qkernel.blocks_available():
         return False
     return qtype == "Q8_0" or int8_x
 
@@ -103,8 +104,11 @@ class BlocksPart:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel below the format's `min_rows`
-        rows, float32 GEMMs over dequantized blocks from it."""
+        rows, GEMMs over dequantized blocks from it: bfloat16 ones for a bfloat16 x where the CPU
+        multiplies bfloat16 natively (`dequant.bf16_gemm`), else float32."""
         if x.shape[0] >= self.format.min_rows:
+            if x.dtype == torch.bfloat16 and dequant.bf16_gemm():
+                return product(x, self.qtype, self.blocks)
             return product(x.float(), self.qtype, self.blocks).to(x.dtype)
         return self.kernel(x).to(x.dtype)
 
@@ -117,10 +121,10 @@ class BlocksPart:
 
 
 def product(x: torch.Tensor, qtype: str, blocks: torch.Tensor) -> torch.Tensor:
-    """float32 x [T, in] times a weight held as `qtype`'s blocks, `dequant.BLOCK_ROWS` weight rows
-    at a time dequantized into one reused float32 buffer: float32 [T, out]."""
+    """x [T, in] (float32 or bfloat16) times a weight held as `qtype`'s blocks, `dequant.BLOCK_ROWS`
+    weight rows at a time dequantized into one reused buffer of x's dtype: [T, out] in it."""
     n = blocks.shape[0]
-    buffer = torch.empty(min(dequant.BLOCK_ROWS, n), x.shape[1])
+    buffer = torch.empty(min(dequant.BLOCK_ROWS, n), x.shape[1], dtype=x.dtype)
     return dequant.blockwise_product(
         x,
         n,

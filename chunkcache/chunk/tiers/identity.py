@@ -34,9 +34,9 @@ def model_identity(model: torch.nn.Module, tokenizer: Any, model_name: str) -> s
         # prefill's blocks; torch's: bfloat16), so a replica without AVX2 or a compiler never
         # shares KV with one that has them.
         h.update(f"qkernel\0{qkernel.available()}\0".encode())
-        if qkernel.available():  # and what its forms are (Q6_K: its own blocks, not int8)
+        if qkernel.blocks_available():  # and what its forms are (the file's blocks, not int8)
             h.update(f"forms\0{qkernel.FORMS_VERSION}\0".encode())
-        elif dequant.bf16_gemm():  # a bfloat16 prefill's blocks in bfloat16 (int4: where C writes them)
+        if not qkernel.available() and dequant.bf16_gemm():  # a bfloat16 prefill's blocks in bfloat16
             h.update(f"bf16_blocks\0{qkernel.bf16_blocks()}\0".encode())
         if getattr(model, "int8_activations", False):  # the kernel's products on int8 x
             h.update(b"int8_activations\0")
