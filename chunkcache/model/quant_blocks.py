@@ -43,6 +43,8 @@ class BlockFormat:
     block_weights: int  # weights per block
     # From this many rows a product takes the dequantized blocks; fewer keep the kernel.
     min_rows: int
+    # The same where the blocks are bfloat16 for a native bfloat16 GEMM (`dequant.bf16_gemm`).
+    bf16_min_rows: int
 
 
 BLOCK_FORMATS = {
@@ -50,10 +52,19 @@ BLOCK_FORMATS = {
     # runs): kernel against blocks 7.4-9.7 / 7.8-10.7 ms at 12 rows, 9.9-10.0 / 9.1-12.6 at 16,
     # 15-22 / 17-24 at 24, 22-25 / 19 at 32: a crossing at 16-24 rows, as int8's
     # (`dequant.INT8_MIN_ROWS`). Dequantizing costs 0.17 ns per weight (gguf's numpy: 7.9).
-    "Q6_K": BlockFormat("Q6_K", *qkernel.BLOCK_TYPES["Q6_K"], min_rows=16),
-    "Q4_K": BlockFormat("Q4_K", *qkernel.BLOCK_TYPES["Q4_K"], min_rows=16),
+    # bfloat16 blocks on the AMX Xeon (one thread, the 1.5B's down, float x): kernel against
+    # blocks 3.0 / 6.3 ms at 4 rows, 6.3 / 6.1 at 8, 9.0 / 5.2 at 12.
+    "Q6_K": BlockFormat("Q6_K", *qkernel.BLOCK_TYPES["Q6_K"], min_rows=16, bf16_min_rows=8),
+    # Q4_K's float32 blocks as Q6_K's (not measured apart); bfloat16 ones on the AMX Xeon (the
+    # 1.5B's gate): 4.1 / 5.3 ms at 8 rows, 6.5 / 5.5 at 12, 8.2 / 5.5 at 16.
+    "Q4_K": BlockFormat("Q4_K", *qkernel.BLOCK_TYPES["Q4_K"], min_rows=16, bf16_min_rows=12),
     # int8 codes and one multiply per weight to float32, as int8 per channel's: its threshold.
-    "Q8_0": BlockFormat("Q8_0", *qkernel.BLOCK_TYPES["Q8_0"], min_rows=dequant.INT8_MIN_ROWS),
+    "Q8_0": BlockFormat(
+        "Q8_0",
+        *qkernel.BLOCK_TYPES["Q8_0"],
+        min_rows=dequant.INT8_MIN_ROWS,
+        bf16_min_rows=dequant.INT8_MIN_ROWS,
+    ),
 }
 
 
@@ -105,9 +116,10 @@ class BlocksPart:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] times the weight, in x's dtype: the kernel below the format's `min_rows`
         rows, GEMMs over dequantized blocks from it: bfloat16 ones for a bfloat16 x where the CPU
-        multiplies bfloat16 natively (`dequant.bf16_gemm`), else float32."""
-        if x.shape[0] >= self.format.min_rows:
-            if x.dtype == torch.bfloat16 and dequant.bf16_gemm():
+        multiplies bfloat16 natively (`dequant.bf16_gemm`; from `bf16_min_rows`), else float32."""
+        bf16 = x.dtype == torch.bfloat16 and dequant.bf16_gemm()
+        if x.shape[0] >= (self.format.bf16_min_rows if bf16 else self.format.min_rows):
+            if bf16:
                 return product(x, self.qtype, self.blocks)
             return product(x.float(), self.qtype, self.blocks).to(x.dtype)
         return self.kernel(x).to(x.dtype)
