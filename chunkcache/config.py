@@ -541,7 +541,8 @@ class EngineConfig:
     weights: str = "dense"
     # CPU, quantized weights (native, int8, auto's native kinds) served by qkernel: a decode
     # step's products (every sequence of a batch, as its 1-row step) round the activations to
-    # int8 per block of 32 (llama.cpp's Q8_0) and sum integer products, and native Q6_K tensors are held as the file's blocks (model/quant_blocks.py);
+    # int8 per block of 32 (llama.cpp's Q8_0) and sum integer products, and native Q6_K and Q4_K tensors are
+    # held as the file's blocks (model/quant_blocks.py);
     # off keeps float32 activations (model/qkernel.py). The 1.5B's default (catalog
     # engine_defaults: decode ~1.2x faster, its held-out answers kept), off elsewhere.
     int8_activations: bool = False

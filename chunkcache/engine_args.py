@@ -48,7 +48,8 @@ OPTION_HELP: dict[str, str] = {
     "int8_activations": "CPU, quantized weights under the AVX2 kernel: a decode step's products "
     "(every sequence of a batch, with the numbers of its step alone) round the activations to int8 per block "
     "of 32 and sum integer products, as llama.cpp does (prompts keep float32), and native "
-    "weights hold Q6_K tensors as the file's own blocks (exact, 0.82x the bytes of int8); "
+    "weights hold Q6_K and Q4_K tensors as the file's own blocks (exact; 0.82x the bytes of int8, 0.9x "
+    "int4's with its factors); "
     "off keeps float32 activations",
     "block_size": "tokens per paged KV block, > 0",
     "kv_cache_tokens": "KV cache budget in tokens, >= block_size; wins over --kv-cache-memory-gb "
