@@ -10,6 +10,7 @@ import mmap
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,3 +123,44 @@ def test_paged_kv_mapped_at_start_pool_on_demand(checkpoint) -> None:
         for t in (k_layer, v_layer):
             assert _resident_share(t, 0, paged * slot_bytes) == 1.0
             assert _resident_share(t, paged * slot_bytes, t.numel() * t.element_size()) < 0.1
+
+
+def _region_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside:
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return fields
+
+
+def test_large_weights_get_their_own_huge_page_mapping() -> None:
+    """`huge_page_copy`: the same values in a 2 MB aligned private mapping advised for huge pages
+    (THPeligible where the kernel's THP mode is not `never`: then a decode step's stream of the
+    weight takes no 4 KB page walks), alive as long as the tensor; small tensors stay as they are."""
+    from chunkcache.malloc import HUGE_PAGE, HUGE_PAGE_MIN_BYTES, huge_page_copy
+
+    small = torch.arange(16, dtype=torch.uint8)
+    assert huge_page_copy(small) is small
+    source = torch.randint(0, 255, (HUGE_PAGE_MIN_BYTES // 1000 + 7, 1000), dtype=torch.uint8)
+    expected = source.clone()
+    copy = huge_page_copy(source)
+    del source  # the copy owns its bytes
+    assert copy.data_ptr() % HUGE_PAGE == 0 and copy.is_contiguous() and copy.shape[1] == 1000
+    import gc
+
+    gc.collect()
+    assert torch.equal(copy, expected)  # after collection too
+    copy[0, 0] = 3  # writable (a private mapping)
+    region = _region_of(copy.data_ptr())
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = thp.read_text() if thp.exists() else "[never]"
+    if "[never]" not in mode:
+        assert region["THPeligible"] == "1"
+    assert region.get("Shared_Dirty", "0 kB") == "0 kB"

@@ -48,6 +48,8 @@ SOURCE = Path(__file__).with_name("qkernel.c")
 # Compiled together into one library (`SOURCE` first); the header is hashed with them.
 EXTRA_SOURCES = tuple(Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q4k", "q8_0", "bf16"))
 HEADER = Path(__file__).with_name("qkernel.h")
+# Included by one source twice (per dot product instruction), hashed with the sources.
+TEMPLATES = (Path(__file__).with_name("qkernel_q4k_q8.h"),)
 MAX_ROWS = 8  # qkernel.c's MAX_ROWS: the most rows of x one call takes
 TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
 TILE_BF16 = 64  # the same in torch's AVX512 packing, which `int4_dequantize_bf16` reads
@@ -81,7 +83,7 @@ def _build() -> Path:
     """The shared library for the current source, compiled once into the cache directory (under
     a temporary name, renamed into place, so concurrent first uses never load half a file)."""
     sources = [SOURCE, *EXTRA_SOURCES]
-    text = b"".join(p.read_bytes() for p in (*sources, HEADER))
+    text = b"".join(p.read_bytes() for p in (*sources, HEADER, *TEMPLATES))
     digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     directory = Path(envs.kernel_dir()).expanduser()
     target = directory / f"qkernel-{digest}.so"

@@ -59,55 +59,17 @@ static inline void block_factors(const uint8_t *blk, __m256 *dsc, __m256 *dm) {
     *dm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), _mm256_set1_ps(half_at(blk + 2)));
 }
 
-/* Weight row i against R rows of int8 x (qx, dx per block of 32) and their sums per 32 (xsum: dx
- * sum qx); each row k apart. Per block, each row's 8 factors dx sc (one vector); per sub-block the
- * integer sum to float times its factor, into A accumulators a row (4 for 1 row: one chain of
- * dependent FMAs measured ~1.5x slower). Each row's operations are those of R == 1 in the same
- * order (its bits those of its product alone); a chunk's codes are unpacked once for all R rows. */
-static inline __attribute__((always_inline)) void q4k_row_q8(const int R, const int8_t *qx, const float *dx,
-                                                             const float *xsum, int k, int n, int i,
-                                                             const uint8_t *blocks, float *y) {
-    enum { A = 4 };
-    const uint8_t *row = blocks + (size_t)i * (k / QK) * BLOCK_BYTES;
-    const int groups = k / GROUP;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 acc[MAX_ROWS], mins[MAX_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm256_setzero_ps();
-    for (int b = 0; b < k / QK; b++) {
-        const uint8_t *blk = row + (size_t)b * BLOCK_BYTES;
-        for (int l = 0; l < 3; l++) _mm_prefetch((const char *)blk + PREFETCH + 64 * l, _MM_HINT_T0);
-        const __m128i sm = scale_mins(blk);
-        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
-        const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
-        float f[MAX_ROWS][8];
-        __m256 part[MAX_ROWS][A];
-        for (int r = 0; r < R; r++) {
-            _mm256_storeu_ps(f[r], _mm256_mul_ps(sc, _mm256_loadu_ps(dx + (size_t)r * groups + (size_t)b * 8)));
-            for (int a = 0; a < A; a++) part[r][a] = _mm256_setzero_ps();
-        }
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
-            const __m256i q[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; h++) {
-                const int s = 2 * j + h;
-                for (int r = 0; r < R; r++) {
-                    const __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + (size_t)r * k + (size_t)b * QK + 32 * s));
-                    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q[h], xq), ones));
-                    part[r][s % A] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&f[r][s]), part[r][s % A]);
-                }
-            }
-        }
-        const __m256 d = _mm256_set1_ps(half_at(blk)), dm = _mm256_mul_ps(m, _mm256_set1_ps(half_at(blk + 2)));
-        for (int r = 0; r < R; r++) {
-            const __m256 sum = _mm256_add_ps(_mm256_add_ps(part[r][0], part[r][1]), _mm256_add_ps(part[r][2], part[r][3]));
-            acc[r] = _mm256_fmadd_ps(sum, d, acc[r]);
-            mins[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xsum + (size_t)r * groups + (size_t)b * 8), mins[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) y[(size_t)r * n + i] = hsum(acc[r]) - hsum(mins[r]);
-}
+#define Q4K_NAME(f) q4k_##f
+#define Q4K_TARGET
+#define Q4K_DOT(q, xq) _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), _mm256_set1_epi16(1))
+#include "qkernel_q4k_q8.h"
+#undef Q4K_NAME
+#undef Q4K_TARGET
+#undef Q4K_DOT
+#define Q4K_NAME(f) q4k_vnni_##f
+#define Q4K_TARGET __attribute__((target("avxvnni")))
+#define Q4K_DOT(q, xq) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, xq)
+#include "qkernel_q4k_q8.h"
 
 /* 8 codes (bytes c .. c + 7 of a chunk, low or high nibbles) as float32. */
 static inline __m256 codes8(const uint8_t *c, int high) {
@@ -145,24 +107,11 @@ static inline __attribute__((always_inline)) void q4k_row(const int R, const flo
  * blocks]: y float32 [rows][n]. */
 void q4k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads,
                  int quantize_x) {
-    if (quantize_x) { /* each row as alone, runs of at most 4 rows sharing a chunk's codes */
-        const int groups = k / GROUP;
-        int8_t *qx = malloc((size_t)rows * k);
-        float *dx = malloc((size_t)rows * groups * sizeof *dx), *xsum = malloc((size_t)rows * groups * sizeof *xsum);
-        quantize_rows(x, rows, k, qx, dx);
-        for (int g = 0; g < rows * groups; g++) { /* the rounded x's sums: see the header */
-            int s = 0;
-            for (int c = 0; c < GROUP; c++) s += qx[(size_t)g * GROUP + c];
-            xsum[g] = dx[g] * (float)s;
-        }
-#define ROW(R) q4k_row_q8(R, qx + (size_t)r * k, dx + (size_t)r * groups, xsum + (size_t)r * groups, k, n, i, blocks, y + (size_t)r * n)
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int i = 0; i < n; i++)
-            for (int r = 0; r < rows; r += 4) {
-                switch (rows - r < 4 ? rows - r : 4) { ROWS_CASES_4(ROW) }
-            }
-#undef ROW
-        free(qx), free(dx), free(xsum);
+    if (quantize_x) {
+        if (__builtin_cpu_supports("avxvnni"))
+            q4k_vnni_rows_q8(x, rows, k, n, blocks, y, threads);
+        else
+            q4k_rows_q8(x, rows, k, n, blocks, y, threads);
         return;
     }
 #define ROW(R) q4k_row(R, x, k, n, i, blocks, y)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from chunkcache.malloc import huge_page_copy
 from chunkcache.model import dequant, qkernel, quant_blocks, upcast
 from chunkcache.model.gguf_blocks import GROUP, INT4_TYPES, RawTensor, affine_int4, q4k_superblocks
 from chunkcache.model.quant_blocks import BlocksPart
@@ -89,7 +90,9 @@ class Int4Part:
         `superblocks`: (d, dmin, sc, m) per row (`q4k_superblocks`) of the same weight, held
         instead of float32 factors."""
         self.rows, self.int8_x = q.shape[0], int8_x
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+        self.packed = huge_page_copy(  # streamed by decode: malloc.huge_page_copy
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+        )
         self.native = native is not False and qkernel.available() and dequant.int4_blocks_apply(self.rows)
         self.multipliers: torch.Tensor | None = None
         if self.native and superblocks is not None and q.shape[1] % 256 == 0:
@@ -160,7 +163,7 @@ class Int8Part:
     """Output rows quantized to int8 with one bfloat16 scale per row (symmetric, absmax / 127)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, int8_x: bool = False) -> None:
-        self.rows, self.codes, self.scales = codes.shape[0], codes.contiguous(), scales
+        self.rows, self.codes, self.scales = codes.shape[0], huge_page_copy(codes.contiguous()), scales
         self.native = qkernel.available()  # whether `qkernel` serves the few-row products
         self.int8_x = int8_x  # as Int4Part's
 
