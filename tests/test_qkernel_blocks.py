@@ -13,6 +13,7 @@ product over x rounded as qkernel rounds it (`_int8_x`), measured <= 3.5e-7. Q8_
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -291,3 +292,24 @@ def test_the_model_identity_binds_the_native_forms(monkeypatch) -> None:
         monkeypatch.setattr(qkernel, "FORMS_VERSION", qkernel.FORMS_VERSION + "-next")
         assert (model_identity(model, None, "m") != ids[form]) == (form == "native")
         monkeypatch.undo()
+
+
+@pytest.mark.skipif(" avx_vnni" not in Path("/proc/cpuinfo").read_text(), reason="the CPU has no AVX-VNNI")
+def test_q4k_vnni_build_gives_the_avx2_builds_bits() -> None:
+    """Q4_K's int8-x product by AVX-VNNI's `dpbusd` (served where the CPU has it) and by AVX2's
+    `maddubs` + `madd`: the same int32 lanes, so the same bits, for 1-4 rows and 2 threads."""
+    import ctypes
+
+    lib = qkernel._loaded()[0]
+    blocks, _ = _blocks((96, 1536), seed=38, specials=True, qtype="Q4_K")
+    p, i = ctypes.c_void_p, ctypes.c_int
+    for rows in (1, 3, 4):
+        x = torch.randn(rows, 1536) * 3
+        ys = [torch.empty(rows, 96) for _ in range(2)]
+        for name, y in zip(("q4k_rows_q8", "q4k_vnni_rows_q8"), ys, strict=True):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [p, i, i, i, p, p, i], None
+            fn(x.data_ptr(), rows, 1536, 96, blocks.data_ptr(), y.data_ptr(), 2)
+        assert torch.equal(ys[0], ys[1])
+        with qkernel.decode_step():  # what serves: the VNNI build, every row rounded
+            assert torch.equal(BlocksPart(blocks, "Q4_K", int8_x=True).kernel(x), ys[1])

@@ -56,8 +56,9 @@ static inline __attribute__((always_inline)) Q4K_TARGET void Q4K_NAME(row_q8)(co
 }
 
 /* x float32 [rows][k] rounded to int8 per block of 32, each row as alone, times the weight:
- * y float32 [rows][n], runs of at most 4 rows sharing a chunk's codes. */
-static Q4K_TARGET void Q4K_NAME(rows_q8)(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y,
+ * y float32 [rows][n], runs of at most 4 rows sharing a chunk's codes. Exported, both builds, so
+ * that tests compare their bits (`q4k_product` calls the one the CPU runs best). */
+Q4K_TARGET void Q4K_NAME(rows_q8)(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y,
                                           int threads) {
     const int groups = k / GROUP;
     int8_t *qx = malloc((size_t)rows * k);
