@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 import platform
 
@@ -88,26 +89,65 @@ def keep_freed_memory() -> bool:
 
 
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-# Weights from this size are copied into their own huge-page mapping (`huge_page_copy`).
-HUGE_PAGE_MIN_BYTES = 4 << 20
+# Weights from this size are placed in huge pages (`huge_page_empty`); smaller ones stay on the heap.
+HUGE_PAGE_MIN_BYTES = 64 << 10
+# The mappings weights are placed in, one after another; a larger weight gets one of its own.
+ARENA_BYTES = 64 << 20
+_ALIGN = 64  # bytes between consecutive weights' starts: a cache line
+
+
+class _Arena:
+    """The current mapping weights are placed in and how much of it is taken."""
+
+    region: mmap.mmap | None = None
+    start = 0  # the first 2 MB aligned byte of it
+    taken = 0
+
+
+_arena = _Arena()
+
+
+def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """An anonymous private mapping of at least `nbytes` from a 2 MB boundary, advised for
+    transparent huge pages: the mapping and that boundary's offset in it."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
+    region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return region, start
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor for a weight the model holds as long as it lives, in memory
+    advised for transparent huge pages (`madvise(MADV_HUGEPAGE)`, which the kernel's default
+    `madvise` mode honours), where it is `HUGE_PAGE_MIN_BYTES` or more and the platform has them;
+    else `torch.empty`. Weights are placed one after another in mappings of `ARENA_BYTES` (a
+    larger one in its own), so only each mapping's last huge page is partly used: a mapping of
+    its own per weight held ~1 MB more resident per weight (the 1.5B's 113: +0.1 GB).
+
+    A batch-1 decode step streams every weight once, one core at ~10 GB/s: with 4 KB pages each
+    4 KB costs a TLB miss and a page walk. The weights a load builds came from glibc's heap
+    (blocks under its 32 MB mmap threshold, `keep_freed_memory`), in 4 KB pages: 0.2 of the
+    1.5B's 1.1 GB sat in huge pages. On the AMX Xeon the 1.5B's Q4_K gate product out of cache
+    took 0.83 ms from 4 KB pages, 0.72 from huge ones, and its decode 123 -> 103-105 ms a token
+    (benchmarks/RESULTS.md, "the GGUF's own blocks on the AMX Xeon"). A mapping lives as long as
+    any tensor in it (torch.frombuffer holds it): only weights go here, never transient tensors."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(shape, dtype=dtype)
+    if nbytes > ARENA_BYTES:
+        region, start = _mapping(nbytes)
+    else:
+        if _arena.region is None or _arena.taken + nbytes > ARENA_BYTES:
+            _arena.region, _arena.start = _mapping(ARENA_BYTES)
+            _arena.taken = 0
+        region, start = _arena.region, _arena.start + _arena.taken
+        _arena.taken += -(-nbytes // _ALIGN) * _ALIGN
+    return torch.frombuffer(memoryview(region)[start : start + nbytes], dtype=dtype).view(shape)
 
 
 def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
-    """`t` (contiguous, CPU) copied into an anonymous mapping of its own, advised for transparent
-    huge pages (`madvise(MADV_HUGEPAGE)`, which the kernel's default `madvise` mode honours), where
-    it is `HUGE_PAGE_MIN_BYTES` or more and the platform has them; else `t` itself.
-
-    A batch-1 decode step streams every weight once, one core at ~10 GB/s: with 4 KB pages each
-    4 KB costs a TLB miss and a page walk. The weights a load builds come from glibc's heap
-    (blocks under its 32 MB mmap threshold, `keep_freed_memory`), in 4 KB pages: 0.2 of the
-    1.5B's 1.1 GB sat in huge pages. On the AMX Xeon the 1.5B's Q4_K gate product out of cache
-    took 0.83 ms from 4 KB pages, 0.72 from huge ones (benchmarks/RESULTS.md, "the GGUF's own
-    blocks on the AMX Xeon"). The mapping lives as long as the tensor (torch.frombuffer holds it)."""
-    nbytes = t.numel() * t.element_size()
-    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE") or t.device.type != "cpu":
+    """`t` (CPU, a weight held as long as the model) copied into `huge_page_empty`'s memory where
+    that is huge pages; else `t` itself."""
+    if t.numel() * t.element_size() < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return t
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE  # 2 MB aligned
-    region.madvise(mmap.MADV_HUGEPAGE)
-    out = torch.frombuffer(memoryview(region)[start : start + nbytes], dtype=t.dtype).view(t.shape)
-    return out.copy_(t)
+    return huge_page_empty(tuple(t.shape), t.dtype).copy_(t)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkcache.malloc import huge_page_copy
+from chunkcache.malloc import huge_page_copy, huge_page_empty
 from chunkcache.model import dequant, qkernel, quant_blocks, upcast
 from chunkcache.model.gguf_blocks import GROUP, INT4_TYPES, RawTensor, affine_int4, q4k_superblocks
 from chunkcache.model.quant_blocks import BlocksPart
@@ -347,7 +347,8 @@ def native_parts(
     for (kind, blocks_type), group in pieces:
         if kind is Int4Part and len({len(a) for a in group}) > 1:  # Q4_K beside another 4-bit type
             group = [a[:3] for a in group]
-        args = [torch.cat(column) for column in zip(*group, strict=True)]
+        join = _joined if kind is BlocksPart else torch.cat
+        args = [join(column) for column in zip(*group, strict=True)]
         if kind is DensePart:
             parts.append(DensePart(*args))
         elif kind is Int4Part:
@@ -357,6 +358,15 @@ def native_parts(
         else:
             parts.append(Int8Part(*args, int8_x=int8_x))
     return parts
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Consecutive tensors' file blocks as one (a merged projection's part), held in huge pages:
+    a decode step streams them (`malloc.huge_page_empty`)."""
+    if len(tensors) == 1:
+        return huge_page_copy(tensors[0])
+    out = huge_page_empty((sum(t.shape[0] for t in tensors), *tensors[0].shape[1:]), torch.uint8)
+    return torch.cat(tensors, out=out)
 
 
 def log_conversions(report: dict[str, Conversion]) -> None:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkcache.malloc import huge_page_copy
 from chunkcache.model import dequant, qkernel
 from chunkcache.model.gguf_blocks import RawTensor
 
@@ -97,13 +96,12 @@ class BlocksPart:
         32 (engine option `int8_activations`, `qkernel.decode_step`); the default keeps float32 x."""
         self.format = BLOCK_FORMATS[qtype]
         assert blocks.dtype == torch.uint8 and blocks.shape[1] % self.format.block_bytes == 0
-        # In huge pages where large: a decode step streams them (`malloc.huge_page_copy`).
-        self.rows, self.blocks, self.int8_x = blocks.shape[0], huge_page_copy(blocks.contiguous()), int8_x
+        self.rows, self.blocks, self.int8_x = blocks.shape[0], blocks.contiguous(), int8_x
 
     @classmethod
     def of_raw(cls, raw: RawTensor, int8_x: bool = False) -> BlocksPart:
         """The GGUF tensor's blocks, copied out of the file's mapping (the weight is held in memory
-        as every other form is)."""
+        as every other form is; `quant.native_parts` moves a part's blocks into huge pages)."""
         data = np.array(raw.data, dtype=np.uint8, copy=True).reshape(raw.shape[0], -1)
         return cls(torch.from_numpy(data), raw.qtype, int8_x)
 
