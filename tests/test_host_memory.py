@@ -140,27 +140,35 @@ def _region_of(address: int) -> dict[str, str]:
     return fields
 
 
-def test_large_weights_get_their_own_huge_page_mapping() -> None:
-    """`huge_page_copy`: the same values in a 2 MB aligned private mapping advised for huge pages
-    (THPeligible where the kernel's THP mode is not `never`: then a decode step's stream of the
-    weight takes no 4 KB page walks), alive as long as the tensor; small tensors stay as they are."""
-    from chunkcache.malloc import HUGE_PAGE, HUGE_PAGE_MIN_BYTES, huge_page_copy
+def test_weights_go_to_huge_page_mappings() -> None:
+    """`huge_page_copy`: the same values, cache-line aligned, one after another in one mapping
+    advised for huge pages (THPeligible where the kernel's THP mode is not `never`: then a decode
+    step's stream of the weight takes no 4 KB page walks); a weight larger than a mapping gets one
+    of its own from a 2 MB boundary; alive as long as the tensors; small tensors stay as they
+    are."""
+    import gc
+
+    from chunkcache.malloc import ARENA_BYTES, HUGE_PAGE, HUGE_PAGE_MIN_BYTES, huge_page_copy
 
     small = torch.arange(16, dtype=torch.uint8)
     assert huge_page_copy(small) is small
-    source = torch.randint(0, 255, (HUGE_PAGE_MIN_BYTES // 1000 + 7, 1000), dtype=torch.uint8)
-    expected = source.clone()
-    copy = huge_page_copy(source)
-    del source  # the copy owns its bytes
-    assert copy.data_ptr() % HUGE_PAGE == 0 and copy.is_contiguous() and copy.shape[1] == 1000
-    import gc
-
+    sources = [
+        torch.randint(0, 255, (HUGE_PAGE_MIN_BYTES // 1000 + 7, 1000), dtype=torch.uint8) for _ in range(2)
+    ]
+    sources.append(torch.randint(0, 255, (ARENA_BYTES // 1000 + 3, 1000), dtype=torch.uint8))
+    expected = [t.clone() for t in sources]
+    copies = [huge_page_copy(t) for t in sources]
+    del sources  # the copies own their bytes
     gc.collect()
-    assert torch.equal(copy, expected)  # after collection too
-    copy[0, 0] = 3  # writable (a private mapping)
-    region = _region_of(copy.data_ptr())
+    first, second, large = copies
+    assert all(torch.equal(c, e) for c, e in zip(copies, expected, strict=True))
+    assert all(c.data_ptr() % 64 == 0 and c.is_contiguous() for c in copies)
+    assert large.data_ptr() % HUGE_PAGE == 0
+    regions = [_region_of(c.data_ptr()) for c in copies]
+    if regions[0] == regions[1]:  # one mapping (unless the first filled the one before): adjacent
+        assert second.data_ptr() - first.data_ptr() == -(-first.numel() // 64) * 64
+    first[0, 0] = 3  # writable (a private mapping)
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    mode = thp.read_text() if thp.exists() else "[never]"
-    if "[never]" not in mode:
-        assert region["THPeligible"] == "1"
-    assert region.get("Shared_Dirty", "0 kB") == "0 kB"
+    if "[never]" not in (thp.read_text() if thp.exists() else "[never]"):
+        assert all(r["THPeligible"] == "1" for r in regions)
+    assert all(r.get("Shared_Dirty", "0 kB") == "0 kB" for r in regions)
