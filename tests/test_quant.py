@@ -50,7 +50,7 @@ LOGPROB_TOL = 1.0  # placeholder until measured
 # Q6_K's form with float32 activations (the default): int8 per channel (its own blocks with
 # `int8_activations`: tests/test_qkernel_blocks.py). Q8_0's: its own blocks where `qkernel` serves.
 Q6K_FORM = Int8Part
-Q8_0_FORM = BlocksPart if qkernel.blocks_available() else Int8Part
+Q8_0_FORM = BlocksPart if qkernel.available() else Int8Part
 
 
 def _raw(qtype: Q, seed: int = 0, shape: tuple[int, int] = (ROWS, COLS)) -> RawTensor:
@@ -535,7 +535,7 @@ def test_native_load_without_the_dense_model_serves_the_same_logits(
     monkeypatch.setattr(test_gguf, "_random_k_quant", functools.partial(_random_k_quant, d=1e-4))
     test_gguf.write_gguf(src, tmp_path / "model.gguf", qtype)
     tied = arch == "qwen2"
-    dense_embedding = tied and qtype == Q.Q8_0 and not qkernel.blocks_available()
+    dense_embedding = tied and qtype == Q.Q8_0 and not qkernel.available()
     read = gguf_file.GGUFCheckpoint.open(tmp_path / "model.gguf").tensors(
         functools.partial(quant.dense_at_load, tied=tied)
     )

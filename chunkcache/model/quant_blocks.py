@@ -79,10 +79,18 @@ def own_blocks(qtype: str, int8_x: bool) -> bool:
     faster in 6 rounds of 6); with float32 x not (148.8 against 149.7 in one run, 163.6 against
     154.1 in another, slower in 4 rounds of 6): unpacking 6-bit codes to float costs more vector
     operations per weight than converting int8 codes, and 18% fewer bytes do not clearly pay for
-    it there."""
+    it there.
+
+    Q4_K: as Q6_K (session 42: with int8 x, 124 against 142 ms a 1.5B token on the AMX Xeon,
+    where torch's int4 kernel served). Q8_0 only where `qkernel`'s int4 kernel serves: on the AMX
+    Xeon SmolLM2's tied Q8_0 table as blocks (its lm_head through the float x kernel and blocks
+    dequantized per prefill piece, where the dense bfloat16 table multiplies in the CPU's bfloat16
+    GEMM) measured RAG random 43x llama.cpp against 61x and prefill 7.4x against 8.6x."""
     if qtype not in BLOCK_FORMATS or not qkernel.blocks_available():
         return False
-    return qtype == "Q8_0" or int8_x
+    if qtype == "Q8_0":  # where the int4 kernel serves too: see below
+        return qkernel.available()
+    return int8_x
 
 
 class BlocksPart:
