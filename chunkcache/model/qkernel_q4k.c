@@ -77,6 +77,12 @@ static inline __m256 codes8(const uint8_t *c, int high) {
     return _mm256_cvtepi32_ps(_mm256_and_si256(high ? _mm256_srli_epi32(q, 4) : q, _mm256_set1_epi32(0x0F)));
 }
 
+/* A block's weights 32 s + 8 u .. + 8 (sub-block s, u of its 4 eighths) in float32: (d sc) q - dmin
+ * m by one FMA, gguf's values (`fs`, `fm`: the block's 8 d sc and dmin m, `block_factors`). */
+static inline __m256 weights8(const uint8_t *blk, const float *fs, const float *fm, int s, int u) {
+    return _mm256_fmadd_ps(codes8(blk + 16 + 32 * (s / 2) + 8 * u, s & 1), _mm256_set1_ps(fs[s]), _mm256_set1_ps(-fm[s]));
+}
+
 /* Weight row i against R rows of float32 x: per 8 weights, w = (d sc) q - dmin m by one FMA
  * (gguf's value) and one FMA per row of x, 2 accumulators a row. */
 static inline __attribute__((always_inline)) void q4k_row(const int R, const float *x, int k, int n, int i,
@@ -91,10 +97,8 @@ static inline __attribute__((always_inline)) void q4k_row(const int R, const flo
         float fs[8], fm[8];
         _mm256_storeu_ps(fs, dsc), _mm256_storeu_ps(fm, dm);
         for (int s = 0; s < 8; s++) {
-            const __m256 a = _mm256_set1_ps(fs[s]), m = _mm256_set1_ps(-fm[s]);
-            const uint8_t *c = blk + 16 + 32 * (s / 2);
             for (int u = 0; u < 4; u++) {
-                const __m256 w = _mm256_fmadd_ps(codes8(c + 8 * u, s & 1), a, m);
+                const __m256 w = weights8(blk, fs, fm, s, u);
                 const float *xc = x + (size_t)b * QK + 32 * s + 8 * u;
                 for (int r = 0; r < R; r++) acc[r][u & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xc + (size_t)r * k), acc[r][u & 1]);
             }
@@ -133,13 +137,9 @@ void q4k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threa
             block_factors(blk, &dsc, &dm);
             float fs[8], fm[8];
             _mm256_storeu_ps(fs, dsc), _mm256_storeu_ps(fm, dm);
-            for (int s = 0; s < 8; s++) {
-                const __m256 a = _mm256_set1_ps(fs[s]), m = _mm256_set1_ps(-fm[s]);
-                const uint8_t *c = blk + 16 + 32 * (s / 2);
+            for (int s = 0; s < 8; s++)
                 for (int u = 0; u < 4; u++)
-                    store8(out, bf16, (size_t)i * k + (size_t)b * QK + 32 * s + 8 * u,
-                           _mm256_fmadd_ps(codes8(c + 8 * u, s & 1), a, m));
-            }
+                    store8(out, bf16, (size_t)i * k + (size_t)b * QK + 32 * s + 8 * u, weights8(blk, fs, fm, s, u));
         }
     }
 }
