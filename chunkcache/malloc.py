@@ -107,6 +107,11 @@ class _Arena:
 _arena = _Arena()
 
 
+def _placed(nbytes: int) -> bool:
+    """Whether a weight of `nbytes` goes to huge pages (`huge_page_empty`)."""
+    return nbytes >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE")
+
+
 def _mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     """An anonymous private mapping of at least `nbytes` from a 2 MB boundary, advised for
     transparent huge pages: the mapping and that boundary's offset in it."""
@@ -132,7 +137,7 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     (benchmarks/RESULTS.md, "the GGUF's own blocks on the AMX Xeon"). A mapping lives as long as
     any tensor in it (torch.frombuffer holds it): only weights go here, never transient tensors."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not _placed(nbytes):
         return torch.empty(shape, dtype=dtype)
     if nbytes > ARENA_BYTES:
         region, start = _mapping(nbytes)
@@ -148,6 +153,6 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
     """`t` (CPU, a weight held as long as the model) copied into `huge_page_empty`'s memory where
     that is huge pages; else `t` itself."""
-    if t.numel() * t.element_size() < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if not _placed(t.numel() * t.element_size()):
         return t
     return huge_page_empty(tuple(t.shape), t.dtype).copy_(t)

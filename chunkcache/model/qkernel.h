@@ -50,6 +50,13 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The float16 stored at p (a block's d, dmin) as float32: F16C, exact. */
+static inline float fp16_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
 /* A bfloat16 bit pattern as float32 (exact). */
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t u = (uint32_t)bits << 16;

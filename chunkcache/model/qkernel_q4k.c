@@ -34,12 +34,6 @@
 #define QK 256          /* weights per block */
 #define BLOCK_BYTES 144 /* d, dmin (float16), scales[12], qs[128] */
 
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h); /* F16C: exact */
-}
-
 /* The block's 8 sub-block scales (bytes 0-7) and minimums (bytes 8-15), llama.cpp's unpacking of
  * the 12 bytes (`get_scale_min_k4` for all 8 at once), built in a register: through a stack array,
  * a vector load of four scalar stores stalls store forwarding. */
@@ -55,8 +49,8 @@ static inline __m128i scale_mins(const uint8_t *blk) {
 /* The 8 d sc and dmin m of a block in float32 (gguf's products, exact). */
 static inline void block_factors(const uint8_t *blk, __m256 *dsc, __m256 *dm) {
     const __m128i b = scale_mins(blk);
-    *dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_set1_ps(half_at(blk)));
-    *dm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), _mm256_set1_ps(half_at(blk + 2)));
+    *dsc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_set1_ps(fp16_to_float(blk)));
+    *dm = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))), _mm256_set1_ps(fp16_to_float(blk + 2)));
 }
 
 #define Q4K_NAME(f) q4k_##f

@@ -45,7 +45,7 @@ static inline __attribute__((always_inline)) Q4K_TARGET void Q4K_NAME(row_q8)(co
                 }
             }
         }
-        const __m256 d = _mm256_set1_ps(half_at(blk)), dm = _mm256_mul_ps(m, _mm256_set1_ps(half_at(blk + 2)));
+        const __m256 d = _mm256_set1_ps(fp16_to_float(blk)), dm = _mm256_mul_ps(m, _mm256_set1_ps(fp16_to_float(blk + 2)));
         for (int r = 0; r < R; r++) {
             const __m256 sum = _mm256_add_ps(_mm256_add_ps(part[r][0], part[r][1]), _mm256_add_ps(part[r][2], part[r][3]));
             acc[r] = _mm256_fmadd_ps(sum, d, acc[r]);

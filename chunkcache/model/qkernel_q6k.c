@@ -30,12 +30,6 @@
 #define QK 256         /* weights per block */
 #define BLOCK_BYTES 210 /* ql[128], qh[64], scales[16], d (float16) */
 
-static inline float fp16_to_float(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h); /* F16C: exact */
-}
-
 /* Half h of a block's codes, unsigned 0..63, as 4 x 32 bytes: q[j] holds weights 32 j .. 32 j + 31
  * of the half, in order (llama.cpp's unpacking: q[0], q[1] the low nibbles of ql[0..31], ql[32..63],
  * q[2], q[3] their high nibbles; qh's 2-bit pairs 0, 1, 2, 3 above them). */

@@ -23,12 +23,6 @@
 
 #define BLOCK_BYTES 34 /* d (float16), then 32 int8 codes */
 
-static inline float block_d(const uint8_t *blk) {
-    uint16_t h;
-    memcpy(&h, blk, sizeof h);
-    return _cvtsh_ss(h); /* F16C: exact */
-}
-
 /* One weight row against R rows of x (R == 1: d factored out of each block's float32 sum). */
 static inline __attribute__((always_inline)) void q8_0_row(const int R, const float *x, int k, int n, int i,
                                                             const uint8_t *blocks, float *y) {
@@ -40,7 +34,7 @@ static inline __attribute__((always_inline)) void q8_0_row(const int R, const fl
             const float *xg = x + g * GROUP;
             __m256 s = _mm256_mul_ps(i8_to_ps(c), _mm256_loadu_ps(xg));
             for (int j = 1; j < 4; j++) s = _mm256_fmadd_ps(i8_to_ps(c + 8 * j), _mm256_loadu_ps(xg + 8 * j), s);
-            acc[g & 1] = _mm256_fmadd_ps(s, _mm256_set1_ps(block_d(row + (size_t)g * BLOCK_BYTES)), acc[g & 1]);
+            acc[g & 1] = _mm256_fmadd_ps(s, _mm256_set1_ps(fp16_to_float(row + (size_t)g * BLOCK_BYTES)), acc[g & 1]);
         }
         y[i] = hsum(_mm256_add_ps(acc[0], acc[1]));
         return;
@@ -49,7 +43,7 @@ static inline __attribute__((always_inline)) void q8_0_row(const int R, const fl
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int g = 0; g < k / GROUP; g++) {
         const uint8_t *blk = row + (size_t)g * BLOCK_BYTES;
-        __m256 d = _mm256_set1_ps(block_d(blk));
+        __m256 d = _mm256_set1_ps(fp16_to_float(blk));
         for (int j = 0; j < 4; j++) {
             __m256 w = _mm256_mul_ps(i8_to_ps((const int8_t *)(blk + 2) + 8 * j), d);
             for (int r = 0; r < R; r++)
@@ -70,7 +64,7 @@ static inline void q8_0_row_q8(const int8_t *qx, const float *dx, int k, int i, 
         __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + g * GROUP));
         __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
         __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[g & 1] = _mm256_fmadd_ps(sum, _mm256_set1_ps(dx[g] * block_d(blk)), acc[g & 1]);
+        acc[g & 1] = _mm256_fmadd_ps(sum, _mm256_set1_ps(dx[g] * fp16_to_float(blk)), acc[g & 1]);
     }
     y[i] = hsum(_mm256_add_ps(acc[0], acc[1]));
 }
@@ -97,7 +91,7 @@ void q8_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int thre
         const uint8_t *row = blocks + (size_t)i * (k / GROUP) * BLOCK_BYTES;
         for (int g = 0; g < k / GROUP; g++) {
             const uint8_t *blk = row + (size_t)g * BLOCK_BYTES;
-            __m256 d = _mm256_set1_ps(block_d(blk));
+            __m256 d = _mm256_set1_ps(fp16_to_float(blk));
             for (int j = 0; j < 4; j++)
                 store8(out, bf16, (size_t)i * k + g * GROUP + 8 * j, _mm256_mul_ps(i8_to_ps((const int8_t *)(blk + 2) + 8 * j), d));
         }

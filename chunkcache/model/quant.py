@@ -256,9 +256,7 @@ class QuantProduct:
 
     def qkernel_ops(self) -> bool:
         """Whether a compiled graph would call `qkernel`'s ops for these parts' few-row products."""
-        return any(
-            isinstance(p, BlocksPart) or (isinstance(p, Int4Part | Int8Part) and p.native) for p in self.parts
-        )
+        return any(not isinstance(p, DensePart) and p.native for p in self.parts)
 
     def tensors(self) -> list[torch.Tensor]:
         held = [t for p in self.parts for t in p.tensors()]

@@ -88,7 +88,7 @@ def own_blocks(qtype: str, int8_x: bool) -> bool:
     GEMM) measured RAG random 43x llama.cpp against 61x and prefill 7.4x against 8.6x."""
     if qtype not in BLOCK_FORMATS or not qkernel.blocks_available():
         return False
-    if qtype == "Q8_0":  # where the int4 kernel serves too: see below
+    if qtype == "Q8_0":  # where the int4 kernel serves too: see above
         return qkernel.available()
     return int8_x
 
