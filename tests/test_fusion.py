@@ -117,6 +117,26 @@ def test_every_stream_is_exactly_its_own_prompt(checkpoint, arch: str, monkeypat
     llm.check_integrity()
 
 
+def test_the_streams_question_logprobs_share_one_lm_head_call(checkpoint, monkeypatch) -> None:
+    """Every stream's Q rows go through the lm_head together (a native-weights lm_head
+    dequantizes its whole weight per call: 5 streams of the 1.5B paid it 5 times, 0.3 s), and the
+    sampled rows in one more call: 2 calls in the first step, whatever the number of streams."""
+    llm = _llm(checkpoint(arch="llama"))
+    model = llm.engine.runner.model
+    rows: list[int] = []
+    original = model.compute_logits
+
+    def counted(hidden: torch.Tensor) -> torch.Tensor:
+        rows.append(hidden.shape[0])
+        return original(hidden)
+
+    monkeypatch.setattr(model, "compute_logits", counted)
+    llm.generate(_prompt([0, 2, 1, 3]), SamplingParams(temperature=0, max_tokens=1))
+    q = len(_streams(llm, [0], True)[1])
+    assert rows == [5 * (q - 1), 5]  # 4 documents and the amateur: Q's rows but its last, then those
+    llm.check_integrity()
+
+
 @pytest.mark.parametrize(
     ("rule", "amateur"),
     [("max_confidence", False), ("product", False), ("product", True), ("contrastive", True)],

@@ -53,6 +53,13 @@ Q6K_FORM = Int8Part
 Q8_0_FORM = BlocksPart if qkernel.available() else Int8Part
 
 
+@pytest.fixture(autouse=True)
+def _narrow_blocks(monkeypatch) -> None:
+    """Blocks of `dequant.BLOCK_ROWS` rows (no wider ones, `dequant.block_rows`): the shapes here
+    are a whole block and a partial one at that width (wide blocks: test_quant's own test)."""
+    monkeypatch.setattr(dequant, "BLOCK_BYTES", 0)
+
+
 def _raw(qtype: Q, seed: int = 0, shape: tuple[int, int] = (ROWS, COLS)) -> RawTensor:
     if qtype in (Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
         data = _random_k_quant(shape, qtype, seed) if qtype != Q.Q2_K else _random_q2_k(shape, seed)
@@ -246,6 +253,25 @@ def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: 
         assert _relative(y, exact) < 1e-6
     else:  # torch's kernels: bfloat16 activations and output
         assert _relative(y, exact) < 2**-7
+
+
+def test_wide_blocks_hold_more_rows_and_give_the_same_products(monkeypatch) -> None:
+    """`dequant.block_rows`: as many rows as `BLOCK_BYTES` holds in whole tiles of 64, at least
+    `BLOCK_ROWS`; products over the default width and over 256-row blocks agree within float32
+    summation (each output is one GEMM's dot product either way)."""
+    monkeypatch.undo()  # this module's narrow blocks
+    assert dequant.block_rows(8960, 1536, torch.bfloat16) == 2048
+    assert dequant.block_rows(1536, 8960, torch.bfloat16) == 320
+    assert dequant.block_rows(8960, 8960, torch.float32) == dequant.BLOCK_ROWS
+    assert dequant.block_rows(100, 1536, torch.bfloat16) == 100
+    raw = _raw(Q.Q4_K, seed=12, shape=(1344, COLS))
+    (part,) = native_parts([raw], torch.float32, {})
+    x = torch.randn(dequant.NATIVE_INT4_MIN_ROWS + 40, COLS)
+    assert dequant.block_rows(1344, COLS, torch.float32) == 1344  # one block
+    wide = part(x)
+    monkeypatch.setattr(dequant, "BLOCK_BYTES", 0)  # 256, 256, ..., 64
+    assert _relative(wide, part(x)) < 1e-6
+    assert _relative(wide, x @ _reference(raw).t()) < INT4_TOL
 
 
 def test_int4_blocks_fall_back_to_the_kernel_where_the_packing_is_not_read(monkeypatch) -> None:

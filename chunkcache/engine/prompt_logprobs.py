@@ -34,6 +34,12 @@ class PromptSlice:
         return self.logprobs.gather(1, self.targets[:, None])[:, 0].tolist()
 
 
+# Rows whose logits one lm_head call computes at most: the slices of several sequences share a
+# call (a native-weights lm_head dequantizes its whole weight per call: fusion's streams each paid
+# it), while [rows, vocab] float32 stays bounded (256 rows of Qwen2.5's vocab: 156 MB).
+LOGITS_ROWS = 256
+
+
 def prompt_slices(
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
@@ -46,7 +52,18 @@ def prompt_slices(
     after them, from own position `first(seq)` on (a fusion pair stream computes a document before
     its question: only the question's are wanted, and logits over a document would cost a vocab
     row per token). `hidden` [tokens, hidden] is one forward whose tokens are those of `seqs` in
-    order (`num_new_tokens[i]` each, the first `num_computed` of each already done)."""
+    order (`num_new_tokens[i]` each, the first `num_computed` of each already done). Consecutive
+    slices share an lm_head call up to `LOGITS_ROWS` rows."""
+    pending: list[tuple[Sequence, int, torch.Tensor]] = []  # (seq, lo, hidden rows)
+
+    def flush() -> Iterator[PromptSlice]:
+        rows = torch.cat([h for _, _, h in pending])
+        logprobs = torch.log_softmax(compute_logits(rows).float(), dim=-1).cpu()
+        for (seq, lo, h), part in zip(pending, logprobs.split([len(h) for _, _, h in pending]), strict=True):
+            targets = torch.tensor(seq.token_ids[lo + 1 : lo + 1 + len(h)], dtype=torch.long)
+            yield PromptSlice(seq, lo, part, targets)
+        pending.clear()
+
     start = 0
     for seq, n in zip(seqs, num_new_tokens, strict=True):
         c = seq.num_computed
@@ -55,11 +72,12 @@ def prompt_slices(
         # Positions lo .. c+n-1 predict tokens lo+1 .. c+n; only those still in the prompt count.
         hi = min(c + n, prompt_len - 1)
         if lo < hi:
-            rows = hidden[start + lo - c : start + hi - c]
-            logprobs = torch.log_softmax(compute_logits(rows).float(), dim=-1).cpu()
-            targets = torch.tensor(seq.token_ids[lo + 1 : hi + 1], dtype=torch.long)
-            yield PromptSlice(seq, lo, logprobs, targets)
+            if pending and sum(len(h) for _, _, h in pending) + hi - lo > LOGITS_ROWS:
+                yield from flush()
+            pending.append((seq, lo, hidden[start + lo - c : start + hi - c]))
         start += n
+    if pending:
+        yield from flush()
 
 
 def record_prompt_logprobs(

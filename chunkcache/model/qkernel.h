@@ -83,6 +83,13 @@ static inline void store8(void *out, int bf16, size_t at, __m256 v) {
         _mm256_storeu_ps((float *)out + at, v);
 }
 
+/* Functions built for AVX512 with BF16 (bfloat16 conversions of 32 floats at once), called only
+ * where `bf16_dequantize()`: the CPUs with a native bfloat16 GEMM, whose prefill takes bfloat16
+ * blocks. The library's flags stay AVX2's; these carry their own target. */
+#define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+static inline int bf16_dequantize(void) { return __builtin_cpu_supports("avx512bf16"); }
+
 /* 8 int8 codes as float32. */
 static inline __m256 i8_to_ps(const int8_t *c) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));

@@ -121,8 +121,8 @@ void q4k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, 
 }
 
 /* `rows` weight rows from `blocks` (the first of them) as [rows][k], float32 or (`bf16`) bfloat16:
- * gguf's values, in order. */
-void q4k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16) {
+ * gguf's values, in order; AVX2 (the bfloat16 rounding in integers). */
+void q4k_dequantize_avx2(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int i = 0; i < rows; i++) {
         for (int b = 0; b < k / QK; b++) {
@@ -136,4 +136,46 @@ void q4k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threa
                     store8(out, bf16, (size_t)i * k + (size_t)b * QK + 32 * s + 8 * u, weights8(blk, fs, fm, s, u));
         }
     }
+}
+
+/* The same rows as bfloat16 by AVX512-BF16 (`bf16_dequantize`'s CPUs: a native bfloat16 GEMM
+ * takes them): 16 codes a vector, `vcvtne2ps2bf16` rounding 32 floats to nearest even at once
+ * (the AVX2 path's bits: w is never denormal or NaN). A prefill step dequantizes every weight;
+ * this measured ~x faster. */
+AVX512_BF16 void q4k_dequantize_bf16(const uint8_t *blocks, int k, int rows, uint16_t *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int i = 0; i < rows; i++) {
+        for (int b = 0; b < k / QK; b++) {
+            const uint8_t *blk = blocks + ((size_t)i * (k / QK) + b) * BLOCK_BYTES;
+            __m256 dsc, dm;
+            block_factors(blk, &dsc, &dm);
+            float fs[8], fm[8];
+            _mm256_storeu_ps(fs, dsc), _mm256_storeu_ps(fm, dm);
+            uint16_t *o = out + (size_t)i * k + (size_t)b * QK;
+            for (int j = 0; j < 4; j++) { /* chunk j: sub-blocks 2j (low nibbles) and 2j + 1 (high) */
+                const uint8_t *c = blk + 16 + 32 * j;
+                const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+                const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16)));
+                const __m512i m4 = _mm512_set1_epi32(0x0F);
+                for (int half = 0; half < 2; half++) {
+                    const int s = 2 * j + half;
+                    const __m512 scale = _mm512_set1_ps(fs[s]), minimum = _mm512_set1_ps(-fm[s]);
+                    const __m512i q0 = half ? _mm512_srli_epi32(v0, 4) : _mm512_and_si512(v0, m4);
+                    const __m512i q1 = half ? _mm512_srli_epi32(v1, 4) : _mm512_and_si512(v1, m4);
+                    const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), scale, minimum);
+                    const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), scale, minimum);
+                    _mm512_storeu_si512(o + 32 * s, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+                }
+            }
+        }
+    }
+}
+
+/* `rows` weight rows as float32 or (`bf16`) bfloat16, gguf's values (bfloat16: rounded to nearest
+ * even), the AVX512-BF16 path where the CPU has it. */
+void q4k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16) {
+    if (bf16 && bf16_dequantize())
+        q4k_dequantize_bf16(blocks, k, rows, out, threads);
+    else
+        q4k_dequantize_avx2(blocks, k, rows, out, threads, bf16);
 }

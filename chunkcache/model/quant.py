@@ -131,7 +131,7 @@ class Int4Part:
         `qkernel.int4_dequantize` (the kernel's factors), bfloat16 from `int4_dequantize_bf16`
         (torch's packing and scales)."""
         cols = self.packed.shape[1] * 2
-        buffer = torch.empty(cols * min(dequant.BLOCK_ROWS, self.rows), dtype=dtype)
+        buffer = torch.empty(cols * dequant.block_rows(self.rows, cols, dtype), dtype=dtype)
         if dtype == torch.bfloat16:
             return lambda start, rows: qkernel.int4_dequantize_bf16(
                 self.packed, self.scale_zeros, start, buffer[: cols * rows].view(cols, rows)

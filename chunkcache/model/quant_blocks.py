@@ -19,8 +19,9 @@ qkernel_q8_0.c say why that is exact).
 - Few rows (decode): `qkernel.blocks_product`, x rounded to int8 per block of 32 in decode steps
   with `int8_activations` (llama.cpp's Q6_K / Q8_0 x Q8 dot products, integer sums), float32 x
   otherwise.
-- Many rows (prefill): float32 GEMMs over blocks of `dequant.BLOCK_ROWS` weight rows dequantized
-  by the same C code into one reused buffer, as `dequant.int8_product` does with its codes.
+- Many rows (prefill): GEMMs in x's dtype over blocks of `dequant.block_rows` weight rows
+  dequantized by the same C code into one reused buffer, as `dequant.int8_product` does with its
+  codes.
 """
 
 from __future__ import annotations
@@ -141,10 +142,10 @@ class BlocksPart:
 
 
 def product(x: torch.Tensor, qtype: str, blocks: torch.Tensor) -> torch.Tensor:
-    """x [T, in] (float32 or bfloat16) times a weight held as `qtype`'s blocks, `dequant.BLOCK_ROWS`
+    """x [T, in] (float32 or bfloat16) times a weight held as `qtype`'s blocks, `dequant.block_rows`
     weight rows at a time dequantized into one reused buffer of x's dtype: [T, out] in it."""
     n = blocks.shape[0]
-    buffer = torch.empty(min(dequant.BLOCK_ROWS, n), x.shape[1], dtype=x.dtype)
+    buffer = torch.empty(dequant.block_rows(n, x.shape[1], x.dtype), x.shape[1], dtype=x.dtype)
     return dequant.blockwise_product(
         x,
         n,
