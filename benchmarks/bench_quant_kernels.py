@@ -57,7 +57,9 @@ def bf16_blocks_product(x: torch.Tensor, packed: torch.Tensor, scale_zeros: torc
     """bfloat16 x times the int4 weight over bfloat16 blocks, as `quant.Int4Part` runs a bfloat16
     prefill where `qkernel.bf16_blocks()`."""
     cols = packed.shape[1] * 2
-    buffer = torch.empty(cols * dequant.block_rows(packed.shape[0], cols, torch.bfloat16), dtype=torch.bfloat16)
+    buffer = torch.empty(
+        cols * dequant.block_rows(packed.shape[0], cols, torch.bfloat16), dtype=torch.bfloat16
+    )
     return dequant.blockwise_product(
         x,
         packed.shape[0],

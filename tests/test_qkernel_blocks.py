@@ -72,7 +72,9 @@ def test_dequantize_is_ggufs_bit_for_bit(shape, specials, qtype) -> None:
     assert torch.equal(ours.view(torch.int16), reference.bfloat16().view(torch.int16))
 
 
-@pytest.mark.skipif(" avx512_bf16" not in Path("/proc/cpuinfo").read_text(), reason="the CPU has no AVX512-BF16")
+@pytest.mark.skipif(
+    " avx512_bf16" not in Path("/proc/cpuinfo").read_text(), reason="the CPU has no AVX512-BF16"
+)
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_bf16_dequantize_avx512_gives_the_avx2_paths_bits(qtype) -> None:
     """Prefill's bfloat16 blocks by AVX512-BF16 (`vcvtne2ps2bf16`, what serves on such CPUs, and
@@ -85,9 +87,7 @@ def test_bf16_dequantize_avx512_gives_the_avx2_paths_bits(qtype) -> None:
     name = qtype.lower().replace("_", "")
     outs = [torch.empty(70, 1536, dtype=torch.bfloat16) for _ in range(2)]
     for fn, out in zip((f"{name}_dequantize_avx2", f"{name}_dequantize"), outs, strict=True):
-        getattr(lib, fn)(
-            ctypes.c_void_p(blocks.data_ptr()), 1536, 70, ctypes.c_void_p(out.data_ptr()), 2, 1
-        )
+        getattr(lib, fn)(ctypes.c_void_p(blocks.data_ptr()), 1536, 70, ctypes.c_void_p(out.data_ptr()), 2, 1)
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     assert torch.equal(outs[1].view(torch.int16), reference.bfloat16().view(torch.int16))
 

@@ -70,7 +70,6 @@ def test_a_short_request_gets_its_first_token_within_a_step() -> None:
     assert _step(sched, blocks) == {"short": 1, "long": 16, "middle": 16}
 
 
-
 def test_a_short_tail_joins_the_piece_before_it() -> None:
     """A prefill that would end in a piece of at most threshold / 8 tokens takes them in the piece
     before (a step costs something whatever its tokens: native weights dequantize every weight per
@@ -86,6 +85,7 @@ def test_a_short_tail_joins_the_piece_before_it() -> None:
     sched, blocks = _scheduler(budget=17, threshold=16)
     sched.add(_seq("budget", 16 + 2))
     assert _step(sched, blocks) == {"budget": 17}
+
 
 def test_running_decodes_get_a_token_every_step() -> None:
     sched, blocks = _scheduler(budget=40, threshold=32)
