@@ -175,12 +175,22 @@ def int4_product(
 def blockwise_product(x: torch.Tensor, n: int, block: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """x [T, in] times a weight of `n` output rows that `block(start, rows)` gives `block_rows`
     rows at a time as the GEMM's B [in, rows] in x's dtype (a transposed [rows, in] view serves
-    as well): [T, n] in x's dtype."""
+    as well): [T, n] in x's dtype. A bfloat16 block that is such a view, of whole tiles of 32
+    rows, is multiplied on AMX tiles where `qkernel.amx()` (qkernel_amx.c says why), x packed for
+    them once per product."""
+    from chunkcache.model import qkernel  # qkernel imports this module
+
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
     step = block_rows(n, x.shape[1], x.dtype)
+    amx = x.dtype == torch.bfloat16 and x.shape[1] % 32 == 0 and qkernel.amx()
+    packed = qkernel.amx_pack(x.contiguous()) if amx else None
     for start in range(0, n, step):
         rows = min(step, n - start)
-        torch.mm(x, block(start, rows), out=out[:, start : start + rows])
+        b = block(start, rows)
+        if packed is not None and rows % 32 == 0 and b.t().is_contiguous():
+            qkernel.amx_product(packed, x.shape[0], b.t(), out, start)
+        else:
+            torch.mm(x, b, out=out[:, start : start + rows])
     return out
 
 

@@ -46,7 +46,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qkernel.c")
 # Compiled together into one library (`SOURCE` first); the header is hashed with them.
-EXTRA_SOURCES = tuple(Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q4k", "q8_0", "bf16"))
+EXTRA_SOURCES = tuple(
+    Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q4k", "q8_0", "bf16", "amx")
+)
 HEADER = Path(__file__).with_name("qkernel.h")
 # Included by one source twice (per dot product instruction), hashed with the sources.
 TEMPLATES = (Path(__file__).with_name("qkernel_q4k_q8.h"),)
@@ -123,10 +125,14 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         ("int8_product", [p, i, i, i, p, p, p, i, i]),
         ("int4_dequantize", [p, p, p, i, i, i, p, i]),
         ("int4_dequantize_bf16", [p, p, i, i, i, i, p, i]),
+        ("amx_ready", []),
+        ("amx_pack_x", [p, i, i, p]),
+        ("amx_product", [p, i, i, p, i, p, i, i]),
         *((product, block_product) for product, _ in _BLOCK_FUNCTIONS.values()),
         *((dequantize, block_dequantize) for _, dequantize in _BLOCK_FUNCTIONS.values()),
     ):
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+    lib.amx_ready.restype = ctypes.c_int
     return lib, None
 
 
@@ -172,9 +178,45 @@ def blocks_available() -> bool:
     return lib is not None
 
 
+@functools.cache
+def amx() -> bool:
+    """Whether prefill's bfloat16 GEMMs over dequantized blocks run on AMX tiles (`qkernel_amx.c`):
+    the library builds, the CPU has AMX-BF16 and the OS lets this process use the tiles. Logged
+    once where they serve."""
+    lib = _loaded()[0]
+    serves = lib is not None and lib.amx_ready() == 1
+    if serves:
+        logger.info("quantized products: prefill's bfloat16 blocks multiplied on AMX tiles")
+    return serves
+
+
+def amx_pack(x: torch.Tensor) -> torch.Tensor:
+    """bfloat16 x [m, k] (k a multiple of 32) as the tiles' B operand (`amx_pack_x`), for every
+    block of one product."""
+    lib = _loaded()[0]
+    assert lib is not None and x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[1] % 32 == 0
+    m, k = x.shape
+    packed = torch.empty((m + 15) // 16 * 16 * k // 2, dtype=torch.int32)
+    lib.amx_pack_x(x.data_ptr(), m, k, packed.data_ptr())
+    return packed
+
+
+def amx_product(packed: torch.Tensor, m: int, w: torch.Tensor, out: torch.Tensor, start: int) -> None:
+    """out[:, start : start + rows] = x w^T for the x `packed` holds (`amx_pack`, m rows) and a
+    bfloat16 block of weight rows w [rows, k] (rows a multiple of 32), out bfloat16 [m, n]."""
+    lib = _loaded()[0]
+    assert lib is not None and w.dtype == out.dtype == torch.bfloat16
+    assert w.is_contiguous() and out.is_contiguous() and w.shape[0] % 32 == 0 and out.shape[0] == m
+    assert start + w.shape[0] <= out.shape[1] and packed.numel() == (m + 15) // 16 * 16 * w.shape[1] // 2
+    lib.amx_product(
+        packed.data_ptr(), m, w.shape[1], w.data_ptr(), w.shape[0], out.data_ptr() + 2 * start, out.shape[1],
+        torch.get_num_threads(),
+    )  # fmt: skip
+
+
 def cache_clear() -> None:
     """Forget the loaded library and what it serves (tests: another compiler or directory)."""
-    for cached in (_loaded, library, bf16_blocks, blocks_available):
+    for cached in (_loaded, library, bf16_blocks, blocks_available, amx):
         cached.cache_clear()
 
 

@@ -1,0 +1,137 @@
+/* Prefill's bfloat16 GEMMs on AMX (Intel's tile units), built into the same library as qkernel.c by
+ * `model/qkernel.py`: y = x w^T for a bfloat16 x [m][k] and a dequantized bfloat16 block of weight
+ * rows w [n][k] (`dequant.blockwise_product`, where the CPU has AMX-BF16).
+ *
+ * Why not torch's GEMM: each call of it over a freshly dequantized block repacks the block into
+ * the tiles' pair-interleaved layout first, and a prefill step multiplies every weight once, so
+ * that repacking is paid per weight per step: 0.43-0.96 TFLOP/s at 100-267 rows of x on the
+ * 1.5B's shapes (one thread). Here the weights are the tiles' A operand as they lie (16 rows of 32
+ * inputs, row stride k) and x, small, is packed once per product as the B operand
+ * (`amx_pack_x`): 0.80-1.13 TFLOP/s on the same shapes. The C tiles hold y transposed (weight
+ * rows by x rows), written out as bfloat16 rounded to nearest even, as torch's GEMM rounds its
+ * float32 sums.
+ *
+ * Blocking: 2 A tiles (32 weight rows) x 2 B tiles (32 x rows) -> 4 C tiles (the 8 tile
+ * registers); the inputs in passes of `KSEG` so that a pass's x tiles and weight rows stay in L2
+ * (k = 8,960: 0.69 -> 1.02 TFLOP/s), partial sums kept in float32 between passes. Weight rows are
+ * split over `threads` (OpenMP), each C tile one thread's sums: the same numbers at any count.
+ */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "qkernel.h"
+
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define KSEG 1536 /* inputs per pass */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* 1 where the CPU has AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24, 22) and AVX512-BF16, and the
+ * kernel lets this process use the tile registers (Linux asks each process to request them). */
+int amx_ready(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return 0;
+    if (!__builtin_cpu_supports("avx512bf16")) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+/* x bf16 [m][k] -> xp: per 16 rows (zero past m) and 32 inputs, one B tile of 16 x 16 dwords,
+ * dword (p, j) = x[16 t + j][32 c + 2 p .. + 1]. */
+void amx_pack_x(const uint16_t *x, int m, int k, uint32_t *xp) {
+    const int tiles = (m + 15) / 16, chunks = k / 32;
+    for (int t = 0; t < tiles; t++)
+        for (int c = 0; c < chunks; c++) {
+            uint32_t *tile = xp + ((size_t)t * chunks + c) * 256;
+            for (int j = 0; j < 16; j++) {
+                const int row = 16 * t + j;
+                const uint32_t *src = (const uint32_t *)(x + (size_t)row * k + 32 * c);
+                for (int p = 0; p < 16; p++) tile[16 * p + j] = row < m ? src[p] : 0;
+            }
+        }
+}
+
+/* A C tile c [16 weight rows][16 x rows] (float32) as y[j][0..15] in bfloat16 for x rows j < rows_m. */
+static AMX void store_transposed(const float *c, int rows_m, uint16_t *y, int ldy) {
+    for (int j = 0; j < rows_m; j++) {
+        __m512 col = _mm512_i32gather_ps(_mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240), c + j, 4);
+        _mm256_storeu_si256((__m256i *)(y + (size_t)j * ldy), (__m256i)_mm512_cvtneps_pbh(col));
+    }
+}
+
+
+/* C tiles of weight rows n0..n0+31 against x tiles mt (and mt + 1 where `two`) over chunks
+ * [c0, c1): accumulated from `acc` unless the first pass; stored to `acc`, or as bf16 into y on
+ * the last pass. */
+static inline __attribute__((always_inline)) AMX void tile_pass(const int two, const uint32_t *xp, int m, int k, const uint16_t *w, int n0,
+                                                   int mt, int mtiles, int c0, int c1, float *acc, uint16_t *y, int ldy, float (*c)[256]) {
+    const int chunks = k / 32;
+    const uint16_t *w0 = w + (size_t)n0 * k, *w1 = w0 + (size_t)16 * k;
+    const uint32_t *b0 = xp + (size_t)mt * chunks * 256, *b1 = b0 + (size_t)chunks * 256;
+    float *a00 = acc + ((size_t)(n0 / 16) * mtiles + mt) * 256, *a10 = a00 + (size_t)mtiles * 256;
+    if (c0 == 0) {
+        _tile_zero(0); _tile_zero(2);
+        if (two) { _tile_zero(1); _tile_zero(3); }
+    } else {
+        _tile_loadd(0, a00, 64); _tile_loadd(2, a10, 64);
+        if (two) { _tile_loadd(1, a00 + 256, 64); _tile_loadd(3, a10 + 256, 64); }
+    }
+    for (int ch = c0; ch < c1; ch++) {
+        _tile_loadd(4, w0 + 32 * ch, 2 * k);
+        _tile_loadd(5, w1 + 32 * ch, 2 * k);
+        _tile_loadd(6, b0 + 256 * ch, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two) {
+            _tile_loadd(7, b1 + 256 * ch, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    if (c1 < chunks) {
+        _tile_stored(0, a00, 64); _tile_stored(2, a10, 64);
+        if (two) { _tile_stored(1, a00 + 256, 64); _tile_stored(3, a10 + 256, 64); }
+        return;
+    }
+    _tile_stored(0, c[0], 64); _tile_stored(2, c[2], 64);
+    const int m0 = 16 * mt, r0 = m - m0 < 16 ? m - m0 : 16;
+    store_transposed(c[0], r0, y + (size_t)m0 * ldy + n0, ldy);
+    store_transposed(c[2], r0, y + (size_t)m0 * ldy + n0 + 16, ldy);
+    if (two) {
+        _tile_stored(1, c[1], 64); _tile_stored(3, c[3], 64);
+        const int r1 = m - m0 - 16 < 16 ? m - m0 - 16 : 16;
+        store_transposed(c[1], r1, y + (size_t)(m0 + 16) * ldy + n0, ldy);
+        store_transposed(c[3], r1, y + (size_t)(m0 + 16) * ldy + n0 + 16, ldy);
+    }
+}
+
+/* y [m][0..n) (row stride ldy, bfloat16) = x w^T: w bfloat16 [n][k] row-major, n and k multiples
+ * of 32; xp is x packed by `amx_pack_x`. */
+AMX void amx_product(const uint32_t *xp, int m, int k, const uint16_t *w, int n, uint16_t *y, int ldy, int threads) {
+    const int chunks = k / 32, mtiles = (m + 15) / 16, seg = KSEG / 32;
+    float *acc = chunks > seg ? aligned_alloc(64, (size_t)(n / 16) * mtiles * 1024) : NULL;
+    for (int c0 = 0; c0 < chunks; c0 += seg) {
+        const int c1 = c0 + seg < chunks ? c0 + seg : chunks;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            tile_config cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+            _tile_loadconfig(&cfg);
+            float c[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+            for (int n0 = 0; n0 < n; n0 += 32) {
+                int mt = 0;
+                for (; mt + 1 < mtiles; mt += 2) tile_pass(1, xp, m, k, w, n0, mt, mtiles, c0, c1, acc, y, ldy, c);
+                if (mt < mtiles) tile_pass(0, xp, m, k, w, n0, mt, mtiles, c0, c1, acc, y, ldy, c);
+            }
+            _tile_release();
+        }
+    }
+    free(acc);
+}

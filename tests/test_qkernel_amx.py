@@ -1,0 +1,79 @@
+"""Prefill's bfloat16 GEMMs on AMX tiles (chunkcache/model/qkernel_amx.c, `dequant.blockwise_product`).
+
+Oracle: the float64 product of the same bfloat16 x and w, rounded to bfloat16 as torch's GEMM
+rounds its float32 sums: the tiles' products of bfloat16 pairs are exact in float32, so only the
+float32 summation order and the final rounding differ (measured: within one bfloat16 unit of the
+rounded oracle, relative 2^-8, where a misplaced tile row or column is off by whole values).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunkcache.model import dequant, qkernel
+from chunkcache.model.quant_blocks import BlocksPart
+
+pytestmark = pytest.mark.skipif(not qkernel.amx(), reason="no AMX-BF16 here (or the library does not build)")
+
+gguf = pytest.importorskip("gguf")
+
+from tests.test_qkernel_blocks import _blocks  # noqa: E402
+
+
+def _oracle(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().t()).bfloat16()
+
+
+def _within_a_unit(y: torch.Tensor, oracle: torch.Tensor) -> None:
+    """Each output within one bfloat16 unit of the rounded oracle (float32 sums in another order
+    can round the other way), against the scale of the sums for outputs that cancel."""
+    scale = oracle.float().abs().max().item()
+    torch.testing.assert_close(y.float(), oracle.float(), rtol=2**-7, atol=scale * 2**-12)
+
+
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 33, 100])
+@pytest.mark.parametrize("k", [32, 1536, 1600, 3200])  # 1600, 3200: passes of 1,536 inputs and a rest
+def test_product_is_the_rounded_float64_product(m: int, k: int) -> None:
+    """x rows on both sides of a tile's 16 and of a pair's 32, inputs in one pass and in several;
+    written into columns [32, 32 + n) of a wider output, the others untouched."""
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(96, k, generator=g).bfloat16()
+    out = torch.full((m, 160), 7.0, dtype=torch.bfloat16)
+    qkernel.amx_product(qkernel.amx_pack(x), m, w, out, 32)
+    _within_a_unit(out[:, 32:128], _oracle(x, w))
+    assert (out[:, :32] == 7).all() and (out[:, 128:] == 7).all()
+
+
+def test_threads_give_the_same_bits() -> None:
+    x, w = torch.randn(37, 1600).bfloat16(), torch.randn(128, 1600).bfloat16()
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            out = torch.empty(37, 128, dtype=torch.bfloat16)
+            qkernel.amx_product(qkernel.amx_pack(x), 37, w, out, 0)
+            outs.append(out)
+        finally:
+            torch.set_num_threads(1)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_a_prefill_over_blocks_takes_the_tiles_and_agrees_with_torchs_gemm(qtype: str, monkeypatch) -> None:
+    """A bfloat16 prefill's product over the file's blocks (several blocks and a rest, as
+    `dequant.block_rows` cuts them): on the tiles, the rounded float64 product of x and the
+    blocks' bfloat16 weights, and within a unit of torch's GEMM over the same blocks."""
+    blocks, reference = _blocks((1344, 1536), seed=44, qtype=qtype)
+    part = BlocksPart(blocks, qtype)
+    x = torch.randn(100, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
+    monkeypatch.setattr(dequant, "BLOCK_BYTES", 512 * 1536 * 2)  # blocks of 512, 512 and 320 rows
+    calls = []
+    original = qkernel.amx_product
+    monkeypatch.setattr(qkernel, "amx_product", lambda *a: calls.append(a[2].shape[0]) or original(*a))
+    on_tiles = part(x)
+    assert calls == [512, 512, 320]
+    _within_a_unit(on_tiles, _oracle(x, reference.bfloat16()))
+    monkeypatch.setattr(qkernel, "amx", lambda: False)
+    _within_a_unit(on_tiles, part(x).float().bfloat16())
