@@ -62,8 +62,9 @@ OPTION_HELP: dict[str, str] = {
     "max_num_seqs": "sequences scheduled together at most, > 0",
     "max_num_batched_tokens": "tokens run in one step at most (longer prompts are prefilled in pieces), > 0",
     "long_prefill_token_threshold": "a prefill longer than this runs in pieces of at most this many "
-    "tokens per step (a blend: as many of its layers as that many tokens' work; a fusion request's "
-    "streams: together), after the step's decodes and short prompts, > 0",
+    "tokens per step (a last piece of at most 1/8 of it joins the one before; a blend: as many of "
+    "its layers as that many tokens' work; a fusion request's streams: together), after the "
+    "step's decodes and short prompts, > 0",
     "min_decode_share": "while streams decode, long prefills and background work run only while the "
     "streams keep at least this share of their decode-only rate, in [0, 1); 0 = off",
     "max_model_len": "prompt plus generated tokens at most, > 0 (default: the model's context length)",
