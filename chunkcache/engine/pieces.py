@@ -45,6 +45,7 @@ def units(seqs: list[Sequence]) -> list[list[Sequence]]:
     return grouped
 
 
+# A prefill's last piece of at most `threshold // TAIL_SHARE` tokens joins the one before (`piece_for`).
 TAIL_SHARE = 8
 
 

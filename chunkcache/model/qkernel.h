@@ -83,12 +83,31 @@ static inline void store8(void *out, int bf16, size_t at, __m256 v) {
         _mm256_storeu_ps((float *)out + at, v);
 }
 
+/* Whether the compiler has AVX512-BF16's and AMX's intrinsics (GCC 10 and 11, clang 9 and 12):
+ * where not, the library builds without the paths that use them and never takes them. */
+#ifndef HAS_AVX512_BF16
+#if defined(__clang__)
+#define HAS_AVX512_BF16 (__clang_major__ >= 9)
+#else
+#define HAS_AVX512_BF16 (__GNUC__ >= 10)
+#endif
+#endif
+#ifndef HAS_AMX
+#if defined(__clang__)
+#define HAS_AMX (__clang_major__ >= 12)
+#else
+#define HAS_AMX (__GNUC__ >= 11)
+#endif
+#endif
+
+#if HAS_AVX512_BF16
 /* Functions built for AVX512 with BF16 (bfloat16 conversions of 32 floats at once), called only
  * where `bf16_dequantize()`: the CPUs with a native bfloat16 GEMM, whose prefill takes bfloat16
  * blocks. The library's flags stay AVX2's; these carry their own target. */
 #define AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 static inline int bf16_dequantize(void) { return __builtin_cpu_supports("avx512bf16"); }
+#endif
 
 /* 8 int8 codes as float32. */
 static inline __m256 i8_to_ps(const int8_t *c) {

@@ -125,14 +125,14 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         ("int8_product", [p, i, i, i, p, p, p, i, i]),
         ("int4_dequantize", [p, p, p, i, i, i, p, i]),
         ("int4_dequantize_bf16", [p, p, i, i, i, i, p, i]),
-        ("amx_ready", []),
-        ("amx_pack_x", [p, i, i, p]),
-        ("amx_product", [p, i, i, p, i, p, i, i]),
         *((product, block_product) for product, _ in _BLOCK_FUNCTIONS.values()),
         *((dequantize, block_dequantize) for _, dequantize in _BLOCK_FUNCTIONS.values()),
     ):
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-    lib.amx_ready.restype = ctypes.c_int
+    if hasattr(lib, "amx_ready"):  # where the compiler has AMX's intrinsics (qkernel.h's HAS_AMX)
+        for name, argtypes in (("amx_pack_x", [p, i, i, p]), ("amx_product", [p, i, i, p, i, p, i, i])):
+            getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+        lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
     return lib, None
 
 
@@ -181,10 +181,10 @@ def blocks_available() -> bool:
 @functools.cache
 def amx() -> bool:
     """Whether prefill's bfloat16 GEMMs over dequantized blocks run on AMX tiles (`qkernel_amx.c`):
-    the library builds, the CPU has AMX-BF16 and the OS lets this process use the tiles. Logged
-    once where they serve."""
+    the library builds with them (a compiler with AMX's intrinsics), the CPU has AMX-BF16 and the
+    OS lets this process use the tiles. Logged once where they serve."""
     lib = _loaded()[0]
-    serves = lib is not None and lib.amx_ready() == 1
+    serves = lib is not None and hasattr(lib, "amx_ready") and lib.amx_ready() == 1
     if serves:
         logger.info("quantized products: prefill's bfloat16 blocks multiplied on AMX tiles")
     return serves

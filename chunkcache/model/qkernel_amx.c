@@ -22,6 +22,7 @@
 
 #include "qkernel.h"
 
+#if HAS_AMX
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 #define KSEG 1536 /* inputs per pass */
 
@@ -135,3 +136,4 @@ AMX void amx_product(const uint32_t *xp, int m, int k, const uint16_t *w, int n,
     }
     free(acc);
 }
+#endif /* HAS_AMX */

@@ -270,6 +270,7 @@ void q6k_dequantize_avx2(const uint8_t *blocks, int k, int rows, void *out, int 
     }
 }
 
+#if HAS_AVX512_BF16
 /* The same rows as bfloat16 by AVX512-BF16 (as `q4k_dequantize_bf16`): a chunk's 32 codes widened
  * 16 at a time, `vcvtne2ps2bf16` rounding 32 weights at once (the AVX2 path's bits). */
 AVX512_BF16 void q6k_dequantize_bf16(const uint8_t *blocks, int k, int rows, uint16_t *out, int threads) {
@@ -299,11 +300,16 @@ AVX512_BF16 void q6k_dequantize_bf16(const uint8_t *blocks, int k, int rows, uin
     }
 }
 
+#endif
+
 /* `rows` weight rows as float32 or (`bf16`) bfloat16, gguf's values (bfloat16: rounded to nearest
  * even), the AVX512-BF16 path where the CPU has it. */
 void q6k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16) {
-    if (bf16 && bf16_dequantize())
+#if HAS_AVX512_BF16
+    if (bf16 && bf16_dequantize()) {
         q6k_dequantize_bf16(blocks, k, rows, out, threads);
-    else
-        q6k_dequantize_avx2(blocks, k, rows, out, threads, bf16);
+        return;
+    }
+#endif
+    q6k_dequantize_avx2(blocks, k, rows, out, threads, bf16);
 }
