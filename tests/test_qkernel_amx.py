@@ -77,3 +77,21 @@ def test_a_prefill_over_blocks_takes_the_tiles_and_agrees_with_torchs_gemm(qtype
     _within_a_unit(on_tiles, _oracle(x, reference.bfloat16()))
     monkeypatch.setattr(qkernel, "amx", lambda: False)
     _within_a_unit(on_tiles, part(x).float().bfloat16())
+
+
+def test_a_dense_bfloat16_part_takes_the_tiles_and_compiled_graphs_know() -> None:
+    """A dense bfloat16 part (SmolLM2's tied lm_head under `weights native`) on the tiles: within a
+    unit of torch's F.linear, for decode's one row and a prompt's many; `qkernel_ops` reports it, so
+    `compile_decode` refuses to compile around the C call where such graphs aborted (a float32
+    part and a shape the tiles do not take stay torch's)."""
+    from chunkcache.model.quant import DensePart, QuantProduct
+
+    g = torch.Generator().manual_seed(5)
+    part = DensePart(torch.randn(320, 576, generator=g).bfloat16())
+    assert part.on_tiles() and QuantProduct([part], None, torch.bfloat16).qkernel_ops()
+    for rows in (1, 40):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        _within_a_unit(part(x), _oracle(x, part.weight))
+        _within_a_unit(part(x), torch.nn.functional.linear(x, part.weight))
+    for other in (DensePart(part.weight.float()), DensePart(part.weight[:300])):
+        assert not other.on_tiles() and not QuantProduct([other], None, torch.bfloat16).qkernel_ops()

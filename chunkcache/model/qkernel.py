@@ -214,6 +214,26 @@ def amx_product(packed: torch.Tensor, m: int, w: torch.Tensor, out: torch.Tensor
     )  # fmt: skip
 
 
+def amx_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bfloat16 x [m, k] times a dense bfloat16 weight w [n, k] on the tiles: x w^T [m, n]."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    amx_product(amx_pack(x.contiguous()), x.shape[0], w, out, 0)
+    return out
+
+
+def amx_takes(w: torch.Tensor) -> bool:
+    """Whether `amx_matmul` takes the weight w (with a bfloat16 x): bfloat16, contiguous [n, k]
+    with n and k multiples of 32, where the tiles serve."""
+    return (
+        w.dtype == torch.bfloat16
+        and w.dim() == 2
+        and w.is_contiguous()
+        and w.shape[0] % 32 == 0
+        and w.shape[1] % 32 == 0
+        and amx()
+    )
+
+
 def cache_clear() -> None:
     """Forget the loaded library and what it serves (tests: another compiler or directory)."""
     for cached in (_loaded, library, bf16_blocks, blocks_available, amx):
