@@ -60,15 +60,40 @@ def test_threads_give_the_same_bits() -> None:
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_a_prefill_over_blocks_takes_the_tiles_and_agrees_with_torchs_gemm(qtype: str, monkeypatch) -> None:
-    """A bfloat16 prefill's product over the file's blocks (several blocks and a rest, as
-    `dequant.block_rows` cuts them): on the tiles, the rounded float64 product of x and the
-    blocks' bfloat16 weights, and within a unit of torch's GEMM over the same blocks."""
-    blocks, reference = _blocks((1344, 1536), seed=44, qtype=qtype)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("m", [37, 100])
+def test_a_prefill_straight_from_the_blocks_is_the_rounded_product(qtype: str, m: int) -> None:
+    """Inputs within one pass (<= `AMX_ONE_PASS`): the blocks dequantized 32 rows at a time inside
+    the kernel (`amx_blocks_product`): the rounded float64 product of x and the blocks' bfloat16
+    weights, within a unit of torch's GEMM over the same weights, the same bits on 2 threads."""
+    blocks, reference = _blocks((1344, 1536), seed=44 + m, qtype=qtype)
     part = BlocksPart(blocks, qtype)
-    x = torch.randn(100, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
-    monkeypatch.setattr(dequant, "BLOCK_BYTES", 512 * 1536 * 2)  # blocks of 512, 512 and 320 rows
+    x = torch.randn(m, 1536, generator=torch.Generator().manual_seed(m)).bfloat16()
+    assert qkernel.amx_blocks_take(qtype, blocks, 1536)
+    y = part(x)
+    _within_a_unit(y, _oracle(x, reference.bfloat16()))
+    _within_a_unit(y, torch.nn.functional.linear(x, reference.bfloat16()))
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(part(x).view(torch.int16), y.view(torch.int16))
+    finally:
+        torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_a_prefill_over_dequantized_blocks_takes_the_tiles_and_agrees_with_torchs_gemm(
+    qtype: str, monkeypatch
+) -> None:
+    """More inputs than a pass (the 1.5B's down: 8,960): blocks dequantized whole rows at a time
+    (several blocks and a rest, as `dequant.block_rows` cuts them), each multiplied on the tiles
+    (`amx_product`, inputs in passes): the rounded float64 product, within a unit of torch's GEMM
+    over the same blocks."""
+    k = qkernel.AMX_ONE_PASS + 256
+    blocks, reference = _blocks((1344, k), seed=45, qtype=qtype)
+    part = BlocksPart(blocks, qtype)
+    x = torch.randn(100, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert not qkernel.amx_blocks_take(qtype, blocks, k)
+    monkeypatch.setattr(dequant, "BLOCK_BYTES", 512 * k * 2)  # blocks of 512, 512 and 320 rows
     calls = []
     original = qkernel.amx_product
     monkeypatch.setattr(qkernel, "amx_product", lambda *a: calls.append(a[2].shape[0]) or original(*a))

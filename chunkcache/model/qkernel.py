@@ -130,7 +130,11 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
     ):
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
     if hasattr(lib, "amx_ready"):  # where the compiler has AMX's intrinsics (qkernel.h's HAS_AMX)
-        for name, argtypes in (("amx_pack_x", [p, i, i, p]), ("amx_product", [p, i, i, p, i, p, i, i])):
+        for name, argtypes in (
+            ("amx_pack_x", [p, i, i, p]),
+            ("amx_product", [p, i, i, p, i, p, i, i]),
+            ("amx_blocks_product", [i, p, i, i, p, i, i, p, i, i]),
+        ):
             getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
         lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
     return lib, None
@@ -212,6 +216,38 @@ def amx_product(packed: torch.Tensor, m: int, w: torch.Tensor, out: torch.Tensor
         packed.data_ptr(), m, w.shape[1], w.data_ptr(), w.shape[0], out.data_ptr() + 2 * start, out.shape[1],
         torch.get_num_threads(),
     )  # fmt: skip
+
+
+AMX_ONE_PASS = 1536  # qkernel_amx.c's KSEG: inputs `amx_blocks_product` takes in one pass at most
+_AMX_TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2}  # its block type codes
+
+
+def amx_blocks_take(qtype: str, blocks: torch.Tensor, k: int) -> bool:
+    """Whether `amx_blocks_product` takes a weight of `qtype`'s blocks with k inputs: where the tiles
+    serve, rows a multiple of 32 and k of 32, at most `AMX_ONE_PASS`."""
+    return qtype in _AMX_TYPES and blocks.shape[0] % 32 == 0 and k % 32 == 0 and k <= AMX_ONE_PASS and amx()
+
+
+def amx_blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor) -> torch.Tensor:
+    """bfloat16 x [m, k] times a weight held as `qtype`'s blocks [n, bytes a row] on the tiles, each
+    32 weight rows dequantized into an L2-sized scratch and multiplied at once (`amx_blocks_take`):
+    [m, n] bfloat16."""
+    lib = _loaded()[0]
+    m, k = x.shape
+    assert (
+        lib is not None
+        and x.dtype == torch.bfloat16
+        and blocks.is_contiguous()
+        and amx_blocks_take(qtype, blocks, k)
+    )
+    assert k == _columns(qtype, blocks)
+    packed = amx_pack(x.contiguous())
+    out = torch.empty(m, blocks.shape[0], dtype=torch.bfloat16)
+    lib.amx_blocks_product(
+        _AMX_TYPES[qtype], packed.data_ptr(), m, k, blocks.data_ptr(), blocks.shape[1], blocks.shape[0],
+        out.data_ptr(), out.shape[1], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def amx_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
