@@ -13,8 +13,9 @@
  *
  * `amx_blocks_product` takes the file's blocks themselves where k fits one pass: each thread
  * dequantizes 32 weight rows at a time into a scratch that stays in L2 and runs every x row over
- * them, so the dequantized weight never goes through memory (the 1.5B's gate at 100 rows of x:
- * 5.2 -> 3.8 ms against dequantized 2,048-row blocks and `amx_product`; at 267 rows 8.6 -> 7.4).
+ * them, so the dequantized weight never goes through memory (the 1.5B's gate alone, at 100 rows
+ * of x: 5.2 -> 3.8 ms against dequantized 2,048-row blocks and `amx_product`, at 267 rows 8.6 ->
+ * 7.4; in the engine ~3% of a prefill).
  *
  * Blocking: 2 A tiles (32 weight rows) x 2 B tiles (32 x rows) -> 4 C tiles (the 8 tile
  * registers); the inputs in passes of `KSEG` so that a pass's x tiles and weight rows stay in L2
@@ -55,8 +56,12 @@ void amx_pack_x(const uint16_t *x, int m, int k, uint32_t *xp) {
             uint32_t *tile = xp + ((size_t)t * chunks + c) * 256;
             for (int j = 0; j < 16; j++) {
                 const int row = 16 * t + j;
+                if (row >= m) {
+                    for (int p = 0; p < 16; p++) tile[16 * p + j] = 0;
+                    continue;
+                }
                 const uint32_t *src = (const uint32_t *)(x + (size_t)row * k + 32 * c);
-                for (int p = 0; p < 16; p++) tile[16 * p + j] = row < m ? src[p] : 0;
+                for (int p = 0; p < 16; p++) tile[16 * p + j] = src[p];
             }
         }
 }
@@ -68,7 +73,6 @@ static AMX void store_transposed(const float *c, int rows_m, uint16_t *y, int ld
         _mm256_storeu_si256((__m256i *)(y + (size_t)j * ldy), (__m256i)_mm512_cvtneps_pbh(col));
     }
 }
-
 
 /* C tiles of weight rows n0..n0+31 (`w0`: the first of them, row stride k) against x tiles mt
  * (and mt + 1 where `two`) over chunks [c0, c1): accumulated from `acc` unless the first pass;
@@ -116,6 +120,24 @@ static inline __attribute__((always_inline)) AMX void tile_pass(const int two, c
     }
 }
 
+/* Every x tile (in pairs, then a last one) against 32 weight rows from `w0`, over chunks [c0, c1). */
+static inline __attribute__((always_inline)) AMX void x_tiles(const uint32_t *xp, int m, int k, const uint16_t *w0, int n0,
+                                                 int c0, int c1, float *acc, uint16_t *y, int ldy, float (*c)[256]) {
+    const int mtiles = (m + 15) / 16;
+    int mt = 0;
+    for (; mt + 1 < mtiles; mt += 2) tile_pass(1, xp, m, k, w0, n0, mt, mtiles, c0, c1, acc, y, ldy, c);
+    if (mt < mtiles) tile_pass(0, xp, m, k, w0, n0, mt, mtiles, c0, c1, acc, y, ldy, c);
+}
+
+/* This thread's tiles: all 8 of 16 rows of 64 bytes (palette 1). */
+static AMX void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
 /* y [m][0..n) (row stride ldy, bfloat16) = x w^T: w bfloat16 [n][k] row-major, n and k multiples
  * of 32; xp is x packed by `amx_pack_x`. */
 AMX void amx_product(const uint32_t *xp, int m, int k, const uint16_t *w, int n, uint16_t *y, int ldy, int threads) {
@@ -125,19 +147,10 @@ AMX void amx_product(const uint32_t *xp, int m, int k, const uint16_t *w, int n,
         const int c1 = c0 + seg < chunks ? c0 + seg : chunks;
 #pragma omp parallel num_threads(threads) if (threads > 1)
         {
-            tile_config cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-            _tile_loadconfig(&cfg);
+            configure_tiles();
             float c[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
-            for (int n0 = 0; n0 < n; n0 += 32) {
-                int mt = 0;
-                const uint16_t *w0 = w + (size_t)n0 * k;
-                for (; mt + 1 < mtiles; mt += 2) tile_pass(1, xp, m, k, w0, n0, mt, mtiles, c0, c1, acc, y, ldy, c);
-                if (mt < mtiles) tile_pass(0, xp, m, k, w0, n0, mt, mtiles, c0, c1, acc, y, ldy, c);
-            }
+            for (int n0 = 0; n0 < n; n0 += 32) x_tiles(xp, m, k, w + (size_t)n0 * k, n0, c0, c1, acc, y, ldy, c);
             _tile_release();
         }
     }
@@ -157,22 +170,15 @@ static const dequantize_fn DEQUANTIZE[] = {q4k_dequantize, q6k_dequantize, q8_0_
  * by `amx_pack_x`. Groups of 32 weight rows are split over `threads`. */
 AMX void amx_blocks_product(int qtype, const uint32_t *xp, int m, int k, const uint8_t *blocks, int row_bytes, int n,
                             uint16_t *y, int ldy, int threads) {
-    const int mtiles = (m + 15) / 16;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-        _tile_loadconfig(&cfg); /* the dequantizations between groups use no tiles */
+        configure_tiles(); /* the dequantizations between groups use no tiles */
         uint16_t *scratch = aligned_alloc(64, (size_t)32 * k * sizeof *scratch);
         float c[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int n0 = 0; n0 < n; n0 += 32) {
             DEQUANTIZE[qtype](blocks + (size_t)n0 * row_bytes, k, 32, scratch, 1, 1);
-            int mt = 0;
-            for (; mt + 1 < mtiles; mt += 2) tile_pass(1, xp, m, k, scratch, n0, mt, mtiles, 0, k / 32, NULL, y, ldy, c);
-            if (mt < mtiles) tile_pass(0, xp, m, k, scratch, n0, mt, mtiles, 0, k / 32, NULL, y, ldy, c);
+            x_tiles(xp, m, k, scratch, n0, 0, k / 32, NULL, y, ldy, c);
         }
         _tile_release();
         free(scratch);
