@@ -176,7 +176,7 @@ def blockwise_product(x: torch.Tensor, n: int, block: Callable[[int, int], torch
     """x [T, in] times a weight of `n` output rows that `block(start, rows)` gives `block_rows`
     rows at a time as the GEMM's B [in, rows] in x's dtype (a transposed [rows, in] view serves
     as well): [T, n] in x's dtype. A bfloat16 block that is such a view, of whole tiles of 32
-    rows, is multiplied on AMX tiles where `qkernel.amx()` (qkernel_amx.c says why), x packed for
+    rows, is multiplied on AMX tiles where `qkernel.amx_takes` it (qkernel_amx.c says why), x packed for
     them once per product."""
     from chunkcache.model import qkernel  # qkernel imports this module
 
@@ -187,7 +187,7 @@ def blockwise_product(x: torch.Tensor, n: int, block: Callable[[int, int], torch
     for start in range(0, n, step):
         rows = min(step, n - start)
         b = block(start, rows)
-        if packed is not None and rows % 32 == 0 and b.t().is_contiguous():
+        if packed is not None and qkernel.amx_takes(b.t()):
             qkernel.amx_product(packed, x.shape[0], b.t(), out, start)
         else:
             torch.mm(x, b, out=out[:, start : start + rows])
