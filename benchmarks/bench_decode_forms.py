@@ -6,7 +6,7 @@ apart on the same code).
 int8 (`qkernel.decode_step`, the runner's marking of decode-only steps; `int8_activations`)
 against the previous behaviour, int8 x for 1-row products only (the steps left unmarked: 2+ rows
 run float32 x). `--compare lm_head`: a tied Q8_0 lm_head held as the file's blocks (`BlocksPart`)
-against a dense float32 copy of the same values (SmolLM2's before Q8_0 had a kernel).
+against a dense float32 copy of the same values (SmolLM2's before Q8_0 had a kernel), or with `--dtype auto` a dense bfloat16 one (on AMX tiles where they serve).
 
 Per round and side: one 1-token generate (the prompts' prefill), then a `--tokens`+1-token one;
 the CPU time (time.process_time) of the difference over `--tokens` steps is a decode step.
@@ -60,7 +60,7 @@ def sides(llm: LLM, compare: str) -> dict[str, contextlib.AbstractContextManager
     blocks = lm_head.parts
     if not (len(blocks) == 1 and isinstance(blocks[0], BlocksPart)):
         raise SystemExit(f"the lm_head is {lm_head.describe()}, not a file's blocks: nothing to compare")
-    dense = [DensePart(blocks[0].dequantize())]
+    dense = [DensePart(blocks[0].dequantize().to(llm.engine.runner.model.norm.weight.dtype))]
 
     @contextlib.contextmanager
     def held(parts):
@@ -70,7 +70,10 @@ def sides(llm: LLM, compare: str) -> dict[str, contextlib.AbstractContextManager
         finally:
             lm_head.parts = blocks
 
-    return {"lm_head blocks": lambda: held(blocks), "lm_head dense float32": lambda: held(dense)}
+    return {
+        "lm_head blocks": lambda: held(blocks),
+        f"lm_head dense {dense[0].weight.dtype}": lambda: held(dense),
+    }
 
 
 def main() -> None:
@@ -82,11 +85,16 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=5, choices=range(1, len(PROMPTS) + 1))
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="the engine's dtype (auto: bfloat16 on CPUs that multiply it natively)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     llm = LLM(
         args.model,
-        dtype="float32",
+        dtype=args.dtype,
         weights="native",
         int8_activations=args.compare == "rows",
         kv_cache_tokens=4096,

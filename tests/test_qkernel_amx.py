@@ -60,7 +60,7 @@ def test_threads_give_the_same_bits() -> None:
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q4_0"])
 @pytest.mark.parametrize("m", [37, 100])
 def test_a_prefill_straight_from_the_blocks_is_the_rounded_product(qtype: str, m: int) -> None:
     """Inputs within one pass (<= `AMX_ONE_PASS`): the blocks dequantized 32 rows at a time inside
@@ -80,7 +80,7 @@ def test_a_prefill_straight_from_the_blocks_is_the_rounded_product(qtype: str, m
         torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_1"])
 def test_a_prefill_over_dequantized_blocks_takes_the_tiles_and_agrees_with_torchs_gemm(
     qtype: str, monkeypatch
 ) -> None:

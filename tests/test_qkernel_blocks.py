@@ -35,24 +35,29 @@ from tests.test_quant import _raw, _reference  # noqa: E402
 
 # (rows of the weight, inputs): one block, odd row counts, the 1.5B's down (8960 in) and o shapes.
 SHAPES = [(1, 256), (33, 512), (40, 1536), (64, 8960)]
-TYPES = ["Q6_K", "Q4_K", "Q8_0"]
+TYPES = ["Q6_K", "Q4_K", "Q8_0", "Q4_1", "Q4_0"]
+TILED = list(qkernel.TILED)  # held in tiles of 16 rows (`qkernel.blocks_held`)
 # Where d sits in each type's block (its float16 bytes).
-_D_OFFSET = {"Q6_K": 208, "Q4_K": 0, "Q8_0": 0}
+_D_OFFSET = {"Q6_K": 208, "Q4_K": 0, "Q8_0": 0, "Q4_1": 0, "Q4_0": 0}
 
 
 def _blocks(
     shape: tuple[int, int], seed: int, specials: bool = False, qtype: str = "Q6_K"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random bytes of `qtype` (every code, and Q6_K's every int8 scale, -128 included) and
-    gguf's float32 weight of them. `specials`: d takes float16's edge values (zero, subnormals,
-    negatives, the largest)."""
+    """Random bytes of `qtype` (every code, and Q6_K's every int8 scale, -128 included) as the
+    kernels hold them (`qkernel.blocks_held`: Q4_0 and Q4_1 regrouped in tiles of 16 rows, the rows
+    then rounded up to whole tiles) and gguf's float32 weight of them. `specials`: d takes
+    float16's edge values (zero, subnormals, negatives, the largest)."""
+    if not qkernel.holds(qtype, shape[0]):
+        shape = (-(-shape[0] // qkernel.TILE_ROWS) * qkernel.TILE_ROWS, shape[1])
     raw = _raw(Q[qtype], seed=seed, shape=shape)
     if specials:
         d = np.array([1e-4, 0.0, 6e-8, -6e-8, 3e-5, -1e-3, 2.0, -65504.0], np.float16)
         blocks = raw.data.reshape(-1, qkernel.BLOCK_TYPES[qtype][0])
         at = _D_OFFSET[qtype]
         blocks[:, at : at + 2] = np.resize(d, len(blocks)).view(np.uint8).reshape(-1, 2)
-    return torch.from_numpy(raw.data.copy()), _reference(raw)
+    held = qkernel.blocks_held(qtype, torch.from_numpy(raw.data.copy()).view(shape[0], -1))
+    return held, _reference(raw)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -61,12 +66,15 @@ def _blocks(
 def test_dequantize_is_ggufs_bit_for_bit(shape, specials, qtype) -> None:
     blocks, reference = _blocks(shape, seed=shape[0] + shape[1], specials=specials, qtype=qtype)
     ours = qkernel.blocks_dequantize(qtype, blocks)
-    assert ours.dtype == torch.float32 and ours.shape == shape
+    assert ours.dtype == torch.float32 and ours.shape == reference.shape
     assert torch.equal(ours.view(torch.int32), reference.view(torch.int32))
-    # A row range into a given buffer (prefill's reused one): the same rows.
-    out = torch.empty(shape[0] - shape[0] // 2, shape[1])
-    qkernel.blocks_dequantize(qtype, blocks[shape[0] // 2 :], out)
-    assert torch.equal(out, reference[shape[0] // 2 :])
+    # A row range into a given buffer (prefill's reused one; whole tiles where tiled): the same rows.
+    half = (
+        reference.shape[0] // 2 // qkernel.TILE_ROWS * qkernel.TILE_ROWS if qtype in TILED else shape[0] // 2
+    )
+    out = torch.empty(reference.shape[0] - half, shape[1])
+    qkernel.blocks_dequantize(qtype, blocks[half:], out)
+    assert torch.equal(out, reference[half:])
     # bfloat16 blocks (a native bfloat16 GEMM's): torch's rounding of gguf's values, bit for bit.
     ours = qkernel.blocks_dequantize(qtype, blocks, dtype=torch.bfloat16)
     assert torch.equal(ours.view(torch.int16), reference.bfloat16().view(torch.int16))
@@ -102,7 +110,7 @@ def test_float_x_products_against_float64_over_ggufs_weight(shape, rows, qtype) 
     part = BlocksPart(blocks, qtype)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows))
     y = part.kernel(x)
-    assert y.dtype == torch.float32 and y.shape == (rows, shape[0])
+    assert y.dtype == torch.float32 and y.shape == (rows, reference.shape[0])
     w = reference.double()
     scale = (x.double().abs() @ w.abs().t()).max()
     assert ((y.double() - x.double() @ w.t()).abs().max() / scale).item() < TOL
@@ -211,7 +219,7 @@ def test_a_merged_projection_of_q4k_and_q6k(int8_x) -> None:
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_threads_split_output_rows_and_give_the_same_numbers(qtype) -> None:
-    blocks, _ = _blocks((300, 512), seed=35, qtype=qtype)
+    blocks, _ = _blocks((304, 512), seed=35, qtype=qtype)
     x = torch.randn(3, 512)
     float_x, int8_x = BlocksPart(blocks, qtype), BlocksPart(blocks, qtype, int8_x=True)
     before = torch.get_num_threads()
@@ -243,7 +251,8 @@ def test_the_custom_op_runs_inside_a_compiled_graph(qtype) -> None:
     torch.testing.assert_close(compiled(x), torch.nn.functional.silu(product(x)))
 
 
-E2E_CASES = [("Q6_K", "llama"), ("Q8_0", "qwen2")]  # qwen2: tied, one copy of the blocks for both
+# qwen2: tied, one copy of the blocks for both; Q4_1: in tiles (SmolLM2's file's type)
+E2E_CASES = [("Q6_K", "llama"), ("Q8_0", "qwen2"), ("Q4_1", "llama")]
 
 
 @pytest.mark.slow
@@ -256,7 +265,7 @@ def test_native_blocks_decode_gives_transformers_greedy_tokens(
     """End to end on a tiny GGUF whose projections and embedding are all Q6_K (or Q8_0, with a
     tied lm_head), served `native` in float32 as its own blocks (with float32 x too, `own_blocks`
     forced for Q6_K: the kernel's float path end to end): every decode product through
-    `qkernel.blocks_product`, the prompt's too (`kernel`) or
+    `qkernel.blocks_rows` / `blocks_product`, the prompt's too (`kernel`) or
     through the dequantized blocks (`blocks`). With float32 x the greedy tokens are those of the
     same file loaded dense in float32 (transformers' own GGUF dequantization, tests/test_gguf.py)
     and every step's top-5 log-probs within float32 summation of it: measured 5.6e-5 (`kernel`)
@@ -273,9 +282,8 @@ def test_native_blocks_decode_gives_transformers_greedy_tokens(
     monkeypatch.setitem(quant_blocks.BLOCK_FORMATS, qtype, dataclasses.replace(form, min_rows=threshold))
     monkeypatch.setattr(quant_blocks, "own_blocks", lambda qtype, int8_x: qtype in TYPES)
     served, blocks = [], []
-    monkeypatch.setattr(
-        qkernel, "blocks_product", lambda *a, f=qkernel.blocks_product: served.append(1) or f(*a)
-    )
+    for name, f in (("blocks_product", qkernel.blocks_product), ("blocks_rows", qkernel.blocks_rows)):
+        monkeypatch.setattr(qkernel, name, lambda *a, f=f: served.append(1) or f(*a))  # any rows; decode's
     monkeypatch.setattr(quant_blocks, "product", lambda *a, f=quant_blocks.product: blocks.append(1) or f(*a))
     src = checkpoint(arch=arch, hidden_size=256, intermediate_size=256, tie_word_embeddings=arch == "qwen2")
     monkeypatch.setattr(test_gguf, "_random_k_quant", lambda *a, **k: small_k_quant(*a, **{**k, "d": 1e-4}))
@@ -333,3 +341,62 @@ def test_q4k_vnni_build_gives_the_avx2_builds_bits() -> None:
         assert torch.equal(ys[0], ys[1])
         with qkernel.decode_step():  # what serves: the VNNI build, every row rounded
             assert torch.equal(BlocksPart(blocks, "Q4_K", int8_x=True).kernel(x), ys[1])
+
+
+@pytest.mark.skipif(
+    " avx512f" not in Path("/proc/cpuinfo").read_text()
+    or " avx512bw" not in Path("/proc/cpuinfo").read_text(),
+    reason="the CPU has no AVX512",
+)
+def test_q4_1_avx512_build_gives_the_avx2_builds_bits() -> None:
+    """Q4_1's tiles by AVX512 (a tile a vector: what serves where the CPU has it) and by AVX2 (half a
+    tile a vector): each lane's operations in the same order, so the same bits, for 1 row (the
+    factored form) and 3-8 rows (runs of 4 and of 2 rows)."""
+    import ctypes
+
+    lib = qkernel._loaded()[0]
+    blocks, _ = _blocks((96, 1536), seed=46, specials=True, qtype="Q4_1")
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.q4_1_product_isa.argtypes, lib.q4_1_product_isa.restype = [p, i, i, i, p, p, i], None
+    for rows in (1, 3, 5, 8):
+        x = torch.randn(rows, 1536) * 3
+        ys = [torch.empty(rows, 96) for _ in range(2)]
+        for avx512, y in enumerate(ys):
+            lib.q4_1_product_isa(x.data_ptr(), rows, 1536, 96, blocks.data_ptr(), y.data_ptr(), avx512)
+        assert torch.equal(ys[0], ys[1])
+        assert torch.equal(BlocksPart(blocks, "Q4_1").kernel(x), ys[1])
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_bfloat16_decode_row_is_the_float32_products_rounding(qtype) -> None:
+    """A bfloat16 x of 1-7 rows (a bfloat16 model's decode step) goes to C as it is and comes back
+    bfloat16 (`blocks_rows`, `blocks_product_bf16`): bit for bit the float32 product of x widened,
+    rounded by torch's `.to(torch.bfloat16)`; in `BlocksPart`'s call, with int8 x too."""
+    blocks, _ = _blocks((96, 512), seed=47, qtype=qtype)
+    g = torch.Generator().manual_seed(47)
+    for rows in (1, 3, 7):  # below every type's `bf16_min_rows` (from there: the GEMM)
+        x = (torch.randn(rows, 512, generator=g) * 2).bfloat16()
+        for int8_x in (False, True):
+            part = BlocksPart(blocks, qtype, int8_x=int8_x)
+            y = part(x)
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+            expected = qkernel.blocks_product(x.float(), qtype, blocks, int8_x).bfloat16()
+            assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+def test_native_parts_hold_q4_1_in_tiles_where_they_serve(monkeypatch) -> None:
+    """Where `own_blocks` takes Q4_1 (torch's int4 kernel would serve it, the tiles' AVX512 build
+    runs) a tensor of whole tiles is held as the file's bytes regrouped, with no conversion error
+    (gguf's weights bit for bit); elsewhere int4 in torch's packing."""
+    monkeypatch.setattr(quant_blocks, "own_blocks", lambda qtype, int8_x: qtype == "Q4_1")
+    report: dict[str, quant.Conversion] = {}
+    raw = _raw(Q.Q4_1, seed=48, shape=(48, 576))
+    (part,) = quant.native_parts([raw], torch.bfloat16, report)
+    assert isinstance(part, BlocksPart) and part.qtype == "Q4_1" and report["Q4_1"].error == 0.0
+    assert part.blocks.numel() == raw.data.size and not torch.equal(
+        part.blocks.flatten(), torch.from_numpy(raw.data).flatten()
+    )
+    assert torch.equal(part.dequantize(), _reference(raw))
+    monkeypatch.setattr(quant_blocks, "own_blocks", lambda qtype, int8_x: False)
+    (part,) = quant.native_parts([raw], torch.bfloat16, {})
+    assert isinstance(part, Int4Part)

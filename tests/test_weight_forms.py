@@ -25,7 +25,7 @@ from chunkcache.model.weight_forms import Forms, Timing, choose
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from tests.test_quant import INT8_TOL, _random_k_quant, _raw, _reference, _relative  # noqa: E402
+from tests.test_quant import INT8_TOL, Q4_FORM, _random_k_quant, _raw, _reference, _relative  # noqa: E402
 
 CASES = [
     ("llama", Q.Q4_K, {"hidden_size": 256, "intermediate_size": 256}),  # untied Q4_K lm_head: a kind
@@ -88,7 +88,7 @@ def test_the_candidates_are_the_served_forms_and_each_size_is_timed(dtype: torch
     assert torch.equal(dense.dense_weight()[0], reference)
     emulated = upcast.bf16_gemm_emulated(reference)  # bf16 without a bf16 GEMM: the upcast layout
     assert dense.prefill == "upcast" if emulated else dense.prefill in ("dense", "transposed", "packed")
-    assert [type(p) for p in native.quant.parts] == [quant.Int4Part, quant.Int8Part]
+    assert [type(p) for p in native.quant.parts] == [Q4_FORM, quant.Int8Part]
     x = torch.randn(3, raws[0].shape[1]).to(dtype)
     assert torch.allclose(dense(x).float(), x.float() @ reference.float().t(), rtol=2e-2, atol=2e-2)
     assert _relative(native(x), x.float() @ reference.float().t()) < INT8_TOL

@@ -398,3 +398,33 @@ void int8_product(const float *x, int rows, int k, int n, const int8_t *codes, c
     }
 #undef ROW
 }
+
+/* The file's blocks' products (qkernel_q4k.c, qkernel_q6k.c, qkernel_q8_0.c, qkernel_q4_1.c) by
+ * type code (`qkernel.py`'s `BLOCK_CODES`: 0 Q4_K, 1 Q6_K, 2 Q8_0, 3 Q4_1, 4 Q4_0). */
+typedef void (*blocks_product_fn)(const float *, int, int, int, const uint8_t *, float *, int, int);
+void q4k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
+void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
+void q8_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
+void q4_1_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
+void q4_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
+static const blocks_product_fn BLOCKS_PRODUCT[] = {q4k_product, q6k_product, q8_0_product, q4_1_product, q4_0_product};
+
+/* `BLOCKS_PRODUCT[qtype]` for bfloat16 x and y (raw bits): x widened to float32 (exact), y rounded
+ * to nearest even (torch's conversion of finite values): the float32 call's bits and torch's
+ * `.to(torch.bfloat16)` of them, without the two tensors a decode step's Python made for each
+ * product (~120 products a SmolLM2 token). */
+void blocks_product_bf16(int qtype, const uint16_t *x, int rows, int k, int n, const uint8_t *blocks, uint16_t *y,
+                         int threads, int quantize_x) {
+    float *xf = malloc((size_t)rows * k * sizeof *xf), *yf = malloc((size_t)rows * n * sizeof *yf);
+    for (size_t i = 0; i < (size_t)rows * k; i++) xf[i] = bf16_to_float(x[i]);
+    BLOCKS_PRODUCT[qtype](xf, rows, k, n, blocks, yf, threads, quantize_x);
+    size_t i = 0;
+    for (; i + 8 <= (size_t)rows * n; i += 8) _mm_storeu_si128((__m128i *)(y + i), to_bf16(_mm256_loadu_ps(yf + i)));
+    for (; i < (size_t)rows * n; i++) {
+        float tail[8] = {yf[i]};
+        uint16_t bits[8];
+        _mm_storeu_si128((__m128i *)bits, to_bf16(_mm256_loadu_ps(tail)));
+        y[i] = bits[0];
+    }
+    free(xf), free(yf);
+}

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qkernel.c")
 # Compiled together into one library (`SOURCE` first); the header is hashed with them.
 EXTRA_SOURCES = tuple(
-    Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q4k", "q8_0", "bf16", "amx")
+    Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q4k", "q8_0", "q4_1", "bf16", "amx")
 )
 HEADER = Path(__file__).with_name("qkernel.h")
 # Included by one source twice (per dot product instruction), hashed with the sources.
@@ -61,7 +61,7 @@ TILE_BF16 = 64  # the same in torch's AVX512 packing, which `int4_dequantize_bf1
 # x), so KV stored under the old forms is never loaded.
 FORMS_VERSION = (
     "int4-q4k-factors;int8;q6k-blocks-with-int8-x;q8_0-blocks;int8-x-decode-rows;q4k-blocks-with-int8-x;"
-    "blocks-bf16-prefill"
+    "blocks-bf16-prefill;q4_0-q4_1-tiles"
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
@@ -125,6 +125,9 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         ("int8_product", [p, i, i, i, p, p, p, i, i]),
         ("int4_dequantize", [p, p, p, i, i, i, p, i]),
         ("int4_dequantize_bf16", [p, p, i, i, i, i, p, i]),
+        ("q4_1_product_isa", [p, i, i, i, p, p, i]),
+        ("blocks_product_bf16", [i, p, i, i, i, p, p, i, i]),
+        *((tile, [p, i, i, p]) for tile in TILED.values()),
         *((product, block_product) for product, _ in _BLOCK_FUNCTIONS.values()),
         *((dequantize, block_dequantize) for _, dequantize in _BLOCK_FUNCTIONS.values()),
     ):
@@ -137,6 +140,7 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         ):
             getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
         lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
+    lib.q4_tiles_avx512.argtypes, lib.q4_tiles_avx512.restype = [], ctypes.c_int
     return lib, None
 
 
@@ -183,6 +187,15 @@ def blocks_available() -> bool:
 
 
 @functools.cache
+def tiles_avx512() -> bool:
+    """Whether the Q4_0 / Q4_1 tiles' products run their AVX512 build here (`qkernel_q4_1.c`; the
+    compiler has the intrinsics and the CPU AVX512F/BW): the build measured faster than torch's
+    int4 kernel on SmolLM2's decode (its AVX2 build slower)."""
+    lib = _loaded()[0]
+    return lib is not None and lib.q4_tiles_avx512() == 1
+
+
+@functools.cache
 def amx() -> bool:
     """Whether prefill's bfloat16 GEMMs over dequantized blocks run on AMX tiles (`qkernel_amx.c`):
     the library builds with them (a compiler with AMX's intrinsics), the CPU has AMX-BF16 and the
@@ -219,13 +232,15 @@ def amx_product(packed: torch.Tensor, m: int, w: torch.Tensor, out: torch.Tensor
 
 
 AMX_ONE_PASS = 1536  # qkernel_amx.c's KSEG: inputs `amx_blocks_product` takes in one pass at most
-_AMX_TYPES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2}  # its block type codes
+# The block types' codes in the library's tables (qkernel.c's `BLOCKS_PRODUCT`, qkernel_amx.c's
+# `DEQUANTIZE`).
+BLOCK_CODES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_1": 3, "Q4_0": 4}
 
 
 def amx_blocks_take(qtype: str, blocks: torch.Tensor, k: int) -> bool:
     """Whether `amx_blocks_product` takes a weight of `qtype`'s blocks with k inputs: where the tiles
     serve, rows a multiple of 32 and k of 32, at most `AMX_ONE_PASS`."""
-    return qtype in _AMX_TYPES and blocks.shape[0] % 32 == 0 and k % 32 == 0 and k <= AMX_ONE_PASS and amx()
+    return qtype in BLOCK_CODES and blocks.shape[0] % 32 == 0 and k % 32 == 0 and k <= AMX_ONE_PASS and amx()
 
 
 def amx_blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor) -> torch.Tensor:
@@ -244,7 +259,7 @@ def amx_blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor) -> tor
     packed = amx_pack(x.contiguous())
     out = torch.empty(m, blocks.shape[0], dtype=torch.bfloat16)
     lib.amx_blocks_product(
-        _AMX_TYPES[qtype], packed.data_ptr(), m, k, blocks.data_ptr(), blocks.shape[1], blocks.shape[0],
+        BLOCK_CODES[qtype], packed.data_ptr(), m, k, blocks.data_ptr(), blocks.shape[1], blocks.shape[0],
         out.data_ptr(), out.shape[1], torch.get_num_threads(),
     )  # fmt: skip
     return out
@@ -272,7 +287,7 @@ def amx_takes(w: torch.Tensor) -> bool:
 
 def cache_clear() -> None:
     """Forget the loaded library and what it serves (tests: another compiler or directory)."""
-    for cached in (_loaded, library, bf16_blocks, blocks_available, amx):
+    for cached in (_loaded, library, bf16_blocks, blocks_available, amx, tiles_avx512):
         cached.cache_clear()
 
 
@@ -338,6 +353,32 @@ def blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor, int8_x: bo
     op = torch.ops.chunkcache.blocks_product if torch.compiler.is_compiling() else _blocks_product
     int8_x = _int8_rows(x, int8_x)
     return _in_row_chunks(x.float(), lambda c: op(c, blocks, qtype, int8_x))
+
+
+def blocks_rows(x: torch.Tensor, qtype: str, blocks: torch.Tensor, int8_x: bool = False) -> torch.Tensor:
+    """`blocks_product` of at most `MAX_ROWS` rows, eager only, in x's dtype (bfloat16 or float32):
+    a decode step's path with the fewest Python operations (a SmolLM2 token makes 121 of these
+    calls; through `blocks_product`'s dispatch and dtype conversions they took ~30 us of Python
+    each in the engine, against ~8 for torch's int4 kernel's, the Q4_1 products themselves ~63)."""
+    block_bytes, weights = BLOCK_TYPES[qtype]
+    rows, k = x.shape
+    assert rows <= MAX_ROWS and k * block_bytes == blocks.shape[1] * weights and blocks.dtype == torch.uint8
+    n, threads, int8_rows = blocks.shape[0], torch.get_num_threads(), _int8_rows(x, int8_x)
+    lib = _loaded()[0]
+    assert lib is not None
+    if x.dtype == torch.bfloat16:  # converted in C: bits as below, then `.to(torch.bfloat16)`
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        x = x.contiguous()
+        lib.blocks_product_bf16(
+            BLOCK_CODES[qtype], x.data_ptr(), rows, k, n, blocks.data_ptr(), y.data_ptr(), threads, int8_rows
+        )
+        return y
+    x = x.float().contiguous()
+    y = torch.empty(rows, n)
+    getattr(lib, _BLOCK_FUNCTIONS[qtype][0])(
+        x.data_ptr(), rows, k, n, blocks.data_ptr(), y.data_ptr(), threads, int8_rows
+    )
+    return y
 
 
 def blocks_dequantize(
@@ -406,13 +447,41 @@ def int4_dequantize_bf16(
 
 # The types held as the file's blocks: (bytes per block, weights per block). Q6_K: ql[128],
 # qh[64], scales[16], d; Q4_K: d, dmin, scales[12], qs[128]; Q8_0: d, then 32 int8 codes.
-BLOCK_TYPES = {"Q6_K": (210, 256), "Q4_K": (144, 256), "Q8_0": (34, 32)}
+BLOCK_TYPES = {"Q6_K": (210, 256), "Q4_K": (144, 256), "Q8_0": (34, 32), "Q4_1": (20, 32), "Q4_0": (18, 32)}
 # Their library functions: (product, dequantize).
 _BLOCK_FUNCTIONS = {
     "Q6_K": ("q6k_product", "q6k_dequantize"),
     "Q4_K": ("q4k_product", "q4k_dequantize"),
     "Q8_0": ("q8_0_product", "q8_0_dequantize"),
+    "Q4_1": ("q4_1_product", "q4_1_dequantize"),
+    "Q4_0": ("q4_0_product", "q4_0_dequantize"),
 }
+
+
+# The types held regrouped in tiles of `TILE_ROWS` rows (qkernel_q4_1.c: a vector lane a row), and
+# the library function that regroups the file's order.
+TILED = {"Q4_1": "q4_1_tile", "Q4_0": "q4_0_tile"}
+TILE_ROWS = 16
+
+
+def blocks_held(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
+    """A weight's blocks in the file's order (uint8 [rows, bytes a row]) as the kernels read them:
+    as they are, or (`TILED`) the same bytes regrouped in tiles of 16 rows (rows a multiple of
+    16, `holds`); row r of the result is then no longer the file's row r, but a slice of whole
+    tiles is those rows' tiles."""
+    if qtype not in TILED:
+        return blocks
+    lib = _loaded()[0]
+    assert lib is not None and holds(qtype, blocks.shape[0]) and blocks.dtype == torch.uint8
+    blocks = blocks.contiguous()
+    out = torch.empty_like(blocks)
+    getattr(lib, TILED[qtype])(blocks.data_ptr(), _columns(qtype, blocks), blocks.shape[0], out.data_ptr())
+    return out
+
+
+def holds(qtype: str, rows: int) -> bool:
+    """Whether a weight of `rows` rows can be held as `qtype`'s blocks: any rows, or whole tiles."""
+    return qtype not in TILED or rows % TILE_ROWS == 0
 
 
 def _columns(qtype: str, blocks: torch.Tensor) -> int:

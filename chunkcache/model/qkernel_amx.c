@@ -157,13 +157,16 @@ AMX void amx_product(const uint32_t *xp, int m, int k, const uint16_t *w, int n,
     free(acc);
 }
 
-/* The library's dequantizations by block type (`qtype`: 0 Q4_K, 1 Q6_K, 2 Q8_0), each writing
+/* The library's dequantizations by block type (`qtype`: 0 Q4_K, 1 Q6_K, 2 Q8_0, 3 Q4_1, 4 Q4_0), each writing
  * bfloat16 rows when its last argument is 1. */
 void q4k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
 void q6k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
 void q8_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
+void q4_1_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
+void q4_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
 typedef void (*dequantize_fn)(const uint8_t *, int, int, void *, int, int);
-static const dequantize_fn DEQUANTIZE[] = {q4k_dequantize, q6k_dequantize, q8_0_dequantize};
+static const dequantize_fn DEQUANTIZE[] = {q4k_dequantize, q6k_dequantize, q8_0_dequantize, q4_1_dequantize,
+                                            q4_0_dequantize};
 
 /* y [m][0..n) (row stride ldy, bfloat16) = x w^T for a weight held as `qtype`'s blocks (`blocks`
  * [n] rows of `row_bytes`; n a multiple of 32, k of 32 and at most KSEG: one pass); xp is x packed

@@ -30,6 +30,7 @@ static inline __attribute__((always_inline)) void q8_0_row(const int R, const fl
     if (R == 1) {
         __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int g = 0; g < k / GROUP; g++) {
+            _mm_prefetch((const char *)row + (size_t)g * BLOCK_BYTES + PREFETCH, _MM_HINT_T0);
             const int8_t *c = (const int8_t *)(row + (size_t)g * BLOCK_BYTES + 2);
             const float *xg = x + g * GROUP;
             __m256 s = _mm256_mul_ps(i8_to_ps(c), _mm256_loadu_ps(xg));
@@ -60,6 +61,7 @@ static inline void q8_0_row_q8(const int8_t *qx, const float *dx, int k, int i, 
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int g = 0; g < k / GROUP; g++) {
         const uint8_t *blk = row + (size_t)g * BLOCK_BYTES;
+        _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
         __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2));
         __m256i xq = _mm256_loadu_si256((const __m256i *)(qx + g * GROUP));
         __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));

@@ -116,6 +116,8 @@ class Int4Part:
         rows (`NATIVE_INT4_MIN_ROWS` where qkernel serves or the blocks are bfloat16), GEMMs over
         dequantized blocks from it (where the packing is known): float32, or bfloat16 for a
         bfloat16 x on a CPU with a native bfloat16 GEMM (`qkernel.bf16_blocks`)."""
+        if x.shape[0] < dequant.NATIVE_INT4_MIN_ROWS:  # the kernel at any threshold: decode's path
+            return self.kernel(x).to(x.dtype)
         bf16 = not self.native and x.dtype == torch.bfloat16 and qkernel.bf16_blocks()
         threshold = dequant.NATIVE_INT4_MIN_ROWS if self.native or bf16 else dequant.INT4_MIN_ROWS
         if x.shape[0] >= threshold and dequant.int4_blocks_apply(self.rows):
@@ -145,9 +147,7 @@ class Int4Part:
         torch's (bfloat16 x and y)."""
         if self.native:
             return qkernel.int4(x, self.packed, self.factors, self.multipliers, self.int8_x)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, GROUP, self.scale_zeros
-        )
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scale_zeros)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         if not self.native:
@@ -305,7 +305,7 @@ def native_parts(
     for raw in raws:
         rows = slice(0, min(_ERROR_ROWS, raw.shape[0]))
         reference = raw.dequantize(rows)
-        if quant_blocks.own_blocks(raw.qtype, int8_x):
+        if quant_blocks.own_blocks(raw.qtype, int8_x) and qkernel.holds(raw.qtype, raw.shape[0]):
             part = BlocksPart.of_raw(raw, int8_x)
             args, served = [part.blocks], part.dequantize(rows).numpy()
             kind, form = BlocksPart, f"{raw.qtype}'s own blocks (exact)"
@@ -456,8 +456,13 @@ def apply_weights(
     if weights == "native" and raw is not None:
         embedding = raw(EMBEDDING)
         if embedding_quantized(embedding.qtype, tied, dense_modules):
-            # A tied lm_head held as the same blocks: its bytes serve the lookups too.
-            shared = [p.blocks for p in lm_head_parts if tied and isinstance(p, BlocksPart)]
+            # A tied lm_head held as the same blocks: its bytes serve the lookups too (not when
+            # regrouped in tiles: the lookups read the file's order).
+            shared = [
+                p.blocks
+                for p in lm_head_parts
+                if tied and isinstance(p, BlocksPart) and p.qtype not in qkernel.TILED
+            ]
             net.embed_tokens = QuantEmbedding(embedding, net.embed_tokens.weight.dtype, *shared)
             held = "the tied lm_head's blocks" if shared else "the file's blocks"
             report.setdefault(

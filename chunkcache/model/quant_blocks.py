@@ -1,5 +1,6 @@
 """GGUF tensors served as the file's own blocks (`weights native`, where `qkernel` serves:
-`own_blocks`): Q6_K (with `int8_activations`) and Q8_0.
+`own_blocks`): Q6_K and Q4_K (with `int8_activations`), Q8_0, and Q4_0 / Q4_1 regrouped in tiles
+of 16 rows (where torch's int4 kernel would serve them).
 
 - Q6_K: the 1.5B default's Q4_K_M file holds its lm_head (151936 x 1536), the down projection of
   about half its layers and some attn_v in Q6_K: 6.5625 bits per weight (ql, qh, 16 int8 scales
@@ -7,6 +8,11 @@
   still the form where `qkernel` does not serve) they held 8 bits and a bfloat16 scale per row,
   and a re-quantization error of ~7e-3 of the weight; a batch-1 decode step reads every weight
   once, so those bytes bound it. Held as the file's blocks they are ~18% fewer bytes and exact.
+- Q4_0 / Q4_1: a float16 d (and m) and 32 4-bit codes per block (4.5 / 5 bits per weight).
+  SmolLM2's file holds every projection in Q4_1. Held as torch's int4 packing with a bfloat16
+  scale and zero per 32 weights (5 bits), its decode products ran torch's kernel (~16 Gw/s in
+  cache); regrouped in tiles (`qkernel.blocks_held`, qkernel_q4_1.c: the same bytes) they run
+  ~24, exactly the file's weights.
 - Q8_0: a float16 d and 32 int8 codes per block (8.5 bits per weight). SmolLM2's Q4_1 file holds
   its tied token embedding so (49152 x 576); a Q8_0 file, every projection. Per channel int8
   cannot hold the per-block scales (~4e-3 of the weight re-quantized); the blocks are exact, and a
@@ -66,6 +72,11 @@ BLOCK_FORMATS = {
         min_rows=dequant.INT8_MIN_ROWS,
         bf16_min_rows=dequant.INT8_MIN_ROWS,
     ),
+    # Q4_1's tiles on the AMX Xeon (bfloat16 x, SmolLM2's gate/up and down, one thread): kernel
+    # against the tiles' blocks 0.34 / 0.61 ms at 4 rows, 0.65 / 0.57 at 8, 1.06 / 0.59 at 12
+    # (gate/up; down 0.17 / 0.27, 0.34 / 0.25, 0.53 / 0.26); Q4_0 as Q4_1; float32 blocks as Q4_K's.
+    "Q4_1": BlockFormat("Q4_1", *qkernel.BLOCK_TYPES["Q4_1"], min_rows=16, bf16_min_rows=8),
+    "Q4_0": BlockFormat("Q4_0", *qkernel.BLOCK_TYPES["Q4_0"], min_rows=16, bf16_min_rows=8),
 }
 
 
@@ -86,11 +97,22 @@ def own_blocks(qtype: str, int8_x: bool) -> bool:
     where torch's int4 kernel served). Q8_0 only where `qkernel`'s int4 kernel serves: on the AMX
     Xeon SmolLM2's tied Q8_0 table as blocks (its lm_head through the float x kernel and blocks
     dequantized per prefill piece, where the dense bfloat16 table multiplies in the CPU's bfloat16
-    GEMM) measured RAG random 43x llama.cpp against 61x and prefill 7.4x against 8.6x."""
+    GEMM) measured RAG random 43x llama.cpp against 61x and prefill 7.4x against 8.6x; with the
+    AMX tiles multiplying straight from the blocks (`qkernel.amx_blocks_product`) SmolLM2's tied
+    table is held as its blocks there too: its 1-row lm_head reads 30 MB where the dense bfloat16
+    table read 56 (in process 26.1 -> 22.9 ms a token, the same tokens: RESULTS.md).
+
+    Q4_0 / Q4_1: in tiles where torch's int4 kernel would serve them (`qkernel.available()` False:
+    torch packs int4 for AVX512) and the tiles' AVX512 build runs (`qkernel.tiles_avx512`): their
+    decode products 5.5-6.2 against torch's 7.4-8.4 ms a SmolLM2 token (30 layers' weights
+    streamed from memory, one thread, the AMX Xeon). Where `qkernel`'s own int4 kernel serves
+    (AVX2 CPUs) not measured against it: it keeps them."""
     if qtype not in BLOCK_FORMATS or not qkernel.blocks_available():
         return False
-    if qtype == "Q8_0":  # where the int4 kernel serves too: see above
-        return qkernel.available()
+    if qtype == "Q8_0":  # where the int4 kernel or the tiles serve: see above
+        return qkernel.available() or qkernel.amx()
+    if qtype in ("Q4_0", "Q4_1"):  # where torch's int4 kernel would serve them: see above
+        return not qkernel.available() and qkernel.tiles_avx512()
     return int8_x
 
 
@@ -112,7 +134,7 @@ class BlocksPart:
         """The GGUF tensor's blocks, copied out of the file's mapping (the weight is held in memory
         as every other form is; `quant.native_parts` moves a part's blocks into huge pages)."""
         data = np.array(raw.data, dtype=np.uint8, copy=True).reshape(raw.shape[0], -1)
-        return cls(torch.from_numpy(data), raw.qtype, int8_x)
+        return cls(qkernel.blocks_held(raw.qtype, torch.from_numpy(data)), raw.qtype, int8_x)
 
     @property
     def qtype(self) -> str:
@@ -126,6 +148,13 @@ class BlocksPart:
         """x [T, in] times the weight, in x's dtype: the kernel below the format's `min_rows`
         rows, GEMMs over dequantized blocks from it: bfloat16 ones for a bfloat16 x where the CPU
         multiplies bfloat16 natively (`dequant.bf16_gemm`; from `bf16_min_rows`), else float32."""
+        rows = x.shape[0]
+        if (
+            rows <= qkernel.MAX_ROWS
+            and rows < self.format.bf16_min_rows
+            and not torch.compiler.is_compiling()
+        ):
+            return qkernel.blocks_rows(x, self.qtype, self.blocks, self.int8_x)
         bf16 = x.dtype == torch.bfloat16 and dequant.bf16_gemm()
         if x.shape[0] >= (self.format.bf16_min_rows if bf16 else self.format.min_rows):
             if bf16:
