@@ -175,3 +175,23 @@ def test_dense_product_takes_the_linear_layouts_form(monkeypatch: pytest.MonkeyP
     calls.clear()
     assert torch.equal(upcast.dense_product(x, weight, bias), ref)
     assert len(calls) == (rows >= 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 576, 1536])
+def test_rms_norm_in_half_precision_is_transformers_bit_for_bit(dtype: torch.dtype, dim: int) -> None:
+    """Our norm (one F.rms_norm over the float32 x, then the weight in x's dtype) against
+    transformers' LlamaRMSNorm (float32 x * rsqrt(mean(x^2) + eps), rounded, times the weight):
+    the same bits for 1 and 37 rows."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from chunkcache.model.llama import RMSNorm
+
+    g = torch.Generator().manual_seed(dim)
+    ours, theirs = RMSNorm(dim, 1e-6).to(dtype), LlamaRMSNorm(dim, 1e-6).to(dtype)
+    with torch.no_grad():
+        weight = (torch.randn(dim, generator=g) * 0.3 + 1).to(dtype)
+        ours.weight.copy_(weight), theirs.weight.copy_(weight)
+        for rows in (1, 37):
+            x = (torch.randn(rows, dim, generator=g) * 4).to(dtype)
+            assert torch.equal(ours(x).view(torch.int16), theirs(x).view(torch.int16))
