@@ -140,7 +140,6 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         ):
             getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
         lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
-    lib.q4_tiles_avx512.argtypes, lib.q4_tiles_avx512.restype = [], ctypes.c_int
     return lib, None
 
 
@@ -184,15 +183,6 @@ def blocks_available() -> bool:
     if lib is None:
         logger.info("quantized products: no GGUF blocks served as they are (%s)", reason)
     return lib is not None
-
-
-@functools.cache
-def tiles_avx512() -> bool:
-    """Whether the Q4_0 / Q4_1 tiles' products run their AVX512 build here (`qkernel_q4_1.c`; the
-    compiler has the intrinsics and the CPU AVX512F/BW): the build measured faster than torch's
-    int4 kernel on SmolLM2's decode (its AVX2 build slower)."""
-    lib = _loaded()[0]
-    return lib is not None and lib.q4_tiles_avx512() == 1
 
 
 @functools.cache
@@ -287,7 +277,7 @@ def amx_takes(w: torch.Tensor) -> bool:
 
 def cache_clear() -> None:
     """Forget the loaded library and what it serves (tests: another compiler or directory)."""
-    for cached in (_loaded, library, bf16_blocks, blocks_available, amx, tiles_avx512):
+    for cached in (_loaded, library, bf16_blocks, blocks_available, amx):
         cached.cache_clear()
 
 

@@ -247,8 +247,8 @@ static AVX512 void rows_avx512(const int q41, const float *x, const float *xsum,
 }
 #endif
 
-/* Whether the CPU runs the AVX512 build (where it was compiled): exported, `qkernel.tiles_avx512`. */
-int q4_tiles_avx512(void) {
+/* Whether the CPU runs the AVX512 build (where it was compiled). */
+static int q4_tiles_avx512(void) {
 #if HAS_AVX512_BF16
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 #else

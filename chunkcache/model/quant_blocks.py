@@ -103,16 +103,18 @@ def own_blocks(qtype: str, int8_x: bool) -> bool:
     table read 56 (in process 26.1 -> 22.9 ms a token, the same tokens: RESULTS.md).
 
     Q4_0 / Q4_1: in tiles where torch's int4 kernel would serve them (`qkernel.available()` False:
-    torch packs int4 for AVX512) and the tiles' AVX512 build runs (`qkernel.tiles_avx512`): their
-    decode products 5.5-6.2 against torch's 7.4-8.4 ms a SmolLM2 token (30 layers' weights
-    streamed from memory, one thread, the AMX Xeon). Where `qkernel`'s own int4 kernel serves
+    torch packs int4 for AVX512): their products 5.5-6.2 (AVX512 build) and 6.8-7.2 ms (AVX2)
+    against torch's 7.4-8.8 a SmolLM2 token (30 layers' weights streamed, one thread, the AMX
+    Xeon); in the engine 7.5-7.7 against 9.1-9.5, but each call's Python ~12 us more, so a decode
+    step measured equal (25.05 against 25.14 ms): kept for the file's exact weights (torch's
+    kernel rounds the scales and zeros to bfloat16). Where `qkernel`'s own int4 kernel serves
     (AVX2 CPUs) not measured against it: it keeps them."""
     if qtype not in BLOCK_FORMATS or not qkernel.blocks_available():
         return False
     if qtype == "Q8_0":  # where the int4 kernel or the tiles serve: see above
         return qkernel.available() or qkernel.amx()
     if qtype in ("Q4_0", "Q4_1"):  # where torch's int4 kernel would serve them: see above
-        return not qkernel.available() and qkernel.tiles_avx512()
+        return not qkernel.available()
     return int8_x
 
 
@@ -128,6 +130,8 @@ class BlocksPart:
         self.format = BLOCK_FORMATS[qtype]
         assert blocks.dtype == torch.uint8 and blocks.shape[1] % self.format.block_bytes == 0
         self.rows, self.blocks, self.int8_x = blocks.shape[0], blocks.contiguous(), int8_x
+        # Below both thresholds every product runs the kernel (`__call__`'s short path).
+        self.few_rows = min(self.format.min_rows, self.format.bf16_min_rows)
 
     @classmethod
     def of_raw(cls, raw: RawTensor, int8_x: bool = False) -> BlocksPart:
@@ -149,11 +153,7 @@ class BlocksPart:
         rows, GEMMs over dequantized blocks from it: bfloat16 ones for a bfloat16 x where the CPU
         multiplies bfloat16 natively (`dequant.bf16_gemm`; from `bf16_min_rows`), else float32."""
         rows = x.shape[0]
-        if (
-            rows <= qkernel.MAX_ROWS
-            and rows < self.format.bf16_min_rows
-            and not torch.compiler.is_compiling()
-        ):
+        if rows <= qkernel.MAX_ROWS and rows < self.few_rows and not torch.compiler.is_compiling():
             return qkernel.blocks_rows(x, self.qtype, self.blocks, self.int8_x)
         bf16 = x.dtype == torch.bfloat16 and dequant.bf16_gemm()
         if x.shape[0] >= (self.format.bf16_min_rows if bf16 else self.format.min_rows):
