@@ -16,9 +16,9 @@
  * j (low nibbles) and j + 16 (high), w = d q + m comes out with d and m as vectors, and each row of
  * x multiplies it by one broadcast input: ~9 vector operations per 32 weights. In the file's own
  * order (a row's blocks one after another) every block needed its scalar d and m and a
- * horizontal sum: 10 Gw/s at most in cache, against 16 for torch's int4 kernel (a lane a row too)
- * and 1.3x that here (RESULTS.md, "Q4_1 in tiles"). A decode step streams every weight once from
- * memory, prefetched `PREFETCH` bytes ahead.
+ * horizontal sum: 10 Gw/s at most in cache, against 13-17 for torch's int4 kernel (a lane a row
+ * too) and 21-24 here (RESULTS.md, "SmolLM2's decode on the AMX Xeon"). A decode step streams every
+ * weight once from memory, prefetched `PREFETCH` bytes ahead.
  *
  * - `q4_1_product` / `q4_0_product`: float32 x [rows][k] (rows <= MAX_ROWS) times the weight,
  *   each row's sums in one fixed order (4 accumulators per row: inputs j even / odd, low / high),
