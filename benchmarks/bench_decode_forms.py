@@ -6,7 +6,8 @@ apart on the same code).
 int8 (`qkernel.decode_step`, the runner's marking of decode-only steps; `int8_activations`)
 against the previous behaviour, int8 x for 1-row products only (the steps left unmarked: 2+ rows
 run float32 x). `--compare lm_head`: a tied Q8_0 lm_head held as the file's blocks (`BlocksPart`)
-against a dense float32 copy of the same values (SmolLM2's before Q8_0 had a kernel), or with `--dtype auto` a dense bfloat16 one (on AMX tiles where they serve).
+against a dense float32 copy of the same values (SmolLM2's before Q8_0 had a kernel), or with
+`--dtype auto` a dense bfloat16 one (on AMX tiles where they serve).
 
 Per round and side: one 1-token generate (the prompts' prefill), then a `--tokens`+1-token one;
 the CPU time (time.process_time) of the difference over `--tokens` steps is a decode step.

@@ -402,11 +402,6 @@ void int8_product(const float *x, int rows, int k, int n, const int8_t *codes, c
 /* The file's blocks' products (qkernel_q4k.c, qkernel_q6k.c, qkernel_q8_0.c, qkernel_q4_1.c) by
  * type code (`qkernel.py`'s `BLOCK_CODES`: 0 Q4_K, 1 Q6_K, 2 Q8_0, 3 Q4_1, 4 Q4_0). */
 typedef void (*blocks_product_fn)(const float *, int, int, int, const uint8_t *, float *, int, int);
-void q4k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
-void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
-void q8_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
-void q4_1_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
-void q4_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
 static const blocks_product_fn BLOCKS_PRODUCT[] = {q4k_product, q6k_product, q8_0_product, q4_1_product, q4_0_product};
 
 /* `BLOCKS_PRODUCT[qtype]` for bfloat16 x and y (raw bits): x widened to float32 (exact), y rounded

@@ -109,6 +109,19 @@ static inline void store8(void *out, int bf16, size_t at, __m256 v) {
 static inline int bf16_dequantize(void) { return __builtin_cpu_supports("avx512bf16"); }
 #endif
 
+/* The file's blocks' products and dequantizations (qkernel_q4k.c, qkernel_q6k.c, qkernel_q8_0.c,
+ * qkernel_q4_1.c), which qkernel.c's and qkernel_amx.c's tables index by type code. */
+void q4k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
+void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
+void q8_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
+void q4_1_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
+void q4_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
+void q4k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
+void q6k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
+void q8_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
+void q4_1_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
+void q4_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
+
 /* 8 int8 codes as float32. */
 static inline __m256 i8_to_ps(const int8_t *c) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));

@@ -353,22 +353,19 @@ def blocks_rows(x: torch.Tensor, qtype: str, blocks: torch.Tensor, int8_x: bool 
     block_bytes, weights = BLOCK_TYPES[qtype]
     rows, k = x.shape
     assert rows <= MAX_ROWS and k * block_bytes == blocks.shape[1] * weights and blocks.dtype == torch.uint8
-    n, threads, int8_rows = blocks.shape[0], torch.get_num_threads(), _int8_rows(x, int8_x)
-    lib = _loaded()[0]
-    assert lib is not None
-    if x.dtype == torch.bfloat16:  # converted in C: bits as below, then `.to(torch.bfloat16)`
+    int8_rows = _int8_rows(x, int8_x)
+    if x.dtype == torch.bfloat16:  # converted in C: the float32 product's bits, then torch's rounding
+        lib = _loaded()[0]
+        assert lib is not None
+        n = blocks.shape[0]
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         x = x.contiguous()
         lib.blocks_product_bf16(
-            BLOCK_CODES[qtype], x.data_ptr(), rows, k, n, blocks.data_ptr(), y.data_ptr(), threads, int8_rows
-        )
+            BLOCK_CODES[qtype], x.data_ptr(), rows, k, n, blocks.data_ptr(), y.data_ptr(),
+            torch.get_num_threads(), int8_rows,
+        )  # fmt: skip
         return y
-    x = x.float().contiguous()
-    y = torch.empty(rows, n)
-    getattr(lib, _BLOCK_FUNCTIONS[qtype][0])(
-        x.data_ptr(), rows, k, n, blocks.data_ptr(), y.data_ptr(), threads, int8_rows
-    )
-    return y
+    return _blocks_product(x.float(), blocks, qtype, int8_rows)
 
 
 def blocks_dequantize(

@@ -159,11 +159,6 @@ AMX void amx_product(const uint32_t *xp, int m, int k, const uint16_t *w, int n,
 
 /* The library's dequantizations by block type (`qtype`: 0 Q4_K, 1 Q6_K, 2 Q8_0, 3 Q4_1, 4 Q4_0), each writing
  * bfloat16 rows when its last argument is 1. */
-void q4k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
-void q6k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
-void q8_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
-void q4_1_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
-void q4_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
 typedef void (*dequantize_fn)(const uint8_t *, int, int, void *, int, int);
 static const dequantize_fn DEQUANTIZE[] = {q4k_dequantize, q6k_dequantize, q8_0_dequantize, q4_1_dequantize,
                                             q4_0_dequantize};
