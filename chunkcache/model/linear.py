@@ -320,6 +320,10 @@ class Linear(nn.Module):
         rows = x.shape[0]
         layout = self.narrow if rows < _MIN_ROWS else self.wide if rows < PREFILL_ROWS else self.prefill
         if self.quant is not None:
+            if self.gated or residual is not None:
+                fused = self.quant.with_epilogue(x, self.gated, residual)
+                if fused is not None:
+                    return fused
             y = self.quant(x)
         elif self.fused is not None and rows < _MIN_ROWS and torch.compiler.is_compiling():
             y = multiply_sum(x, *self.fused)

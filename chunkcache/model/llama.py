@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chunkcache.model import qkernel
 from chunkcache.model.attention import AttentionMetadata, attend, compiled_decode_meta
 from chunkcache.model.linear import Linear, packing_pays, time_one_row_products
 from chunkcache.model.rope import RopeTable, RotaryEmbedding
@@ -37,6 +38,14 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One kernel instead of five (a decode step runs 61 norms); the same numbers.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if (
+            x.dtype == self.weight.dtype == torch.bfloat16
+            and x.dim() == 2
+            and x.shape[0] <= qkernel.MAX_ROWS
+            and x.device.type == "cpu"
+            and qkernel.rows_served()
+        ):  # a decode step's rows: one C call, not ~10 operators (`qkernel_row.c`)
+            return qkernel.rms_norm_rows(x, self.weight, self.eps)
         # Normalise in float32, as transformers does, so half-precision checkpoints agree: its
         # x * rsqrt(mean(x^2) + eps) in float32 is F.rms_norm's without a weight, bit for bit
         # (2,000 random rows, 64-1,536 wide), in one call instead of five (a SmolLM2 decode step
@@ -80,9 +89,34 @@ class Attention(nn.Module):
         residual: torch.Tensor,
     ) -> torch.Tensor:
         """residual + attention output of the (normalised) hidden states x."""
+        if self.one_row_in_c(x, kv_cache, meta):
+            assert meta.decode is not None
+            heads = (self.num_heads, self.num_kv_heads)
+            o = qkernel.attend_row(self.qkv_proj(x), rope, kv_cache, meta.decode.slots[0], heads, self.scale)
+            return self.o_proj(o, residual)
         q, k, v = self.project(x, rope)
         o = attend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(x.shape[0], self.q_size), residual)
+
+    def one_row_in_c(
+        self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> bool:
+        """Whether this step is one bfloat16 sequence's decode token on CPU, whose RoPE, KV write and
+        attention one C call does (`qkernel.attend_row`: ~15 operators a layer fewer), where its KV
+        list is short enough for that call to be the faster (`qkernel.ROW_ATTENTION_MACS`)."""
+        d = meta.decode
+        return (
+            x.shape[0] == 1
+            and d is not None
+            and not meta.prefills
+            and not d.calibrated
+            and x.dtype == kv_cache[0].dtype == torch.bfloat16
+            and x.device.type == "cpu"
+            and self.q_norm is None
+            and self.head_dim % 8 == 0
+            and self.num_heads * d.slots.shape[1] * self.head_dim <= qkernel.ROW_ATTENTION_MACS
+            and qkernel.rows_served()
+        )
 
 
 class MLP(nn.Module):

@@ -407,19 +407,13 @@ static const blocks_product_fn BLOCKS_PRODUCT[] = {q4k_product, q6k_product, q8_
 /* `BLOCKS_PRODUCT[qtype]` for bfloat16 x and y (raw bits): x widened to float32 (exact), y rounded
  * to nearest even (torch's conversion of finite values): the float32 call's bits and torch's
  * `.to(torch.bfloat16)` of them, without the two tensors a decode step's Python made for each
- * product (~120 products a SmolLM2 token). */
+ * product (~120 products a SmolLM2 token); a `Linear`'s residual add or SwiGLU after it where
+ * asked (`row_epilogue_bf16`, qkernel_row.c). */
 void blocks_product_bf16(int qtype, const uint16_t *x, int rows, int k, int n, const uint8_t *blocks, uint16_t *y,
-                         int threads, int quantize_x) {
+                         int threads, int quantize_x, const uint16_t *residual, int gated) {
     float *xf = malloc((size_t)rows * k * sizeof *xf), *yf = malloc((size_t)rows * n * sizeof *yf);
     for (size_t i = 0; i < (size_t)rows * k; i++) xf[i] = bf16_to_float(x[i]);
     BLOCKS_PRODUCT[qtype](xf, rows, k, n, blocks, yf, threads, quantize_x);
-    size_t i = 0;
-    for (; i + 8 <= (size_t)rows * n; i += 8) _mm_storeu_si128((__m128i *)(y + i), to_bf16(_mm256_loadu_ps(yf + i)));
-    for (; i < (size_t)rows * n; i++) {
-        float tail[8] = {yf[i]};
-        uint16_t bits[8];
-        _mm_storeu_si128((__m128i *)bits, to_bf16(_mm256_loadu_ps(tail)));
-        y[i] = bits[0];
-    }
+    row_epilogue_bf16(yf, rows, n, residual, gated, y);
     free(xf), free(yf);
 }

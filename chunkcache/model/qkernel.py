@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qkernel.c")
 # Compiled together into one library (`SOURCE` first); the header is hashed with them.
 EXTRA_SOURCES = tuple(
-    Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q4k", "q8_0", "q4_1", "bf16", "amx")
+    Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q4k", "q8_0", "q4_1", "bf16", "amx", "row")
 )
 HEADER = Path(__file__).with_name("qkernel.h")
 # Included by one source twice (per dot product instruction), hashed with the sources.
@@ -126,7 +126,9 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         ("int4_dequantize", [p, p, p, i, i, i, p, i]),
         ("int4_dequantize_bf16", [p, p, i, i, i, i, p, i]),
         ("q4_1_product_isa", [p, i, i, i, p, p, i]),
-        ("blocks_product_bf16", [i, p, i, i, i, p, p, i, i]),
+        ("blocks_product_bf16", [i, p, i, i, i, p, p, i, i, p, i]),
+        ("row_rms_norm_bf16", [p, i, i, p, ctypes.c_float, p]),
+        ("row_attend_bf16", [p, p, p, i, i, i, p, p, p, i, ctypes.c_float, p]),
         *((tile, [p, i, i, p]) for tile in TILED.values()),
         *((product, block_product) for product, _ in _BLOCK_FUNCTIONS.values()),
         *((dequantize, block_dequantize) for _, dequantize in _BLOCK_FUNCTIONS.values()),
@@ -345,11 +347,20 @@ def blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor, int8_x: bo
     return _in_row_chunks(x.float(), lambda c: op(c, blocks, qtype, int8_x))
 
 
-def blocks_rows(x: torch.Tensor, qtype: str, blocks: torch.Tensor, int8_x: bool = False) -> torch.Tensor:
+def blocks_rows(
+    x: torch.Tensor,
+    qtype: str,
+    blocks: torch.Tensor,
+    int8_x: bool = False,
+    residual: torch.Tensor | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
     """`blocks_product` of at most `MAX_ROWS` rows, eager only, in x's dtype (bfloat16 or float32):
     a decode step's path with the fewest Python operations (a SmolLM2 token makes 121 of these
     calls; through `blocks_product`'s dispatch and dtype conversions they took ~30 us of Python
-    each in the engine, against ~8 for torch's int4 kernel's, the Q4_1 products themselves ~63)."""
+    each in the engine, against ~8 for torch's int4 kernel's, the Q4_1 products themselves ~63).
+    A bfloat16 x's call also does a `Linear`'s epilogue where asked: plus `residual`, or
+    (`gated`) silu(gate) * up of the output's halves, as torch rounds them (`qkernel_row.c`)."""
     block_bytes, weights = BLOCK_TYPES[qtype]
     rows, k = x.shape
     assert rows <= MAX_ROWS and k * block_bytes == blocks.shape[1] * weights and blocks.dtype == torch.uint8
@@ -358,14 +369,74 @@ def blocks_rows(x: torch.Tensor, qtype: str, blocks: torch.Tensor, int8_x: bool 
         lib = _loaded()[0]
         assert lib is not None
         n = blocks.shape[0]
-        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        y = torch.empty(rows, n // 2 if gated else n, dtype=torch.bfloat16)
+        if residual is not None:
+            assert residual.shape == y.shape and residual.dtype == torch.bfloat16
+            residual = residual.contiguous()
         x = x.contiguous()
         lib.blocks_product_bf16(
             BLOCK_CODES[qtype], x.data_ptr(), rows, k, n, blocks.data_ptr(), y.data_ptr(),
-            torch.get_num_threads(), int8_rows,
+            torch.get_num_threads(), int8_rows, None if residual is None else residual.data_ptr(), gated,
         )  # fmt: skip
         return y
+    assert residual is None and not gated
     return _blocks_product(x.float(), blocks, qtype, int8_rows)
+
+
+# `attend_row` serves KV lists up to this many multiply-adds a product (query heads x list x head
+# dim). One thread of the AMX Xeon, against `project` + `attend` over the list as one span (torch's
+# bfloat16 SDPA, the faster of its two forms): 14 against 50 us at 9 heads of 64 x 100 entries,
+# 102 against 105 at x 1,000; 28 against 49 at 12 heads of 128 x 100, 228 against 106 at x 1,000.
+# C's time grows 1.6-3.5x faster with the list (every key and value converted to float32 per
+# query head, where torch's GEMMs take bfloat16): it is the faster below ~360k at both shapes.
+ROW_ATTENTION_MACS = 360_000
+
+
+def rows_served() -> bool:
+    """Whether a bfloat16 decode row's norm and one sequence's attention run in C
+    (`qkernel_row.c`: `rms_norm_rows`, `attend_row`): wherever the library is built."""
+    return _loaded()[0] is not None and not torch.compiler.is_compiling()
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`llama.RMSNorm` of bfloat16 rows x [T, k] with its bfloat16 weight, in one C call."""
+    lib = _loaded()[0]
+    assert lib is not None and x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    lib.row_rms_norm_bf16(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+def attend_row(
+    qkv: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    heads: tuple[int, int],
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's decode token in bfloat16: its merged projection qkv [1, (Hq + 2 Hk) D], RoPE's
+    cos and sin [1, 1, D] of its position: K (rotated) and V written to the caches [slots, Hk, D]
+    at the last of its KV list `slots` (int64 [L]), its attention over the list [1, Hq D]."""
+    lib = _loaded()[0]
+    (hq, hk), (k_cache, v_cache) = heads, kv_cache
+    d = k_cache.shape[2]
+    assert (
+        lib is not None
+        and qkv.shape == (1, (hq + 2 * hk) * d)
+        and qkv.dtype == k_cache.dtype == torch.bfloat16
+    )
+    assert d % 8 == 0 and hq % hk == 0 and slots.dtype == torch.int64
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == hk
+    qkv, slots = qkv.contiguous(), slots.contiguous()
+    cos, sin = (t.contiguous() for t in rope)
+    o = qkv.new_empty(1, hq * d)
+    lib.row_attend_bf16(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), hq, hk, d, k_cache.data_ptr(), v_cache.data_ptr(),
+        slots.data_ptr(), slots.numel(), scale, o.data_ptr(),
+    )  # fmt: skip
+    return o
 
 
 def blocks_dequantize(

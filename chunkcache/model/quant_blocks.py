@@ -152,8 +152,7 @@ class BlocksPart:
         """x [T, in] times the weight, in x's dtype: the kernel below the format's `min_rows`
         rows, GEMMs over dequantized blocks from it: bfloat16 ones for a bfloat16 x where the CPU
         multiplies bfloat16 natively (`dequant.bf16_gemm`; from `bf16_min_rows`), else float32."""
-        rows = x.shape[0]
-        if rows <= qkernel.MAX_ROWS and rows < self.few_rows and not torch.compiler.is_compiling():
+        if self.short(x):
             return qkernel.blocks_rows(x, self.qtype, self.blocks, self.int8_x)
         bf16 = x.dtype == torch.bfloat16 and dequant.bf16_gemm()
         if x.shape[0] >= (self.format.bf16_min_rows if bf16 else self.format.min_rows):
@@ -161,6 +160,11 @@ class BlocksPart:
                 return product(x, self.qtype, self.blocks)
             return product(x.float(), self.qtype, self.blocks).to(x.dtype)
         return self.kernel(x).to(x.dtype)
+
+    def short(self, x: torch.Tensor) -> bool:
+        """Whether x's rows take `__call__`'s short path (`qkernel.blocks_rows`)."""
+        rows = x.shape[0]
+        return rows <= qkernel.MAX_ROWS and rows < self.few_rows and not torch.compiler.is_compiling()
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel alone: float32 x and y, `qkernel.MAX_ROWS` rows a call."""
