@@ -318,6 +318,11 @@ def main() -> int:
     pool = passages(tokenizer, args.doc_tokens)
     rng.shuffle(pool)
     docs, rest = pool[:12], pool[12:]
+    if len(rest) <= 5 * args.repeats:  # up to five passages a cold prompt, one more for the warm-up
+        parser.error(
+            f"--repeats {args.repeats}: the text has {len(rest)} passages of --doc-tokens {args.doc_tokens} past "
+            f"the RAG pool, cold prompts for --repeats {(len(rest) - 1) // 5} at most"
+        )
     titles = [t for t, _ in docs]
     # Cold prompts: fresh text per repetition (and per warm-up), never a RAG document.
     cold = [" ".join(text for _, text in rest[i * 5 : i * 5 + 5]) for i in range(args.repeats + 1)]
