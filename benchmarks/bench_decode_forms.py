@@ -7,13 +7,17 @@ int8 (`qkernel.decode_step`, the runner's marking of decode-only steps; `int8_ac
 against the previous behaviour, int8 x for 1-row products only (the steps left unmarked: 2+ rows
 run float32 x). `--compare lm_head`: a tied Q8_0 lm_head held as the file's blocks (`BlocksPart`)
 against a dense float32 copy of the same values (SmolLM2's before Q8_0 had a kernel), or with
-`--dtype auto` a dense bfloat16 one (on AMX tiles where they serve).
+`--dtype auto` a dense bfloat16 one (on AMX tiles where they serve). `--compare c_rows` (with
+`--dtype auto` on a CPU that serves bfloat16): a bfloat16 decode row's norms, one sequence's
+attention and the products' residual adds / SwiGLU as C calls (`qkernel_row.c`) against torch's
+operators.
 
 Per round and side: one 1-token generate (the prompts' prefill), then a `--tokens`+1-token one;
 the CPU time (time.process_time) of the difference over `--tokens` steps is a decode step.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_forms.py --compare rows [--model qwen2.5-coder-1.5b] [--sequences 5]
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_forms.py --compare lm_head --model smollm2 --sequences 1 --tokens 64
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode_forms.py --compare c_rows --model smollm2 --sequences 1 --tokens 128 --dtype auto
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.model import qkernel
-from chunkcache.model.quant import DensePart
+from chunkcache.model.quant import DensePart, QuantProduct
 from chunkcache.model.quant_blocks import BlocksPart
 
 PROMPTS = [
@@ -57,6 +61,19 @@ def sides(llm: LLM, compare: str) -> dict[str, contextlib.AbstractContextManager
                 qkernel.decode_step = marked
 
         return {"int8 x every row": contextlib.nullcontext, "int8 x at 1 row": unmarked}
+    if compare == "c_rows":
+        served, epilogue = qkernel.rows_served, QuantProduct.with_epilogue
+
+        @contextlib.contextmanager
+        def in_torch():  # the norms, attention and epilogues as torch's operators
+            qkernel.rows_served = lambda: False
+            QuantProduct.with_epilogue = lambda *args: None
+            try:
+                yield
+            finally:
+                qkernel.rows_served, QuantProduct.with_epilogue = served, epilogue
+
+        return {"rows in C": contextlib.nullcontext, "rows in torch": in_torch}
     lm_head = llm.engine.runner.model.lm_head.quant
     blocks = lm_head.parts
     if not (len(blocks) == 1 and isinstance(blocks[0], BlocksPart)):
@@ -81,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--compare", choices=("rows", "lm_head"), required=True)
+    parser.add_argument("--compare", choices=("rows", "lm_head", "c_rows"), required=True)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--sequences", type=int, default=5, choices=range(1, len(PROMPTS) + 1))
     parser.add_argument("--tokens", type=int, default=16)

@@ -35,18 +35,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One kernel instead of five (a decode step runs 61 norms); the same numbers.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         if (
-            x.dtype == self.weight.dtype == torch.bfloat16
+            x.dtype == self.weight.dtype
+            and x.dtype in qkernel.ROW_TYPES
             and x.dim() == 2
             and x.shape[0] <= qkernel.MAX_ROWS
             and x.device.type == "cpu"
             and qkernel.rows_served()
-        ):  # A decode step's rows: one C call, not ~10 operators (~40 us in the engine), whose sum of
-            # squares runs in another order: one bfloat16 unit off on 0-4 elements in a million.
+        ):  # A decode step's rows: one C call, not 1-10 operators (~40 us in the engine), whose sum
+            # of squares runs in another order: bfloat16 one unit off on 0-4 elements in a million.
             return qkernel.rms_norm_rows(x, self.weight, self.eps)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One kernel instead of five (a decode step runs 61 norms); the same numbers.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32, as transformers does, so half-precision checkpoints agree: its
         # x * rsqrt(mean(x^2) + eps) in float32 is F.rms_norm's without a weight, bit for bit
         # (2,000 random rows, 64-1,536 wide), in one call instead of five (a SmolLM2 decode step
@@ -102,7 +103,7 @@ class Attention(nn.Module):
     def one_row_in_c(
         self, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> bool:
-        """Whether this step is one bfloat16 sequence's decode token on CPU, whose RoPE, KV write and
+        """Whether this step is one sequence's decode token on CPU, whose RoPE, KV write and
         attention one C call does (`qkernel.attend_row`: ~15 operators a layer fewer), where its KV
         list is short enough for that call to be the faster (`qkernel.ROW_ATTENTION_MACS`)."""
         d = meta.decode
@@ -111,11 +112,12 @@ class Attention(nn.Module):
             and d is not None
             and not meta.prefills
             and not d.calibrated
-            and x.dtype == kv_cache[0].dtype == torch.bfloat16
+            and x.dtype == kv_cache[0].dtype
+            and x.dtype in qkernel.ROW_TYPES
             and x.device.type == "cpu"
             and self.q_norm is None
             and self.head_dim % 8 == 0
-            and self.num_heads * d.slots.shape[1] * self.head_dim <= qkernel.ROW_ATTENTION_MACS
+            and self.num_heads * d.slots.shape[1] * self.head_dim <= qkernel.ROW_ATTENTION_MACS[x.dtype]
             and qkernel.rows_served()
         )
 

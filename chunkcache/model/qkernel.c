@@ -404,16 +404,19 @@ void int8_product(const float *x, int rows, int k, int n, const int8_t *codes, c
 typedef void (*blocks_product_fn)(const float *, int, int, int, const uint8_t *, float *, int, int);
 static const blocks_product_fn BLOCKS_PRODUCT[] = {q4k_product, q6k_product, q8_0_product, q4_1_product, q4_0_product};
 
-/* `BLOCKS_PRODUCT[qtype]` for bfloat16 x and y (raw bits): x widened to float32 (exact), y rounded
- * to nearest even (torch's conversion of finite values): the float32 call's bits and torch's
- * `.to(torch.bfloat16)` of them, without the two tensors a decode step's Python made for each
- * product (~120 products a SmolLM2 token); a `Linear`'s residual add or SwiGLU after it where
- * asked (`row_epilogue_bf16`, qkernel_row.c). */
-void blocks_product_bf16(int qtype, const uint16_t *x, int rows, int k, int n, const uint8_t *blocks, uint16_t *y,
-                         int threads, int quantize_x, const uint16_t *residual, int gated) {
-    float *xf = malloc((size_t)rows * k * sizeof *xf), *yf = malloc((size_t)rows * n * sizeof *yf);
-    for (size_t i = 0; i < (size_t)rows * k; i++) xf[i] = bf16_to_float(x[i]);
-    BLOCKS_PRODUCT[qtype](xf, rows, k, n, blocks, yf, threads, quantize_x);
-    row_epilogue_bf16(yf, rows, n, residual, gated, y);
+/* `BLOCKS_PRODUCT[qtype]` for x and y in the model's type (`bf16`: raw bfloat16 bits, x widened
+ * to float32, exact, and y rounded to nearest even, torch's conversion of finite values: the
+ * float32 call's bits and torch's `.to(torch.bfloat16)` of them), without the tensors a decode
+ * step's Python made for each product (~120 products a SmolLM2 token); a `Linear`'s residual add
+ * or SwiGLU after it where asked (`row_epilogue`, qkernel_row.c). */
+void blocks_product_rows(int qtype, const void *x, int rows, int k, int n, const uint8_t *blocks, void *y, int threads,
+                         int quantize_x, const void *residual, int gated, int bf16) {
+    float *xf = NULL, *yf = malloc((size_t)rows * n * sizeof *yf);
+    if (bf16) {
+        xf = malloc((size_t)rows * k * sizeof *xf);
+        for (size_t i = 0; i < (size_t)rows * k; i++) xf[i] = bf16_to_float(((const uint16_t *)x)[i]);
+    }
+    BLOCKS_PRODUCT[qtype](bf16 ? xf : (const float *)x, rows, k, n, blocks, yf, threads, quantize_x);
+    row_epilogue(yf, rows, n, residual, gated, y, bf16);
     free(xf), free(yf);
 }

@@ -116,9 +116,10 @@ void q6k_product(const float *x, int rows, int k, int n, const uint8_t *blocks, 
 void q8_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
 void q4_1_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
 void q4_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks, float *y, int threads, int quantize_x);
-/* A product's float32 y [rows][n] as a bfloat16 Linear's output (qkernel_row.c): rounded, then
- * silu(gate) * up of its halves where `gated` ([rows][n / 2] out), or plus `residual` where given. */
-void row_epilogue_bf16(const float *yf, int rows, int n, const uint16_t *residual, int gated, uint16_t *y);
+/* A product's float32 y [rows][n] as a Linear's output in bfloat16 (`bf16`) or float32
+ * (qkernel_row.c): rounded, then silu(gate) * up of its halves where `gated` ([rows][n / 2] out),
+ * or plus `residual` where given. */
+void row_epilogue(const float *yf, int rows, int n, const void *residual, int gated, void *y, int bf16);
 void q4k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
 void q6k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
 void q8_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);

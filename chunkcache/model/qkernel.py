@@ -126,9 +126,9 @@ def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
         ("int4_dequantize", [p, p, p, i, i, i, p, i]),
         ("int4_dequantize_bf16", [p, p, i, i, i, i, p, i]),
         ("q4_1_product_isa", [p, i, i, i, p, p, i]),
-        ("blocks_product_bf16", [i, p, i, i, i, p, p, i, i, p, i]),
-        ("row_rms_norm_bf16", [p, i, i, p, ctypes.c_float, p]),
-        ("row_attend_bf16", [p, p, p, i, i, i, p, p, p, i, ctypes.c_float, p]),
+        ("blocks_product_rows", [i, p, i, i, i, p, p, i, i, p, i, i]),
+        ("row_rms_norm", [p, i, i, p, ctypes.c_float, p, i]),
+        ("row_attend", [p, p, p, i, i, i, p, p, p, i, ctypes.c_float, p, i]),
         *((tile, [p, i, i, p]) for tile in TILED.values()),
         *((product, block_product) for product, _ in _BLOCK_FUNCTIONS.values()),
         *((dequantize, block_dequantize) for _, dequantize in _BLOCK_FUNCTIONS.values()),
@@ -347,6 +347,10 @@ def blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor, int8_x: bo
     return _in_row_chunks(x.float(), lambda c: op(c, blocks, qtype, int8_x))
 
 
+# What the row functions (`blocks_rows`, `rms_norm_rows`, `attend_row`) take: C's `bf16` flag.
+ROW_TYPES = (torch.bfloat16, torch.float32)
+
+
 def blocks_rows(
     x: torch.Tensor,
     qtype: str,
@@ -359,52 +363,54 @@ def blocks_rows(
     a decode step's path with the fewest Python operations (a SmolLM2 token makes 121 of these
     calls; through `blocks_product`'s dispatch and dtype conversions they took ~30 us of Python
     each in the engine, against ~8 for torch's int4 kernel's, the Q4_1 products themselves ~63).
-    A bfloat16 x's call also does a `Linear`'s epilogue where asked: plus `residual`, or
-    (`gated`) silu(gate) * up of the output's halves, as torch rounds them (`qkernel_row.c`)."""
+    The call also does a `Linear`'s epilogue where asked: plus `residual`, or (`gated`)
+    silu(gate) * up of the output's halves, as torch rounds them (`qkernel_row.c`)."""
     block_bytes, weights = BLOCK_TYPES[qtype]
     rows, k = x.shape
     assert rows <= MAX_ROWS and k * block_bytes == blocks.shape[1] * weights and blocks.dtype == torch.uint8
-    int8_rows = _int8_rows(x, int8_x)
-    if x.dtype == torch.bfloat16:  # converted in C: the float32 product's bits, then torch's rounding
-        lib = _loaded()[0]
-        assert lib is not None
-        n = blocks.shape[0]
-        y = torch.empty(rows, n // 2 if gated else n, dtype=torch.bfloat16)
-        if residual is not None:
-            assert residual.shape == y.shape and residual.dtype == torch.bfloat16
-            residual = residual.contiguous()
-        x = x.contiguous()
-        lib.blocks_product_bf16(
-            BLOCK_CODES[qtype], x.data_ptr(), rows, k, n, blocks.data_ptr(), y.data_ptr(),
-            torch.get_num_threads(), int8_rows, None if residual is None else residual.data_ptr(), gated,
-        )  # fmt: skip
-        return y
-    assert residual is None and not gated
-    return _blocks_product(x.float(), blocks, qtype, int8_rows)
+    if x.dtype not in ROW_TYPES:
+        assert residual is None and not gated
+        return _blocks_product(x.float(), blocks, qtype, _int8_rows(x, int8_x)).to(x.dtype)
+    lib = _loaded()[0]
+    assert lib is not None
+    n = blocks.shape[0]
+    y = torch.empty(rows, n // 2 if gated else n, dtype=x.dtype)
+    if residual is not None:
+        assert residual.shape == y.shape and residual.dtype == x.dtype
+        residual = residual.contiguous()
+    x = x.contiguous()
+    lib.blocks_product_rows(
+        BLOCK_CODES[qtype], x.data_ptr(), rows, k, n, blocks.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+        _int8_rows(x, int8_x), None if residual is None else residual.data_ptr(), gated, x.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return y
 
 
 # `attend_row` serves KV lists up to this many multiply-adds a product (query heads x list x head
-# dim). One thread of the AMX Xeon, against `project` + `attend` over the list as one span (torch's
-# bfloat16 SDPA, the faster of its two forms): 14 against 50 us at 9 heads of 64 x 100 entries,
-# 102 against 105 at x 1,000; 28 against 49 at 12 heads of 128 x 100, 228 against 106 at x 1,000.
-# C's time grows 1.6-3.5x faster with the list (every key and value converted to float32 per
-# query head, where torch's GEMMs take bfloat16): it is the faster below ~360k at both shapes.
-ROW_ATTENTION_MACS = 360_000
+# dim), per dtype. One thread of the AMX Xeon, against `project` + `attend` over the list as one
+# span (torch's SDPA, the faster of its two forms), per layer: in bfloat16 14 against 50 us at 9
+# heads of 64 x 100 entries, 102 against 105 at x 1,000; 28 against 49 at 12 heads of 128 x 100,
+# 228 against 106 at x 1,000 (C's time grows 1.6-3.5x faster with the list: every key and value
+# converted to float32 per query head, where torch's GEMMs take bfloat16); in float32 16 against
+# 55, 122 against 175, 873 against 557 at x 3,000; 33 against 81, 390 against 281 at x 1,000.
+ROW_ATTENTION_MACS = {torch.bfloat16: 360_000, torch.float32: 900_000}
 
 
 def rows_served() -> bool:
-    """Whether a bfloat16 decode row's norm and one sequence's attention run in C
-    (`qkernel_row.c`: `rms_norm_rows`, `attend_row`): wherever the library is built."""
+    """Whether a decode row's norm and one sequence's attention run in C (`qkernel_row.c`:
+    `rms_norm_rows`, `attend_row`): wherever the library is built, eager only."""
     return _loaded()[0] is not None and not torch.compiler.is_compiling()
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`llama.RMSNorm` of bfloat16 rows x [T, k] with its bfloat16 weight, in one C call."""
+    """`llama.RMSNorm` of rows x [T, k] with its weight (both bfloat16 or both float32), one C call."""
     lib = _loaded()[0]
-    assert lib is not None and x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    assert lib is not None and x.dtype == weight.dtype and x.dtype in ROW_TYPES and weight.is_contiguous()
     x = x.contiguous()
     y = torch.empty_like(x)
-    lib.row_rms_norm_bf16(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, y.data_ptr())
+    lib.row_rms_norm(
+        x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, y.data_ptr(), x.dtype == torch.bfloat16
+    )
     return y
 
 
@@ -416,25 +422,23 @@ def attend_row(
     heads: tuple[int, int],
     scale: float,
 ) -> torch.Tensor:
-    """One sequence's decode token in bfloat16: its merged projection qkv [1, (Hq + 2 Hk) D], RoPE's
-    cos and sin [1, 1, D] of its position: K (rotated) and V written to the caches [slots, Hk, D]
-    at the last of its KV list `slots` (int64 [L]), its attention over the list [1, Hq D]."""
+    """One sequence's decode token: its merged projection qkv [1, (Hq + 2 Hk) D], RoPE's cos and sin
+    [1, 1, D] of its position (all in the caches' dtype, bfloat16 or float32): K (rotated) and V
+    written to the caches [slots, Hk, D] at the last of its KV list `slots` (int64 [L]), its
+    attention over the list [1, Hq D]."""
     lib = _loaded()[0]
     (hq, hk), (k_cache, v_cache) = heads, kv_cache
     d = k_cache.shape[2]
-    assert (
-        lib is not None
-        and qkv.shape == (1, (hq + 2 * hk) * d)
-        and qkv.dtype == k_cache.dtype == torch.bfloat16
-    )
+    assert lib is not None and qkv.shape == (1, (hq + 2 * hk) * d) and qkv.dtype == k_cache.dtype
+    assert k_cache.dtype in ROW_TYPES and rope[0].dtype == rope[1].dtype == k_cache.dtype
     assert d % 8 == 0 and hq % hk == 0 and slots.dtype == torch.int64
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[1] == hk
     qkv, slots = qkv.contiguous(), slots.contiguous()
     cos, sin = (t.contiguous() for t in rope)
     o = qkv.new_empty(1, hq * d)
-    lib.row_attend_bf16(
+    lib.row_attend(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), hq, hk, d, k_cache.data_ptr(), v_cache.data_ptr(),
-        slots.data_ptr(), slots.numel(), scale, o.data_ptr(),
+        slots.data_ptr(), slots.numel(), scale, o.data_ptr(), k_cache.dtype == torch.bfloat16,
     )  # fmt: skip
     return o
 

@@ -1,16 +1,18 @@
-/* A bfloat16 decode row's work between its products: the RMSNorm, and one sequence's RoPE, KV
- * write and attention; built into the same library as qkernel.c by `model/qkernel.py`.
+/* A decode row's work between its products, in bfloat16 or float32 (`bf16`): the RMSNorm, one
+ * sequence's RoPE, KV write and attention, and a product's residual add or SwiGLU; built into the
+ * same library as qkernel.c by `model/qkernel.py`.
  *
  * In eager PyTorch a SmolLM2 decode step runs ~55 small operators a layer around its 4 products,
  * each ~5-40 us in the engine (its dispatch, an output allocated, the weights' stream evicting
  * what it touches): a norm alone 13 us in a loop, ~40 in the engine. One call here does each part.
  *
- * Bits: the RoPE is torch's `rope._rotated` in bfloat16 exactly (every product of two bfloat16
- * values is exact in float32, so each of its operators rounds once, here too); the norm and the
- * attention round where torch does (the normalised x to bfloat16 before the weight; softmax's
- * probabilities to bfloat16 before they weigh V, as torch's CPU flash attention does for bfloat16)
- * but sum in another order: their float32 results differ in the last bits, so a bfloat16 output
- * differs by one unit in the last place now and then (tests/test_qkernel_row.py measures how often).
+ * Bits: the RoPE and the residual add are torch's (in bfloat16 every product of two values is
+ * exact in float32, so each operator rounds once, here too; in float32 the RoPE's multiply-add is
+ * fused, as torch's `addcmul_`); the norm, SwiGLU and the
+ * attention round where torch does (in bfloat16: the normalised x before the weight; softmax's
+ * probabilities before they weigh V, as torch's CPU flash attention does) but sum or exponentiate
+ * in another order: a bfloat16 output one unit off now and then, float32 ones in the last bits
+ * (tests/test_qkernel_row.py measures both).
  */
 #include <math.h>
 
@@ -37,42 +39,35 @@ static inline __m256 load8_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-/* y = w * bf16(x / sqrt(mean(x^2) + eps)) per row of x [rows][k], transformers' LlamaRMSNorm in
- * bfloat16 (the squares of bfloat16 values are exact; their sum is taken in double). */
-void row_rms_norm_bf16(const uint16_t *x, int rows, int k, const uint16_t *w, float eps, uint16_t *y) {
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *xr = x + (size_t)r * k;
-        uint16_t *yr = y + (size_t)r * k;
-        double s[4] = {0, 0, 0, 0};
-        int i = 0;
-        for (; i + 4 <= k; i += 4)
-            for (int j = 0; j < 4; j++) {
-                float v = bf16_to_float(xr[i + j]);
-                s[j] += (double)(v * v);
-            }
-        for (; i < k; i++) {
-            float v = bf16_to_float(xr[i]);
-            s[0] += (double)(v * v);
-        }
-        const float inv = 1.0f / sqrtf((float)(s[0] + s[1] + s[2] + s[3]) / (float)k + eps);
-        for (i = 0; i < k; i++) yr[i] = bf16_bits(bf16_to_float(w[i]) * round_bf16(bf16_to_float(xr[i]) * inv));
-    }
+/* Element i of a row of bfloat16 (raw bits) or float32 values; 8 from i; f rounded to the type;
+ * element i set. Inlined with `bf16` a constant (the `_t` functions below), so no branch is left. */
+static inline float get(const void *p, size_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+static inline __m256 get8(const void *p, size_t i, int bf16) {
+    return bf16 ? load8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+static inline float rounded(float f, int bf16) { return bf16 ? round_bf16(f) : f; }
+static inline void set(void *p, size_t i, float f, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = bf16_bits(f);
+    else
+        ((float *)p)[i] = f;
 }
 
-/* One head of x (d values) rotated as `rope._rotated`: bf16(bf16(x cos) -/+ x' sin). */
-static void rotate(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, int d, float *out) {
-    const int half = d / 2;
-    for (int i = 0; i < d; i++) {
-        float a = round_bf16(bf16_to_float(x[i]) * bf16_to_float(cos[i]));
-        float other = i < half ? -bf16_to_float(x[i + half]) : bf16_to_float(x[i - half]);
-        out[i] = round_bf16(a + other * bf16_to_float(sin[i]));
-    }
+/* 8 floats rounded to bfloat16 (nearest even), as floats. */
+static inline __m256 round8_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
+static inline __m256 rounded8(__m256 v, int bf16) { return bf16 ? round8_bf16(v) : v; }
 
 /* e^x of 8 floats: 2^n e^r with n = round(x / ln 2), r in [-ln 2 / 2, ln 2 / 2] (ln 2 in two
  * parts) and e^r by its degree-6 Taylor polynomial, within 2 units in the last place of expf;
  * 2^n applied in two halves, so that it overflows to infinity past x = 88.72 and goes to
- * denormals and 0 below -87.3 as expf does (torch's silu of a bfloat16 gate below -88.72 is -0). */
+ * denormals and 0 below -87.3 as expf does (torch's silu of a gate below -88.72 is -0). */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(89.0f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -93,43 +88,83 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(_mm256_mul_ps(e, a), b);
 }
 
-/* 8 floats rounded to bfloat16 (nearest even), as floats. */
-static inline __m256 round8_bf16(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+/* y = w * round(x / sqrt(mean(x^2) + eps)) per row of x [rows][k], transformers' LlamaRMSNorm
+ * (the sum of squares in double: exact for bfloat16 x). */
+static inline __attribute__((always_inline)) void rms_norm_t(const void *x, int rows, int k, const void *w,
+                                                             float eps, void *y, const int bf16) {
+    for (int r = 0; r < rows; r++) {
+        const size_t row = (size_t)r * k;
+        double s[4] = {0, 0, 0, 0};
+        int i = 0;
+        for (; i + 4 <= k; i += 4)
+            for (int j = 0; j < 4; j++) {
+                float v = get(x, row + i + j, bf16);
+                s[j] += (double)v * v;
+            }
+        for (; i < k; i++) {
+            float v = get(x, row + i, bf16);
+            s[0] += (double)v * v;
+        }
+        const float inv = 1.0f / sqrtf((float)(s[0] + s[1] + s[2] + s[3]) / (float)k + eps);
+        for (i = 0; i < k; i++) set(y, row + i, get(w, i, bf16) * rounded(get(x, row + i, bf16) * inv, bf16), bf16);
+    }
 }
 
-/* 8 bfloat16 values (as floats) times 8 more, rounded: torch's bfloat16 product. */
-static inline __m256 mul8_bf16(__m256 a, __m256 b) { return round8_bf16(_mm256_mul_ps(a, b)); }
+void row_rms_norm(const void *x, int rows, int k, const void *w, float eps, void *y, int bf16) {
+    if (bf16)
+        rms_norm_t(x, rows, k, w, eps, y, 1);
+    else
+        rms_norm_t(x, rows, k, w, eps, y, 0);
+}
 
-void row_epilogue_bf16(const float *yf, int rows, int n, const uint16_t *residual, int gated, uint16_t *y) {
+/* A product's float32 y [rows][n] as a Linear's output in the model's type: rounded, then
+ * silu(gate) * up of its halves where `gated` ([rows][n / 2] out; torch's silu: x / (1 + e^-x)
+ * in float32, rounded), or plus `residual` where given. */
+static inline __attribute__((always_inline)) void epilogue_t(const float *yf, int rows, int n, const void *residual,
+                                                             int gated, void *y, const int bf16) {
     const int out = gated ? n / 2 : n;
     for (int r = 0; r < rows; r++) {
         const float *row = yf + (size_t)r * n;
-        uint16_t *o = y + (size_t)r * out;
-        const uint16_t *res = residual ? residual + (size_t)r * out : NULL;
+        const size_t at = (size_t)r * out;
         int i = 0;
         for (; i + 8 <= out; i += 8) {
-            __m256 v = round8_bf16(_mm256_loadu_ps(row + i));
-            if (gated) { /* torch's silu in bfloat16: x / (1 + e^-x) in float32, rounded */
+            __m256 v = rounded8(_mm256_loadu_ps(row + i), bf16);
+            if (gated) {
                 __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
-                v = mul8_bf16(round8_bf16(_mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e))),
-                              round8_bf16(_mm256_loadu_ps(row + out + i)));
-            } else if (res) {
-                v = _mm256_add_ps(v, load8_bf16(res + i));
+                __m256 silu = rounded8(_mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), bf16);
+                v = _mm256_mul_ps(silu, rounded8(_mm256_loadu_ps(row + out + i), bf16));
+            } else if (residual) {
+                v = _mm256_add_ps(v, get8(residual, at + i, bf16));
             }
-            _mm_storeu_si128((__m128i *)(o + i), to_bf16(v));
+            store8(y, bf16, at + i, v);
         }
         for (; i < out; i++) {
-            float v = round_bf16(row[i]);
+            float v = rounded(row[i], bf16);
             if (gated)
-                v = round_bf16(round_bf16(v / (1.0f + expf(-v))) * round_bf16(row[out + i]));
-            else if (res)
-                v = v + bf16_to_float(res[i]);
-            o[i] = bf16_bits(v);
+                v = rounded(v / (1.0f + expf(-v)), bf16) * rounded(row[out + i], bf16);
+            else if (residual)
+                v = v + get(residual, at + i, bf16);
+            set(y, at + i, v, bf16);
         }
+    }
+}
+
+void row_epilogue(const float *yf, int rows, int n, const void *residual, int gated, void *y, int bf16) {
+    if (bf16)
+        epilogue_t(yf, rows, n, residual, gated, y, 1);
+    else
+        epilogue_t(yf, rows, n, residual, gated, y, 0);
+}
+
+/* One head of x (d values) rotated as `rope._rotated`: round(fma(-/+x', sin, round(x cos))), as
+ * torch's product and its `addcmul_` (a fused multiply-add in float32; in bfloat16 the product of
+ * two values is exact, so the same). */
+static void rotate(const void *x, size_t at, const void *cos, const void *sin, int d, float *out, int bf16) {
+    const int half = d / 2;
+    for (int i = 0; i < d; i++) {
+        float a = rounded(get(x, at + i, bf16) * get(cos, i, bf16), bf16);
+        float other = i < half ? -get(x, at + i + half, bf16) : get(x, at + i - half, bf16);
+        out[i] = rounded(fmaf(other, get(sin, i, bf16), a), bf16);
     }
 }
 
@@ -143,90 +178,104 @@ static inline __m256 sums8(const __m256 *v) {
 /* Query head q's scores (d floats) against the KV list's keys of KV head g, times `scale`, into
  * s [length]; their maximum returned. Eight keys at a time, their dot products summed across lanes
  * together. */
-static float scores(const float *q, int d, int hk, int g, const uint16_t *k_cache, const int64_t *slots, int length,
-                    float scale, float *s) {
+static inline __attribute__((always_inline)) float scores_t(const float *q, int d, int hk, int g, const void *k_cache,
+                                                            const int64_t *slots, int length, float scale, float *s,
+                                                            const int bf16) {
     float max = -INFINITY;
     int j = 0;
     for (; j + 8 <= length; j += 8) {
         __m256 dot[8];
         for (int t = 0; t < 8; t++) {
-            const uint16_t *kr = k_cache + ((size_t)slots[j + t] * hk + g) * d;
+            const size_t kr = ((size_t)slots[j + t] * hk + g) * d;
             dot[t] = _mm256_setzero_ps();
-            for (int i = 0; i < d; i += 8) dot[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_bf16(kr + i), dot[t]);
+            for (int i = 0; i < d; i += 8)
+                dot[t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), get8(k_cache, kr + i, bf16), dot[t]);
         }
         _mm256_storeu_ps(s + j, _mm256_mul_ps(sums8(dot), _mm256_set1_ps(scale)));
     }
     for (; j < length; j++) {
-        const uint16_t *kr = k_cache + ((size_t)slots[j] * hk + g) * d;
+        const size_t kr = ((size_t)slots[j] * hk + g) * d;
         __m256 dot = _mm256_setzero_ps();
-        for (int i = 0; i < d; i += 8) dot = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8_bf16(kr + i), dot);
+        for (int i = 0; i < d; i += 8) dot = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), get8(k_cache, kr + i, bf16), dot);
         s[j] = hsum(dot) * scale;
     }
     for (j = 0; j < length; j++) max = s[j] > max ? s[j] : max;
     return max;
 }
 
-/* sum_j p[j] v_j over the KV list's values of KV head g into o [d] (bfloat16), times r: 64 of the
- * d outputs at a time in registers. */
-static void weigh_values(const float *p, int d, int hk, int g, const uint16_t *v_cache, const int64_t *slots,
-                         int length, float r, uint16_t *o) {
+/* sum_j p[j] v_j over the KV list's values of KV head g, times r, into o [d] from element `at`:
+ * 64 of the d outputs at a time in registers. */
+static inline __attribute__((always_inline)) void weigh_values_t(const float *p, int d, int hk, int g,
+                                                                 const void *v_cache, const int64_t *slots, int length,
+                                                                 float r, void *o, size_t at, const int bf16) {
     for (int i0 = 0; i0 < d; i0 += 64) {
         const int n = d - i0 < 64 ? (d - i0) / 8 : 8;
         __m256 acc[8];
         for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
         for (int j = 0; j < length; j++) {
-            const uint16_t *vr = v_cache + ((size_t)slots[j] * hk + g) * d + i0;
+            const size_t vr = ((size_t)slots[j] * hk + g) * d + i0;
             const __m256 w = _mm256_set1_ps(p[j]);
             if (n == 8) {
-                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(w, load8_bf16(vr + 8 * u), acc[u]);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(w, get8(v_cache, vr + 8 * u, bf16), acc[u]);
             } else {
-                for (int u = 0; u < n; u++) acc[u] = _mm256_fmadd_ps(w, load8_bf16(vr + 8 * u), acc[u]);
+                for (int u = 0; u < n; u++) acc[u] = _mm256_fmadd_ps(w, get8(v_cache, vr + 8 * u, bf16), acc[u]);
             }
         }
-        for (int u = 0; u < n; u++)
-            _mm_storeu_si128((__m128i *)(o + i0 + 8 * u), to_bf16(_mm256_mul_ps(acc[u], _mm256_set1_ps(r))));
+        for (int u = 0; u < n; u++) store8(o, bf16, at + i0 + 8 * u, _mm256_mul_ps(acc[u], _mm256_set1_ps(r)));
     }
 }
 
 /* The attention of query head q (d floats, rotated) over the KV list `slots` [length] of KV head
- * g in caches [slots][hk][d]: o [d] in bfloat16; p [length] scratch. */
-static void attend_head(const float *q, int d, int hk, int g, const uint16_t *k_cache, const uint16_t *v_cache,
-                        const int64_t *slots, int length, float scale, float *p, uint16_t *o) {
-    const float max = scores(q, d, hk, g, k_cache, slots, length, scale, p);
+ * g in caches [slots][hk][d]: into o from element `at`; p [length] scratch. In bfloat16 the
+ * probabilities weigh V rounded to bfloat16 (their sum is of the unrounded ones), as torch's. */
+static inline __attribute__((always_inline)) void attend_head_t(const float *q, int d, int hk, int g,
+                                                                const void *k_cache, const void *v_cache,
+                                                                const int64_t *slots, int length, float scale,
+                                                                float *p, void *o, size_t at, const int bf16) {
+    const float max = scores_t(q, d, hk, g, k_cache, slots, length, scale, p, bf16);
     __m256 sum8 = _mm256_setzero_ps();
     int j = 0;
     for (; j + 8 <= length; j += 8) {
         __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(max)));
         sum8 = _mm256_add_ps(sum8, e);
-        _mm256_storeu_ps(p + j, round8_bf16(e));
+        _mm256_storeu_ps(p + j, rounded8(e, bf16));
     }
     float sum = hsum(sum8);
     for (; j < length; j++) {
         float e = expf(p[j] - max);
         sum += e;
-        p[j] = round_bf16(e);
+        p[j] = rounded(e, bf16);
     }
-    weigh_values(p, d, hk, g, v_cache, slots, length, 1.0f / sum, o);
+    weigh_values_t(p, d, hk, g, v_cache, slots, length, 1.0f / sum, o, at, bf16);
 }
 
-/* One sequence's decode token: its merged projection qkv [(hq + 2 hk) d] (q, k, v heads) in
- * bfloat16, RoPE's cos and sin [d] of its position; K (rotated) and V go to the caches' slot
- * slots[length - 1], the last of its KV list `slots` [length]; o [hq d] its attention over that
- * list (query head h reads KV head h / (hq / hk)). d a multiple of 8. */
-void row_attend_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, int hq, int hk, int d,
-                     uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int length, float scale,
-                     uint16_t *o) {
+static void attend_head(const float *q, int d, int hk, int g, const void *k_cache, const void *v_cache,
+                        const int64_t *slots, int length, float scale, float *p, void *o, size_t at, int bf16) {
+    if (bf16)
+        attend_head_t(q, d, hk, g, k_cache, v_cache, slots, length, scale, p, o, at, 1);
+    else
+        attend_head_t(q, d, hk, g, k_cache, v_cache, slots, length, scale, p, o, at, 0);
+}
+
+/* One sequence's decode token: its merged projection qkv [(hq + 2 hk) d] (q, k, v heads), RoPE's
+ * cos and sin [d] of its position; K (rotated) and V go to the caches' slot slots[length - 1],
+ * the last of its KV list `slots` [length]; o [hq d] its attention over that list (query head h
+ * reads KV head h / (hq / hk)). Every tensor in the model's type; d a multiple of 8. */
+void row_attend(const void *qkv, const void *cos, const void *sin, int hq, int hk, int d, void *k_cache,
+                void *v_cache, const int64_t *slots, int length, float scale, void *o, int bf16) {
     const int group = hq / hk;
+    const size_t bytes = bf16 ? sizeof(uint16_t) : sizeof(float);
     float *q = malloc(sizeof(float) * ((size_t)hq * d + (size_t)length + d));
     float *p = q + (size_t)hq * d, *k = p + length;
     const size_t at = (size_t)slots[length - 1] * hk * d;
-    for (int h = 0; h < hq; h++) rotate(qkv + (size_t)h * d, cos, sin, d, q + (size_t)h * d);
+    for (int h = 0; h < hq; h++) rotate(qkv, (size_t)h * d, cos, sin, d, q + (size_t)h * d, bf16);
     for (int h = 0; h < hk; h++) {
-        rotate(qkv + (size_t)(hq + h) * d, cos, sin, d, k);
-        for (int i = 0; i < d; i++) k_cache[at + (size_t)h * d + i] = bf16_bits(k[i]);
+        rotate(qkv, (size_t)(hq + h) * d, cos, sin, d, k, bf16);
+        for (int i = 0; i < d; i++) set(k_cache, at + (size_t)h * d + i, k[i], bf16);
     }
-    memcpy(v_cache + at, qkv + (size_t)(hq + hk) * d, sizeof(uint16_t) * hk * d);
+    memcpy((char *)v_cache + at * bytes, (const char *)qkv + (size_t)(hq + hk) * d * bytes, bytes * hk * d);
     for (int h = 0; h < hq; h++)
-        attend_head(q + (size_t)h * d, d, hk, h / group, k_cache, v_cache, slots, length, scale, p, o + (size_t)h * d);
+        attend_head(q + (size_t)h * d, d, hk, h / group, k_cache, v_cache, slots, length, scale, p, o, (size_t)h * d,
+                    bf16);
     free(q);
 }

@@ -253,13 +253,13 @@ class QuantProduct:
         self, x: torch.Tensor, gated: bool, residual: torch.Tensor | None
     ) -> torch.Tensor | None:
         """`Linear.forward`'s product and its SwiGLU (`gated`) or residual add in one C call (the
-        two or three operators after it are ~15-40 us in a decode step): a bfloat16 x of a few
-        rows and one part of the file's blocks (`qkernel.blocks_rows`); None where that does not
-        serve."""
+        two or three operators after it are ~15-40 us in a decode step): an x of a few rows
+        (bfloat16 or float32) and one part of the file's blocks (`qkernel.blocks_rows`); None where
+        that does not serve."""
         part = self.parts[0]
         if len(self.parts) > 1 or self.bias is not None or not isinstance(part, BlocksPart):
             return None
-        if x.dtype != torch.bfloat16 or not part.short(x):
+        if x.dtype not in qkernel.ROW_TYPES or not part.short(x):
             return None
         return qkernel.blocks_rows(x, part.qtype, part.blocks, part.int8_x, residual, gated)
 
