@@ -105,7 +105,8 @@ class Attention(nn.Module):
     ) -> bool:
         """Whether this step is one sequence's decode token on CPU, whose RoPE, KV write and
         attention one C call does (`qkernel.attend_row`: ~15 operators a layer fewer), where its KV
-        list is short enough for that call to be the faster (`qkernel.ROW_ATTENTION_MACS`)."""
+        list is short enough for that call to be the faster (`qkernel.ROW_ATTENTION_MACS`, measured
+        on one thread; the C call runs on one, torch's SDPA splits the heads over all)."""
         d = meta.decode
         return (
             x.shape[0] == 1
@@ -117,7 +118,8 @@ class Attention(nn.Module):
             and x.device.type == "cpu"
             and self.q_norm is None
             and self.head_dim % 8 == 0
-            and self.num_heads * d.slots.shape[1] * self.head_dim <= qkernel.ROW_ATTENTION_MACS[x.dtype]
+            and self.num_heads * d.slots.shape[1] * self.head_dim * torch.get_num_threads()
+            <= qkernel.ROW_ATTENTION_MACS[x.dtype]
             and qkernel.rows_served()
         )
 
