@@ -65,12 +65,18 @@ static inline float bf16_to_float(uint16_t bits) {
     return f;
 }
 
-/* 8 float32 to bfloat16, rounded to nearest even (torch's conversion for finite values: the
- * weights here). */
-static inline __m128i to_bf16(__m256 v) {
+/* 8 float32 rounded to bfloat16, to nearest even (torch's conversion for finite values), still
+ * as float32 (their low 16 bits zero). */
+static inline __m256 round8_bf16(__m256 v) {
     __m256i u = _mm256_castps_si256(v);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* 8 float32 to bfloat16 bits, rounded as `round8_bf16` (the weights here). */
+static inline __m128i to_bf16(__m256 v) {
+    __m256i u = _mm256_srli_epi32(_mm256_castps_si256(round8_bf16(v)), 16);
     return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
 }
 

@@ -29,8 +29,9 @@ static inline float round_bf16(float f) {
 
 static inline uint16_t bf16_bits(float f) {
     uint32_t u;
+    f = round_bf16(f);
     memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    return (uint16_t)(u >> 16);
 }
 
 /* 8 bfloat16 at p as float32. */
@@ -55,13 +56,6 @@ static inline void set(void *p, size_t i, float f, int bf16) {
         ((float *)p)[i] = f;
 }
 
-/* 8 floats rounded to bfloat16 (nearest even), as floats. */
-static inline __m256 round8_bf16(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
 static inline __m256 rounded8(__m256 v, int bf16) { return bf16 ? round8_bf16(v) : v; }
 
 /* e^x of 8 floats: 2^n e^r with n = round(x / ln 2), r in [-ln 2 / 2, ln 2 / 2] (ln 2 in two
