@@ -120,3 +120,24 @@ def test_a_dense_bfloat16_part_takes_the_tiles_and_compiled_graphs_know() -> Non
         _within_a_unit(part(x), torch.nn.functional.linear(x, part.weight))
     for other in (DensePart(part.weight.float()), DensePart(part.weight[:300])):
         assert not other.on_tiles() and not QuantProduct([other], None, torch.bfloat16).qkernel_ops()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize(("m", "k"), [(5, 256), (33, 512), (100, 1536)])
+def test_the_next_groups_rows_dequantized_between_the_tiles_products(qtype: str, m: int, k: int) -> None:
+    """`amx_blocks_product` dequantizes the next 32 weight rows a row at a time between a group's
+    tile products (Q4_K, Q6_K: `pipeline`; a group with fewer chunk passes than rows finishes them
+    after its products), else after them (Q8_0): every group's rows in place, threads splitting the
+    groups (2 threads: 3 groups and 2), the same bits as torch's product rounded per unit."""
+    blocks, reference = _blocks((160, k), seed=k + m, qtype=qtype)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    assert qkernel.amx_blocks_take(qtype, blocks, k)
+    y = qkernel.amx_blocks_product(x, qtype, blocks)
+    _within_a_unit(y, _oracle(x, reference.bfloat16()))
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(
+            qkernel.amx_blocks_product(x, qtype, blocks).view(torch.int16), y.view(torch.int16)
+        )
+    finally:
+        torch.set_num_threads(1)

@@ -26,6 +26,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <omp.h>
+
 #include "qkernel.h"
 
 #if HAS_AMX
@@ -74,12 +76,30 @@ static AMX void store_transposed(const float *c, int rows_m, uint16_t *y, int ld
     }
 }
 
+/* The next 32 weight rows' dequantization, spread over this group's tile products a row at a time
+ * (`amx_blocks_product`): the tile unit runs a group's products while the vector units dequantize
+ * the next group (done one after the other, a group's dequantization cost as much as its products
+ * at 100 rows of x). `due`: the chunk count after which the next row is due. */
+typedef struct {
+    void (*row)(const uint8_t *, int, uint16_t *);
+    const uint8_t *blocks; /* the next group's first row's blocks */
+    int row_bytes, k, rows_done, chunks_done, chunks_total, due;
+    uint16_t *out; /* the next group's rows [32][k] */
+} pipeline;
+
+static inline __attribute__((always_inline)) void pipeline_step(pipeline *p) {
+    if (!p || ++p->chunks_done < p->due) return;
+    p->row(p->blocks + (size_t)p->rows_done * p->row_bytes, p->k, p->out + (size_t)p->rows_done * p->k);
+    p->rows_done++;
+    p->due = p->rows_done < 32 ? (int)((long)(p->rows_done + 1) * p->chunks_total / 32) : 0x7fffffff;
+}
+
 /* C tiles of weight rows n0..n0+31 (`w0`: the first of them, row stride k) against x tiles mt
  * (and mt + 1 where `two`) over chunks [c0, c1): accumulated from `acc` unless the first pass;
  * stored to `acc`, or as bf16 into y on the last pass (`acc` is read only between passes). */
 static inline __attribute__((always_inline)) AMX void tile_pass(const int two, const uint32_t *xp, int m, int k, const uint16_t *w0,
                                                    int n0, int mt, int mtiles, int c0, int c1, float *acc, uint16_t *y, int ldy,
-                                                   float (*c)[256]) {
+                                                   float (*c)[256], pipeline *p) {
     const int chunks = k / 32;
     const uint16_t *w1 = w0 + (size_t)16 * k;
     const uint32_t *b0 = xp + (size_t)mt * chunks * 256, *b1 = b0 + (size_t)chunks * 256;
@@ -102,6 +122,7 @@ static inline __attribute__((always_inline)) AMX void tile_pass(const int two, c
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
+        pipeline_step(p);
     }
     if (c1 < chunks) {
         _tile_stored(0, acc + a00, 64); _tile_stored(2, acc + a10, 64);
@@ -122,11 +143,12 @@ static inline __attribute__((always_inline)) AMX void tile_pass(const int two, c
 
 /* Every x tile (in pairs, then a last one) against 32 weight rows from `w0`, over chunks [c0, c1). */
 static inline __attribute__((always_inline)) AMX void x_tiles(const uint32_t *xp, int m, int k, const uint16_t *w0, int n0,
-                                                 int c0, int c1, float *acc, uint16_t *y, int ldy, float (*c)[256]) {
+                                                 int c0, int c1, float *acc, uint16_t *y, int ldy, float (*c)[256],
+                                                 pipeline *p) {
     const int mtiles = (m + 15) / 16;
     int mt = 0;
-    for (; mt + 1 < mtiles; mt += 2) tile_pass(1, xp, m, k, w0, n0, mt, mtiles, c0, c1, acc, y, ldy, c);
-    if (mt < mtiles) tile_pass(0, xp, m, k, w0, n0, mt, mtiles, c0, c1, acc, y, ldy, c);
+    for (; mt + 1 < mtiles; mt += 2) tile_pass(1, xp, m, k, w0, n0, mt, mtiles, c0, c1, acc, y, ldy, c, p);
+    if (mt < mtiles) tile_pass(0, xp, m, k, w0, n0, mt, mtiles, c0, c1, acc, y, ldy, c, p);
 }
 
 /* This thread's tiles: all 8 of 16 rows of 64 bytes (palette 1). */
@@ -150,7 +172,7 @@ AMX void amx_product(const uint32_t *xp, int m, int k, const uint16_t *w, int n,
             configure_tiles();
             float c[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
-            for (int n0 = 0; n0 < n; n0 += 32) x_tiles(xp, m, k, w + (size_t)n0 * k, n0, c0, c1, acc, y, ldy, c);
+            for (int n0 = 0; n0 < n; n0 += 32) x_tiles(xp, m, k, w + (size_t)n0 * k, n0, c0, c1, acc, y, ldy, c, NULL);
             _tile_release();
         }
     }
@@ -158,28 +180,43 @@ AMX void amx_product(const uint32_t *xp, int m, int k, const uint16_t *w, int n,
 }
 
 /* The library's dequantizations by block type (`qtype`: 0 Q4_K, 1 Q6_K, 2 Q8_0, 3 Q4_1, 4 Q4_0), each writing
- * bfloat16 rows when its last argument is 1. */
+ * bfloat16 rows when its last argument is 1; `ROW_BF16`: one row without OpenMP, where written. */
 typedef void (*dequantize_fn)(const uint8_t *, int, int, void *, int, int);
 static const dequantize_fn DEQUANTIZE[] = {q4k_dequantize, q6k_dequantize, q8_0_dequantize, q4_1_dequantize,
                                             q4_0_dequantize};
+static void (*const ROW_BF16[])(const uint8_t *, int, uint16_t *) = {q4k_row_bf16, q6k_row_bf16, NULL, NULL, NULL};
 
 /* y [m][0..n) (row stride ldy, bfloat16) = x w^T for a weight held as `qtype`'s blocks (`blocks`
  * [n] rows of `row_bytes`; n a multiple of 32, k of 32 and at most KSEG: one pass); xp is x packed
- * by `amx_pack_x`. Groups of 32 weight rows are split over `threads`. */
+ * by `amx_pack_x`. Each thread takes a range of groups of 32 weight rows, dequantized into one of
+ * two L2-sized scratches: the next group's rows between this group's tile products (`pipeline`,
+ * types with a `ROW_BF16`), else after them. The same sums in the same order either way. */
 AMX void amx_blocks_product(int qtype, const uint32_t *xp, int m, int k, const uint8_t *blocks, int row_bytes, int n,
                             uint16_t *y, int ldy, int threads) {
+    const int groups = n / 32, chunks = k / 32, pairs = ((m + 15) / 16 + 1) / 2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        configure_tiles(); /* the dequantizations between groups use no tiles */
-        uint16_t *scratch = aligned_alloc(64, (size_t)32 * k * sizeof *scratch);
+        configure_tiles(); /* the dequantizations use no tiles */
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int g0 = (int)((long)groups * t / nt), g1 = (int)((long)groups * (t + 1) / nt);
+        uint16_t *scratch[2] = {aligned_alloc(64, (size_t)32 * k * 2), aligned_alloc(64, (size_t)32 * k * 2)};
         float c[4][256] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int n0 = 0; n0 < n; n0 += 32) {
-            DEQUANTIZE[qtype](blocks + (size_t)n0 * row_bytes, k, 32, scratch, 1, 1);
-            x_tiles(xp, m, k, scratch, n0, 0, k / 32, NULL, y, ldy, c);
+        if (g0 < g1) DEQUANTIZE[qtype](blocks + (size_t)g0 * 32 * row_bytes, k, 32, scratch[0], 1, 1);
+        for (int g = g0; g < g1; g++) {
+            uint16_t *now = scratch[(g - g0) & 1], *next = scratch[(g - g0 + 1) & 1];
+            const uint8_t *next_blocks = blocks + (size_t)(g + 1) * 32 * row_bytes;
+            pipeline p = {ROW_BF16[qtype], next_blocks, row_bytes, k, 0, 0, pairs * chunks, pairs * chunks / 32, next};
+            const int piped = g + 1 < g1 && p.row;
+            x_tiles(xp, m, k, now, 32 * g, 0, chunks, NULL, y, ldy, c, piped ? &p : NULL);
+            if (piped)
+                for (; p.rows_done < 32; p.rows_done++)
+                    p.row(next_blocks + (size_t)p.rows_done * row_bytes, k, next + (size_t)p.rows_done * k);
+            else if (g + 1 < g1)
+                DEQUANTIZE[qtype](next_blocks, k, 32, next, 1, 1);
         }
         _tile_release();
-        free(scratch);
+        free(scratch[0]);
+        free(scratch[1]);
     }
 }
 #endif /* HAS_AMX */

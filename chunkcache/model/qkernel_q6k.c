@@ -272,32 +272,35 @@ void q6k_dequantize_avx2(const uint8_t *blocks, int k, int rows, void *out, int 
 
 #if HAS_AVX512_BF16
 /* The same rows as bfloat16 by AVX512-BF16 (as `q4k_dequantize_bf16`): a chunk's 32 codes widened
- * 16 at a time, `vcvtne2ps2bf16` rounding 32 weights at once (the AVX2 path's bits). */
-AVX512_BF16 void q6k_dequantize_bf16(const uint8_t *blocks, int k, int rows, uint16_t *out, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int i = 0; i < rows; i++) {
-        const __m256i offset = _mm256_set1_epi8(32);
-        for (int b = 0; b < k / QK; b++) {
-            const uint8_t *blk = blocks + ((size_t)i * (k / QK) + b) * BLOCK_BYTES;
-            uint16_t *o = out + (size_t)i * k + (size_t)b * QK;
-            __m256 dv[2];
-            block_scales(blk, dv);
-            float ds[16];
-            _mm256_storeu_ps(ds, dv[0]), _mm256_storeu_ps(ds + 8, dv[1]);
-            for (int h = 0; h < 2; h++) {
-                __m256i q[4];
-                q6k_codes(blk, h, q);
-                for (int j = 0; j < 4; j++) {
-                    const __m256i v = _mm256_sub_epi8(q[j], offset);
-                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-                    const __m512 a = _mm512_mul_ps(lo, _mm512_set1_ps(ds[8 * h + 2 * j]));
-                    const __m512 c = _mm512_mul_ps(hi, _mm512_set1_ps(ds[8 * h + 2 * j + 1]));
-                    _mm512_storeu_si512(o + 128 * h + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(c, a));
-                }
+ * 16 at a time, `vcvtne2ps2bf16` rounding 32 weights at once (the AVX2 path's bits); one row:
+ * `q6k_row_bf16`. */
+AVX512_BF16 void q6k_row_bf16(const uint8_t *row, int k, uint16_t *out) {
+    const __m256i offset = _mm256_set1_epi8(32);
+    for (int b = 0; b < k / QK; b++) {
+        const uint8_t *blk = row + (size_t)b * BLOCK_BYTES;
+        uint16_t *o = out + (size_t)b * QK;
+        __m256 dv[2];
+        block_scales(blk, dv);
+        float ds[16];
+        _mm256_storeu_ps(ds, dv[0]), _mm256_storeu_ps(ds + 8, dv[1]);
+        for (int h = 0; h < 2; h++) {
+            __m256i q[4];
+            q6k_codes(blk, h, q);
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_sub_epi8(q[j], offset);
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+                const __m512 a = _mm512_mul_ps(lo, _mm512_set1_ps(ds[8 * h + 2 * j]));
+                const __m512 c = _mm512_mul_ps(hi, _mm512_set1_ps(ds[8 * h + 2 * j + 1]));
+                _mm512_storeu_si512(o + 128 * h + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(c, a));
             }
         }
     }
+}
+
+AVX512_BF16 void q6k_dequantize_bf16(const uint8_t *blocks, int k, int rows, uint16_t *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int i = 0; i < rows; i++) q6k_row_bf16(blocks + (size_t)i * (k / QK) * BLOCK_BYTES, k, out + (size_t)i * k);
 }
 
 #endif
