@@ -80,14 +80,14 @@ def test_a_prefill_straight_from_the_blocks_is_the_rounded_product(qtype: str, m
         torch.set_num_threads(1)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
 def test_a_prefill_over_dequantized_blocks_takes_the_tiles_and_agrees_with_torchs_gemm(
     qtype: str, monkeypatch
 ) -> None:
-    """More inputs than a pass (the 1.5B's down: 8,960): blocks dequantized whole rows at a time
-    (several blocks and a rest, as `dequant.block_rows` cuts them), each multiplied on the tiles
-    (`amx_product`, inputs in passes): the rounded float64 product, within a unit of torch's GEMM
-    over the same blocks."""
+    """More inputs than a pass for a type in 16-row tiles (not `ROW_BLOCKS`): blocks dequantized
+    whole rows at a time (several blocks and a rest, as `dequant.block_rows` cuts them), each
+    multiplied on the tiles (`amx_product`, inputs in passes): the rounded float64 product, within
+    a unit of torch's GEMM over the same blocks."""
     k = qkernel.AMX_ONE_PASS + 256
     blocks, reference = _blocks((1344, k), seed=45, qtype=qtype)
     part = BlocksPart(blocks, qtype)
@@ -122,17 +122,38 @@ def test_a_dense_bfloat16_part_takes_the_tiles_and_compiled_graphs_know() -> Non
         assert not other.on_tiles() and not QuantProduct([other], None, torch.bfloat16).qkernel_ops()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
 @pytest.mark.parametrize(("m", "k"), [(5, 256), (33, 512), (100, 1536)])
 def test_the_next_groups_rows_dequantized_between_the_tiles_products(qtype: str, m: int, k: int) -> None:
     """`amx_blocks_product` dequantizes the next 32 weight rows a row at a time between a group's
-    tile products (Q4_K, Q6_K: `pipeline`; a group with fewer chunk passes than rows finishes them
-    after its products), else after them (Q8_0): every group's rows in place, threads splitting the
-    groups (2 threads: 3 groups and 2), the same bits as torch's product rounded per unit."""
+    tile products (`ROW_BLOCKS`: `pipeline`; a group with fewer chunk passes than rows finishes them
+    after its products), else at once (Q4_1): every group's rows in place, threads splitting the
+    groups (2 threads: 3 groups and 2), within a unit of the rounded float64 product."""
     blocks, reference = _blocks((160, k), seed=k + m, qtype=qtype)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).bfloat16()
     assert qkernel.amx_blocks_take(qtype, blocks, k)
     y = qkernel.amx_blocks_product(x, qtype, blocks)
+    _within_a_unit(y, _oracle(x, reference.bfloat16()))
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(
+            qkernel.amx_blocks_product(x, qtype, blocks).view(torch.int16), y.view(torch.int16)
+        )
+    finally:
+        torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("qtype", qkernel.ROW_BLOCKS)
+@pytest.mark.parametrize("k", [qkernel.AMX_ONE_PASS + 256, 2 * qkernel.AMX_ONE_PASS + 512])
+def test_more_inputs_than_a_pass_straight_from_the_blocks(qtype: str, k: int) -> None:
+    """The 1.5B's down (8,960 inputs, Q4_K or Q6_K) from its blocks: `amx_blocks_product` in
+    passes of `AMX_ONE_PASS` inputs, each pass's rows dequantized a row at a time from within the
+    row's blocks, partial sums in float32 between passes: the rounded float64 product, the same
+    bits on 2 threads."""
+    blocks, reference = _blocks((96, k), seed=k, qtype=qtype)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    assert qkernel.amx_blocks_take(qtype, blocks, k)
+    y = BlocksPart(blocks, qtype)(x)
     _within_a_unit(y, _oracle(x, reference.bfloat16()))
     torch.set_num_threads(2)
     try:

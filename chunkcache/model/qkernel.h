@@ -128,9 +128,11 @@ void q4_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks,
 void row_epilogue(const float *yf, int rows, int n, const void *residual, int gated, void *y, int bf16);
 void q4k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
 void q6k_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16);
+/* One weight row of k inputs (its blocks at `row`) as bfloat16 (Q4_K's and Q6_K's on CPUs with
+ * AVX512-BF16): the `*_dequantize` functions' bits, without their OpenMP (qkernel_amx.c calls
+ * them row by row). */
+void q8_0_row_bf16(const uint8_t *row, int k, uint16_t *out);
 #if HAS_AVX512_BF16
-/* One weight row of k inputs (its blocks at `row`) as bfloat16, on CPUs with AVX512-BF16: the
- * `*_dequantize` functions' bits, without their OpenMP (qkernel_amx.c calls them row by row). */
 AVX512_BF16 void q4k_row_bf16(const uint8_t *row, int k, uint16_t *out);
 AVX512_BF16 void q6k_row_bf16(const uint8_t *row, int k, uint16_t *out);
 #endif

@@ -223,21 +223,26 @@ def amx_product(packed: torch.Tensor, m: int, w: torch.Tensor, out: torch.Tensor
     )  # fmt: skip
 
 
-AMX_ONE_PASS = 1536  # qkernel_amx.c's KSEG: inputs `amx_blocks_product` takes in one pass at most
+AMX_ONE_PASS = 1536  # qkernel_amx.c's KSEG: inputs in one pass of `amx_blocks_product`
 # The block types' codes in the library's tables (qkernel.c's `BLOCKS_PRODUCT`, qkernel_amx.c's
 # `DEQUANTIZE`).
 BLOCK_CODES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_1": 3, "Q4_0": 4}
+# The types qkernel_amx.c dequantizes a row at a time (`ROW_BF16`): within a pass of any product
+# (Q4_1's and Q4_0's rows lie in 16-row tiles, dequantized a whole pass at once).
+ROW_BLOCKS = ("Q4_K", "Q6_K", "Q8_0")
 
 
 def amx_blocks_take(qtype: str, blocks: torch.Tensor, k: int) -> bool:
     """Whether `amx_blocks_product` takes a weight of `qtype`'s blocks with k inputs: where the tiles
-    serve, rows a multiple of 32 and k of 32, at most `AMX_ONE_PASS`."""
-    return qtype in BLOCK_CODES and blocks.shape[0] % 32 == 0 and k % 32 == 0 and k <= AMX_ONE_PASS and amx()
+    serve, rows a multiple of 32 and k of 32; more than `AMX_ONE_PASS` inputs for `ROW_BLOCKS` only."""
+    fits = k <= AMX_ONE_PASS or qtype in ROW_BLOCKS
+    return qtype in BLOCK_CODES and blocks.shape[0] % 32 == 0 and k % 32 == 0 and fits and amx()
 
 
 def amx_blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor) -> torch.Tensor:
     """bfloat16 x [m, k] times a weight held as `qtype`'s blocks [n, bytes a row] on the tiles, each
-    32 weight rows dequantized into an L2-sized scratch and multiplied at once (`amx_blocks_take`):
+    32 weight rows dequantized into an L2-sized scratch (the next ones between their products)
+    and multiplied at once, in passes of `AMX_ONE_PASS` inputs (`amx_blocks_take`):
     [m, n] bfloat16."""
     lib = _loaded()[0]
     m, k = x.shape

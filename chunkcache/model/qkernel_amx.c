@@ -94,14 +94,15 @@ static inline __attribute__((always_inline)) void pipeline_step(pipeline *p) {
     p->due = p->rows_done < 32 ? (int)((long)(p->rows_done + 1) * p->chunks_total / 32) : 0x7fffffff;
 }
 
-/* C tiles of weight rows n0..n0+31 (`w0`: the first of them, row stride k) against x tiles mt
- * (and mt + 1 where `two`) over chunks [c0, c1): accumulated from `acc` unless the first pass;
- * stored to `acc`, or as bf16 into y on the last pass (`acc` is read only between passes). */
+/* C tiles of weight rows n0..n0+31 against x tiles mt (and mt + 1 where `two`) over chunks
+ * [c0, c1) (`w0`: the first row's chunk c0, rows `lda` apart): accumulated from `acc` unless the
+ * first pass; stored to `acc`, or as bf16 into y on the last pass (`acc` is read only between
+ * passes). */
 static inline __attribute__((always_inline)) AMX void tile_pass(const int two, const uint32_t *xp, int m, int k, const uint16_t *w0,
-                                                   int n0, int mt, int mtiles, int c0, int c1, float *acc, uint16_t *y, int ldy,
+                                                   int lda, int n0, int mt, int mtiles, int c0, int c1, float *acc, uint16_t *y, int ldy,
                                                    float (*c)[256], pipeline *p) {
     const int chunks = k / 32;
-    const uint16_t *w1 = w0 + (size_t)16 * k;
+    const uint16_t *w1 = w0 + (size_t)16 * lda;
     const uint32_t *b0 = xp + (size_t)mt * chunks * 256, *b1 = b0 + (size_t)chunks * 256;
     const size_t a00 = ((size_t)(n0 / 16) * mtiles + mt) * 256, a10 = a00 + (size_t)mtiles * 256;
     if (c0 == 0) {
@@ -112,8 +113,8 @@ static inline __attribute__((always_inline)) AMX void tile_pass(const int two, c
         if (two) { _tile_loadd(1, acc + a00 + 256, 64); _tile_loadd(3, acc + a10 + 256, 64); }
     }
     for (int ch = c0; ch < c1; ch++) {
-        _tile_loadd(4, w0 + 32 * ch, 2 * k);
-        _tile_loadd(5, w1 + 32 * ch, 2 * k);
+        _tile_loadd(4, w0 + 32 * (ch - c0), 2 * lda);
+        _tile_loadd(5, w1 + 32 * (ch - c0), 2 * lda);
         _tile_loadd(6, b0 + 256 * ch, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(2, 5, 6);
@@ -141,14 +142,14 @@ static inline __attribute__((always_inline)) AMX void tile_pass(const int two, c
     }
 }
 
-/* Every x tile (in pairs, then a last one) against 32 weight rows from `w0`, over chunks [c0, c1). */
-static inline __attribute__((always_inline)) AMX void x_tiles(const uint32_t *xp, int m, int k, const uint16_t *w0, int n0,
+/* Every x tile (in pairs, then a last one) against 32 weight rows from `w0` (`tile_pass`), over chunks [c0, c1). */
+static inline __attribute__((always_inline)) AMX void x_tiles(const uint32_t *xp, int m, int k, const uint16_t *w0, int lda, int n0,
                                                  int c0, int c1, float *acc, uint16_t *y, int ldy, float (*c)[256],
                                                  pipeline *p) {
     const int mtiles = (m + 15) / 16;
     int mt = 0;
-    for (; mt + 1 < mtiles; mt += 2) tile_pass(1, xp, m, k, w0, n0, mt, mtiles, c0, c1, acc, y, ldy, c, p);
-    if (mt < mtiles) tile_pass(0, xp, m, k, w0, n0, mt, mtiles, c0, c1, acc, y, ldy, c, p);
+    for (; mt + 1 < mtiles; mt += 2) tile_pass(1, xp, m, k, w0, lda, n0, mt, mtiles, c0, c1, acc, y, ldy, c, p);
+    if (mt < mtiles) tile_pass(0, xp, m, k, w0, lda, n0, mt, mtiles, c0, c1, acc, y, ldy, c, p);
 }
 
 /* This thread's tiles: all 8 of 16 rows of 64 bytes (palette 1). */
@@ -172,7 +173,7 @@ AMX void amx_product(const uint32_t *xp, int m, int k, const uint16_t *w, int n,
             configure_tiles();
             float c[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
-            for (int n0 = 0; n0 < n; n0 += 32) x_tiles(xp, m, k, w + (size_t)n0 * k, n0, c0, c1, acc, y, ldy, c, NULL);
+            for (int n0 = 0; n0 < n; n0 += 32) x_tiles(xp, m, k, w + (size_t)n0 * k + 32 * c0, k, n0, c0, c1, acc, y, ldy, c, NULL);
             _tile_release();
         }
     }
@@ -184,39 +185,61 @@ AMX void amx_product(const uint32_t *xp, int m, int k, const uint16_t *w, int n,
 typedef void (*dequantize_fn)(const uint8_t *, int, int, void *, int, int);
 static const dequantize_fn DEQUANTIZE[] = {q4k_dequantize, q6k_dequantize, q8_0_dequantize, q4_1_dequantize,
                                             q4_0_dequantize};
-static void (*const ROW_BF16[])(const uint8_t *, int, uint16_t *) = {q4k_row_bf16, q6k_row_bf16, NULL, NULL, NULL};
+static void (*const ROW_BF16[])(const uint8_t *, int, uint16_t *) = {q4k_row_bf16, q6k_row_bf16, q8_0_row_bf16, NULL,
+                                                                      NULL};
+
+/* The next group's rows' inputs [c0, c1) (chunks) into `out` [32][32 (c1 - c0)]: a row at a time
+ * between this group's products where the type has a `ROW_BF16` (`pipeline`, `due` then set by
+ * the caller), else at once. `blocks`: the group's first row. */
+static void next_group(pipeline *p, int qtype, const uint8_t *blocks, int row_bytes, int k, int c0, int c1, uint16_t *out) {
+    const int seg = 32 * (c1 - c0);
+    *p = (pipeline){ROW_BF16[qtype], blocks + (size_t)row_bytes * 32 * c0 / k, row_bytes, seg, 0, 0, 0, 0, out};
+    if (!p->row) DEQUANTIZE[qtype](blocks, k, 32, out, 1, 1); /* one pass only (`amx_blocks_product`) */
+}
 
 /* y [m][0..n) (row stride ldy, bfloat16) = x w^T for a weight held as `qtype`'s blocks (`blocks`
- * [n] rows of `row_bytes`; n a multiple of 32, k of 32 and at most KSEG: one pass); xp is x packed
- * by `amx_pack_x`. Each thread takes a range of groups of 32 weight rows, dequantized into one of
- * two L2-sized scratches: the next group's rows between this group's tile products (`pipeline`,
- * types with a `ROW_BF16`), else after them. The same sums in the same order either way. */
+ * [n] rows of `row_bytes`; n a multiple of 32, k of 32; beyond KSEG inputs only for a type with a
+ * `ROW_BF16`, its blocks within a pass); xp is x packed by `amx_pack_x`. The inputs go in passes of
+ * KSEG (partial sums in float32 between them, as `amx_product`); in a pass each thread takes a
+ * range of groups of 32 weight rows, dequantized into one of two L2-sized scratches: the next
+ * group's rows between this group's tile products (`pipeline`), else after them (the same sums in
+ * the same order either way). */
 AMX void amx_blocks_product(int qtype, const uint32_t *xp, int m, int k, const uint8_t *blocks, int row_bytes, int n,
                             uint16_t *y, int ldy, int threads) {
-    const int groups = n / 32, chunks = k / 32, pairs = ((m + 15) / 16 + 1) / 2;
+    const int groups = n / 32, chunks = k / 32, mtiles = (m + 15) / 16, pairs = (mtiles + 1) / 2, seg = KSEG / 32;
+    float *acc = chunks > seg ? aligned_alloc(64, (size_t)(n / 16) * mtiles * 1024) : NULL;
+    for (int c0 = 0; c0 < chunks; c0 += seg) {
+        const int c1 = c0 + seg < chunks ? c0 + seg : chunks;
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        configure_tiles(); /* the dequantizations use no tiles */
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int g0 = (int)((long)groups * t / nt), g1 = (int)((long)groups * (t + 1) / nt);
-        uint16_t *scratch[2] = {aligned_alloc(64, (size_t)32 * k * 2), aligned_alloc(64, (size_t)32 * k * 2)};
-        float c[4][256] __attribute__((aligned(64)));
-        if (g0 < g1) DEQUANTIZE[qtype](blocks + (size_t)g0 * 32 * row_bytes, k, 32, scratch[0], 1, 1);
-        for (int g = g0; g < g1; g++) {
-            uint16_t *now = scratch[(g - g0) & 1], *next = scratch[(g - g0 + 1) & 1];
-            const uint8_t *next_blocks = blocks + (size_t)(g + 1) * 32 * row_bytes;
-            pipeline p = {ROW_BF16[qtype], next_blocks, row_bytes, k, 0, 0, pairs * chunks, pairs * chunks / 32, next};
-            const int piped = g + 1 < g1 && p.row;
-            x_tiles(xp, m, k, now, 32 * g, 0, chunks, NULL, y, ldy, c, piped ? &p : NULL);
-            if (piped)
-                for (; p.rows_done < 32; p.rows_done++)
-                    p.row(next_blocks + (size_t)p.rows_done * row_bytes, k, next + (size_t)p.rows_done * k);
-            else if (g + 1 < g1)
-                DEQUANTIZE[qtype](next_blocks, k, 32, next, 1, 1);
+        {
+            configure_tiles(); /* the dequantizations use no tiles */
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int g0 = (int)((long)groups * t / nt), g1 = (int)((long)groups * (t + 1) / nt);
+            uint16_t *scratch[2] = {aligned_alloc(64, (size_t)32 * KSEG * 2), aligned_alloc(64, (size_t)32 * KSEG * 2)};
+            float c[4][256] __attribute__((aligned(64)));
+            pipeline p;
+            if (g0 < g1) {
+                next_group(&p, qtype, blocks + (size_t)g0 * 32 * row_bytes, row_bytes, k, c0, c1, scratch[0]);
+                for (; p.row && p.rows_done < 32; p.rows_done++)
+                    p.row(p.blocks + (size_t)p.rows_done * row_bytes, p.k, p.out + (size_t)p.rows_done * p.k);
+            }
+            for (int g = g0; g < g1; g++) {
+                uint16_t *now = scratch[(g - g0) & 1];
+                const int more = g + 1 < g1;
+                if (more) {
+                    next_group(&p, qtype, blocks + (size_t)(g + 1) * 32 * row_bytes, row_bytes, k, c0, c1,
+                               scratch[(g - g0 + 1) & 1]);
+                    p.chunks_total = pairs * (c1 - c0), p.due = p.chunks_total / 32;
+                }
+                x_tiles(xp, m, k, now, 32 * (c1 - c0), 32 * g, c0, c1, acc, y, ldy, c, more && p.row ? &p : NULL);
+                for (; more && p.row && p.rows_done < 32; p.rows_done++)
+                    p.row(p.blocks + (size_t)p.rows_done * row_bytes, p.k, p.out + (size_t)p.rows_done * p.k);
+            }
+            _tile_release();
+            free(scratch[0]);
+            free(scratch[1]);
         }
-        _tile_release();
-        free(scratch[0]);
-        free(scratch[1]);
     }
+    free(acc);
 }
 #endif /* HAS_AMX */

@@ -87,15 +87,18 @@ void q8_0_product(const float *x, int rows, int k, int n, const uint8_t *blocks,
 
 /* Rows to [rows][k], float32 or (`bf16`) bfloat16: w = d q per block, gguf's values bit for bit
  * (bfloat16: those rounded to nearest even). */
-void q8_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int i = 0; i < rows; i++) {
-        const uint8_t *row = blocks + (size_t)i * (k / GROUP) * BLOCK_BYTES;
-        for (int g = 0; g < k / GROUP; g++) {
-            const uint8_t *blk = row + (size_t)g * BLOCK_BYTES;
-            __m256 d = _mm256_set1_ps(fp16_to_float(blk));
-            for (int j = 0; j < 4; j++)
-                store8(out, bf16, (size_t)i * k + g * GROUP + 8 * j, _mm256_mul_ps(i8_to_ps((const int8_t *)(blk + 2) + 8 * j), d));
-        }
+static inline void q8_0_dequantize_row(const uint8_t *row, int k, void *out, int bf16) {
+    for (int g = 0; g < k / GROUP; g++) {
+        const uint8_t *blk = row + (size_t)g * BLOCK_BYTES;
+        __m256 d = _mm256_set1_ps(fp16_to_float(blk));
+        for (int j = 0; j < 4; j++) store8(out, bf16, g * GROUP + 8 * j, _mm256_mul_ps(i8_to_ps((const int8_t *)(blk + 2) + 8 * j), d));
     }
 }
+
+void q8_0_dequantize(const uint8_t *blocks, int k, int rows, void *out, int threads, int bf16) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int i = 0; i < rows; i++)
+        q8_0_dequantize_row(blocks + (size_t)i * (k / GROUP) * BLOCK_BYTES, k, (char *)out + (size_t)i * k * (bf16 ? 2 : 4), bf16);
+}
+
+void q8_0_row_bf16(const uint8_t *row, int k, uint16_t *out) { q8_0_dequantize_row(row, k, out, 1); }
