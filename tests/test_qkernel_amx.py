@@ -32,6 +32,19 @@ def _within_a_unit(y: torch.Tensor, oracle: torch.Tensor) -> None:
     torch.testing.assert_close(y.float(), oracle.float(), rtol=2**-7, atol=scale * 2**-12)
 
 
+@pytest.mark.parametrize("m", [1, 16, 37])
+def test_x_packed_as_the_tiles_b_operand(m: int) -> None:
+    """`amx_pack`: per 16 rows (zero past m) and 32 inputs one tile, dword (p, j) = inputs 2p, 2p + 1
+    of row j: x's dwords transposed per tile (the kernel transposes in registers)."""
+    k = 96
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    tiles = -(-m // 16)
+    padded = torch.zeros(16 * tiles, k, dtype=torch.bfloat16)
+    padded[:m] = x
+    expected = padded.view(torch.int32).reshape(tiles, 16, k // 32, 16).permute(0, 2, 3, 1).reshape(-1)
+    assert torch.equal(qkernel.amx_pack(x), expected)
+
+
 @pytest.mark.parametrize("m", [1, 15, 16, 17, 33, 100])
 @pytest.mark.parametrize("k", [32, 1536, 1600, 3200])  # 1600, 3200: passes of 1,536 inputs and a rest
 def test_product_is_the_rounded_float64_product(m: int, k: int) -> None:

