@@ -147,15 +147,23 @@ void q4k_dequantize_avx2(const uint8_t *blocks, int k, int rows, void *out, int 
  * chunk's two sub-blocks compute theirs by two FMAs, round them to nearest even by one
  * `vcvtne2ps2bf16` into one 32-entry table, and look their 64 codes up in it (`vpermw`): the AVX2
  * path's bits (w is never denormal or NaN; fmsub rounds once, as fmadd of -dmin m). One row:
- * `q4k_row_bf16` (`amx_blocks_product` runs it between its tiles' products). A prefill step dequantizes every weight: 0.18 (AVX2)
- * -> 0.11-0.13 (a conversion per weight) -> 0.05 ns a weight in cache (the 1.5B's gate, one thread). */
+ * `q4k_row_bf16` (`amx_blocks_product` runs it between its tiles' products). A prefill step
+ * dequantizes every weight: 0.18 (AVX2) -> 0.10 (a conversion per weight) -> 0.053 ns a weight
+ * into L2 (the 1.5B's gate, 32 rows a call, one thread). */
+/* `block_floats` not inlined: the factors then reach the FMAs below as broadcasts from memory (a
+ * load), where inlined the compiler shuffled them out of registers, on the port `vpermw` needs:
+ * 0.076 -> 0.053 ns a weight. */
+static __attribute__((noinline)) void block_floats_in_memory(const uint8_t *blk, float fs[8], float fm[8]) {
+    block_floats(blk, fs, fm);
+}
+
 AVX512_BF16 void q4k_row_bf16(const uint8_t *row, int k, uint16_t *out) {
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i low = _mm512_set1_epi16(0x0F), second = _mm512_set1_epi16(16);
     for (int b = 0; b < k / QK; b++) {
         const uint8_t *blk = row + (size_t)b * BLOCK_BYTES;
         float fs[8], fm[8];
-        block_floats(blk, fs, fm);
+        block_floats_in_memory(blk, fs, fm);
         uint16_t *o = out + (size_t)b * QK;
         for (int j = 0; j < 4; j++) { /* chunk j: sub-blocks 2j (low nibbles) and 2j + 1 (high) */
             const __m512 w0 = _mm512_fmsub_ps(q, _mm512_set1_ps(fs[2 * j]), _mm512_set1_ps(fm[2 * j]));
