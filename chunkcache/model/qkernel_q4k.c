@@ -142,6 +142,13 @@ void q4k_dequantize_avx2(const uint8_t *blocks, int k, int rows, void *out, int 
 }
 
 #if HAS_AVX512_BF16
+/* `block_floats` not inlined: the factors then reach `q4k_row_bf16`'s FMAs as broadcasts from
+ * memory (a load), where inlined the compiler shuffled them out of registers, on the port
+ * `vpermw` needs: 0.076 -> 0.053 ns a weight. */
+static __attribute__((noinline)) void block_floats_in_memory(const uint8_t *blk, float fs[8], float fm[8]) {
+    block_floats(blk, fs, fm);
+}
+
 /* The same rows as bfloat16 by AVX512-BF16 (`bf16_dequantize`'s CPUs: a native bfloat16 GEMM
  * takes them). A sub-block's 32 weights take only 16 values, (d sc) q - dmin m for q = 0..15: a
  * chunk's two sub-blocks compute theirs by two FMAs, round them to nearest even by one
@@ -150,13 +157,6 @@ void q4k_dequantize_avx2(const uint8_t *blocks, int k, int rows, void *out, int 
  * `q4k_row_bf16` (`amx_blocks_product` runs it between its tiles' products). A prefill step
  * dequantizes every weight: 0.18 (AVX2) -> 0.10 (a conversion per weight) -> 0.053 ns a weight
  * into L2 (the 1.5B's gate, 32 rows a call, one thread). */
-/* `block_floats` not inlined: the factors then reach the FMAs below as broadcasts from memory (a
- * load), where inlined the compiler shuffled them out of registers, on the port `vpermw` needs:
- * 0.076 -> 0.053 ns a weight. */
-static __attribute__((noinline)) void block_floats_in_memory(const uint8_t *blk, float fs[8], float fm[8]) {
-    block_floats(blk, fs, fm);
-}
-
 AVX512_BF16 void q4k_row_bf16(const uint8_t *row, int k, uint16_t *out) {
     const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i low = _mm512_set1_epi16(0x0F), second = _mm512_set1_epi16(16);
