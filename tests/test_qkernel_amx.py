@@ -32,6 +32,15 @@ def _within_a_unit(y: torch.Tensor, oracle: torch.Tensor) -> None:
     torch.testing.assert_close(y.float(), oracle.float(), rtol=2**-7, atol=scale * 2**-12)
 
 
+def _same_bits_on_two_threads(product, y: torch.Tensor) -> None:
+    """`product()` on 2 threads gives y's bits (each C tile is one thread's sums)."""
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(product().view(torch.int16), y.view(torch.int16))
+    finally:
+        torch.set_num_threads(1)
+
+
 @pytest.mark.parametrize("m", [1, 16, 37])
 def test_x_packed_as_the_tiles_b_operand(m: int) -> None:
     """`amx_pack`: per 16 rows (zero past m) and 32 inputs one tile, dword (p, j) = inputs 2p, 2p + 1
@@ -86,11 +95,7 @@ def test_a_prefill_straight_from_the_blocks_is_the_rounded_product(qtype: str, m
     y = part(x)
     _within_a_unit(y, _oracle(x, reference.bfloat16()))
     _within_a_unit(y, torch.nn.functional.linear(x, reference.bfloat16()))
-    torch.set_num_threads(2)
-    try:
-        assert torch.equal(part(x).view(torch.int16), y.view(torch.int16))
-    finally:
-        torch.set_num_threads(1)
+    _same_bits_on_two_threads(lambda: part(x), y)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
@@ -147,13 +152,7 @@ def test_the_next_groups_rows_dequantized_between_the_tiles_products(qtype: str,
     assert qkernel.amx_blocks_take(qtype, blocks, k)
     y = qkernel.amx_blocks_product(x, qtype, blocks)
     _within_a_unit(y, _oracle(x, reference.bfloat16()))
-    torch.set_num_threads(2)
-    try:
-        assert torch.equal(
-            qkernel.amx_blocks_product(x, qtype, blocks).view(torch.int16), y.view(torch.int16)
-        )
-    finally:
-        torch.set_num_threads(1)
+    _same_bits_on_two_threads(lambda: qkernel.amx_blocks_product(x, qtype, blocks), y)
 
 
 @pytest.mark.parametrize("qtype", qkernel.ROW_BLOCKS)
@@ -168,10 +167,4 @@ def test_more_inputs_than_a_pass_straight_from_the_blocks(qtype: str, k: int) ->
     assert qkernel.amx_blocks_take(qtype, blocks, k)
     y = BlocksPart(blocks, qtype)(x)
     _within_a_unit(y, _oracle(x, reference.bfloat16()))
-    torch.set_num_threads(2)
-    try:
-        assert torch.equal(
-            qkernel.amx_blocks_product(x, qtype, blocks).view(torch.int16), y.view(torch.int16)
-        )
-    finally:
-        torch.set_num_threads(1)
+    _same_bits_on_two_threads(lambda: qkernel.amx_blocks_product(x, qtype, blocks), y)
