@@ -271,17 +271,17 @@ void q6k_dequantize_avx2(const uint8_t *blocks, int k, int rows, void *out, int 
 }
 
 #if HAS_AVX512_BF16
-/* The same rows as bfloat16 by AVX512-BF16 (as `q4k_dequantize_bf16`): a chunk's 32 codes widened
- * 16 at a time, `vcvtne2ps2bf16` rounding 32 weights at once (the AVX2 path's bits); one row:
- * `q6k_row_bf16`. */
-/* `block_scales` into memory, not inlined: the multiplies below broadcast them from memory (as
- * `q4k_row_bf16`'s factors). */
+/* `block_scales` into memory, not inlined: `q6k_row_bf16`'s multiplies then broadcast them from
+ * memory (as `q4k_row_bf16`'s factors): 0.095 -> 0.080 ns a weight. */
 static __attribute__((noinline)) void block_scales_in_memory(const uint8_t *blk, float ds[16]) {
     __m256 dv[2];
     block_scales(blk, dv);
     _mm256_storeu_ps(ds, dv[0]), _mm256_storeu_ps(ds + 8, dv[1]);
 }
 
+/* The same rows as bfloat16 by AVX512-BF16 (as `q4k_dequantize_bf16`): a chunk's 32 codes widened
+ * 16 at a time, `vcvtne2ps2bf16` rounding 32 weights at once (the AVX2 path's bits); one row:
+ * `q6k_row_bf16`. */
 AVX512_BF16 void q6k_row_bf16(const uint8_t *row, int k, uint16_t *out) {
     const __m256i offset = _mm256_set1_epi8(32);
     for (int b = 0; b < k / QK; b++) {
