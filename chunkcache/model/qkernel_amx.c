@@ -214,11 +214,12 @@ static void (*const ROW_BF16[])(const uint8_t *, int, uint16_t *) = {q4k_row_bf1
                                                                       NULL};
 
 /* The next group's rows' inputs [c0, c1) (chunks) into `out` [32][32 (c1 - c0)]: a row at a time
- * between this group's products where the type has a `ROW_BF16` (`pipeline`, `due` then set by
- * the caller), else at once. `blocks`: the group's first row. */
-static void next_group(pipeline *p, int qtype, const uint8_t *blocks, int row_bytes, int k, int c0, int c1, uint16_t *out) {
-    const int seg = 32 * (c1 - c0);
-    *p = (pipeline){ROW_BF16[qtype], blocks + (size_t)row_bytes * 32 * c0 / k, row_bytes, seg, 0, 0, 0, 0, out};
+ * over the `pairs` x tile pairs' chunk passes of this group's products where the type has a
+ * `ROW_BF16` (`pipeline`), else at once. `blocks`: the group's first row. */
+static void next_group(pipeline *p, int qtype, const uint8_t *blocks, int row_bytes, int k, int c0, int c1, int pairs,
+                       uint16_t *out) {
+    const int seg = 32 * (c1 - c0), total = pairs * (c1 - c0);
+    *p = (pipeline){ROW_BF16[qtype], blocks + (size_t)row_bytes * 32 * c0 / k, row_bytes, seg, 0, 0, total, total / 32, out};
     if (!p->row) DEQUANTIZE[qtype](blocks, k, 32, out, 1, 1); /* one pass only (`amx_blocks_product`) */
 }
 
@@ -227,8 +228,8 @@ static void next_group(pipeline *p, int qtype, const uint8_t *blocks, int row_by
  * `ROW_BF16`, its blocks within a pass); xp is x packed by `amx_pack_x`. The inputs go in passes of
  * KSEG (partial sums in float32 between them, as `amx_product`); in a pass each thread takes a
  * range of groups of 32 weight rows, dequantized into one of two L2-sized scratches: the next
- * group's rows between this group's tile products (`pipeline`), else after them (the same sums in
- * the same order either way). */
+ * group's rows between this group's tile products (`pipeline`), else at once before them (the
+ * same sums in the same order either way). */
 AMX void amx_blocks_product(int qtype, const uint32_t *xp, int m, int k, const uint8_t *blocks, int row_bytes, int n,
                             uint16_t *y, int ldy, int threads) {
     const int groups = n / 32, chunks = k / 32, mtiles = (m + 15) / 16, pairs = (mtiles + 1) / 2, seg = KSEG / 32;
@@ -244,17 +245,15 @@ AMX void amx_blocks_product(int qtype, const uint32_t *xp, int m, int k, const u
             float c[4][256] __attribute__((aligned(64)));
             pipeline p;
             if (g0 < g1) {
-                next_group(&p, qtype, blocks + (size_t)g0 * 32 * row_bytes, row_bytes, k, c0, c1, scratch[0]);
+                next_group(&p, qtype, blocks + (size_t)g0 * 32 * row_bytes, row_bytes, k, c0, c1, pairs, scratch[0]);
                 pipeline_finish(&p);
             }
             for (int g = g0; g < g1; g++) {
                 uint16_t *now = scratch[(g - g0) & 1];
                 const int more = g + 1 < g1;
-                if (more) {
-                    next_group(&p, qtype, blocks + (size_t)(g + 1) * 32 * row_bytes, row_bytes, k, c0, c1,
+                if (more)
+                    next_group(&p, qtype, blocks + (size_t)(g + 1) * 32 * row_bytes, row_bytes, k, c0, c1, pairs,
                                scratch[(g - g0 + 1) & 1]);
-                    p.chunks_total = pairs * (c1 - c0), p.due = p.chunks_total / 32;
-                }
                 x_tiles(xp, m, k, now, 32 * (c1 - c0), 32 * g, c0, c1, acc, y, ldy, c, more && p.row ? &p : NULL);
                 if (more) pipeline_finish(&p);
             }

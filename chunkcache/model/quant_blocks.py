@@ -177,8 +177,9 @@ class BlocksPart:
 def product(x: torch.Tensor, qtype: str, blocks: torch.Tensor) -> torch.Tensor:
     """x [T, in] (float32 or bfloat16) times a weight held as `qtype`'s blocks, `dequant.block_rows`
     weight rows at a time dequantized into one reused buffer of x's dtype: [T, out] in it; a
-    bfloat16 x of at most `qkernel.AMX_ONE_PASS` inputs on AMX tiles straight from the blocks,
-    32 rows at a time, where they serve (`qkernel.amx_blocks_product`)."""
+    bfloat16 x on AMX tiles straight from the blocks, 32 rows at a time, where they serve
+    (`qkernel.amx_blocks_take`: any inputs for `qkernel.ROW_BLOCKS`, else at most
+    `qkernel.AMX_ONE_PASS`; `qkernel.amx_blocks_product`)."""
     if x.dtype == torch.bfloat16 and qkernel.amx_blocks_take(qtype, blocks, x.shape[1]):
         return qkernel.amx_blocks_product(x, qtype, blocks)
     n = blocks.shape[0]
