@@ -20,8 +20,9 @@ from chunkcache.hashing import BLOCK_HASH_ALGORITHMS, block_hash_fn
 CHUNK_LAYOUTS = ("isolated", "offset", "fusion")
 # How layout "fusion" combines its streams' next-token distributions (engine/fusion.py).
 FUSION_RULES = ("max_confidence", "product", "contrastive")
-# Layout "fusion"'s pair stream S + Ci + Cj + Q over the two documents whose streams find Q most
-# likely: none, one more expert under the rule, or the only document stream (engine/fusion.py).
+# Layout "fusion"'s joint stream S + Ci + ... + Ck + Q over the documents whose streams find Q most
+# likely (the pair stream, k = 2, unless `fusion_max_joint` allows more): none, one more expert
+# under the rule, or the only document stream (engine/fusion.py).
 FUSION_PAIRS = ("none", "expert", "lead")
 BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold", "query_attention", "stored_deviation")
 BLEND_UNITS = ("token", "chunk")
@@ -155,6 +156,15 @@ class ChunkConfig:
     # (no document prefilled); a question about two names both. 100 (the default): always (a
     # mean log-likelihood gap of 100 nats per token does not occur).
     fusion_pair_margin: float = 100.0
+    # The joint stream's most documents: it reads every document whose relevance is within
+    # `fusion_pair_margin` of the most relevant one's, the most relevant first, up to this many
+    # (>= 2; 2 is the pair stream). Each document beyond the first is prefilled in the stream
+    # (|Cj| tokens before the first token), so k costs k - 1 documents' prefill.
+    fusion_max_joint: int = 2
+    # At most this many document streams decode past the first step (0: all): after it, every
+    # stream's relevance is known and only the most relevant ones go on (the others' KV blocks and
+    # decode rows are freed), so a prompt of 16-32 documents decodes like one of a few.
+    fusion_max_streams: int = 0
     # Lower tiers under the pool (chunkcache/chunk/tiers/): a local directory of safetensors files
     # within `disk_gb`, and a Redis shared by replicas (`redis://host:port/db`). None = no tier.
     disk_dir: str | None = None
@@ -269,6 +279,10 @@ class ChunkConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
                 raise ValueError(f"{name} must be a number in [0, 100], got {value!r}")
+        for name, low in (("fusion_max_joint", 2), ("fusion_max_streams", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1024:
+                raise ValueError(f"{name} must be an integer in [{low}, 1024], got {value!r}")
 
     def _validate_blend(self, num_layers: int | None) -> None:
         layers, ratios = tuple(self.blend_check_layers), tuple(self.blend_recompute_ratios)
@@ -353,6 +367,8 @@ class ReuseOptions:
     fusion_relevance_weight: float | None = None
     fusion_pair: str | None = None
     fusion_pair_margin: float | None = None
+    fusion_max_joint: int | None = None
+    fusion_max_streams: int | None = None
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, object]) -> ReuseOptions:

@@ -117,6 +117,11 @@ OPTION_HELP: dict[str, str] = {
     "fusion_pair_margin": "layout fusion with fusion_pair: add the pair stream only when the two most relevant "
     "documents' relevance (mean log-likelihood of the question, nats) differ by at most this, in [0, 100] "
     "(100: always)",
+    "fusion_max_joint": "layout fusion with fusion_pair: the joint stream reads every document within "
+    "fusion_pair_margin of the most relevant one, at most this many (>= 2; 2: the pair stream; each "
+    "document beyond the first is prefilled)",
+    "fusion_max_streams": "layout fusion: at most this many document streams (the most relevant) decode past "
+    "the first step; 0: all",
     "kv_events_endpoint": "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 (default: off)",
     "kv_events_topic": "KV event topic (default: kv@<instance>@<model>)",
     "kv_events_replay_endpoint": "ZMQ ROUTER endpoint serving missed event batches by sequence number",
