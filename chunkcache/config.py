@@ -165,6 +165,12 @@ class ChunkConfig:
     # stream's relevance is known and only the most relevant ones go on (the others' KV blocks and
     # decode rows are freed), so a prompt of 16-32 documents decodes like one of a few.
     fusion_max_streams: int = 0
+    # The joint stream's documents after the first are not prefilled but blended (layout offset's
+    # mechanism, the blend_* options): their cached KV re-rotated to their place, the share the
+    # selector picks recomputed, S and the first document exact. Cheaper than prefilling them;
+    # its answers are measured in RESULTS.md. Only under fusion_pair "lead" (the joint stream
+    # computes no relevance of its own for "expert").
+    fusion_joint_blend: bool = False
     # Lower tiers under the pool (chunkcache/chunk/tiers/): a local directory of safetensors files
     # within `disk_gb`, and a Redis shared by replicas (`redis://host:port/db`). None = no tier.
     disk_dir: str | None = None
@@ -279,6 +285,10 @@ class ChunkConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
                 raise ValueError(f"{name} must be a number in [0, 100], got {value!r}")
+        if not isinstance(self.fusion_joint_blend, bool):
+            raise ValueError(f"fusion_joint_blend must be true or false, got {self.fusion_joint_blend!r}")
+        if self.fusion_joint_blend and self.fusion_pair == "expert":
+            raise ValueError("fusion_joint_blend needs fusion_pair 'lead' (or 'none'), not 'expert'")
         for name, low in (("fusion_max_joint", 2), ("fusion_max_streams", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1024:
@@ -292,7 +302,8 @@ class ChunkConfig:
             raise ValueError(
                 f"blend_check_layers must be increasing non-negative integers, got {list(layers)}"
             )
-        if num_layers is not None and self.layout == "offset" and layers[-1] >= num_layers:
+        blends = self.layout == "offset" or (self.layout == "fusion" and self.fusion_joint_blend)
+        if num_layers is not None and blends and layers[-1] >= num_layers:
             raise ValueError(
                 f"blend_check_layers {list(layers)} out of range: the model has {num_layers} layers"
             )
@@ -369,6 +380,7 @@ class ReuseOptions:
     fusion_pair_margin: float | None = None
     fusion_max_joint: int | None = None
     fusion_max_streams: int | None = None
+    fusion_joint_blend: bool | None = None
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, object]) -> ReuseOptions:

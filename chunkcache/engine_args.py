@@ -120,6 +120,8 @@ OPTION_HELP: dict[str, str] = {
     "fusion_max_joint": "layout fusion with fusion_pair: the joint stream reads every document within "
     "fusion_pair_margin of the most relevant one, at most this many (>= 2; 2: the pair stream; each "
     "document beyond the first is prefilled)",
+    "fusion_joint_blend": "layout fusion with fusion_pair lead: blend the joint stream's documents after the "
+    "first (their cached KV re-rotated, the blend_* options' share recomputed) instead of prefilling them",
     "fusion_max_streams": "layout fusion: at most this many document streams (the most relevant) decode past "
     "the first step; 0: all",
     "kv_events_endpoint": "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 (default: off)",

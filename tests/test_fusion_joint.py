@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
+import chunkcache.engine.engine as engine_module
 from chunkcache import LLM, SamplingParams
 from chunkcache.config import ChunkConfig
 from chunkcache.core.plan import ChunkedPrompt
 from chunkcache.engine.fusion import FusionGroup, JointChoice, pair_tokens
+from chunkcache.engine.scheduler import Scheduler
 from chunkcache.server.metrics import ServerMetrics
 from tests.support.oracle import hf_first_token_logprobs
 from tests.test_fusion import (
@@ -131,3 +133,105 @@ def test_the_joint_streams_choices_are_exported_as_histograms(checkpoint) -> Non
     assert 'chunkcache_fusion_joint_documents_bucket{le="4"} 2.0' in text
     assert "chunkcache_fusion_joint_documents_sum 5.0" in text
     assert 'chunkcache_fusion_relevance_margin_bucket{le="+Inf"} 2.0' in text
+
+
+# ---- fusion_joint_blend: the joint stream's later documents blended, not prefilled ---------------
+
+
+def _joint_run(
+    llm: LLM, doc_ids: list[int], options: dict[str, Any], monkeypatch
+) -> tuple[Any, torch.Tensor]:
+    """The reply and the joint stream's first row (4 documents, all four in the joint stream)."""
+    rows: list[torch.Tensor] = []
+    original = FusionGroup.combine
+    monkeypatch.setattr(FusionGroup, "combine", lambda self, r: rows.append(r.clone()) or original(self, r))
+    options = {"fusion_pair": "lead", "fusion_pair_margin": 100.0, "fusion_max_joint": 3, **options}
+    out = llm.generate(_prompt(doc_ids, THREE_QUESTION), GREEDY, chunk_options=options)[0]
+    monkeypatch.setattr(FusionGroup, "combine", original)
+    return out, torch.log_softmax(rows[0][4].float(), -1)
+
+
+def test_a_joint_stream_blended_with_everything_recomputed_is_the_exact_one(checkpoint, monkeypatch) -> None:
+    """Blend at ratio 1 from layer 0 recomputes every token: the joint stream's KV, first row and
+    the reply it leads are those of the prefilled joint stream and of transformers."""
+    path = checkpoint(arch="llama")
+    llm = _llm(path, max_num_batched_tokens=24)
+    doc_ids = [3, 1, 0, 2]
+    full = {"fusion_joint_blend": True, "blend_check_layers": [0], "blend_recompute_ratios": [1.0]}
+    blended, row = _joint_run(llm, doc_ids, full, monkeypatch)
+    prefilled, _ = _joint_run(llm, doc_ids, {}, monkeypatch)
+    sys_ids, docs, q = _contexts(llm, doc_ids, THREE_QUESTION)
+    relevance = [_relevance(path, ctx, q) for ctx in docs]
+    top = sorted(sorted(range(4), key=lambda k: -relevance[k])[:3])
+    joint = sys_ids + [t for k in top for t in docs[k][len(sys_ids) :]]
+    assert (row - hf_first_token_logprobs(path, joint + q)).abs().max() < 1e-4
+    assert blended.outputs[0].token_ids == prefilled.outputs[0].token_ids
+    assert blended.outputs[0].token_ids == _greedy(path, [[joint, sys_ids]] * STEPS, q)
+    llm.check_integrity()
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+def test_a_blended_joint_stream_reads_what_layout_offset_reads(checkpoint, monkeypatch) -> None:
+    """With the default blend (15% recomputed at layer 1) the joint stream's first row is the
+    first-token distribution of a layout-offset request over S, its documents and Q."""
+    path = checkpoint(arch="llama")
+    llm = _llm(path, enable_prefix_caching=False)  # no blend key: no tail run fresh in either
+    doc_ids = [2, 3, 0, 1]
+    _, row = _joint_run(llm, doc_ids, {"fusion_joint_blend": True}, monkeypatch)
+    _, docs, q = _contexts(llm, doc_ids, THREE_QUESTION)
+    relevance = [_relevance(path, ctx, q) for ctx in docs]
+    top = sorted(sorted(range(4), key=lambda k: -relevance[k])[:3])
+    first_logits: list[torch.Tensor] = []  # not a fusion request: its row where it is sampled
+    sample = engine_module.sample_batch
+    monkeypatch.setattr(
+        engine_module,
+        "sample_batch",
+        lambda b, rows, *a: first_logits.append(rows.clone()) or sample(b, rows, *a),
+    )
+    params = SamplingParams(temperature=0, max_tokens=1)
+    offset = {"chunk_layout": "offset"}
+    llm.generate(_prompt([doc_ids[k] for k in top], THREE_QUESTION), params, chunk_options=offset)
+    offset_row = torch.log_softmax(first_logits[0][0].float(), -1)
+    assert (row - offset_row).abs().max() < 1e-4
+    llm.check_integrity()
+
+
+def test_blended_joint_groups_preempted_and_aborted_give_everything_back(checkpoint, monkeypatch) -> None:
+    """A joint stream preempted (its blend lost: a plain prefill of its tokens when it comes back)
+    and a group aborted while its joint stream blends."""
+    path = checkpoint(arch="llama")
+    preempted: list[bool] = []
+    original = Scheduler._preempt
+    monkeypatch.setattr(
+        Scheduler,
+        "_preempt",
+        lambda self, seq, b: preempted.append(seq.chunks is not None) or original(self, seq, b),
+    )
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    options = {"fusion_pair": "lead", "fusion_max_joint": 3, "fusion_joint_blend": True}
+    orders = ([0, 1, 2], [3, 2], [2, 3, 1, 0], [1, 0, 3], [3, 0, 2, 1])
+    prompts = [_prompt(order, THREE_QUESTION) for order in orders]
+    small = _llm(path, kv_cache_tokens=16 * 40, max_num_batched_tokens=32)
+    engine = small.engine
+    for k, prompt in enumerate(prompts):
+        engine.add_request(str(k), prompt, params, chunk_options=options)
+    outs: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        engine.check_integrity()
+    assert any(preempted)  # a joint stream among them (the only streams with entries of their own)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs.values())
+    engine.add_request("a", _prompt([1, 3, 0], THREE_QUESTION), params, chunk_options=options)
+    group = None
+    while group is None or group.pair is None:
+        engine.step()
+        group = next((s.fusion for s in engine.scheduler.running if s.fusion is not None), None)
+    engine.abort_request("a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(e.pins == 0 for e in engine.chunks.pool.entries())

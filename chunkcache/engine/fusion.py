@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from chunkcache.chunk.assemble import offset_deltas
 from chunkcache.config import ChunkConfig, SchedulerConfig
-from chunkcache.core.plan import ChunkedPrompt
+from chunkcache.core.plan import ChunkedPrompt, RequestChunks
 from chunkcache.core.sequence import Sequence, SequenceKind, Status
 from chunkcache.engine.prompt_logprobs import prompt_slices
 from chunkcache.errors import InvalidRequestError
@@ -122,6 +123,9 @@ def pair_tokens(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
     before the streams' relevance: the longest that many), for the KV fit."""
     if not wants_pair(prompt, config):
         return 0
+    if config.fusion_joint_blend:  # S and every document of it in its own blocks
+        most = min(config.fusion_max_joint, len(prompt.chunks))
+        return len(prompt.sys_token_ids) + sum(sorted(map(len, prompt.chunks), reverse=True)[:most])
     most = min(config.fusion_max_joint, len(prompt.chunks)) - 1  # the first one is borrowed
     return sum(sorted(map(len, prompt.chunks), reverse=True)[:most])
 
@@ -212,6 +216,8 @@ class FusionGroup:
     max_streams: int = 0  # document streams that decode past the first step (0: all)
     amateur: bool = False  # the last stream is the no-document one
     choice: JointChoice | None = None  # the joint stream's documents, once decided
+    joint_blend: ChunkConfig | None = None  # `fusion_joint_blend`: the blend's options
+    slots_given: bool = False  # the streams' borrowed slots are set (`ready`)
     pair: int | None = None
     first_rows: torch.Tensor | None = None
     # Per stream, log p(Q[j] | its context, Q[:j]) for j >= 1 by position (a stream recomputed after
@@ -237,6 +243,7 @@ class FusionGroup:
             max_joint=config.fusion_max_joint,
             max_streams=config.fusion_max_streams,
             amateur=config.fusion_amateur,
+            joint_blend=config if config.fusion_joint_blend else None,
         )
         for k, (context, base) in enumerate(contexts):
             group._add_stream(k, [*context, *q], [], base, k)
@@ -292,16 +299,43 @@ class FusionGroup:
         assert self.choice is not None
         prompt = self.prompt
         n = len(prompt.chunks)
-        first, *rest = sorted(self.choice.documents)
+        documents = sorted(self.choice.documents)
+        first = documents[0]
         context = prompt.sys_token_ids + prompt.chunks[first]
-        before = [t for k in rest for t in prompt.chunks[k]]
-        stream = self._add_stream(
-            n, [*context, *before, *prompt.question_token_ids], before, len(context), first
-        )
-        stream.borrowed_slots = self.streams[first].borrowed_slots
+        before = [t for k in documents[1:] for t in prompt.chunks[k]]
+        ids = [*context, *before, *prompt.question_token_ids]
+        if self.joint_blend is not None:  # all of it in its own blocks, blended from the pool's KV
+            stream = self._add_stream(n, ids, [*context, *before], 0, first)
+            stream.blend, stream.chunks = self.joint_blend, self._joint_chunks(documents)
+        else:
+            stream = self._add_stream(n, ids, before, len(context), first)
+            stream.borrowed_slots = self.streams[first].borrowed_slots
         stream.status = self.streams[0].status
         self.pair, self.first_rows = n, rows
         return stream
+
+    def _joint_chunks(self, documents: list[int]) -> RequestChunks:
+        """What a blended joint stream reads (engine/runner.py's blend input): S and `documents`
+        as a chunked prompt of their own, their pool slots and how far each moves."""
+        request = self.request.chunks
+        assert request is not None and request.stream_slots is not None
+        s = len(self.prompt.sys_token_ids)
+        parts = [0, *(d + 1 for d in documents)]  # S's entry, then the documents'
+        state = RequestChunks(
+            ChunkedPrompt(
+                self.prompt.sys_token_ids,
+                tuple(self.prompt.chunks[d] for d in documents),
+                self.prompt.question_token_ids,
+            ),
+            entries=[request.entries[k] for k in parts],
+            slices=[request.slices[k] for k in parts],
+            assembled=True,
+            was_cached=[request.was_cached[k] for k in parts],
+        )
+        slots = [request.stream_slots[documents[0]], *(request.stream_slots[d][s:] for d in documents[1:])]
+        state.cached_slots = torch.cat(slots)
+        state.cached_delta = offset_deltas(state).to(state.cached_slots.device)
+        return state
 
     def drop_unread(self) -> list[Sequence]:
         """After a combined row, the document streams that need not decode on leave the group
@@ -331,11 +365,12 @@ class FusionGroup:
         borrows S and its chunk, as the chunk manager laid them out)."""
         if not request_ready(self.request):
             return False
-        if self.streams[0].borrowed_slots is None:
+        if not self.slots_given:
             assert self.request.chunks is not None and self.request.chunks.stream_slots is not None
             slots = self.request.chunks.stream_slots
             for stream, k in zip(self.streams, self.slot_of, strict=True):
                 stream.borrowed_slots = slots[k]
+            self.slots_given = True
         return True
 
     def relevance(self) -> torch.Tensor:
