@@ -44,7 +44,6 @@ from chunkcache.config import ChunkConfig, SchedulerConfig
 from chunkcache.core.plan import ChunkedPrompt, RequestChunks
 from chunkcache.core.sequence import Sequence, SequenceKind, Status
 from chunkcache.engine.prompt_logprobs import prompt_slices
-from chunkcache.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -182,18 +181,6 @@ def stream_count(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
 
 def fits_one_batch(streams: int, limits: SchedulerConfig) -> bool:
     return streams <= min(limits.max_num_seqs, limits.max_num_batched_tokens)
-
-
-def num_streams(prompt: ChunkedPrompt, config: ChunkConfig, limits: SchedulerConfig) -> int:
-    """How many streams a fusion request decodes; they run in one batch, so they must fit one."""
-    streams = stream_count(prompt, config)
-    if not fits_one_batch(streams, limits):
-        raise InvalidRequestError(
-            f"layout fusion decodes {streams} streams (one per document) in one batch, more than "
-            f"max_num_seqs {limits.max_num_seqs} or max_num_batched_tokens {limits.max_num_batched_tokens}",
-            "prompt",
-        )
-    return streams
 
 
 @dataclass(eq=False)
