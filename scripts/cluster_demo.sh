@@ -35,7 +35,7 @@ PY=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 command -v redis-server >/dev/null || { echo "cluster_demo.sh: redis-server not found (apt-get install redis-server)" >&2; exit 2; }
 # Each replica its share of the cores: engines that each take every core slow each other (two on
-# 2 cores measured up to 10x slower than alone; docs/operations.md "Threads").
+# 2 cores measured up to 10x slower than alone; docs/operations.md "Memory and threads").
 if [[ -z "$THREADS" ]]; then
     THREADS=$("$PY" -c "import sys
 from chunkcache.threads import default_threads
