@@ -89,11 +89,10 @@ def _cgroup_mounts(root: Path) -> list[tuple[str, str, str]]:
         return _USUAL_MOUNTS
     mounts = []
     for line in text.splitlines():
-        fields, _, tail = line.partition(" - ")
-        fields_list, tail_list = fields.split(), tail.split()
-        if len(fields_list) < 5 or len(tail_list) < 3:
+        head, _, tail = (part.split() for part in line.partition(" - "))
+        if len(head) < 5 or len(tail) < 3:
             continue
-        mount_root, point, fstype, options = fields_list[3], fields_list[4], tail_list[0], tail_list[2]
+        mount_root, point, fstype, options = head[3], head[4], tail[0], tail[2]
         if fstype == "cgroup2":
             mounts.append(("", mount_root, point))
         elif fstype == "cgroup" and "cpu" in options.split(","):
