@@ -548,7 +548,8 @@ class EngineConfig:
     # A LoRA adapter directory in peft's format, merged into the weights at load (model/adapter.py);
     # e.g. the reuse adapter of training/reuse_adapter.py.
     adapter: str | None = None
-    # torch's intra-op CPU threads; None = the physical cores this process may use (threads.py).
+    # torch's and the C kernels' CPU threads; None = the physical cores this process may use,
+    # capped by its cgroup CPU quota (threads.py).
     threads: int | None = None
     # CPU float32: projections packed for oneDNN also keep a plain layout for decode steps of
     # 1-3 sequences, where the packed kernel is slow (model/linear.py); up to 2x weight memory.

@@ -32,7 +32,7 @@ OPTION_HELP: dict[str, str] = {
     "served_model_name": "model name reported by /v1/models and accepted in requests (default: the path)",
     "tokenizer": "tokenizer directory or hub id used instead of the checkpoint's own",
     "adapter": "LoRA adapter directory (peft format) merged into the weights at load",
-    "threads": "torch intra-op CPU threads, > 0 (default: the physical cores this process may use)",
+    "threads": "torch's and the C kernels' CPU threads, > 0 (default: the physical cores this process may use, capped by its cgroup CPU quota)",
     "narrow_weights": "CPU float32: also keep a plain weight layout for 1-3 sequence decode steps "
     "(faster decode, up to 2x weight memory)",
     "compile_decode": "compile one-sequence decode steps with torch.compile at start "
