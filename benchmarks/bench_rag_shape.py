@@ -14,13 +14,15 @@ time on one in-process engine (`exact_follow_ups` off, fidelity.measure.ENGINE_O
 - any mode of bench_fidelity's MODES (fusion/contrastive, fusion/contrastive/pairlead/m0.6, ...).
 
 Per mode and question, in this order: TTFT cold (a one-token request under a fresh cache salt: the
-documents never seen), a one-token request over the same documents in reverse order (the pool
-warm, the prompt new), TTFT warm (a one-token request), then the answer (greedy, --max-tokens;
---max-tokens-free for free-form). Full prefill's cold TTFT is its TTFT (nothing to reuse); closed
-is not timed. Memory per request: the peak over the answer's engine steps of the paged KV blocks
-held (referenced) by running sequences (a fusion request's streams, an offset request's blended
-prompt, a full prefill's prompt), and of the chunk pool's pages pinned by running requests (the
-documents' KV the streams read; shared with other requests, counted whole), in bytes.
+documents never seen; on every --cold-every-th question), a one-token request over the same
+documents in reverse order (the pool warm, the prompt new), then the answer (greedy, --max-tokens;
+--max-tokens-free for free-form), whose own TTFT is the warm TTFT. Full prefill's one request
+gives its reply and its TTFT (cold and warm alike: nothing is reused; only the system part can be
+found in the prefix cache); closed is not timed. Decode: ms per token from the answer's first
+token to its last. Memory per request: the peak over the answer's engine steps of the paged KV
+blocks held (referenced) by running sequences (a fusion request's streams, an offset request's
+blended prompt, a full prefill's prompt), and of the chunk pool's pages pinned by running requests
+(the documents' KV the streams read; shared with other requests, counted whole), in bytes.
 
 Answers are checked by rag_shape.score's rules (numbers as the document writes them or rounded
 keeping 3 significant digits; the first named choice; the first count). Per cell, type and mode:
@@ -134,18 +136,18 @@ def prompts(llm: LLM, q: rs.RagQuestion, records: dict[int, rs.Record], size: in
     return Prompts(text, reverse, full_ids, render_closed(llm.tokenizer, q.question))
 
 
-def run_mode(llm: LLM, mode: str, p: Prompts, params: SamplingParams, salt: str) -> dict[str, Any]:
-    """The mode's answer (and, except closed, its cold and warm TTFT) as a raw record."""
-    if mode == CLOSED:
-        return {"run": asdict(request(llm, p.closed_ids, params, None))}
-    if mode == FULL:
-        ttft = request(llm, p.full_ids, ONE_TOKEN, None).ttft
-        return {"run": asdict(request(llm, p.full_ids, params, None)), "ttft_cold": ttft, "ttft_warm": ttft}
+def run_mode(llm: LLM, mode: str, p: Prompts, params: SamplingParams, cold: str | None) -> dict[str, Any]:
+    """The mode's answer and its TTFTs as a raw record. The answer request's own TTFT is the warm
+    one (full prefill: its only one); `cold`: a cache salt under which to time a cold request."""
+    if mode in (CLOSED, FULL):
+        run = request(llm, p.closed_ids if mode == CLOSED else p.full_ids, params, None)
+        return {"run": asdict(run)} if mode == CLOSED else {"run": asdict(run), "ttft_cold": run.ttft}
     options = None if mode == DEFAULT else MODES[mode]
-    cold = request(llm, p.text, ONE_TOKEN, options, salt=salt).ttft
-    request(llm, p.reversed_text, ONE_TOKEN, options)
-    warm = request(llm, p.text, ONE_TOKEN, options).ttft
-    return {"run": asdict(request(llm, p.text, params, options)), "ttft_cold": cold, "ttft_warm": warm}
+    record = {}
+    if cold is not None:
+        record["ttft_cold"] = request(llm, p.text, ONE_TOKEN, options, salt=cold).ttft
+    request(llm, p.reversed_text, ONE_TOKEN, options)  # the pool warm, this prompt never seen
+    return {**record, "run": asdict(request(llm, p.text, params, options))}
 
 
 def select(questions: list[rs.RagQuestion], n: int, split: str, k: int) -> list[rs.RagQuestion]:
@@ -189,15 +191,18 @@ def measure_all(llm: LLM, args: argparse.Namespace, cells: list, raw: dict[str, 
         params = SamplingParams(temperature=0, max_tokens=tokens)
         k = i % len(missing)
         for mode in missing[k:] + missing[:k]:
-            raw[keys[mode]] = run_one(llm, mode, p, params, keys[mode], q)
+            cold = args.cold_every > 0 and i % args.cold_every == 0
+            raw[keys[mode]] = run_one(llm, mode, p, params, keys[mode] if cold else None, q)
             save_raw(args.raw, raw)
             bar.update(1)
     bar.close()
 
 
-def run_one(llm: LLM, mode: str, p: Prompts, params: SamplingParams, key: str, q: rs.RagQuestion) -> dict:
+def run_one(
+    llm: LLM, mode: str, p: Prompts, params: SamplingParams, key: str | None, q: rs.RagQuestion
+) -> dict:
     try:
-        record = run_mode(llm, mode, p, params, salt=f"cold/{key}/{time.time()}")
+        record = run_mode(llm, mode, p, params, None if key is None else f"cold/{key}/{time.time()}")
     except InvalidRequestError as e:  # e.g. longer than the model's context
         return {"error": str(e), "prompt_tokens": len(p.full_ids)}
     reply = record["run"]["reply"]
@@ -241,13 +246,25 @@ def row(mode: str, qs: list[rs.RagQuestion], recs: dict[str, dict], full: dict[s
         "same": sum(recs[q.qid]["run"]["reply"] == full[q.qid]["run"]["reply"] for q in qs),
     }
     out.update(costs(qs, recs, full))
+    if mode == CLOSED:  # a prompt without the documents: its TTFT compares with nothing
+        out.update({k: float("nan") for k in ("ttft_cold_ms", "cold_x", "ttft_warm_ms", "warm_x")})
     return out
 
 
-def costs(qs: list[rs.RagQuestion], recs: dict[str, dict], full: dict[str, dict]) -> dict[str, float]:
-    def total(rs_: dict[str, dict], key: str) -> float:
-        return sum(rs_[q.qid].get(key) or 0.0 for q in qs)
+def _ttft(recs: dict[str, dict], full: dict[str, dict], qs: list[rs.RagQuestion], cold: bool):
+    """(mean ms, full's total over the mode's) over the questions the mode timed so."""
 
+    def get(r: dict) -> float | None:
+        return r.get("ttft_cold") if cold else r["run"]["ttft"]
+
+    timed = [q.qid for q in qs if get(recs[q.qid]) is not None and get(full[q.qid]) is not None]
+    mode_s = sum(get(recs[i]) for i in timed)
+    return 1000 * mode_s / len(timed) if timed else float("nan"), _ratio(
+        sum(get(full[i]) for i in timed), mode_s
+    )
+
+
+def costs(qs: list[rs.RagQuestion], recs: dict[str, dict], full: dict[str, dict]) -> dict[str, float]:
     def decode_ms(rs_: dict[str, dict]) -> float:
         steps = [rs_[q.qid]["run"]["decode"] for q in qs]
         return _ratio(1000 * sum(s for _, s in steps), sum(n for n, _ in steps))
@@ -255,12 +272,13 @@ def costs(qs: list[rs.RagQuestion], recs: dict[str, dict], full: dict[str, dict]
     def mem(rs_: dict[str, dict]) -> float:
         return _mean([rs_[q.qid]["run"]["kv_bytes"] + rs_[q.qid]["run"]["pool_bytes"] for q in qs])
 
-    timed = all("ttft_warm" in recs[q.qid] for q in qs)
+    cold_ms, cold_x = _ttft(recs, full, qs, cold=True)
+    warm_ms, warm_x = _ttft(recs, full, qs, cold=False)
     return {
-        "ttft_cold_ms": 1000 * total(recs, "ttft_cold") / len(qs) if timed else float("nan"),
-        "ttft_warm_ms": 1000 * total(recs, "ttft_warm") / len(qs) if timed else float("nan"),
-        "cold_x": _ratio(total(full, "ttft_cold"), total(recs, "ttft_cold")) if timed else float("nan"),
-        "warm_x": _ratio(total(full, "ttft_warm"), total(recs, "ttft_warm")) if timed else float("nan"),
+        "ttft_cold_ms": cold_ms,
+        "cold_x": cold_x,
+        "ttft_warm_ms": warm_ms,
+        "warm_x": warm_x,
         "decode_ms": decode_ms(recs),
         "decode_vs_full": _ratio(decode_ms(recs), decode_ms(full)),
         "kv_mb": _mean([recs[q.qid]["run"]["kv_bytes"] for q in qs]) / 2**20,
@@ -317,8 +335,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ttft_ax.plot(xs, [p[2] for p in points], "o-", label=f"{mode} {size}")
     kept_ax.set(xlabel="documents per prompt (N)", ylabel="full prefill's correct answers kept (%)")
     ttft_ax.set(xlabel="documents per prompt (N)", ylabel="warm TTFT speedup over full prefill (x)")
+    ns = sorted({p[0] for points in lines.values() for p in points})
+    kept_ax.set_ylim(0, 105)
+    ttft_ax.set_ylim(bottom=0)
     for ax in (kept_ax, ttft_ax):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -368,6 +390,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--split", choices=("tune", "heldout"), default="tune")
     parser.add_argument("--questions", type=int, default=4, help="per type and cell (at most 8)")
     parser.add_argument("--modes", nargs="+", default=[DEFAULT], help=f"{DEFAULT} or of {list(MODES)}")
+    parser.add_argument(
+        "--cold-every", type=int, default=1, help="time cold TTFT on every k-th question (0: never)"
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-tokens-free", type=int, default=80, help="max tokens of free-form replies")
     parser.add_argument(
