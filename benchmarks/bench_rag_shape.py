@@ -205,13 +205,11 @@ def run_one(
         record = run_mode(llm, mode, p, params, None if key is None else f"cold/{key}/{time.time()}")
     except InvalidRequestError as e:  # e.g. longer than the model's context
         return {"error": str(e), "prompt_tokens": len(p.full_ids)}
-    reply = record["run"]["reply"]
-    record.update(
-        prompt_tokens=len(p.full_ids),
-        facts=rs.facts(q, reply),
-        memory=rs.facts(q, reply, q.memory),
-    )
-    return record
+    return {**record, "prompt_tokens": len(p.full_ids), **score_record(q, record["run"]["reply"])}
+
+
+def score_record(q: rs.RagQuestion, reply: str) -> dict[str, list[bool]]:
+    return {"facts": rs.facts(q, reply), "memory": rs.facts(q, reply, q.memory)}
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -292,6 +290,9 @@ def cell_rows(raw: dict[str, Any], cell: str, qs: list[rs.RagQuestion], modes: l
     """Rows per type (and "all") and mode, over the questions every mode answered."""
     recs = {m: {q.qid: raw.get(f"{cell}/{q.qid}/{m}") for q in qs} for m in modes}
     done = [q for q in qs if all(r[q.qid] and "error" not in r[q.qid] for r in recs.values())]
+    for q in done:  # scored again: the rules as they are now, whatever run wrote the file
+        for r in recs.values():
+            r[q.qid] = {**r[q.qid], **score_record(q, r[q.qid]["run"]["reply"])}
     rows = []
     for kind in (*rs.KINDS, "all"):
         part = [q for q in done if kind in (q.kind, "all")]

@@ -12,11 +12,12 @@ serve every document size, whose smaller documents are prefixes of the larger):
 - free: one or two sentences comparing a property of two elements, scored by the two values stated.
 
 The asked properties (ASKED: atomic weight, density, melting and boiling point, discovery year)
-rotate per question. Each asked value is replaced in its document by a perturbed one (x0.6-0.87 or
+rotate per question, the same way in both halves. Each asked value is replaced in its document by a perturbed one (x0.6-0.87 or
 x1.15-1.6, the document's decimals; a year moved by 7-60 years), redrawn until the document's
 values give another answer than the real ones (for higher / highest / count: memory answers wrong)
 with a clear margin (10%, or 10 years), and until no document of the prompt holds the new value.
-Per N and type 16 questions, alternately tune and held-out, frozen before any mode ran.
+Per N and type 16 questions, tune and held-out in alternate pairs (so that each half has both
+forms of a type), frozen before any mode ran.
 
     python benchmarks/rag_shape_set.py   # rewrites chunkcache/data/rag_shape_questions.json
 """
@@ -195,13 +196,16 @@ def build(seed: int = SEED) -> list[RagQuestion]:
     for n_docs in NS:
         for kind in KINDS:
             for i in range(PER_KIND):
-                form = _FORMS[kind][i % len(_FORMS[kind])]
-                field = FIELDS[(i // len(_FORMS[kind])) % len(FIELDS)]
+                # Tune and held-out in alternate pairs, the j-th of its half: both halves get the
+                # same forms (alternating) and properties (rotating, from a per-type offset).
+                j, forms = (i // 4) * 2 + i % 2, _FORMS[kind]
+                form = forms[j % len(forms)]
+                field = FIELDS[(j // len(forms) + KINDS.index(kind)) % len(FIELDS)]
                 draft = None
                 while draft is None:
                     draft = _draft(rng, records, members, n_docs, kind, form, field)
                 form, field, text, answers, choices, memory, docs, edits = draft
-                split = "tune" if i % 2 == 0 else "heldout"
+                split = "tune" if (i // 2) % 2 == 0 else "heldout"
                 qid = f"n{n_docs:02d}-{kind}-{i:02d}"
                 questions.append(
                     RagQuestion(qid, kind, form, field, text, answers, choices, memory, docs, split, edits)

@@ -84,3 +84,4 @@ def test_choices_and_counts() -> None:
     assert rs.score(count, "2")[0] and rs.score(count, "Two of them: Cobalt and Zinc.")[0]
     assert not rs.score(count, "One: Cobalt (2895.41 K).")[0]
     assert not rs.score(count, "Cobalt 2.5 and 3 others")[0]
+    assert rs.score(count, "Lithium (Li, atomic number 3)\nTwo of them.")[0]

@@ -22,8 +22,8 @@ Answers are checked by rules (`score`):
   as 1811.15, trailing zeros ignored), or is it rounded to fewer decimals keeping >= 3
   significant digits ("1811" or "1811.2" for 1811.15; "7.9" for 7.87 is not enough);
 - a name among the question's choices: the first of the choices that the reply names;
-- a count: the first count in the reply (a digit 0-3 not part of a longer number, or zero / none /
-  one / two / three / all).
+- a count: the first count in the reply (a digit 0-3 not part of a longer number nor an "atomic
+  number N" of a title restated, or zero / none / one / two / three / all).
 A question is correct when every expected value is there; `facts` is the share of them stated.
 """
 
@@ -301,6 +301,7 @@ def chosen(reply: str, choices: list[str]) -> str | None:
 
 
 def count_said(reply: str) -> int | None:
+    reply = re.sub(r"atomic number \d+", "", reply)  # a document's title restated is no count
     m = re.search(r"(?<![\d.])([0-3])(?![\d.]\d?)|\b(zero|none|no|one|two|three|all)\b", reply, re.I)
     if m is None:
         return None
