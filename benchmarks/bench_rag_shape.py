@@ -17,12 +17,15 @@ Per mode and question, in this order: TTFT cold (a one-token request under a fre
 documents never seen; on every --cold-every-th question), a one-token request over the same
 documents in reverse order (the pool warm, the prompt new), then the answer (greedy, --max-tokens;
 --max-tokens-free for free-form), whose own TTFT is the warm TTFT. Full prefill's one request
-gives its reply and its TTFT (cold and warm alike: nothing is reused; only the system part can be
-found in the prefix cache); closed is not timed. Decode: ms per token from the answer's first
-token to its last. Memory per request: the peak over the answer's engine steps of the paged KV
-blocks held (referenced) by running sequences (a fusion request's streams, an offset request's
-blended prompt, a full prefill's prompt), and of the chunk pool's pages pinned by running requests
-(the documents' KV the streams read; shared with other requests, counted whole), in bytes.
+gives its reply and its TTFT (cold and warm alike: nothing is reused but what the cell's earlier
+questions left in the prefix cache, the system part); closed is not timed. Every request but the
+cold and closed ones runs under the cell's cache salt: the smaller documents are prefixes of the
+larger, and a cell must not find another cell's prompts in the prefix cache. Decode: ms per token
+from the answer's first token to its last. Memory per request: the peak over the answer's engine
+steps of the paged KV blocks held (referenced) by running sequences (a fusion request's streams, an
+offset request's blended prompt, a full prefill's prompt), and of the chunk pool's pages pinned by
+running requests (the documents' KV the streams read; shared with other requests, counted whole),
+in bytes.
 
 Answers are checked by rag_shape.score's rules (numbers as the document writes them or rounded
 keeping 3 significant digits; the first named choice; the first count). Per cell, type and mode:
@@ -125,6 +128,9 @@ class Prompts:
     reversed_text: str  # the same documents in reverse order: warms the pool, not the prompt
     full_ids: list[int]
     closed_ids: list[int]
+    # The cell's cache salt: the smaller documents are prefixes of the larger, so that without it
+    # one cell's full prefill would find another's first document in the prefix cache.
+    salt: str
 
 
 def prompts(llm: LLM, q: rs.RagQuestion, records: dict[int, rs.Record], size: int) -> Prompts:
@@ -133,21 +139,24 @@ def prompts(llm: LLM, q: rs.RagQuestion, records: dict[int, rs.Record], size: in
     text = measure.render(llm.tokenizer, docs, q.question, sep)
     full_ids = measure.parse(llm, text).all_token_ids()
     reverse = measure.render(llm.tokenizer, docs[::-1], q.question, sep)
-    return Prompts(text, reverse, full_ids, render_closed(llm.tokenizer, q.question))
+    salt = f"cell/{q.n}x{size}"
+    return Prompts(text, reverse, full_ids, render_closed(llm.tokenizer, q.question), salt)
 
 
 def run_mode(llm: LLM, mode: str, p: Prompts, params: SamplingParams, cold: str | None) -> dict[str, Any]:
     """The mode's answer and its TTFTs as a raw record. The answer request's own TTFT is the warm
     one (full prefill: its only one); `cold`: a cache salt under which to time a cold request."""
-    if mode in (CLOSED, FULL):
-        run = request(llm, p.closed_ids if mode == CLOSED else p.full_ids, params, None)
-        return {"run": asdict(run)} if mode == CLOSED else {"run": asdict(run), "ttft_cold": run.ttft}
+    if mode == CLOSED:
+        return {"run": asdict(request(llm, p.closed_ids, params, None))}
+    if mode == FULL:
+        run = request(llm, p.full_ids, params, None, salt=p.salt)
+        return {"run": asdict(run), "ttft_cold": run.ttft}
     options = None if mode == DEFAULT else MODES[mode]
     record = {}
     if cold is not None:
         record["ttft_cold"] = request(llm, p.text, ONE_TOKEN, options, salt=cold).ttft
-    request(llm, p.reversed_text, ONE_TOKEN, options)  # the pool warm, this prompt never seen
-    return {**record, "run": asdict(request(llm, p.text, params, options))}
+    request(llm, p.reversed_text, ONE_TOKEN, options, salt=p.salt)  # the pool warm, not the prompt
+    return {**record, "run": asdict(request(llm, p.text, params, options, salt=p.salt))}
 
 
 def select(questions: list[rs.RagQuestion], n: int, split: str, k: int) -> list[rs.RagQuestion]:
