@@ -372,9 +372,33 @@ def summary_line(rows: list[dict]) -> str:
     return common.summary("bench_rag_shape", **items)
 
 
+def refused(raw: dict[str, Any], cell: str, qs: list[rs.RagQuestion], modes: list[str]) -> str | None:
+    """A line on the questions some mode could not run (e.g. full prefill beyond the model's
+    context), with what the other modes answered there; None where every mode ran every one."""
+    recs = {m: {q.qid: raw.get(f"{cell}/{q.qid}/{m}") for q in qs} for m in modes}
+    hit = [q for q in qs if any(r[q.qid] and "error" in r[q.qid] for r in recs.values())]
+    if not hit:
+        return None
+    why = {m: next(r[q.qid]["error"] for q in hit if r[q.qid] and "error" in r[q.qid]) for m, r in recs.items()
+           if any(r[q.qid] and "error" in r[q.qid] for q in hit)}  # fmt: skip
+    ran = {
+        m: sum(
+            all(score_record(q, r[q.qid]["run"]["reply"])["facts"])
+            for q in hit
+            if r[q.qid] and "run" in r[q.qid]
+        )
+        for m, r in recs.items()
+        if m not in why
+    }
+    answered = ", ".join(f"{m} {c} correct" for m, c in ran.items())
+    return f"{cell}: {len(hit)} questions refused by {why} (left out of the table); there: {answered}"
+
+
 def report(raw: dict[str, Any], cells: list, args: argparse.Namespace) -> None:
     rows = []
     for n, size, qs in cells:
+        if note := refused(raw, f"{n}x{size}", qs, args.modes):
+            print(note)
         cell_part = cell_rows(raw, f"{n}x{size}", qs, args.modes)
         if cell_part:
             print(

@@ -85,3 +85,33 @@ def test_choices_and_counts() -> None:
     assert not rs.score(count, "One: Cobalt (2895.41 K).")[0]
     assert not rs.score(count, "Cobalt 2.5 and 3 others")[0]
     assert rs.score(count, "Lithium (Li, atomic number 3)\nTwo of them.")[0]
+
+
+def _record(reply: str, ttft: float, cold: float | None = None) -> dict:
+    run = {"reply": reply, "ttft": ttft, "decode": [10, 0.5], "kv_bytes": 2**20, "pool_bytes": 0}
+    return {"run": run, "prompt_tokens": 4000, **({} if cold is None else {"ttft_cold": cold})}
+
+
+def _right(q: rs.RagQuestion) -> str:
+    return " and ".join(group[0] for group in q.answers)
+
+
+def test_the_report_counts_answers_kept_and_speedups() -> None:
+    import bench_rag_shape as bench
+
+    qs = bench.select(rs.load(), 8, "tune", 1)
+    assert [q.kind for q in qs] == list(rs.KINDS)
+    raw = {}
+    for q in qs:
+        raw[f"8x500/{q.qid}/full"] = _record(_right(q), 1.0, cold=1.0)
+        raw[f"8x500/{q.qid}/closed"] = _record("I do not know.", 0.1)
+        raw[f"8x500/{q.qid}/default"] = _record(_right(q) if q.kind != "three" else "?", 0.1, cold=0.5)
+    raw[f"16x500/{qs[0].qid}/full"] = {"error": "prompt is 9000 tokens long", "prompt_tokens": 9000}
+    rows = bench.cell_rows(raw, "8x500", qs, ["closed", "full", "default"])
+    row = next(r for r in rows if r["type"] == "all" and r["mode"] == "default")
+    assert (row["correct"], row["kept"], row["lost"], row["gained"]) == (3, 3, 1, 0)
+    assert row["warm_x"] == pytest.approx(10.0) and row["cold_x"] == pytest.approx(2.0)
+    assert row["mem_vs_full"] == pytest.approx(1.0) and row["decode_vs_full"] == pytest.approx(1.0)
+    assert "default@8x500=kept3/4" in bench.summary_line(rows)
+    assert bench.refused(raw, "8x500", qs, ["closed", "full", "default"]) is None
+    assert "1 questions refused" in bench.refused(raw, "16x500", qs[:1], ["full"])
