@@ -34,6 +34,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,6 +65,14 @@ FORMS_VERSION = (
     "blocks-bf16-prefill;q4_0-q4_1-tiles"
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# What serving without the library costs, in the WARNING at load (benchmarks/RESULTS.md, "A float32
+# AVX2 kernel for decode's quantized products" and the sections on GGUF blocks and AMX after it).
+COST = (
+    "served with torch's kernels: decode's quantized products in bfloat16 at 3.5-4.4 GB/s of codes "
+    "where the kernel reads ~10 (a 1.5B step's int4 projections 177 ms, not 107), no GGUF blocks "
+    "served as they are, no AMX prefill; the speeds of benchmarks/RESULTS.md do not apply"
+)
+COMPILER_LINES = 12  # the compiler's last lines quoted when the build fails
 
 
 def _why_not() -> str | None:
@@ -85,6 +94,9 @@ def _build() -> Path:
     """The shared library for the current source, compiled once into the cache directory (under
     a temporary name, renamed into place, so concurrent first uses never load half a file)."""
     sources = [SOURCE, *EXTRA_SOURCES]
+    missing = [p.name for p in (*sources, HEADER, *TEMPLATES) if not p.is_file()]
+    if missing:  # an install that dropped some of them (pyproject's package data)
+        raise OSError(f"the kernel sources {', '.join(missing)} are missing from {SOURCE.parent}")
     text = b"".join(p.read_bytes() for p in (*sources, HEADER, *TEMPLATES))
     digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
     directory = Path(envs.kernel_dir()).expanduser()
@@ -107,17 +119,28 @@ def _build() -> Path:
 
 @functools.cache
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """The built library, or None and why not."""
+    """The built library, or None and why not: then one WARNING (per process) names the reason,
+    with the compiler's last lines where it failed, and what serving without it costs."""
+    lib, reason = _load()
+    if reason is not None:
+        logger.warning("C kernels unavailable: %s; %s", reason, COST)
+    return lib, reason
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
     reason = _why_not()
     if reason is not None:
         return None, reason
     try:
         lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = (
-            e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
+    except subprocess.CalledProcessError as e:
+        lines = e.stderr.decode(errors="replace").strip().splitlines()[-COMPILER_LINES:]
+        return (
+            None,
+            f"building {SOURCE.name} failed ({envs.c_compiler()} exit {e.returncode}):\n" + "\n".join(lines),
         )
-        return None, f"building {SOURCE.name} failed: {detail}"
+    except OSError as e:
+        return None, f"building or loading {SOURCE.name} failed: {e}"
     p, i = ctypes.c_void_p, ctypes.c_int
     block_product, block_dequantize = [p, i, i, i, p, p, i, i], [p, i, i, p, i, i]
     for name, argtypes in (
@@ -290,6 +313,25 @@ def cache_clear() -> None:
 
 def available() -> bool:
     return library() is not None
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which kernels serve the quantized products in this process: "c" (this module's library,
+    built and loaded; what parts of it serve depends on the CPU and torch's packing) or "torch"."""
+
+    kind: str
+    reason: str | None  # why not "c"
+    library: str | None  # the loaded library's file
+
+
+def kernels() -> Kernels:
+    """The library's state (building it at first call): what the engine logs and exports at load,
+    `--require-kernels` checks and `chunkcache env` reports."""
+    lib, reason = _loaded()
+    if lib is None:
+        return Kernels("torch", reason, None)
+    return Kernels("c", None, lib._name)
 
 
 # Whether the products being computed are a decode step's (each row one sequence's new token):
