@@ -546,6 +546,10 @@ class EngineConfig:
     # off keeps float32 activations (model/qkernel.py). The 1.5B's default (catalog
     # engine_defaults: decode ~1.2x faster, its held-out answers kept), off elsewhere.
     int8_activations: bool = False
+    # CPU: refuse to start where the C kernels (model/qkernel.py) cannot be built or loaded, naming
+    # why, instead of serving with torch's slower kernels (a WARNING says what that costs). For
+    # production replicas whose speed was measured with the kernels.
+    require_kernels: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
@@ -632,6 +636,7 @@ _TOP_LEVEL = (
     "compile_decode",
     "weights",
     "int8_activations",
+    "require_kernels",
 )
 # ChunkConfig fields whose flat option name is the field's own (blend, calibration, fusion options).
 _SAME_NAME_PREFIXES = ("blend_", "calibration_", "separator_free", "fusion_")
