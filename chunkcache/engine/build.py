@@ -32,7 +32,7 @@ from chunkcache.fidelity.controller import Controller
 from chunkcache.fidelity.gate import resolve as resolve_fidelity
 from chunkcache.kv_publisher import KVEventPublisher, PublisherCurve
 from chunkcache.malloc import keep_freed_memory, release_freed_memory
-from chunkcache.model import qkernel
+from chunkcache.model import catalog, qkernel
 from chunkcache.model.loader import LoadedModel, load_model, resolve_device
 from chunkcache.model.spec import ModelSpec
 from chunkcache.threads import set_threads
@@ -79,6 +79,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     config.validate()
     set_threads(config.threads)
     kernels = check_kernels(config)
+    _log_known_model(config.model)
     loaded = load_model(
         config.model,
         config.device,
@@ -141,6 +142,25 @@ def build_engine(config: EngineConfig) -> EngineParts:
         )
     return EngineParts(
         config, loaded, model_name, max_model_len, blocks, runner, chunks, publisher, controller, kernels
+    )
+
+
+def _log_known_model(model: str) -> None:
+    """Which known model this is (by short name, or its file by content: `catalog.identify`) and
+    the defaults it brings (`EngineConfig.from_options` applied them under the options given)."""
+    known = catalog.identify(model)
+    if known is None:
+        return
+
+    def show(options: tuple[tuple[str, Any], ...]) -> str:
+        return ", ".join(f"{k}={v}" for k, v in options) or "none"
+
+    logger.info(
+        "known model %s (%s): its default reuse %s; engine defaults %s (options given win)",
+        known.name,
+        known.title,
+        show(known.chunk_defaults),
+        show(known.engine_defaults),
     )
 
 
