@@ -173,12 +173,18 @@ def _add_env(sub: argparse._SubParsersAction) -> None:
         "threads, models installed",
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument(
+        "--require-kernels",
+        action="store_true",
+        help="build the C kernels now (into the kernel cache) and exit 2 naming why where they do not "
+        "build or load (the container image's build step)",
+    )
 
 
 def run_env(args: argparse.Namespace) -> int:
     from chunkcache.collect_env import command
 
-    return command(args.json)
+    return command(args.json, args.require_kernels)
 
 
 def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:

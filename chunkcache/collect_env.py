@@ -172,7 +172,13 @@ def format_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def command(as_json: bool) -> int:
+def command(as_json: bool, require_kernels: bool = False) -> int:
+    """Print the report; with `require_kernels`, then fail (exit 2, the reason on one line) where
+    the C kernels did not build or load: the container image's build step (Dockerfile)."""
     report = collect()
-    print(json.dumps(report, indent=2) if as_json else format_text(report))
+    print(json.dumps(report, indent=2) if as_json else format_text(report), flush=True)
+    if require_kernels and report["kernels"]["kind"] != "c":
+        from chunkcache.errors import KernelsUnavailableError
+
+        raise KernelsUnavailableError(f"the C kernels are unavailable: {report['kernels']['reason']}")
     return 0

@@ -150,3 +150,24 @@ def test_require_kernels_on_the_command_line_exits_non_zero(tmp_path, checkpoint
         timeout=300,
     )
     assert run.returncode == 2 and "/nonexistent/cc" in run.stderr, run.stderr
+
+
+@needs_buildable
+def test_a_built_library_loads_without_a_compiler(monkeypatch, tmp_path) -> None:
+    """The container image's runtime stage: the library built into the kernel cache loads where
+    no compiler is (nothing is rebuilt; the file is untouched)."""
+    if qkernel._why_not() is not None:
+        pytest.skip(qkernel._why_not())
+    monkeypatch.setenv("CHUNKCACHE_KERNEL_DIR", str(tmp_path))
+    qkernel.cache_clear()
+    try:
+        built = qkernel.kernels()
+        assert built.kind == "c", built.reason
+        stamp = Path(built.library).stat().st_mtime_ns
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+        qkernel.cache_clear()
+        again = qkernel.kernels()
+        assert again == built and Path(again.library).stat().st_mtime_ns == stamp
+    finally:
+        monkeypatch.undo()
+        qkernel.cache_clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,11 +61,8 @@ def build_wheel(into: Path, work: Path) -> Path:
     return wheel
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    qkernel.kernels().kind != "c", reason="the kernels do not build here from the checkout either"
-)
-def test_the_installed_wheel_builds_and_loads_its_kernels(tmp_path: Path) -> None:
+def install_wheel(tmp_path: Path) -> Path:
+    """The wheel installed into a fresh folder (`pip install --target`): its site folder."""
     wheel = build_wheel(tmp_path / "wheels", tmp_path)
     target = tmp_path / "site"
     subprocess.run(
@@ -72,6 +70,18 @@ def test_the_installed_wheel_builds_and_loads_its_kernels(tmp_path: Path) -> Non
         check=True,
         capture_output=True,
     )
+    return target
+
+
+needs_kernels = pytest.mark.skipif(
+    qkernel.kernels().kind != "c", reason="the kernels do not build here from the checkout either"
+)
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_the_installed_wheel_builds_and_loads_its_kernels(tmp_path: Path) -> None:
+    target = install_wheel(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(target), "CHUNKCACHE_KERNEL_DIR": str(tmp_path / "kernels")}
     env.pop("CC", None)
     out = subprocess.run(
@@ -82,3 +92,48 @@ def test_the_installed_wheel_builds_and_loads_its_kernels(tmp_path: Path) -> Non
     assert Path(probe["source"]).is_relative_to(target), probe
     assert probe["kind"] == "c", probe["reason"]
     assert Path(probe["library"]).is_relative_to(tmp_path / "kernels"), probe
+
+
+KERNEL_STEP = "chunkcache env --require-kernels"
+
+
+def test_the_image_builds_its_kernels_and_the_runtime_stage_keeps_them() -> None:
+    """The Dockerfile: a build stage with a compiler builds the kernels into the kernel cache and
+    fails without them; the runtime stage (no compiler) copies that cache, owned by its user,
+    and checks they load."""
+    text = (ROOT / "Dockerfile").read_text()
+    build, runtime = re.split(r"^FROM .*$", text, flags=re.M)[1:]
+    assert re.findall(r"^FROM .*$", text, re.M)[0].endswith(" AS build")
+    assert " gcc " in build and "gcc" not in runtime and "libgomp1" in runtime
+    for stage in (build, runtime):
+        assert "CHUNKCACHE_KERNEL_DIR=/opt/kernels" in stage and KERNEL_STEP in stage
+    assert "COPY --from=build --chown=chunkcache:chunkcache /opt/kernels /opt/kernels" in runtime
+    assert runtime.index("USER 10001") < runtime.index(KERNEL_STEP)
+
+
+@pytest.mark.slow
+@needs_kernels
+def test_the_images_kernel_steps_run_on_the_installed_wheel(tmp_path: Path) -> None:
+    """The image's two kernel steps without Docker, on the wheel installed into a throwaway
+    folder: with a compiler it builds into the kernel cache (exit 0); without one (the runtime
+    stage) it loads the cached library (exit 0); without one and without the cache it refuses,
+    naming why (exit 2)."""
+    target = install_wheel(tmp_path)
+    cache = tmp_path / "opt-kernels"
+    command = [sys.executable, "-m", "chunkcache.cli", *KERNEL_STEP.split()[1:]]
+    base = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
+    base.pop("CC", None)
+
+    def step(kernel_dir: Path, **env: str) -> subprocess.CompletedProcess[str]:
+        full = {**base, "CHUNKCACHE_KERNEL_DIR": str(kernel_dir), **env}
+        return subprocess.run(command, cwd=tmp_path, env=full, capture_output=True, text=True, timeout=300)
+
+    built = step(cache)
+    assert built.returncode == 0, built.stderr
+    (library,) = cache.glob("qkernel-*.so")
+    assert f"kernels: C, built and loaded: {library}" in built.stdout
+    runtime = step(cache, CC="/nonexistent/cc")
+    assert runtime.returncode == 0, runtime.stderr
+    assert f"kernels: C, built and loaded: {library}" in runtime.stdout
+    refused = step(tmp_path / "empty", CC="/nonexistent/cc")
+    assert refused.returncode == 2 and "/nonexistent/cc" in refused.stderr, refused.stderr

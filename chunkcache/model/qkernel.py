@@ -15,9 +15,11 @@ loaded 2-core EPYC, logged), cached by source hash under `envs.kernel_dir()`, lo
 (eager calls go to it directly) and exposed as torch custom ops (`torch.ops.chunkcache.int4_product`
 / `int8_product`) so a compiled decode graph can call it. ctypes over `cpp_extension.load_inline`:
 a plain C file with no torch headers builds in seconds (load_inline's build was not measured).
-It serves only where the CPU has AVX2, FMA and F16C, the compiler works and torch packs int4 as the
-kernel reads it (`dequant.int4_layout()`: tiles of 32 rows, halves); elsewhere `available()` is
-False, one log line says why, and torch's kernels serve as before.
+It serves only where the CPU has AVX2, FMA and F16C, the library is built (or the compiler works)
+and torch packs int4 as the kernel reads it (`dequant.int4_layout()`: tiles of 32 rows, halves);
+elsewhere `available()` is False, one log line says why, and torch's kernels serve as before. A
+library that does not build or load is one WARNING with the reason and the cost (`COST`); the
+engine's `require_kernels` refuses to start instead (engine/build.py).
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ COMPILER_LINES = 12  # the compiler's last lines quoted when the build fails
 
 
 def _why_not() -> str | None:
-    """Why the kernel cannot serve on this machine, or None."""
+    """Why the kernel cannot serve on this CPU, or None. (The compiler is needed only where the
+    library is not built yet: `_build`; a container image ships it built, without a compiler.)"""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
     try:
@@ -85,24 +88,26 @@ def _why_not() -> str | None:
         return "/proc/cpuinfo is unreadable (FMA unknown)"
     if " fma" not in flags or " f16c" not in flags:
         return "the CPU has no FMA or no F16C"
-    if shutil.which(envs.c_compiler()) is None:
-        return f"no C compiler ({envs.c_compiler()}) on PATH"
     return None
 
 
-def _build() -> Path:
-    """The shared library for the current source, compiled once into the cache directory (under
-    a temporary name, renamed into place, so concurrent first uses never load half a file)."""
-    sources = [SOURCE, *EXTRA_SOURCES]
-    missing = [p.name for p in (*sources, HEADER, *TEMPLATES) if not p.is_file()]
+def _library_path() -> Path:
+    """Where the library of the current sources lies once built: the cache directory, by hash."""
+    missing = [p.name for p in (SOURCE, *EXTRA_SOURCES, HEADER, *TEMPLATES) if not p.is_file()]
     if missing:  # an install that dropped some of them (pyproject's package data)
         raise OSError(f"the kernel sources {', '.join(missing)} are missing from {SOURCE.parent}")
-    text = b"".join(p.read_bytes() for p in (*sources, HEADER, *TEMPLATES))
+    text = b"".join(p.read_bytes() for p in (SOURCE, *EXTRA_SOURCES, HEADER, *TEMPLATES))
     digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
-    directory = Path(envs.kernel_dir()).expanduser()
-    target = directory / f"qkernel-{digest}.so"
+    return Path(envs.kernel_dir()).expanduser() / f"qkernel-{digest}.so"
+
+
+def _build(target: Path) -> Path:
+    """The shared library for the current source, compiled once into the cache directory (under
+    a temporary name, renamed into place, so concurrent first uses never load half a file)."""
     if target.exists():
         return target
+    sources = [SOURCE, *EXTRA_SOURCES]
+    directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -132,7 +137,13 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if reason is not None:
         return None, reason
     try:
-        lib = ctypes.CDLL(str(_build()))
+        target = _library_path()
+        if not target.exists() and shutil.which(envs.c_compiler()) is None:
+            return (
+                None,
+                f"no C compiler ({envs.c_compiler()}) on PATH, and no {target.name} built in {target.parent}",
+            )
+        lib = ctypes.CDLL(str(_build(target)))
     except subprocess.CalledProcessError as e:
         lines = e.stderr.decode(errors="replace").strip().splitlines()[-COMPILER_LINES:]
         return (
