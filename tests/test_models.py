@@ -249,7 +249,26 @@ def test_a_known_models_chunk_defaults_apply_under_the_users_options(tmp_path, m
     assert (chunk.layout, chunk.fusion_rule) == ("offset", "max_confidence")
     monkeypatch.setenv("CHUNKCACHE_CHUNK_LAYOUT", "isolated")
     assert EngineConfig.from_options(model.name).chunk.layout == "isolated"
-    assert EngineConfig.from_options("/elsewhere/other.gguf", use_env=False).chunk.layout == "offset"
+    # The generic default (config.ChunkConfig), the reuse that kept the most answers on every model measured.
+    assert EngineConfig.from_options("/elsewhere/other.gguf", use_env=False).chunk.layout == "fusion"
+
+
+# Each known model's whole measured reuse (benchmarks/RESULTS.md; model/catalog.py's comments):
+# the catalog names only what differs from the generic default, so a change of that default must
+# not move a known model's reuse unnoticed.
+MEASURED_REUSE = {
+    "qwen2.5-coder-1.5b": ("fusion", "contrastive", True, "lead", 0.6),
+    "smollm2": ("fusion", "contrastive", True, "none", 100.0),
+}
+
+
+def test_each_known_model_is_served_with_its_measured_reuse():
+    from chunkcache.config import EngineConfig
+
+    assert sorted(MEASURED_REUSE) == sorted(catalog.KNOWN_MODELS)
+    for name, reuse in MEASURED_REUSE.items():
+        c = EngineConfig.from_options(name, use_env=False).chunk
+        assert (c.layout, c.fusion_rule, c.fusion_amateur, c.fusion_pair, c.fusion_pair_margin) == reuse, name
 
 
 def test_a_known_models_engine_defaults_apply_under_the_users_options(tmp_path, monkeypatch):

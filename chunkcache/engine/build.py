@@ -147,20 +147,23 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
 def _log_known_model(model: str) -> None:
     """Which known model this is (by short name, or its file by content: `catalog.identify`) and
-    the defaults it brings (`EngineConfig.from_options` applied them under the options given)."""
+    the defaults it is served with where no option says otherwise (the generic chunk defaults
+    under its own, as `EngineConfig.from_options` merges them)."""
     known = catalog.identify(model)
     if known is None:
         return
-
-    def show(options: tuple[tuple[str, Any], ...]) -> str:
-        return ", ".join(f"{k}={v}" for k, v in options) or "none"
-
+    c = EngineConfig.from_options(model, use_env=False).chunk
+    reuse = f"layout {c.layout}"
+    if c.layout == "fusion":
+        reuse += f", rule {c.fusion_rule}, amateur {c.fusion_amateur}, pair {c.fusion_pair}"
+        reuse += f" (margin {c.fusion_pair_margin})" if c.fusion_pair != "none" else ""
+    engine = ", ".join(f"{k} {v}" for k, v in known.engine_defaults) or "none"
     logger.info(
         "known model %s (%s): its default reuse %s; engine defaults %s (options given win)",
         known.name,
         known.title,
-        show(known.chunk_defaults),
-        show(known.engine_defaults),
+        reuse,
+        engine,
     )
 
 

@@ -58,7 +58,9 @@ class KnownModel:
     license: str
     publisher: str  # who publishes the packages on PyPI
     # Chunk options this model is served with unless the user sets them (flat engine option names):
-    # the reuse configuration chosen for it by bench_fidelity's rule (benchmarks/RESULTS.md).
+    # where the reuse configuration chosen for it by bench_fidelity's rule (benchmarks/RESULTS.md)
+    # differs from the engine's generic default (config.ChunkConfig: fusion, contrastive, the
+    # amateur, no pair stream), only what differs; tests/test_models.py pins each one's whole choice.
     chunk_defaults: tuple[tuple[str, Any], ...] = ()
     # Other engine options this model is served with unless the user sets them, by measurement.
     engine_defaults: tuple[tuple[str, Any], ...] = ()
@@ -93,13 +95,8 @@ QWEN_CODER_1_5B = KnownModel(
     # tune; RESULTS.md "A conditional pair stream on the 1.5B"): held-out 49 of full's 51
     # one-document answers kept (96%) and 30 of 32 two-document ones (94%), the pair added on 1 of
     # 12 one-document and 14 of 14 two-document tune questions: plain fusion's TTFT where it is not.
-    chunk_defaults=(
-        ("chunk_layout", "fusion"),
-        ("fusion_rule", "contrastive"),
-        ("fusion_amateur", True),
-        ("fusion_pair", "lead"),
-        ("fusion_pair_margin", 0.6),
-    ),
+    # (Layout fusion, rule contrastive and the amateur: the generic default.)
+    chunk_defaults=(("fusion_pair", "lead"), ("fusion_pair_margin", 0.6)),
     # weights auto (RESULTS.md "`weights auto`"): every projection kind resolved native in all 6
     # loads timed (bf16 and fp32; dense never faster at both 1 and 128 rows), so on a CPU the
     # file's own 4-bit codes: 1.76 vs 4.03 GB (bf16 dense) after load, decode 3.64 vs 2.72 CPU
@@ -130,13 +127,8 @@ SMOLLM2 = KnownModel(
     # against blend's 124 (full prefill: 132), at ~4.5x full prefill's warm TTFT against blend's
     # ~3.6x (CPU time). No mode keeps 95%; by the rule, the one keeping most among those >= 2x
     # faster. (The pair stream: not measured on all of them; its conditional form kept no more on
-    # the 152 it ran on.)
-    chunk_defaults=(
-        ("chunk_layout", "fusion"),
-        ("fusion_rule", "contrastive"),
-        ("fusion_amateur", True),
-        ("fusion_pair", "none"),
-    ),
+    # the 152 it ran on.) That choice is the generic default (config.ChunkConfig): nothing to add.
+    chunk_defaults=(),
 )
 
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (QWEN_CODER_1_5B, SMOLLM2)}
