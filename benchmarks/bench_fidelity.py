@@ -88,6 +88,40 @@ MODES: dict[str, dict[str, Any] | None] = {
         )
         for m in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
     },
+    # The joint stream over up to k documents within the margin of the most relevant one
+    # (fusion_max_joint; k = 2 is the pair above), for questions that need three documents.
+    **{
+        f"fusion/contrastive/joint{k}/m{m}": _fusion(
+            "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=m, fusion_max_joint=k
+        )
+        for k in (3, 4)
+        for m in (0.6, 1.0, 1.5, 2.0)
+    },
+    # Its documents after the first blended (fusion_joint_blend: the cached KV re-rotated, 15%
+    # recomputed at layer 1) instead of prefilled.
+    **{
+        f"fusion/contrastive/joint{k}b/m{m}": _fusion(
+            "contrastive",
+            fusion_amateur=True,
+            fusion_pair="lead",
+            fusion_pair_margin=m,
+            fusion_max_joint=k,
+            fusion_joint_blend=True,
+        )
+        for k in (2, 3, 4)
+        for m in (0.6, 1.0, 1.5, 2.0)
+    },
+    # At most s document streams decode past the first step (fusion_max_streams): many documents.
+    **{
+        f"fusion/contrastive/pairlead/m0.6/s{n}": _fusion(
+            "contrastive",
+            fusion_amateur=True,
+            fusion_pair="lead",
+            fusion_pair_margin=0.6,
+            fusion_max_streams=n,
+        )
+        for n in (2, 4)
+    },
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
     "blend@0.15": _offset([1], [0.15]),

@@ -111,14 +111,17 @@ def collect() -> dict[str, Any]:
     import torch
 
     from chunkcache.model.loader import cpu_auto_dtype
-    from chunkcache.threads import physical_cores
+    from chunkcache.threads import choose_threads, default_threads
 
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
         cpuinfo = ""
     dtype, why = cpu_auto_dtype()
-    omp = envs.omp_num_threads()
+    option = envs.env_options().get("threads")  # CHUNKCACHE_THREADS, the option's variable
+    threads, threads_why = choose_threads(option)
+    if option is not None:
+        threads_why = f"CHUNKCACHE_THREADS={option}"
     return {
         "versions": {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES}},
         "platform": platform.platform(),
@@ -126,10 +129,11 @@ def collect() -> dict[str, Any]:
         "kernels": _kernels(),
         "dtype_auto": {"cpu": str(dtype).removeprefix("torch."), "why": why},
         "weights_auto": WEIGHTS_AUTO,
+        # What an engine without --threads would use here (threads.choose_threads: the same rule).
         "threads": {
-            "default": int(omp) if omp and omp.isdigit() else physical_cores(),
-            "why": f"OMP_NUM_THREADS={omp}" if omp else "one per physical core this process may use",
-            "CHUNKCACHE_THREADS": envs.env_options().get("threads"),
+            "engine": threads,
+            "why": threads_why,
+            "without_environment": default_threads()[0],
             "torch_now": torch.get_num_threads(),
         },
         "models": _models(),
@@ -163,8 +167,8 @@ def format_text(report: dict[str, Any]) -> str:
     ]
     threads = report["threads"]
     lines.append(
-        f"threads: {threads['default']} by default ({threads['why']}); CHUNKCACHE_THREADS "
-        f"{threads['CHUNKCACHE_THREADS'] or 'unset'}; torch now {threads['torch_now']}"
+        f"threads: an engine without --threads uses {threads['engine']} ({threads['why']}); "
+        f"{threads['without_environment']} without OMP_NUM_THREADS / CHUNKCACHE_THREADS"
     )
     models = report["models"]
     lines.append(f"models: {models['directory']} (default {models['default']})")

@@ -20,8 +20,9 @@ from chunkcache.hashing import BLOCK_HASH_ALGORITHMS, block_hash_fn
 CHUNK_LAYOUTS = ("isolated", "offset", "fusion")
 # How layout "fusion" combines its streams' next-token distributions (engine/fusion.py).
 FUSION_RULES = ("max_confidence", "product", "contrastive")
-# Layout "fusion"'s pair stream S + Ci + Cj + Q over the two documents whose streams find Q most
-# likely: none, one more expert under the rule, or the only document stream (engine/fusion.py).
+# Layout "fusion"'s joint stream S + Ci + ... + Ck + Q over the documents whose streams find Q most
+# likely (the pair stream, k = 2, unless `fusion_max_joint` allows more): none, one more expert
+# under the rule, or the only document stream (engine/fusion.py).
 FUSION_PAIRS = ("none", "expert", "lead")
 BLEND_SELECTORS = ("k_deviation", "v_deviation", "threshold", "query_attention", "stored_deviation")
 BLEND_UNITS = ("token", "chunk")
@@ -159,6 +160,21 @@ class ChunkConfig:
     # (no document prefilled); a question about two names both. 100 (the default): always (a
     # mean log-likelihood gap of 100 nats per token does not occur).
     fusion_pair_margin: float = 100.0
+    # The joint stream's most documents: it reads every document whose relevance is within
+    # `fusion_pair_margin` of the most relevant one's, the most relevant first, up to this many
+    # (>= 2; 2 is the pair stream). Each document beyond the first is prefilled in the stream
+    # (|Cj| tokens before the first token), so k costs k - 1 documents' prefill.
+    fusion_max_joint: int = 2
+    # At most this many document streams decode past the first step (0: all): after it, every
+    # stream's relevance is known and only the most relevant ones go on (the others' KV blocks and
+    # decode rows are freed), so a prompt of 16-32 documents decodes like one of a few.
+    fusion_max_streams: int = 0
+    # The joint stream's documents after the first are not prefilled but blended (layout offset's
+    # mechanism, the blend_* options): their cached KV re-rotated to their place, the share the
+    # selector picks recomputed, S and the first document exact. Cheaper than prefilling them;
+    # its answers are measured in RESULTS.md. Only under fusion_pair "lead" (the joint stream
+    # computes no relevance of its own for "expert").
+    fusion_joint_blend: bool = False
     # Lower tiers under the pool (chunkcache/chunk/tiers/): a local directory of safetensors files
     # within `disk_gb`, and a Redis shared by replicas (`redis://host:port/db`). None = no tier.
     disk_dir: str | None = None
@@ -273,6 +289,14 @@ class ChunkConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 100:
                 raise ValueError(f"{name} must be a number in [0, 100], got {value!r}")
+        if not isinstance(self.fusion_joint_blend, bool):
+            raise ValueError(f"fusion_joint_blend must be true or false, got {self.fusion_joint_blend!r}")
+        if self.fusion_joint_blend and self.fusion_pair == "expert":
+            raise ValueError("fusion_joint_blend needs fusion_pair 'lead' (or 'none'), not 'expert'")
+        for name, low in (("fusion_max_joint", 2), ("fusion_max_streams", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1024:
+                raise ValueError(f"{name} must be an integer in [{low}, 1024], got {value!r}")
 
     def _validate_blend(self, num_layers: int | None) -> None:
         layers, ratios = tuple(self.blend_check_layers), tuple(self.blend_recompute_ratios)
@@ -282,7 +306,8 @@ class ChunkConfig:
             raise ValueError(
                 f"blend_check_layers must be increasing non-negative integers, got {list(layers)}"
             )
-        if num_layers is not None and self.layout == "offset" and layers[-1] >= num_layers:
+        blends = self.layout == "offset" or (self.layout == "fusion" and self.fusion_joint_blend)
+        if num_layers is not None and blends and layers[-1] >= num_layers:
             raise ValueError(
                 f"blend_check_layers {list(layers)} out of range: the model has {num_layers} layers"
             )
@@ -357,6 +382,9 @@ class ReuseOptions:
     fusion_relevance_weight: float | None = None
     fusion_pair: str | None = None
     fusion_pair_margin: float | None = None
+    fusion_max_joint: int | None = None
+    fusion_max_streams: int | None = None
+    fusion_joint_blend: bool | None = None
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, object]) -> ReuseOptions:
@@ -524,7 +552,8 @@ class EngineConfig:
     # A LoRA adapter directory in peft's format, merged into the weights at load (model/adapter.py);
     # e.g. the reuse adapter of training/reuse_adapter.py.
     adapter: str | None = None
-    # torch's intra-op CPU threads; None = the physical cores this process may use (threads.py).
+    # torch's and the C kernels' CPU threads; None = the physical cores this process may use,
+    # capped by its cgroup CPU quota (threads.py).
     threads: int | None = None
     # CPU float32: projections packed for oneDNN also keep a plain layout for decode steps of
     # 1-3 sequences, where the packed kernel is slow (model/linear.py); up to 2x weight memory.

@@ -32,7 +32,7 @@ OPTION_HELP: dict[str, str] = {
     "served_model_name": "model name reported by /v1/models and accepted in requests (default: the path)",
     "tokenizer": "tokenizer directory or hub id used instead of the checkpoint's own",
     "adapter": "LoRA adapter directory (peft format) merged into the weights at load",
-    "threads": "torch intra-op CPU threads, > 0 (default: the physical cores this process may use)",
+    "threads": "torch's and the C kernels' CPU threads, > 0 (default: the physical cores this process may use, capped by its cgroup CPU quota)",
     "narrow_weights": "CPU float32: also keep a plain weight layout for 1-3 sequence decode steps "
     "(faster decode, up to 2x weight memory)",
     "compile_decode": "compile one-sequence decode steps with torch.compile at start "
@@ -119,6 +119,13 @@ OPTION_HELP: dict[str, str] = {
     "fusion_pair_margin": "layout fusion with fusion_pair: add the pair stream only when the two most relevant "
     "documents' relevance (mean log-likelihood of the question, nats) differ by at most this, in [0, 100] "
     "(100: always)",
+    "fusion_max_joint": "layout fusion with fusion_pair: the joint stream reads every document within "
+    "fusion_pair_margin of the most relevant one, at most this many (>= 2; 2: the pair stream; each "
+    "document beyond the first is prefilled)",
+    "fusion_joint_blend": "layout fusion with fusion_pair lead: blend the joint stream's documents after the "
+    "first (their cached KV re-rotated, the blend_* options' share recomputed) instead of prefilling them",
+    "fusion_max_streams": "layout fusion: at most this many document streams (the most relevant) decode past "
+    "the first step; 0: all",
     "kv_events_endpoint": "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 (default: off)",
     "kv_events_topic": "KV event topic (default: kv@<instance>@<model>)",
     "kv_events_replay_endpoint": "ZMQ ROUTER endpoint serving missed event batches by sequence number",

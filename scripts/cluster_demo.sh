@@ -6,24 +6,27 @@
 # round_robin policy, then with cache_aware. Per request: the replica that served it, the prompt
 # tokens served from cache and the TTFT; then a summary of both. Everything started is stopped on exit.
 #
-# usage: scripts/cluster_demo.sh [--replicas N] [--model M] [--dtype D] [--rounds R] [--topics T]
-#                                [--logs DIR] [-- extra `chunkcache serve` options]
+# usage: scripts/cluster_demo.sh [--replicas N] [--threads K] [--model M] [--dtype D] [--rounds R]
+#                                [--topics T] [--logs DIR] [-- extra `chunkcache serve` options]
+# --threads: each replica's (default: the cores this script may use, by affinity and cgroup quota,
+# divided among the replicas, at least 1).
 # e.g.   scripts/cluster_demo.sh --model smollm2 --dtype float32
 # PYTHON (default: python3) is the interpreter that has chunkcache installed.
 set -euo pipefail
 
-REPLICAS=2 MODEL="" DTYPE=auto ROUNDS=4 TOPICS=4 LOGS=""
+REPLICAS=2 THREADS="" MODEL="" DTYPE=auto ROUNDS=4 TOPICS=4 LOGS=""
 SERVE_EXTRA=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --replicas) REPLICAS=$2; shift 2 ;;
+        --threads) THREADS=$2; shift 2 ;;
         --model) MODEL=$2; shift 2 ;;
         --dtype) DTYPE=$2; shift 2 ;;
         --rounds) ROUNDS=$2; shift 2 ;;
         --topics) TOPICS=$2; shift 2 ;;
         --logs) LOGS=$2; shift 2 ;;
         --) shift; SERVE_EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) echo "cluster_demo.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -31,8 +34,14 @@ done
 PY=${PYTHON:-python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 command -v redis-server >/dev/null || { echo "cluster_demo.sh: redis-server not found (apt-get install redis-server)" >&2; exit 2; }
-# One thread per replica unless told otherwise: N replicas share the machine's cores.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / REPLICAS > 0 ? $(nproc) / REPLICAS : 1 ))}
+# Each replica its share of the cores: engines that each take every core slow each other (two on
+# 2 cores measured up to 10x slower than alone; docs/operations.md "Memory and threads").
+if [[ -z "$THREADS" ]]; then
+    THREADS=$("$PY" -c "import sys
+from chunkcache.threads import default_threads
+print(max(1, default_threads()[0] // int(sys.argv[1])))" "$REPLICAS")
+fi
+[[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || { echo "cluster_demo.sh: --threads must be a positive integer" >&2; exit 2; }
 
 WORK=$(mktemp -d -t chunkcache-cluster-XXXXXX)
 LOGS=${LOGS:-$WORK/logs}
@@ -109,10 +118,10 @@ run_policy() {  # POLICY DB: fresh replicas and a router, the workload, then all
         port=$(free_port) replay="tcp://127.0.0.1:$(free_port)" url="http://127.0.0.1:$port"
         "$PY" -m chunkcache.cli serve "${MODEL_ARGS[@]}" --dtype "$DTYPE" --host 127.0.0.1 --port "$port" \
             --kv-events-endpoint "$events" --kv-events-topic "kv@r$i@$NAME" \
-            --kv-events-replay-endpoint "$replay" "${SERVE_EXTRA[@]}" >"$LOGS/$policy-r$i.log" 2>&1 &
+            --kv-events-replay-endpoint "$replay" --threads "$THREADS" "${SERVE_EXTRA[@]}" >"$LOGS/$policy-r$i.log" 2>&1 &
         PIDS+=($!)
         specs+=("r$i@$url==$replay") names+=("$url=r$i")
-        echo "[$policy] replica r$i: $url (pid $!)"
+        echo "[$policy] replica r$i: $url, $THREADS threads (pid $!)"
     done
     for (( i=0; i<REPLICAS; i++ )); do
         wait_healthy "${names[i]%=*}" "$policy-r$i" "${PIDS[$(( ${#PIDS[@]} - REPLICAS + i ))]}"

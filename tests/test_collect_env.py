@@ -15,6 +15,7 @@ from chunkcache.cli import main as cli_main
 from chunkcache.collect_env import CPU_FEATURES
 from chunkcache.model import catalog, qkernel
 from chunkcache.model.loader import cpu_auto_dtype
+from chunkcache.threads import choose_threads
 
 
 def _report(capsys, *flags: str) -> str:
@@ -22,7 +23,8 @@ def _report(capsys, *flags: str) -> str:
     return capsys.readouterr().out
 
 
-def test_the_json_report_holds_what_its_sources_say(capsys) -> None:
+def test_the_json_report_holds_what_its_sources_say(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("CHUNKCACHE_THREADS", raising=False)
     report = json.loads(_report(capsys, "--json"))
     versions = report["versions"]
     assert versions["python"] == platform.python_version()
@@ -37,7 +39,10 @@ def test_the_json_report_holds_what_its_sources_say(capsys) -> None:
     assert (report["kernels"]["kind"], report["kernels"]["reason"]) == (state.kind, state.reason)
     dtype, why = cpu_auto_dtype()
     assert report["dtype_auto"] == {"cpu": str(dtype).removeprefix("torch."), "why": why}
-    assert report["threads"]["default"] >= 1
+    assert (report["threads"]["engine"], report["threads"]["why"]) == choose_threads(None)
+    monkeypatch.setenv("CHUNKCACHE_THREADS", "3")  # the option's variable wins, as in an engine
+    threads = json.loads(_report(capsys, "--json"))["threads"]
+    assert (threads["engine"], threads["why"]) == (3, "CHUNKCACHE_THREADS=3")
     names = [m["name"] for m in report["models"]["known"]]
     assert names == list(catalog.KNOWN_MODELS)
     for model in report["models"]["known"]:

@@ -229,3 +229,37 @@ def test_dockerfile_agrees_with_setup_and_manifests(docs: dict[tuple[str, str], 
 def test_dockerfile_passes_hadolint() -> None:
     out = subprocess.run(["hadolint", str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _cpus(quantity: str) -> float:
+    """A Kubernetes CPU quantity ("4", "500m") in CPUs."""
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def test_each_replica_gets_its_cpu_share_and_threads_follow_it(
+    docs: dict[tuple[str, str], dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica's CPU limit (its cgroup quota) is whole CPUs, equal to its request, and nothing
+    pins the engine's threads, so they follow the quota: on a node of 16 cores, as many threads as
+    the limit's CPUs (threads.py, read from the cgroup v2 tree the kubelet would make)."""
+    import os
+
+    from chunkcache.threads import default_threads
+
+    serve = _container(docs[("StatefulSet", "chunkcache-replica")])
+    resources = serve["resources"]
+    limit = _cpus(str(resources["limits"]["cpu"]))
+    assert limit == int(limit) >= 1 and _cpus(str(resources["requests"]["cpu"])) == limit
+    shared = docs[("ConfigMap", "chunkcache-shared")]["data"]
+    pinned = {"OMP_NUM_THREADS", "CHUNKCACHE_THREADS"}
+    assert not pinned & {*shared, *(e["name"] for e in serve.get("env", []))}
+    assert not any(a.startswith("--threads") for a in serve["args"])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    files = {"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": f"{int(limit * 100000)} 100000\n"}
+    for cpu in range(16):
+        topology = f"sys/devices/system/cpu/cpu{cpu}/topology"
+        files |= {f"{topology}/physical_package_id": "0\n", f"{topology}/core_id": f"{cpu}\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert default_threads(tmp_path)[0] == int(limit)

@@ -481,10 +481,16 @@ def test_bad_fusion_options_are_refused_naming_the_field(checkpoint, options: di
         EngineConfig.from_options(str(checkpoint(arch="llama")), use_env=False, **options)
 
 
-def test_more_streams_than_a_batch_holds_is_refused(checkpoint) -> None:
-    llm = _llm(checkpoint(arch="llama"), max_num_seqs=2)
-    with pytest.raises(InvalidRequestError, match="streams"):
-        llm.engine.add_request("x", _prompt([0, 1, 2]), GREEDY)
+def test_more_streams_than_a_batch_holds_are_served_as_a_plain_prefill(checkpoint) -> None:
+    """Four streams (three documents and S + Q) do not fit a batch of 2: the request is served,
+    exactly, as a plain prefill of its prompt (never refused, never stalled)."""
+    path = checkpoint(arch="llama")
+    llm = _llm(path, max_num_seqs=2)
+    out = llm.generate(_prompt([0, 1, 2]), GREEDY)[0]
+    plain = tiny_llm(path, enable_chunk_cache=False).generate(_prompt([0, 1, 2]), GREEDY)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert not llm.engine.chunks.pool.entries()  # nothing was reused or cached as chunks
+    llm.check_integrity()
 
 
 # ---- through the server ----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from chunkcache.engine.build import build_engine
 from chunkcache.engine.chat import ChatRenderer
 from chunkcache.engine.chunk_steps import ChunkSteps
 from chunkcache.engine.detokenizer import Detokenizer
+from chunkcache.engine.fusion import JointStats
 from chunkcache.engine.intake import Prompt, RequestIntake
 from chunkcache.engine.postprocess import append_token, make_output, sample_batch
 from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
@@ -66,6 +67,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._ids_in_use: set[str] = set()
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0}
+        self.joint = JointStats()  # fusion requests' joint-stream decisions, for /metrics
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> LLMEngine:
@@ -265,6 +267,8 @@ class LLMEngine:
         if seq.fusion is not None:  # a fusion request: its streams' blocks go back with it
             for stream in seq.fusion.streams:
                 self.scheduler.finish(stream)
+            if seq.fusion.choice is not None:
+                self.joint.observe(seq.fusion.choice)
         seq.metrics.finished_time = time.time()
         if self.chunk_steps is not None:
             self.chunk_steps.on_finish(seq)
@@ -359,6 +363,7 @@ class LLMEngine:
             "blended_prefix_hits": f.blended_prefix_hits,
             "exact_prefix_hits": f.exact_prefix_hits,
             "exact_prefix_jobs": f.exact_prefix_jobs,
+            "fusion_joint": self.joint.as_dict(),
             # Shadow checks per reuse configuration and the controller (fidelity/shadow.py).
             "fidelity": self.shadows.stats(),
         }

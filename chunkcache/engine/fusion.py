@@ -7,15 +7,18 @@ The documents' evidence is combined at decode time instead (PCED, arXiv 2601.086
 the streams' next-token distributions become one distribution (a `Combiner`), the request's
 sampling options apply to that one, and the token chosen is appended to every stream.
 
-A question that joins facts of two documents has no stream that sees both, and a token-level
-combination then mixes streams inside one value ("39 and 8" for "39 and 88") or lets a stream
-without the second document answer it from memory. `fusion_pair` adds the exact stream
-S + Ci + Cj + Q over the two documents whose streams find Q most likely (known after the first
-step: the pair stream joins then, borrowing Ci's slots and computing Cj + Q; the others wait,
-their first rows kept, until its first row), as one more expert or as the only document stream.
-With `fusion_pair_margin` it joins only when those two documents' relevances are close (a
-question about one document names it, and its stream stands out); otherwise the request decodes
-on without it, as plain fusion, and saves the pair's prefill.
+A question that joins facts of several documents has no stream that sees them all, and a
+token-level combination then mixes streams inside one value ("39 and 8" for "39 and 88") or lets
+a stream without the second document answer it from memory. `fusion_pair` adds the exact joint
+stream S + Ci + ... + Ck + Q over the documents whose streams find Q most likely (known after the
+first step: the joint stream joins then, borrowing the first one's slots and computing the others
+and Q; the other streams wait, their first rows kept, until its first row), as one more expert or
+as the only document stream. It reads every document whose relevance is within
+`fusion_pair_margin` of the most relevant one's, at most `fusion_max_joint` (2: the pair stream):
+a question about one document names it, and its stream stands out, so the request decodes on
+without a joint stream, as plain fusion, and saves its prefill; a question comparing three
+documents names three. `fusion_max_streams` bounds the document streams that decode past the
+first step to the most relevant ones.
 
 The request's own Sequence holds the reply (text, stop conditions, logprobs, usage) and pins the
 pool entries; it is never scheduled. Its streams are sequences that the scheduler moves as one
@@ -26,18 +29,23 @@ yield their logits in the same step (but for the pair stream's first, above).
 from __future__ import annotations
 
 import abc
+import bisect
+import dataclasses
 import enum
+import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
+from chunkcache.chunk.assemble import offset_deltas
 from chunkcache.config import ChunkConfig, SchedulerConfig
-from chunkcache.core.plan import ChunkedPrompt
+from chunkcache.core.plan import ChunkedPrompt, RequestChunks
 from chunkcache.core.sequence import Sequence, SequenceKind, Status
 from chunkcache.engine.prompt_logprobs import prompt_slices
-from chunkcache.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 
 class FusionRule(enum.Enum):
@@ -110,9 +118,60 @@ def wants_pair(prompt: ChunkedPrompt, config: ChunkConfig) -> bool:
 
 
 def pair_tokens(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
-    """Own tokens the pair stream computes beyond Q (its second document, not known before the
-    streams' relevance: the longest), for the KV fit."""
-    return max(map(len, prompt.chunks)) if wants_pair(prompt, config) else 0
+    """Own tokens the joint stream may compute beyond Q (its documents after the first, not known
+    before the streams' relevance: the longest that many), for the KV fit."""
+    if not wants_pair(prompt, config):
+        return 0
+    if config.fusion_joint_blend:  # S and every document of it in its own blocks
+        most = min(config.fusion_max_joint, len(prompt.chunks))
+        return len(prompt.sys_token_ids) + sum(sorted(map(len, prompt.chunks), reverse=True)[:most])
+    most = min(config.fusion_max_joint, len(prompt.chunks)) - 1  # the first one is borrowed
+    return sum(sorted(map(len, prompt.chunks), reverse=True)[:most])
+
+
+@dataclass(frozen=True)
+class JointChoice:
+    """A request's joint stream, decided after its first step: the documents it reads (prompt
+    indices, most relevant first; one: no joint stream) and the relevance margin between the two
+    most relevant documents (what `fusion_pair_margin` is compared with first)."""
+
+    documents: tuple[int, ...]
+    margin: float
+
+    @classmethod
+    def choose(cls, relevance: Seq[float], margin: float, most: int) -> JointChoice:
+        """Every document within `margin` of the most relevant one, at most `most`."""
+        order = sorted(range(len(relevance)), key=lambda k: (-relevance[k], k))
+        top = relevance[order[0]]
+        within = [k for k in order if top - relevance[k] <= margin][:most]
+        return cls(tuple(within), top - relevance[order[1]])
+
+
+# /metrics buckets of the joint stream's document count and of the top two documents' margin.
+JOINT_DOCUMENT_BUCKETS = (1, 2, 3, 4, 6, 8, 16)
+JOINT_MARGIN_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 3.0, 5.0)
+
+
+@dataclass
+class JointStats:
+    """The joint-stream decisions of the requests served (`FusionGroup.choice`): histograms of how
+    many documents the joint stream read (1: none joined) and of the top two documents' relevance
+    margin, cumulative, for /metrics."""
+
+    documents: list[int] = field(default_factory=lambda: [0] * (len(JOINT_DOCUMENT_BUCKETS) + 1))
+    documents_sum: int = 0
+    margin: list[int] = field(default_factory=lambda: [0] * (len(JOINT_MARGIN_BUCKETS) + 1))
+    margin_sum: float = 0.0
+
+    def observe(self, choice: JointChoice) -> None:
+        k = len(choice.documents)
+        self.documents[bisect.bisect_left(JOINT_DOCUMENT_BUCKETS, k)] += 1
+        self.documents_sum += k
+        self.margin[bisect.bisect_left(JOINT_MARGIN_BUCKETS, choice.margin)] += 1
+        self.margin_sum += choice.margin
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
 
 
 def stream_count(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
@@ -122,18 +181,6 @@ def stream_count(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
 
 def fits_one_batch(streams: int, limits: SchedulerConfig) -> bool:
     return streams <= min(limits.max_num_seqs, limits.max_num_batched_tokens)
-
-
-def num_streams(prompt: ChunkedPrompt, config: ChunkConfig, limits: SchedulerConfig) -> int:
-    """How many streams a fusion request decodes; they run in one batch, so they must fit one."""
-    streams = stream_count(prompt, config)
-    if not fits_one_batch(streams, limits):
-        raise InvalidRequestError(
-            f"layout fusion decodes {streams} streams (one per document) in one batch, more than "
-            f"max_num_seqs {limits.max_num_seqs} or max_num_batched_tokens {limits.max_num_batched_tokens}",
-            "prompt",
-        )
-    return streams
 
 
 @dataclass(eq=False)
@@ -152,6 +199,12 @@ class FusionGroup:
     # `first_rows` the other streams' first logits, kept until the pair stream yields its own.
     pair_mode: FusionPair = FusionPair.NONE
     pair_margin: float = 100.0
+    max_joint: int = 2
+    max_streams: int = 0  # document streams that decode past the first step (0: all)
+    amateur: bool = False  # the last stream is the no-document one
+    choice: JointChoice | None = None  # the joint stream's documents, once decided
+    joint_blend: ChunkConfig | None = None  # `fusion_joint_blend`: the blend's options
+    slots_given: bool = False  # the streams' borrowed slots are set (`ready`)
     pair: int | None = None
     first_rows: torch.Tensor | None = None
     # Per stream, log p(Q[j] | its context, Q[:j]) for j >= 1 by position (a stream recomputed after
@@ -174,6 +227,10 @@ class FusionGroup:
             prompt,
             pair_mode=FusionPair(config.fusion_pair) if wants_pair(prompt, config) else FusionPair.NONE,
             pair_margin=config.fusion_pair_margin,
+            max_joint=config.fusion_max_joint,
+            max_streams=config.fusion_max_streams,
+            amateur=config.fusion_amateur,
+            joint_blend=config if config.fusion_joint_blend else None,
         )
         for k, (context, base) in enumerate(contexts):
             group._add_stream(k, [*context, *q], [], base, k)
@@ -200,50 +257,94 @@ class FusionGroup:
         self.question_logprobs.insert(at, [None] * max(len(self.prompt.question_token_ids) - 1, 0))
         return stream
 
-    def _top_two(self) -> tuple[tuple[int, int], list[float]]:
-        """The two documents whose streams give Q the highest relevance, most relevant first, and
-        the documents' relevances."""
-        n = len(self.prompt.chunks)
-        relevance = self.relevance()[:n].tolist()
-        i, j = sorted(range(n), key=lambda k: (-relevance[k], k))[:2]
-        return (i, j), relevance
-
     def pair_wanted(self) -> bool:
-        """After the first step: whether the two most relevant documents are close enough
-        (`fusion_pair_margin`) for the pair stream to join; if not, the group decodes on without."""
-        (i, j), relevance = self._top_two()
-        if relevance[i] - relevance[j] <= self.pair_margin:
+        """After the first step: choose the joint stream's documents (`JointChoice.choose`); it
+        joins where there are two or more, else the group decodes on without one."""
+        relevance = self.relevance()[: len(self.prompt.chunks)].tolist()
+        self.choice = JointChoice.choose(relevance, self.pair_margin, self.max_joint)
+        logger.debug(
+            "%s: joint stream over %d of %d documents %s (at most %d): relevance %s, top two %.3f apart, "
+            "margin %.3f",
+            self.request.request_id,
+            len(self.choice.documents),
+            len(relevance),
+            list(self.choice.documents),
+            self.max_joint,
+            [round(r, 3) for r in relevance],
+            self.choice.margin,
+            self.pair_margin,
+        )
+        if len(self.choice.documents) >= 2:
             return True
         self.pair_mode = FusionPair.NONE
         return False
 
     def add_pair(self, rows: torch.Tensor) -> Sequence:
         """After the first step (every stream's Q computed, so their relevance known): keep their
-        logits `rows` and add the exact stream S + Ci + Cj + Q over the two most relevant
-        documents, in prompt order, Ci borrowed (its stream's slots), Cj and Q computed."""
+        logits `rows` and add the exact joint stream S + Ci + ... + Ck + Q over the chosen
+        documents, in prompt order, Ci borrowed (its stream's slots), the others and Q computed."""
+        assert self.choice is not None
         prompt = self.prompt
         n = len(prompt.chunks)
-        i, j = sorted(self._top_two()[0])
-        first = prompt.sys_token_ids + prompt.chunks[i]
-        ids = [*first, *prompt.chunks[j], *prompt.question_token_ids]
-        stream = self._add_stream(n, ids, prompt.chunks[j], len(first), i)
-        stream.borrowed_slots = self.streams[i].borrowed_slots
+        documents = sorted(self.choice.documents)
+        first = documents[0]
+        context = prompt.sys_token_ids + prompt.chunks[first]
+        before = [t for k in documents[1:] for t in prompt.chunks[k]]
+        ids = [*context, *before, *prompt.question_token_ids]
+        if self.joint_blend is not None:  # all of it in its own blocks, blended from the pool's KV
+            stream = self._add_stream(n, ids, [*context, *before], 0, first)
+            stream.blend, stream.chunks = self.joint_blend, self._joint_chunks(documents)
+        else:
+            stream = self._add_stream(n, ids, before, len(context), first)
+            stream.borrowed_slots = self.streams[first].borrowed_slots
         stream.status = self.streams[0].status
         self.pair, self.first_rows = n, rows
         return stream
 
+    def _joint_chunks(self, documents: list[int]) -> RequestChunks:
+        """What a blended joint stream reads (engine/runner.py's blend input): S and `documents`
+        as a chunked prompt of their own, their pool slots and how far each moves."""
+        request = self.request.chunks
+        assert request is not None and request.stream_slots is not None
+        s = len(self.prompt.sys_token_ids)
+        parts = [0, *(d + 1 for d in documents)]  # S's entry, then the documents'
+        state = RequestChunks(
+            ChunkedPrompt(
+                self.prompt.sys_token_ids,
+                tuple(self.prompt.chunks[d] for d in documents),
+                self.prompt.question_token_ids,
+            ),
+            entries=[request.entries[k] for k in parts],
+            slices=[request.slices[k] for k in parts],
+            assembled=True,
+            was_cached=[request.was_cached[k] for k in parts],
+        )
+        slots = [request.stream_slots[documents[0]], *(request.stream_slots[d][s:] for d in documents[1:])]
+        state.cached_slots = torch.cat(slots)
+        state.cached_delta = offset_deltas(state).to(state.cached_slots.device)
+        return state
+
     def drop_unread(self) -> list[Sequence]:
-        """Under "lead", once the pair stream has spoken, the document streams the rule does not
-        read leave the group (their KV blocks and decode rows are freed): the streams it takes out."""
-        if self.pair_mode is not FusionPair.LEAD or not self.pair:
+        """After a combined row, the document streams that need not decode on leave the group
+        (their KV blocks and decode rows are freed): under "lead", once the joint stream has
+        spoken, all of them; else those beyond the `max_streams` most relevant. The streams it
+        takes out."""
+        documents = self.pair if self.pair is not None else len(self.streams) - self.amateur
+        if self.pair_mode is FusionPair.LEAD and self.pair:
+            keep = list(range(self.pair, len(self.streams)))
+        elif 0 < self.max_streams < documents:
+            relevance = self.relevance()[:documents].tolist()
+            top = sorted(range(documents), key=lambda k: (-relevance[k], k))[: self.max_streams]
+            keep = [*sorted(top), *range(documents, len(self.streams))]
+        else:
             return []
-        keep = range(self.pair, len(self.streams))
-        dropped = self.streams[: self.pair]
+        dropped = [s for k, s in enumerate(self.streams) if k not in keep]
+        if self.pair is not None:
+            self.pair = keep.index(self.pair)
         self.streams = [self.streams[k] for k in keep]
         self.slot_of = [self.slot_of[k] for k in keep]
         self.skip = [self.skip[k] for k in keep]
         self.question_logprobs = [self.question_logprobs[k] for k in keep]
-        self.pair = 0
         return dropped  # still pointing at the group: the request they answered
 
     def ready(self, request_ready: Callable[[Sequence], bool]) -> bool:
@@ -251,11 +352,12 @@ class FusionGroup:
         borrows S and its chunk, as the chunk manager laid them out)."""
         if not request_ready(self.request):
             return False
-        if self.streams[0].borrowed_slots is None:
+        if not self.slots_given:
             assert self.request.chunks is not None and self.request.chunks.stream_slots is not None
             slots = self.request.chunks.stream_slots
             for stream, k in zip(self.streams, self.slot_of, strict=True):
                 stream.borrowed_slots = slots[k]
+            self.slots_given = True
         return True
 
     def relevance(self) -> torch.Tensor:

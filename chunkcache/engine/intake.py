@@ -12,6 +12,7 @@ it gets here (chat.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -23,13 +24,15 @@ from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, PlainPrompt
 from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.engine.blend import kv_options
 from chunkcache.engine.build import EngineParts
-from chunkcache.engine.fusion import FusionGroup, fits_one_batch, num_streams, pair_tokens, stream_count
+from chunkcache.engine.fusion import FusionGroup, fits_one_batch, pair_tokens, stream_count
 from chunkcache.engine.kv_fit import KVFit
 from chunkcache.engine.structured import StructuredOutputs
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.fidelity.shadow import DEFAULT_CONFIG
 from chunkcache.hashing import blend_key
 from chunkcache.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | PromptParts
 # Prewarm requests and exact_follow_ups jobs generate nothing anyone reads: a job is a plain
@@ -154,7 +157,7 @@ class RequestIntake:
         self.fit.check_length(params, prompt_len)
         copies, extra = 1, 0
         if _fused(chunked, chunk_config):
-            copies = num_streams(chunked, chunk_config, self.config.scheduler)  # type: ignore[arg-type]
+            copies = stream_count(chunked, chunk_config)  # type: ignore[arg-type]
             extra = pair_tokens(chunked, chunk_config)  # type: ignore[arg-type]  # a pair stream's Cj
         self.fit.check_blocks(len(own), copies, extra)
         seq = Sequence(
@@ -186,6 +189,19 @@ class RequestIntake:
             return None
         if cfg.layout == "fusion" and len(chunked.chunks) < 2:
             return None  # one document: its one stream is the plain prompt, exact as it is
+        if cfg.layout == "fusion" and not fits_one_batch(
+            streams := stream_count(chunked, cfg), self.config.scheduler
+        ):
+            limits = self.config.scheduler
+            logger.info(
+                "%d documents make %d fusion streams, more than one batch holds (max_num_seqs %d, "
+                "max_num_batched_tokens %d): served as a plain prefill",
+                len(chunked.chunks),
+                streams,
+                limits.max_num_seqs,
+                limits.max_num_batched_tokens,
+            )
+            return None
         context = chunked.num_tokens - len(chunked.question_token_ids) - len(chunked.sys_token_ids)
         if cfg.layout == "offset" and context < cfg.blend_min_tokens:
             return None  # too little to reuse: a plain prefill is as fast

@@ -68,6 +68,10 @@ def piece_for(
     seq = unit[0]
     if len(unit) == 1 and seq.blend is not None and seq.num_computed == 0:
         return _blend_piece(seq, budget, threshold, num_layers, long_running)
+    blending = [m for m in unit if m.blend is not None and m.num_computed == 0]
+    if blending:  # a blended joint stream (engine/fusion.py): the others wait with nothing left
+        piece = _blend_piece(blending[0], budget, threshold, num_layers, long_running)
+        return Piece([piece.counts[0] if m is blending[0] else 0 for m in unit], piece.cost, piece.layers)
     left = [remaining(m) for m in unit]
     most = max(left)
 

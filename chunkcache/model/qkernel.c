@@ -23,6 +23,7 @@
  * multiply-add per block: ~3x fewer vector operations per code than converting codes to float.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "qkernel.h"
@@ -420,3 +421,18 @@ void blocks_product_rows(int qtype, const void *x, int rows, int k, int n, const
     row_epilogue(yf, rows, n, residual, gated, y, bf16);
     free(xf), free(yf);
 }
+
+/* The team a kernel's OpenMP region gets when passed `threads` (every region here opens with
+ * `num_threads(threads) if (threads > 1)`, `threads` torch's count), and this library's OpenMP
+ * default: tests check both equal torch's count, so one `threads.set_threads` sets torch's and ours. */
+int omp_team(int threads) {
+    int team = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp single
+        team = omp_get_num_threads();
+    }
+    return team;
+}
+
+int omp_default_threads(void) { return omp_get_max_threads(); }

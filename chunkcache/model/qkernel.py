@@ -168,6 +168,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         *((dequantize, block_dequantize) for _, dequantize in _BLOCK_FUNCTIONS.values()),
     ):
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
+    lib.omp_team.argtypes, lib.omp_team.restype = [i], i
+    lib.omp_default_threads.argtypes, lib.omp_default_threads.restype = [], i
     if hasattr(lib, "amx_ready"):  # where the compiler has AMX's intrinsics (qkernel.h's HAS_AMX)
         for name, argtypes in (
             ("amx_pack_x", [p, i, i, p]),
@@ -177,6 +179,17 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
             getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
         lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
     return lib, None
+
+
+def openmp_threads() -> tuple[int, int] | None:
+    """(the team the kernels' OpenMP regions get, called as every call here calls them, with
+    torch's count; the library's OpenMP default), None where the library does not build. Both are
+    torch's count: the kernels are passed it, and share torch's OpenMP runtime where torch ships
+    its own libgomp.so.1 (the loader resolves the kernels' libgomp.so.1 to the one loaded)."""
+    lib = _loaded()[0]
+    if lib is None:
+        return None
+    return lib.omp_team(torch.get_num_threads()), lib.omp_default_threads()
 
 
 @functools.cache

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from chunkcache.chunk.tiers.stack import LOAD_BUCKETS
+from chunkcache.engine.fusion import JOINT_DOCUMENT_BUCKETS, JOINT_MARGIN_BUCKETS
 from chunkcache.outputs import RequestOutput
 
 
@@ -133,6 +134,8 @@ class _EngineStatsCollector(Collector):
             if chunk.get(key) is not None:
                 name = exported.get(key, key)
                 yield GaugeMetricFamily(f"{PREFIX}_chunk_cache_{name}", doc, value=float(chunk[key]))
+        if chunk.get("fusion_joint"):
+            yield from _joint_metrics(chunk["fusion_joint"])
         if chunk.get("tiers"):
             yield from _tier_metrics(chunk["tiers"])
         if chunk.get("fidelity"):
@@ -218,6 +221,34 @@ _TIER_GAUGES = {
     "writes_stopped": "1 when this tier stopped writing (disk full or read-only); it still serves loads.",
     "up": "1 when the remote store answers, 0 while it is down.",
 }
+
+
+def _histogram(name: str, doc: str, bounds: tuple[float, ...], counts: list[int], total: float) -> Metric:
+    """A histogram family from per-bucket counts (the last beyond every bound), made cumulative."""
+    family, seen, buckets = HistogramMetricFamily(name, doc), 0, []
+    for bound, n in zip([*bounds, float("inf")], counts, strict=True):
+        seen += n
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), float(seen)))
+    family.add_metric([], buckets, float(total))
+    return family
+
+
+def _joint_metrics(joint: Mapping[str, Any]) -> Iterator[Metric]:
+    """Layout fusion's joint stream per request (engine/fusion.py JointStats)."""
+    yield _histogram(
+        f"{PREFIX}_fusion_joint_documents",
+        "Documents the joint stream of a fusion request read (1: no joint stream joined).",
+        JOINT_DOCUMENT_BUCKETS,
+        joint["documents"],
+        joint["documents_sum"],
+    )
+    yield _histogram(
+        f"{PREFIX}_fusion_relevance_margin",
+        "Relevance margin (nats) between a fusion request's two most relevant documents.",
+        JOINT_MARGIN_BUCKETS,
+        joint["margin"],
+        joint["margin_sum"],
+    )
 
 
 def _tier_metrics(tiers: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
