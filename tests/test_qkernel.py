@@ -22,7 +22,9 @@ from chunkcache.model.quant import Int4Part, Int8Part, QuantProduct
 from chunkcache.model.quant_blocks import BlocksPart
 
 pytestmark = pytest.mark.skipif(
-    not qkernel.available(), reason="qkernel unavailable here (no AVX2/FMA or no C compiler)"
+    not qkernel.available(),
+    reason="qkernel's decode products do not serve here: "
+    + (qkernel.kernels().reason or "torch packs int4 in AVX512 tiles of 64 rows, the kernel reads AVX2's 32"),
 )
 
 gguf = pytest.importorskip("gguf")
