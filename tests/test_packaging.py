@@ -93,6 +93,8 @@ def test_the_installed_wheel_builds_and_loads_its_kernels(tmp_path: Path) -> Non
     assert Path(probe["source"]).is_relative_to(target), probe
     assert probe["kind"] == "c", probe["reason"]
     assert Path(probe["library"]).is_relative_to(tmp_path / "kernels"), probe
+    # Named by the hash of every source, header and flag: the checkout's kernels, byte for byte.
+    assert Path(probe["library"]).name == Path(qkernel.kernels().library).name
 
 
 KERNEL_STEP = "chunkcache env --require-kernels"
