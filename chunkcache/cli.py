@@ -1,4 +1,4 @@
-"""`chunkcache serve | route | generate | eval | calibrate | prewarm | models`: one entry point, one sub-command per job."""
+"""`chunkcache serve | route | generate | eval | calibrate | prewarm | models | env`: one entry point, one sub-command per job."""
 
 from __future__ import annotations
 
@@ -166,6 +166,27 @@ def run_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_env(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "env",
+        help="what a bug report needs: versions, CPU features, kernels, dtype and weights auto, "
+        "threads, models installed",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument(
+        "--require-kernels",
+        action="store_true",
+        help="build the C kernels now (into the kernel cache) and exit 2 naming why where they do not "
+        "build or load (the container image's build step)",
+    )
+
+
+def run_env(args: argparse.Namespace) -> int:
+    from chunkcache.collect_env import command
+
+    return command(args.json, args.require_kernels)
+
+
 def load_llm(args: argparse.Namespace, **overrides: Any) -> LLM:
     """The command line's engine. Options are validated before the model loads; what the model
     refuses while loading (a checkpoint it cannot read, check layers beyond its depth) is the
@@ -301,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_calibrate(sub)
     _add_prewarm(sub)
     _add_models(sub)
+    _add_env(sub)
 
     from chunkcache.router.app import add_route_arguments, run_route
     from chunkcache.server.cli import add_serve_arguments, run_serve
@@ -312,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     commands = {
         "models": run_models,
+        "env": run_env,
         "generate": run_generate,
         "eval": run_eval,
         "calibrate": run_calibrate,

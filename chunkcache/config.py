@@ -120,9 +120,13 @@ class ChunkConfig:
     hash_algorithm: str = "sha256"
     # "isolated": chunks share one position range, Q sees them as computed (exact, no recompute).
     # "offset": chunks at their natural positions (cached K re-rotated), then blend.
-    # Default by measurement (benchmarks/RESULTS.md, bench_fidelity): offset + blend@0.15 at layer 1
-    # kept 76% of full prefill's correct answers at 4.1x its TTFT; isolated kept 61% (19x).
-    layout: str = "offset"
+    # Default "fusion" (below; with rule contrastive, the amateur, no pair stream): the generic
+    # default, for every model, and the one place it is set (model/catalog.py names only what a
+    # known model is served with beyond it). By measurement (benchmarks/RESULTS.md, bench_fidelity,
+    # held-out): fusion kept the most of full prefill's answers on every model measured (SmolLM2
+    # 104 of 132 against offset + blend@0.15's 101; the 1.5B 34 of 36 against 24), where offset +
+    # blend kept 62% on held-out alike documents (issue 58).
+    layout: str = "fusion"
     # "fusion": one stream per chunk, S + Ci + Q, each exactly the KV the pool holds (only Q is
     # computed), decoded together; each step their next-token distributions are combined into
     # one by `fusion_rule` (engine/fusion.py) and the token chosen is appended to every stream.
@@ -575,6 +579,10 @@ class EngineConfig:
     # off keeps float32 activations (model/qkernel.py). The 1.5B's default (catalog
     # engine_defaults: decode ~1.2x faster, its held-out answers kept), off elsewhere.
     int8_activations: bool = False
+    # CPU: refuse to start where the C kernels (model/qkernel.py) cannot be built or loaded, naming
+    # why, instead of serving with torch's slower kernels (a WARNING says what that costs). For
+    # production replicas whose speed was measured with the kernels.
+    require_kernels: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
@@ -661,6 +669,7 @@ _TOP_LEVEL = (
     "compile_decode",
     "weights",
     "int8_activations",
+    "require_kernels",
 )
 # ChunkConfig fields whose flat option name is the field's own (blend, calibration, fusion options).
 _SAME_NAME_PREFIXES = ("blend_", "calibration_", "separator_free", "fusion_")

@@ -51,6 +51,8 @@ OPTION_HELP: dict[str, str] = {
     "weights hold Q6_K and Q4_K tensors as the file's own blocks (exact; 0.82x the bytes of int8, 0.9x "
     "int4's with its factors); "
     "off keeps float32 activations",
+    "require_kernels": "CPU: refuse to start (exit 2, naming the reason) where the C kernels of "
+    "quantized products cannot be built or loaded, instead of serving with torch's slower ones",
     "block_size": "tokens per paged KV block, > 0",
     "kv_cache_tokens": "KV cache budget in tokens, >= block_size; wins over --kv-cache-memory-gb "
     "(default: 0.5 GiB)",

@@ -41,6 +41,7 @@ _ENV_OPTIONS: dict[str, tuple[Callable[[str], Any], tuple[str, ...]]] = {
     "kv_events_endpoint": (str, ("CHUNKCACHE_KV_EVENTS_ENDPOINT",)),
     "hash_seed": (str, ("PYTHONHASHSEED",)),
     "threads": (int, ("CHUNKCACHE_THREADS",)),
+    "require_kernels": (_bool, ("CHUNKCACHE_REQUIRE_KERNELS",)),
 }
 
 

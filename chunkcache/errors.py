@@ -24,6 +24,11 @@ class ModelLoadError(ValueError):
     """A checkpoint the engine cannot load: unknown architecture, unsupported feature, missing tensor."""
 
 
+class KernelsUnavailableError(RuntimeError):
+    """`require_kernels` and the C kernels cannot be built or loaded (model/qkernel.py): the engine
+    refuses to start rather than serve slower than what was measured."""
+
+
 class UsageError(Exception):
     """A mistake on the command line: a bad option value, a missing file, an unknown name.
 
@@ -36,6 +41,7 @@ class UsageError(Exception):
 USER_ERRORS: tuple[type[BaseException], ...] = (
     UsageError,
     ModelLoadError,
+    KernelsUnavailableError,
     InvalidRequestError,
     FileNotFoundError,
     IsADirectoryError,

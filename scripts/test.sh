@@ -14,4 +14,6 @@ fi
 . .venv/bin/activate
 ruff check .
 ruff format --check .
-python -m pytest -q -p no:cacheprovider "$@"
+# -rs: every skip with its reason (only hardware the CPU lacks should remain); tests/conftest.py
+# prints how many ran per marker.
+python -m pytest -q -rs -p no:cacheprovider "$@"

@@ -64,3 +64,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.redis)
         if names & _MODEL_FIXTURES or any(item.get_closest_marker(m) for m in _SLOW_MARKERS):
             item.add_marker(pytest.mark.slow)
+
+
+_REPORTED_MARKERS = ("slow", "server", "redis", "large_model")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How many tests ran, were skipped or failed per marker (scripts/test.sh): a marker whose
+    tests all skip (no Redis, no SmolLM2) shows here instead of hiding in a green total."""
+    counts: dict[str, dict[str, int]] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if getattr(report, "when", "call") not in ("call", "setup") or not hasattr(report, "keywords"):
+                continue
+            if outcome == "passed" and report.when != "call":
+                continue
+            marks = [m for m in _REPORTED_MARKERS if m in report.keywords] or ["unmarked"]
+            for mark in marks:
+                counts.setdefault(mark, {}).setdefault(outcome, 0)
+                counts[mark][outcome] += 1
+    if counts:
+        terminalreporter.write_sep("-", "tests per marker")
+        for mark in (*_REPORTED_MARKERS, "unmarked"):
+            if mark in counts:
+                line = ", ".join(f"{n} {outcome}" for outcome, n in counts[mark].items())
+                terminalreporter.write_line(f"{mark}: {line}")

@@ -64,8 +64,9 @@ def test_bad_option_values_are_one_line(capsys: pytest.CaptureFixture[str], mode
         capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--temperature", "-2"]
     )
     assert "temperature" in line
-    # Refused only once the model is known: its depth bounds the check layers.
+    # Refused only once the model is known: its depth bounds the check layers (of blend: offset).
     argv = ["generate", "--model", str(model_dir), "--prompt", "hi", "--blend-check-layers", "99", *TINY]
+    argv += ["--chunk-layout", "offset"]
     assert "out of range" in _error_line(capsys, argv)
 
 
@@ -154,4 +155,4 @@ def test_every_engine_flag_says_what_it_does(capsys: pytest.CaptureFixture[str])
     assert "engine option" not in help_text  # the fallback for an option without help
     for name, choices in OPTION_CHOICES.items():
         assert f"--{name.replace('_', '-')} {{{','.join(choices)}}}" in help_text
-    assert "(default: 0.15)" in help_text and "(default: 'offset')" in help_text
+    assert "(default: 0.15)" in help_text and "(default: 'fusion')" in help_text

@@ -217,7 +217,8 @@ def test_server_separator_free_request_option(client) -> None:
             messages=[{"role": "user", "content": content}],
             max_tokens=2,
             temperature=0,
-            extra_body={"separator_free": True},
+            # Offset's separator-free form (spans reused as slices), pinned: the default is fusion.
+            extra_body={"separator_free": True, "chunk_layout": "offset"},
         )
 
     assert ask([0, 1, 2]).usage.prompt_tokens_details.cached_tokens == 0

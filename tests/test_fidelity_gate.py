@@ -15,7 +15,7 @@ import pytest
 
 from chunkcache import LLM
 from chunkcache.cli import main
-from chunkcache.config import EngineConfig, ReuseOptions
+from chunkcache.config import ChunkConfig, EngineConfig, ReuseOptions
 from chunkcache.fidelity import profile as profiles
 from chunkcache.fidelity.calibrate import read_results
 from chunkcache.fidelity.configs import CANDIDATES, fits
@@ -298,7 +298,10 @@ def test_candidates_are_bench_fidelitys_modes_and_the_15b_default_among_them(
     for name in shared:
         assert MODES[name] == CANDIDATES[name], name
     pair = ReuseOptions.from_mapping(CANDIDATES["fusion/contrastive/pairlead/m0.6"])
-    assert pair == ReuseOptions.from_mapping(dict(QWEN_CODER_1_5B.chunk_defaults))
+    # The 1.5B's default as served: the catalog's options over the generic default (the catalog
+    # names only what differs from it), every chunk option equal to the candidate's over it.
+    served = EngineConfig.from_options(QWEN_CODER_1_5B.name, use_env=False).chunk
+    assert ChunkConfig().with_request_options(pair, None) == served
     assert pair.fusion_pair_margin == 0.6 and fits(CANDIDATES["fusion/contrastive/pairlead/m0.6"], 1)
     p = _profile(dataclasses.replace(_measured("fusion/contrastive/pairlead/m0.6", 0.9, 4.0), options=pair))
     assert profiles.parse(p.to_json(), "x").configurations[0].options == pair

@@ -172,32 +172,112 @@ def test_cli_lists_known_models(models: Setup, capsys: pytest.CaptureFixture[str
     assert "not installed: run scripts/setup.sh" in out and "smollm2: SmolLM2-135M-Instruct" in out
 
 
-def test_a_known_models_chunk_defaults_apply_under_the_users_options(monkeypatch):
-    """A known model, by short name or by its file, is served with its own measured chunk options;
-    an option the user gives, or the environment, wins over them; another model gets none."""
+def _gguf(path: Path, name: str, filler: int = 0) -> Path:
+    """A small GGUF file (metadata only) whose general.name is `name`, `filler` bytes of padding
+    metadata making its content differ."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(name)
+    writer.add_string("test.filler", "x" * filler)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _known_as(model: catalog.KnownModel, path: Path, monkeypatch, **changes) -> catalog.KnownModel:
+    """`model` with the size and head hash of the file at `path`, in the catalog under its name."""
+    known = dataclasses.replace(
+        model, size_bytes=path.stat().st_size, head_sha256=catalog.head_sha256(path), **changes
+    )
+    monkeypatch.setitem(catalog.KNOWN_MODELS, model.name, known)
+    catalog._identify_file.cache_clear()
+    return known
+
+
+def test_a_known_model_is_known_by_its_content_whatever_its_name(tmp_path, monkeypatch, caplog):
+    """Its file under another name, in another folder, or the folder holding it: known. A file
+    that claims the model by its name or its general.name but whose content differs: unknown, and
+    a warning says so."""
+    model = _known_as(catalog.SMOLLM2, _gguf(tmp_path / "a" / "orig.gguf", "Tiny"), monkeypatch)
+    renamed = tmp_path / "b" / "My-Renamed.gguf"
+    renamed.parent.mkdir()
+    shutil.copy(tmp_path / "a" / "orig.gguf", renamed)
+    linked = tmp_path / "linked.gguf"
+    linked.symlink_to(renamed)
+    for path in (tmp_path / "a" / "orig.gguf", renamed, tmp_path / "b", linked):
+        assert catalog.identify(str(path)) is model, path
+    # By name: catalog's file name (any case), different content; by metadata: general.name.
+    by_name = _gguf(tmp_path / "c" / model.file_name.upper(), "Other", filler=5)
+    by_metadata = _gguf(tmp_path / "d" / "x.gguf", model.gguf_name, filler=7)
+    with caplog.at_level("WARNING", logger="chunkcache.model.catalog"):
+        assert catalog.identify(str(by_name)) is None and catalog.identify(str(by_metadata)) is None
+        assert catalog.identify(str(by_name)) is None  # warned once per file
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2
+    assert "claims to be the known model smollm2 (its name)" in warnings[0]
+    assert f"general.name {model.gguf_name!r}" in warnings[1] and "served as an unknown model" in warnings[1]
+    assert catalog.identify(str(tmp_path / "missing.gguf")) is None
+    assert catalog.identify(str(_gguf(tmp_path / "e" / "plain.gguf", "Plain"))) is None
+
+
+def test_general_name_is_read_from_the_header(tmp_path):
+    assert catalog.gguf_general_name(_gguf(tmp_path / "n.gguf", "Some Name 1B", filler=3)) == "Some Name 1B"
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(10))
+    assert catalog.gguf_general_name(tmp_path / "junk.gguf") is None
+
+
+def test_a_known_models_chunk_defaults_apply_under_the_users_options(tmp_path, monkeypatch):
+    """A known model, by short name or by its file (known by content, under any name), is served
+    with its own measured chunk options; an option the user gives, or the environment, wins over
+    them; another model gets none."""
     from chunkcache.config import EngineConfig
 
-    model = dataclasses.replace(
-        catalog.SMOLLM2, chunk_defaults=(("chunk_layout", "fusion"), ("fusion_rule", "max_confidence"))
+    model = _known_as(
+        catalog.SMOLLM2,
+        _gguf(tmp_path / "renamed.gguf", "Tiny"),
+        monkeypatch,
+        chunk_defaults=(("chunk_layout", "fusion"), ("fusion_rule", "max_confidence")),
     )
-    monkeypatch.setitem(catalog.KNOWN_MODELS, model.name, model)
-    for name in (model.name, f"/somewhere/{model.file_name}"):
+    for name in (model.name, str(tmp_path / "renamed.gguf")):
         chunk = EngineConfig.from_options(name, use_env=False).chunk
         assert (chunk.layout, chunk.fusion_rule) == ("fusion", "max_confidence")
     chunk = EngineConfig.from_options(model.name, use_env=False, chunk_layout="offset").chunk
     assert (chunk.layout, chunk.fusion_rule) == ("offset", "max_confidence")
     monkeypatch.setenv("CHUNKCACHE_CHUNK_LAYOUT", "isolated")
     assert EngineConfig.from_options(model.name).chunk.layout == "isolated"
-    assert EngineConfig.from_options("/elsewhere/other.gguf", use_env=False).chunk.layout == "offset"
+    # The generic default (config.ChunkConfig), the reuse that kept the most answers on every model measured.
+    assert EngineConfig.from_options("/elsewhere/other.gguf", use_env=False).chunk.layout == "fusion"
 
 
-def test_a_known_models_engine_defaults_apply_under_the_users_options():
+# Each known model's whole measured reuse (benchmarks/RESULTS.md; model/catalog.py's comments):
+# the catalog names only what differs from the generic default, so a change of that default must
+# not move a known model's reuse unnoticed.
+MEASURED_REUSE = {
+    "qwen2.5-coder-1.5b": ("fusion", "contrastive", True, "lead", 0.6),
+    "smollm2": ("fusion", "contrastive", True, "none", 100.0),
+}
+
+
+def test_each_known_model_is_served_with_its_measured_reuse():
+    from chunkcache.config import EngineConfig
+
+    assert sorted(MEASURED_REUSE) == sorted(catalog.KNOWN_MODELS)
+    for name, reuse in MEASURED_REUSE.items():
+        c = EngineConfig.from_options(name, use_env=False).chunk
+        assert (c.layout, c.fusion_rule, c.fusion_amateur, c.fusion_pair, c.fusion_pair_margin) == reuse, name
+
+
+def test_a_known_models_engine_defaults_apply_under_the_users_options(tmp_path, monkeypatch):
     """The default model is served with weights auto (measured native on a CPU) unless the user says
     otherwise; SmolLM2 and unknown models keep the engine's default."""
     from chunkcache.config import EngineConfig
 
-    qwen = catalog.QWEN_CODER_1_5B
-    for name in (qwen.name, f"/somewhere/{qwen.file_name}"):
+    qwen = _known_as(catalog.QWEN_CODER_1_5B, _gguf(tmp_path / "q.gguf", "Q"), monkeypatch)
+    for name in (qwen.name, str(tmp_path / "q.gguf")):
         assert EngineConfig.from_options(name, use_env=False).weights == "auto"
     assert EngineConfig.from_options(qwen.name, use_env=False, weights="dense").weights == "dense"
     assert EngineConfig.from_options(catalog.SMOLLM2.name, use_env=False).weights == "dense"

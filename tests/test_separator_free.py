@@ -39,7 +39,11 @@ def _stuff(docs: list[str], order: list[int], question: str, preamble: str = PRE
     return preamble + "\n\n".join(docs[i] for i in order) + "\n\nQuestion: " + question
 
 
-_llm = partial(tiny_llm, kv_cache_tokens=4096, chunk_cache_size_gb=0.01, separator_free=True)
+# Offset (+ blend), pinned: this module is about separator-free matching on that layout (its
+# fusion form: tests/test_fusion_separator_free.py); the engine's default layout is fusion.
+_llm = partial(
+    tiny_llm, kv_cache_tokens=4096, chunk_cache_size_gb=0.01, separator_free=True, chunk_layout="offset"
+)
 
 
 def _close(out: Any, ref: torch.Tensor) -> None:

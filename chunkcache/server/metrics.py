@@ -44,6 +44,9 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
+# The values of `LLMEngine.stats()["kernels"]` (engine/build.py's check_kernels), each a label.
+KERNEL_KINDS = ("c", "torch")
+
 # Cumulative engine counters among the chunk cache stats: exported as counters, the rest as gauges.
 _CHUNK_COUNTERS = (
     "hits",
@@ -87,6 +90,16 @@ class _EngineStatsCollector(Collector):
         for name, (key, doc) in vllm_gauges.items():
             if stats.get(key) is not None:
                 yield self._vllm_gauge(name, doc, float(stats[key]))
+        if stats.get("kernels") is not None:
+            kernels = GaugeMetricFamily(
+                f"{PREFIX}_kernels",
+                "Which kernels serve the CPU's quantized products: 1 for the serving kind, c (the "
+                "built C library) or torch (its fallback, slower; the start-up log says why).",
+                labels=["kind"],
+            )
+            for kind in KERNEL_KINDS:
+                kernels.add_metric([kind], float(stats["kernels"] == kind))
+            yield kernels
         if stats.get("num_preemptions") is not None:
             preemptions = CounterMetricFamily(
                 f"{VLLM_PREFIX}num_preemptions",
