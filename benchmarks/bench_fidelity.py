@@ -95,7 +95,7 @@ MODES: dict[str, dict[str, Any] | None] = {
             "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=m, fusion_max_joint=k
         )
         for k in (3, 4)
-        for m in (0.6, 1.0, 1.5, 2.0)
+        for m in (0.6, 0.8, 1.0, 1.5, 2.0)
     },
     # Its documents after the first blended (fusion_joint_blend: the cached KV re-rotated, 15%
     # recomputed at layer 1) instead of prefilled.
@@ -109,7 +109,7 @@ MODES: dict[str, dict[str, Any] | None] = {
             fusion_joint_blend=True,
         )
         for k in (2, 3, 4)
-        for m in (0.6, 1.0, 1.5, 2.0)
+        for m in (0.6, 0.8, 1.0, 1.5, 2.0)
     },
     # At most s document streams decode past the first step (fusion_max_streams): many documents.
     **{
