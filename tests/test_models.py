@@ -257,8 +257,8 @@ def test_a_known_models_chunk_defaults_apply_under_the_users_options(tmp_path, m
 # the catalog names only what differs from the generic default, so a change of that default must
 # not move a known model's reuse unnoticed.
 MEASURED_REUSE = {
-    "qwen2.5-coder-1.5b": ("fusion", "contrastive", True, "lead", 0.6),
-    "smollm2": ("fusion", "contrastive", True, "none", 100.0),
+    "qwen2.5-coder-1.5b": ("fusion", "contrastive", True, "lead", 0.6, 3),
+    "smollm2": ("fusion", "contrastive", True, "none", 100.0, 2),
 }
 
 
@@ -268,7 +268,15 @@ def test_each_known_model_is_served_with_its_measured_reuse():
     assert sorted(MEASURED_REUSE) == sorted(catalog.KNOWN_MODELS)
     for name, reuse in MEASURED_REUSE.items():
         c = EngineConfig.from_options(name, use_env=False).chunk
-        assert (c.layout, c.fusion_rule, c.fusion_amateur, c.fusion_pair, c.fusion_pair_margin) == reuse, name
+        got = (
+            c.layout,
+            c.fusion_rule,
+            c.fusion_amateur,
+            c.fusion_pair,
+            c.fusion_pair_margin,
+            c.fusion_max_joint,
+        )
+        assert got == reuse, name
 
 
 def test_a_known_models_engine_defaults_apply_under_the_users_options(tmp_path, monkeypatch):

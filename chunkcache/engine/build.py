@@ -235,7 +235,10 @@ def _reuse_summary(chunk: ChunkConfig) -> str:
     """What a chunked prompt's reuse will do, for the load log line."""
     if chunk.layout == "fusion":
         amateur = " with the no-document stream" if chunk.fusion_amateur else ""
-        pair = f", pair stream {chunk.fusion_pair}" if chunk.fusion_pair != "none" else ""
+        pair = ""
+        if chunk.fusion_pair != "none":
+            pair = f", joint stream {chunk.fusion_pair} over up to {chunk.fusion_max_joint} documents"
+            pair += f" within {chunk.fusion_pair_margin}" if chunk.fusion_pair_margin < 100 else ""
         return f"one exact stream per document, rule {chunk.fusion_rule}{amateur}{pair}"
     if chunk.layout == "offset":
         ratios = ", ".join(map(str, chunk.blend_recompute_ratios))

