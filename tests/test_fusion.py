@@ -443,8 +443,13 @@ def test_pair_groups_batched_preempted_and_aborted_give_everything_back(checkpoi
     for k, prompt in enumerate(prompts):
         alone = roomy.generate([prompt], params, chunk_options=options)[0]
         assert outs[str(k)].outputs[0].token_ids == alone.outputs[0].token_ids, k
-    # Aborted after the first step, while the pair stream computes its second document.
-    engine.add_request("a", _prompt([1, 3, 0], PAIR_QUESTION), params, chunk_options=options)
+    abort_while_the_pair_joins(engine, _prompt([1, 3, 0], PAIR_QUESTION), params, options)
+
+
+def abort_while_the_pair_joins(engine: Any, prompt: str, params: SamplingParams, options: dict) -> None:
+    """Abort a request after its first step, while its pair (joint) stream computes its documents:
+    every KV block and pool pin comes back."""
+    engine.add_request("a", prompt, params, chunk_options=options)
     group = None
     while group is None or group.pair is None:
         engine.step()

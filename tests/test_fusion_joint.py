@@ -26,6 +26,7 @@ from tests.test_fusion import (
     _prompt,
     _reference_combine,
     _relevance,
+    abort_while_the_pair_joins,
 )
 
 # Asks about three of the four documents (Alice, Bob and Carol).
@@ -224,14 +225,4 @@ def test_blended_joint_groups_preempted_and_aborted_give_everything_back(checkpo
     assert any(preempted)  # a joint stream among them (the only streams with entries of their own)
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs.values())
-    engine.add_request("a", _prompt([1, 3, 0], THREE_QUESTION), params, chunk_options=options)
-    group = None
-    while group is None or group.pair is None:
-        engine.step()
-        group = next((s.fusion for s in engine.scheduler.running if s.fusion is not None), None)
-    engine.abort_request("a")
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.check_integrity()
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    assert all(e.pins == 0 for e in engine.chunks.pool.entries())
+    abort_while_the_pair_joins(engine, _prompt([1, 3, 0], THREE_QUESTION), params, options)
