@@ -158,7 +158,7 @@ class RequestIntake:
         copies, extra = 1, 0
         if _fused(chunked, chunk_config):
             copies = stream_count(chunked, chunk_config)  # type: ignore[arg-type]
-            extra = pair_tokens(chunked, chunk_config)  # type: ignore[arg-type]  # a pair stream's Cj
+            extra = pair_tokens(chunked, chunk_config)  # type: ignore[arg-type]  # the joint stream's documents
         self.fit.check_blocks(len(own), copies, extra)
         seq = Sequence(
             request_id=request_id,

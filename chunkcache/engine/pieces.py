@@ -65,11 +65,10 @@ def piece_for(
     (`long_prefill_token_threshold`, together) and the budget left. A fusion pair stream has a
     document to compute before its Q (engine/fusion.py): the others get 0 until their Q ends
     in the same step as its, so that every stream yields its first logits in one step."""
-    seq = unit[0]
-    if len(unit) == 1 and seq.blend is not None and seq.num_computed == 0:
-        return _blend_piece(seq, budget, threshold, num_layers, long_running)
+    # A blend prefill: a layout-offset request, or a fusion unit's blended joint stream
+    # (engine/fusion.py), whose other streams then wait with nothing left to compute.
     blending = [m for m in unit if m.blend is not None and m.num_computed == 0]
-    if blending:  # a blended joint stream (engine/fusion.py): the others wait with nothing left
+    if blending:
         piece = _blend_piece(blending[0], budget, threshold, num_layers, long_running)
         return Piece([piece.counts[0] if m is blending[0] else 0 for m in unit], piece.cost, piece.layers)
     left = [remaining(m) for m in unit]
