@@ -122,6 +122,17 @@ MODES: dict[str, dict[str, Any] | None] = {
         )
         for n in (2, 4)
     },
+    **{
+        f"fusion/contrastive/joint3/m0.6/s{n}": _fusion(
+            "contrastive",
+            fusion_amateur=True,
+            fusion_pair="lead",
+            fusion_pair_margin=0.6,
+            fusion_max_joint=3,
+            fusion_max_streams=n,
+        )
+        for n in (1, 2)
+    },
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
     "blend@0.15": _offset([1], [0.15]),
