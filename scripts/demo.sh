@@ -13,7 +13,7 @@ PORT=${PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1
 # native bf16 matrix instructions, pinned so that the transcript is the same elsewhere.
 MODEL_OPTIONS=(--model qwen2.5-coder-1.5b --dtype bfloat16)
 # None: the model's own default reuse (chunkcache/model/catalog.py), layout fusion for this model:
-# one exact stream per document and a pair stream over the two most relevant ones, combined at
+# one exact stream per document and a joint stream over up to three of the most relevant ones, combined at
 # decode time; a follow-up is one more warm request.
 CHUNK_OPTIONS=()
 chunkcache serve --port "$PORT" "${MODEL_OPTIONS[@]}" "${CHUNK_OPTIONS[@]}" "$@" &
