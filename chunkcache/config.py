@@ -87,6 +87,12 @@ class SchedulerConfig:
     # prompt waits about two pieces, 1.15 s at 256 against 3.2 s at 512 and 0.51 s at 128, while
     # the long prompt takes 4% longer than in pieces of 512 (11% at 128).
     long_prefill_token_threshold: int = 256
+    # Long prefills computed at once (vLLM V0's option of the same name): the oldest run, the
+    # others wait, first come first served; short prompts still pass them. Processor sharing
+    # (every long prefill a piece per step) made 8 RAG requests arriving together all end their
+    # prefills near the last one's end: a median TTFT 2.2x that of serving them one after another
+    # (RESULTS.md "bench_serve on the 1.5B").
+    max_long_partial_prefills: int = 1
     # While streams decode, long prefills and background work run only while the streams' decode
     # rate is at least this share of their rate in decode-only steps (engine/decode_guard.py);
     # 0 = off. The issue 35 target: 0.5.
@@ -101,6 +107,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
         if not 0 <= self.min_decode_share < 1:
             raise ValueError(f"min_decode_share must be in [0, 1), got {self.min_decode_share}")
+        if self.max_long_partial_prefills <= 0:
+            raise ValueError(f"max_long_partial_prefills must be > 0, got {self.max_long_partial_prefills}")
         if self.long_prefill_token_threshold <= 0:
             raise ValueError(
                 f"long_prefill_token_threshold must be > 0, got {self.long_prefill_token_threshold}"

@@ -226,3 +226,42 @@ def test_blended_joint_groups_preempted_and_aborted_give_everything_back(checkpo
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert all(len(o.outputs[0].token_ids) == 20 for o in outs.values())
     abort_while_the_pair_joins(engine, _prompt([1, 3, 0], THREE_QUESTION), params, options)
+
+
+def test_fusion_requests_arriving_together_end_their_prefills_in_turn(checkpoint, monkeypatch) -> None:
+    """A fusion request's joint stream, chosen after its first step, counts as its work from the
+    start: two such requests arriving together are one long prefill each, served first come first
+    served (`max_long_partial_prefills` 1), so the first one's first token does not wait for the
+    second's streams; the replies are those each gets alone."""
+    path = checkpoint(arch="llama")
+    llm = _llm(path, long_prefill_token_threshold=16)
+    options = {"fusion_pair": "lead", "fusion_max_joint": 3, "fusion_pair_margin": 100.0}
+    prompts = {"a": _prompt([2, 0, 3, 1], THREE_QUESTION), "b": _prompt([1, 3, 0, 2], THREE_QUESTION)}
+    alone = {
+        k: llm.generate(p, GREEDY, chunk_options=options)[0].outputs[0].token_ids for k, p in prompts.items()
+    }
+    computed: list[set[str]] = []  # per step, the requests whose streams computed tokens
+    original = Scheduler.schedule
+
+    def schedule(self: Scheduler):
+        batch = original(self)
+        computed.append({s.request_id.split("/")[0] for s in batch.seqs})
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    engine = llm.engine
+    for name, prompt in prompts.items():
+        engine.add_request(name, prompt, GREEDY, chunk_options=options)
+    replies: dict[str, list[int]] = {}
+    first_token: dict[str, int] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                first_token.setdefault(out.request_id, len(computed))
+            if out.finished:
+                replies[out.request_id] = out.outputs[0].token_ids
+    assert replies == alone
+    assert "b" not in set().union(*computed[: first_token["a"] - 1])  # b waited for a's prefill
+    assert first_token["a"] < first_token["b"]
+    llm.check_integrity()
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks

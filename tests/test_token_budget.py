@@ -19,10 +19,15 @@ from tests.support.oracle import hf_first_token_logprobs, hf_greedy
 MAX_OUT = 4
 
 
-def _scheduler(budget: int, threshold: int, num_blocks: int = 256) -> tuple[Scheduler, BlockManager]:
+def _scheduler(
+    budget: int, threshold: int, num_blocks: int = 256, long_at_once: int = 1
+) -> tuple[Scheduler, BlockManager]:
     blocks = BlockManager(num_blocks, 16, enable_prefix_caching=True, hash_seed="0", medium="GPU")
     config = SchedulerConfig(
-        max_num_seqs=8, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=threshold,
+        max_long_partial_prefills=long_at_once,
     )
     return Scheduler(config, blocks, lambda s: True), blocks
 
@@ -64,10 +69,32 @@ def test_a_short_request_gets_its_first_token_within_a_step() -> None:
     sched.add(short)
     assert _step(sched, blocks) == {"short": 8, "long": 16}
     assert short.num_output_tokens == 1
-    # A prompt longer than the threshold is a long one: pieces, after the running long prefill.
+    # A prompt longer than the threshold is a long one: it waits for the running long prefill.
     middle = _seq("middle", 40)
     sched.add(middle)
-    assert _step(sched, blocks) == {"short": 1, "long": 16, "middle": 16}
+    assert _step(sched, blocks) == {"short": 1, "long": 16}
+
+
+def test_long_prefills_end_one_after_another() -> None:
+    """Long prompts arriving together are prefilled first come first served, the oldest
+    `max_long_partial_prefills` at a time: the first ends its prefill after its own pieces, not
+    near the last one's end (every one a piece per step: processor sharing). A short prompt still
+    passes them, and a long one starts as soon as the one before has a piece's work left."""
+    sched, blocks = _scheduler(budget=64, threshold=16)
+    first, second = _seq("first", 64), _seq("second", 64)
+    sched.add(first)
+    sched.add(second)
+    for _ in range(3):
+        assert _step(sched, blocks) == {"first": 16}
+    assert _step(sched, blocks) == {"first": 16, "second": 16}  # first's last piece: not long any more
+    assert first.num_output_tokens == 1
+    sched.add(_seq("short", 8))
+    assert _step(sched, blocks) == {"first": 1, "short": 8, "second": 16}
+    # Two at a time: both get pieces from the first step, and end together.
+    sched, blocks = _scheduler(budget=64, threshold=16, long_at_once=2)
+    sched.add(_seq("first", 64))
+    sched.add(_seq("second", 64))
+    assert _step(sched, blocks) == {"first": 16, "second": 16}
 
 
 def test_a_short_tail_joins_the_piece_before_it() -> None:

@@ -221,7 +221,10 @@ class LLMEngine:
         try:
             started, cpu = time.perf_counter(), time.process_time()
             logits, rows = self.runner.run(batch)
-            self.scheduler.step_took(batch, time.perf_counter() - started)
+            took = time.perf_counter() - started
+            self.scheduler.step_took(batch, took)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("step: %s in %.3f s", batch.describe(), took)
             self.shadows.account(batch.seqs, batch.num_new_tokens, time.process_time() - cpu)
             self._postprocess(batch, logits, rows)
         except Exception as e:

@@ -257,6 +257,13 @@ class FusionGroup:
         self.question_logprobs.insert(at, [None] * max(len(self.prompt.question_token_ids) - 1, 0))
         return stream
 
+    def pending_joint_tokens(self) -> int:
+        """Own tokens a joint stream not yet chosen may add (its documents after the first, the
+        longest ones): what the scheduler counts as this unit's work before its first step."""
+        if self.pair_mode is FusionPair.NONE or self.pair is not None:
+            return 0
+        return sum(sorted(map(len, self.prompt.chunks), reverse=True)[: self.max_joint - 1])
+
     def pair_wanted(self) -> bool:
         """After the first step: choose the joint stream's documents (`JointChoice.choose`); it
         joins where there are two or more, else the group decodes on without one."""

@@ -2,8 +2,11 @@
 
 Every step spends at most `max_num_batched_tokens` tokens (vLLM V1's chunked prefill), in this
 order: (1) running decodes, one token each; (2) waiting short prompts (at most
-`long_prefill_token_threshold` tokens left), whole; (3) running long prefills, then waiting long
-prompts first come first served, in pieces of at most `long_prefill_token_threshold`;
+`long_prefill_token_threshold` tokens left), whole; (3) long prefills, in pieces of at most
+`long_prefill_token_threshold`, the oldest `max_long_partial_prefills` only (one by default), and
+waiting long prompts first come first served as those end (so that requests arriving together end
+their prefills one after another, not all near the last one's end: a fusion request's joint
+stream, chosen after its first step, counts as its work from the start);
 (4) background work (canonical chunk entries, exact-prefix jobs, a prewarm's fill jobs, shadow
 checks: work no request waits for) gets what is left, in pieces of the same size, only in steps
 where no request prefills (on a CPU a piece's time adds to the step's, so a request that shared
@@ -42,7 +45,7 @@ from chunkcache.config import SchedulerConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.sequence import Sequence, Status
 from chunkcache.engine.decode_guard import DecodeGuard
-from chunkcache.engine.pieces import Piece, piece_for, remaining, unit_of, unit_remaining, units
+from chunkcache.engine.pieces import Piece, piece_for, remaining, unit_of, unit_work, units
 
 # Tokens background work is guaranteed in a step once it has waited BACKGROUND_MAX_WAIT_STEPS
 # steps in a row: a request pays at most this for it (32 tokens of SmolLM2: ~0.13 s on one CPU
@@ -66,6 +69,22 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def describe(self) -> str:
+        """One line for the step trace (DEBUG): what ran, by kind, and the tokens computed."""
+        prefills = [(s, n) for s, n in zip(self.seqs, self.num_new_tokens, strict=True) if n > 1]
+        background = sum(n for s, n in prefills if s.kind.is_background)
+        requests = {
+            s.fusion.request.request_id if s.fusion else s.request_id
+            for s, _ in prefills
+            if not s.kind.is_background
+        }
+        return (
+            f"{len(self.seqs)} sequences, {self.decodes} decodes, {sum(self.num_new_tokens)} tokens "
+            f"({sum(n for _, n in prefills) - background} prefill of {len(requests)} requests, "
+            f"{background} background), {len(self.blend_layers)} blend pieces, "
+            f"{len(self.preempted)} preempted, long {self.has_long}"
+        )
 
     def add(self, unit: list[Sequence], piece: Piece, long: bool) -> None:
         for member, n in zip(unit, piece.counts, strict=True):
@@ -93,6 +112,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self.max_long_partial_prefills = config.max_long_partial_prefills
         self.blocks = blocks
         self.num_layers = num_layers  # of the model: what a layer of a blend costs (engine/pieces.py)
         # The chunk manager decides when a sequence's borrowed KV exists (fill jobs done).
@@ -128,12 +148,13 @@ class Scheduler:
         self._serve_running(batch, _is_decode)
         batch.decodes = len(batch.seqs) - reserved
         if not batch.preempted:
-            self._admit(batch, lambda s: not s.kind.is_background and unit_remaining(s) <= short)
+            self._admit(batch, lambda s: not s.kind.is_background and not self._is_long(s))
         # Long prefills and background work wait while running streams fall behind (decode_guard).
         if not batch.preempted and self.decode_guard.allows_prefill(batch.decodes > 0):
-            self._serve_running(batch, lambda s: not s.kind.is_background)
+            oldest = {id(u[0]) for u in self._long_running()[: self.max_long_partial_prefills]}
+            self._serve_running(batch, lambda s: not s.kind.is_background and self._may_go_on(s, oldest))
         if not batch.preempted and self.decode_guard.allows_prefill(batch.decodes > 0):
-            self._admit(batch, lambda s: not s.kind.is_background)
+            self._admit(batch, lambda s: not s.kind.is_background and self._may_start(s))
             # Beside a request's prefill nothing (but the floor above): its first token never
             # waits for work nobody waits for. Beside decodes only, one piece: their step stays
             # as short as a long prefill makes it. Alone, the whole budget.
@@ -159,7 +180,7 @@ class Scheduler:
             if seq.status != Status.RUNNING or seq in batch.seqs or not wanted(seq):
                 continue
             piece = self._piece(unit, batch)
-            long = unit_remaining(seq) > self.long_prefill_token_threshold
+            long = self._is_long(seq)
             if piece.cost > 0 and self._grow_or_preempt(unit, piece.counts, batch):
                 batch.add(unit, piece, long)
 
@@ -175,7 +196,7 @@ class Scheduler:
             self._match_prefix(seq)
             piece = self._piece(unit, batch)
             n = piece.cost
-            long = unit_remaining(seq) > self.long_prefill_token_threshold
+            long = self._is_long(seq)
             if n <= 0 or not self._grow_for_admission(unit, piece.counts, batch):
                 # A waiting sequence holds no blocks: the prefix blocks it just matched go back
                 # (still cached), or a running sequence could starve for them while it waits.
@@ -193,6 +214,27 @@ class Scheduler:
             if seq.fusion is not None and seq.fusion.request.metrics.first_scheduled_time is None:
                 seq.fusion.request.metrics.first_scheduled_time = time.time()
             batch.add(unit, piece, long)
+
+    def _is_long(self, seq: Sequence) -> bool:
+        """Whether `seq`'s unit is a long prefill: more than a piece of work left (engine/pieces.py
+        `unit_work`: a fusion request's possible joint stream counts)."""
+        return unit_work(seq) > self.long_prefill_token_threshold
+
+    def _limited(self, seq: Sequence) -> bool:
+        """Whether `seq`'s unit is a long prefill of a request (`max_long_partial_prefills`). The
+        fill jobs a request waits for are not: they are all its prefill, and run together."""
+        return not seq.kind.is_background and not seq.kind.is_fill and self._is_long(seq)
+
+    def _long_running(self) -> list[list[Sequence]]:
+        """The running requests' long prefills, oldest first: the first
+        `max_long_partial_prefills` of them get pieces, and no other starts while they run."""
+        return [u for u in units(self.running) if self._limited(u[0])]
+
+    def _may_go_on(self, seq: Sequence, oldest: set[int]) -> bool:
+        return not self._limited(seq) or id(seq) in oldest
+
+    def _may_start(self, seq: Sequence) -> bool:
+        return not self._limited(seq) or len(self._long_running()) < self.max_long_partial_prefills
 
     def _serve_background(self, batch: ScheduledBatch, tokens: int) -> None:
         """Running, then waiting, background work, within `tokens` of the budget left."""
