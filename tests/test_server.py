@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
@@ -23,11 +23,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkcache.config import EngineConfig
+from chunkcache.engine.engine import LLMEngine
 from chunkcache.engine_args import engine_options
 from chunkcache.llm import LLM
 from chunkcache.model import qkernel
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.cli import add_serve_arguments
+from chunkcache.server.engine_loop import RETRY_AFTER_MAX, EngineLoop
 from tests.support.server_util import ServerThread, free_port
 from tests.support.tiny_server import API_KEY, MODEL, PROMPTS
 
@@ -577,6 +579,18 @@ def test_internal_error_is_not_leaked(
     assert r.status_code == 200, r.text
 
 
+def test_retry_after_is_the_mean_gap_between_first_tokens() -> None:
+    loop = EngineLoop(cast(LLMEngine, None), max_queue=1)
+    assert loop.retry_after() == 1  # nothing left the queue yet
+    loop._left.extend([10.0, 13.0, 16.0, 19.0])
+    assert loop.retry_after() == 3
+    loop._left.clear()
+    loop._left.extend([0.0, 0.2])
+    assert loop.retry_after() == 1
+    loop._left.extend([900.0])
+    assert loop.retry_after() == RETRY_AFTER_MAX
+
+
 def test_queue_full_is_503(server: ServerThread, http: httpx.Client) -> None:
     loop = server.engine_loop
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0}
@@ -590,8 +604,10 @@ def test_queue_full_is_503(server: ServerThread, http: httpx.Client) -> None:
             while loop.num_waiting < 2:
                 assert time.monotonic() < deadline, "requests did not reach the queue"
                 time.sleep(0.01)
-            err = _error(http.post("/v1/completions", json=body), 503)
+            refused = http.post("/v1/completions", json=body)
+            err = _error(refused, 503)
             assert err["code"] == "queue_full" and "max_queue=2" in err["message"]
+            assert int(refused.headers["Retry-After"]) >= 1
         assert [f.result().status_code for f in pending] == [200, 200]
     finally:
         loop.max_queue = old

@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -32,10 +34,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+RETRY_AFTER_WINDOW = 16
+RETRY_AFTER_MAX = 60
 
 
 class QueueFullError(RuntimeError):
-    """More requests are waiting for their first token than `--max-queue` allows (HTTP 503)."""
+    """More requests are waiting for their first token than `--max-queue` allows (HTTP 503 with
+    `Retry-After`: 503, not 429, because the server is overloaded, not the client over a quota,
+    and the router sends a request that got 503 to another replica)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds, the recent mean gap between first tokens
 
 
 class EngineDeadError(RuntimeError):
@@ -73,7 +83,7 @@ class RequestStream:
             return
         if not self.got_first_output:
             self.got_first_output = True
-            self._owner._num_waiting -= 1
+            self._owner._left_waiting()
         self._queue.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -98,7 +108,7 @@ class RequestStream:
         if self.released:
             return
         if not self.got_first_output:
-            self._owner._num_waiting -= 1
+            self._owner._left_waiting()
             self.got_first_output = True
         self.released = True
         self._owner._forget(self, abort=not self.finished)
@@ -120,6 +130,9 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}
         self._streams_lock = threading.Lock()
         self._num_waiting = 0  # event-loop side only
+        # When the last requests left the waiting set (first output, or gone): a refused client's
+        # Retry-After is the mean gap between them.
+        self._left: deque[float] = deque(maxlen=RETRY_AFTER_WINDOW)
         self._wake = threading.Condition()
         self._work_pending = False
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
@@ -247,7 +260,8 @@ class EngineLoop:
             raise EngineDeadError("the engine is not accepting requests (stopped or failed)")
         if self._num_waiting >= self.max_queue:
             raise QueueFullError(
-                f"server busy: {self._num_waiting} requests are already waiting (max_queue={self.max_queue})"
+                f"server busy: {self._num_waiting} requests are already waiting (max_queue={self.max_queue})",
+                self.retry_after(),
             )
         stream = RequestStream(request_id, self)
         # Registered before add_request so that no output of it can arrive unrouted; counted as
@@ -269,10 +283,22 @@ class EngineLoop:
         self._kick()
         return stream
 
+    def _left_waiting(self) -> None:
+        self._num_waiting -= 1
+        self._left.append(time.perf_counter())
+
+    def retry_after(self) -> int:
+        """Seconds until a waiting slot is likely free: the mean gap between the last requests
+        that left the waiting set, at least 1 and at most RETRY_AFTER_MAX (1 before any left)."""
+        if len(self._left) < 2:
+            return 1
+        gap = (self._left[-1] - self._left[0]) / (len(self._left) - 1)
+        return min(RETRY_AFTER_MAX, max(1, math.ceil(gap)))
+
     def _undo_submit(self, stream: RequestStream) -> None:
         with self._streams_lock:
             self._streams.pop(stream.request_id, None)
-        self._num_waiting -= 1
+        self._left_waiting()
         stream.got_first_output = stream.released = True
 
     def _abort_if_added(self, future: asyncio.Future[None], request_id: str) -> None:

@@ -173,7 +173,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFullError)
     async def queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
-        return error_response(503, str(exc), "service_unavailable", code="queue_full")
+        response = error_response(503, str(exc), "service_unavailable", code="queue_full")
+        response.headers["Retry-After"] = str(exc.retry_after)
+        return response
 
     @app.exception_handler(RequestFailedError)
     async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
