@@ -83,9 +83,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # A prefill longer than this runs in pieces of at most this many tokens per step, after the
     # step's decodes and short prompts (vLLM's option of the same name). Default by measurement
-    # (bench_mixed_load, RESULTS.md; SmolLM2, one CPU thread): a short request beside a 4,000-token
-    # prompt waits about two pieces, 1.15 s at 256 against 3.2 s at 512 and 0.51 s at 128, while
-    # the long prompt takes 4% longer than in pieces of 512 (11% at 128).
+    # (benchmarks/RESULTS.md "bench_mixed_load"): a short request beside a long prompt waits about
+    # two pieces, so smaller pieces answer it sooner, while below 256 the long prompt itself slows.
     long_prefill_token_threshold: int = 256
     # Long prefills computed at once (vLLM V0's option of the same name): the oldest run, the
     # others wait, first come first served; short prompts still pass them. Processor sharing
@@ -130,10 +129,9 @@ class ChunkConfig:
     # "offset": chunks at their natural positions (cached K re-rotated), then blend.
     # Default "fusion" (below; with rule contrastive, the amateur, no pair stream): the generic
     # default, for every model, and the one place it is set (model/catalog.py names only what a
-    # known model is served with beyond it). By measurement (benchmarks/RESULTS.md, bench_fidelity,
-    # held-out): fusion kept the most of full prefill's answers on every model measured (SmolLM2
-    # 104 of 132 against offset + blend@0.15's 101; the 1.5B 34 of 36 against 24), where offset +
-    # blend kept 62% on held-out alike documents (issue 58).
+    # known model is served with beyond it). By measurement (benchmarks/RESULTS.md "bench_fidelity",
+    # held-out): fusion kept the most of full prefill's answers on every model measured, where
+    # offset + blend loses answers on alike documents (issue 58).
     layout: str = "fusion"
     # "fusion": one stream per chunk, S + Ci + Q, each exactly the KV the pool holds (only Q is
     # computed), decoded together; each step their next-token distributions are combined into
@@ -143,17 +141,16 @@ class ChunkConfig:
     # mean log-likelihood it gives Q's tokens); "contrastive": PCED (arXiv 2601.08670): each
     # stream contrasted with the no-document stream, (1 + beta) log p_i - beta log p_0, the
     # stream with the highest top score plus gamma x relevance decides.
-    # Default "contrastive" by a quick check on SmolLM2 (bench_fidelity's questions as extra
-    # modes): on 40 tune questions 26 correct (18 of full prefill's 21 kept) against
-    # max_confidence's 19 (18 kept) and product's 17; on 48 held-out ones 25 (20 of 25 kept)
-    # against 26 (20 kept) and 25: as many of full's answers kept, more gained, for one more stream.
+    # Default "contrastive" by a quick check on SmolLM2 (bench_fidelity's questions as extra modes;
+    # benchmarks/RESULTS.md "bench_fidelity"): as many of full prefill's answers kept as
+    # max_confidence, more gained, for one more stream.
     fusion_rule: str = "contrastive"
     # Add the no-document stream S + Q (PCED's amateur): the contrast of "contrastive" (which
     # needs it), one more expert (the model's own knowledge) under the other rules.
     fusion_amateur: bool = True
     # "contrastive": beta (the contrast's strength) and gamma (the relevance's weight). beta 0.1
-    # by a quick sweep on SmolLM2's tune questions (40): 26 correct against 23 at 0.25, 17 at
-    # 0.5 (full prefill 21); with gamma 0 (no relevance), 19.
+    # by a quick sweep on SmolLM2's tune questions: a stronger contrast, or no relevance, answered
+    # fewer right (benchmarks/RESULTS.md "bench_fidelity").
     fusion_contrast_weight: float = 0.1
     fusion_relevance_weight: float = 2.5
     # A question that needs two documents has no stream that sees both: after the first step
@@ -179,9 +176,9 @@ class ChunkConfig:
     fusion_max_streams: int = 0
     # The joint stream's documents after the first are not prefilled but blended (layout offset's
     # mechanism, the blend_* options): their cached KV re-rotated to their place, the share the
-    # selector picks recomputed, S and the first document exact. Cheaper than prefilling them;
-    # its answers are measured in RESULTS.md. Only under fusion_pair "lead" (the joint stream
-    # computes no relevance of its own for "expert").
+    # selector picks recomputed, S and the first document exact. Cheaper than prefilling them, but
+    # it lost answers on alike documents (benchmarks/RESULTS.md "bench_rag_shape"), so it is off.
+    # Only under fusion_pair "lead" (the joint stream computes no relevance of its own for "expert").
     fusion_joint_blend: bool = False
     # Lower tiers under the pool (chunkcache/chunk/tiers/): a local directory of safetensors files
     # within `disk_gb`, and a Redis shared by replicas (`redis://host:port/db`). None = no tier.
@@ -196,10 +193,10 @@ class ChunkConfig:
     # 0, so the others never run); or, measured at the check layer (>= 1), the fresh K's or V's
     # deviation from the cached one (`k_deviation`, `v_deviation`, CacheBlend), or the
     # attention the question pays (`query_attention`).
-    # Default by measurement (RESULTS.md, bench_fidelity): k_deviation at 15% at layer 1.
-    # stored_deviation@0.15 before layer 0 kept as many of full prefill's answers on the held-out
-    # half (97 vs 98 of 121) at 3.5x instead of 3.0x warm, but measuring a new document's score
-    # costs its first request about one more prefill of it.
+    # Default by measurement (benchmarks/RESULTS.md "bench_fidelity"): k_deviation at 15% at layer
+    # 1. stored_deviation before layer 0 kept no more of full prefill's answers on the held-out half,
+    # faster warm, but measuring a new document's score costs its first request about one more
+    # prefill of it (RESULTS.md "bench_sensitivity").
     blend_check_layers: tuple[int, ...] = (1,)
     blend_recompute_ratios: tuple[float, ...] = (0.15,)
     blend_selector: str = "k_deviation"
@@ -226,11 +223,10 @@ class ChunkConfig:
     # "Separator-free matching under fusion"): a plain prompt is searched
     # for spans that are cached chunks, found by content-defined anchors and verified token by
     # token; matched runs of at least `separator_free_min_tokens` are reused, the rest is computed
-    # and cached, so that later prompts find it. Off by default, by measurement (RESULTS.md,
-    # bench_separator_free): it reuses ~100% of reordered documents' tokens at 5.7x plain TTFT, and
-    # from a document's third sight (canonical entries) its answers match the separator format's
-    # (45 vs 44 of 96), but those keep 37 of full prefill's 52 correct answers (71%), far from the
-    # 95% the defaults are chosen by, while a plain prompt is exact without it.
+    # and cached, so that later prompts find it. Off by default, by measurement (benchmarks/
+    # RESULTS.md "bench_separator_free"): it reuses reordered documents' KV, much faster warm, but
+    # keeps far fewer than the 95% of full prefill's answers the defaults are chosen by, while a
+    # plain prompt is exact without it.
     separator_free: bool = False
     separator_free_min_tokens: int = 32
     # Layouts "offset" and "fusion": after a chunked request, a background job (on spare budget)
@@ -238,11 +234,11 @@ class ChunkConfig:
     # request with the same S and documents in the same order (a follow-up question, a repeated
     # query) reads that exact KV and is answered as a full prefill would answer it, computing only
     # its question (under fusion: one plain sequence, no streams; engine/follow_ups.py). Off by
-    # default, by measurement (RESULTS.md "exact_follow_ups on by default"): on a server answering
-    # back-to-back requests the job (a full prefill of S and the documents, never beside a request's
-    # prefill: engine/scheduler.py) did not finish before the order's next requests, which paid
-    # its pieces instead (same-order RAG vs llama.cpp, CPU: SmolLM2 0.84x -> 0.53x, 1.5B 0.13x ->
-    # 0.08x). With about one full prefill of idle time between requests, a repeated order is exact
+    # default, by measurement (benchmarks/RESULTS.md "exact_follow_ups on by default (sights 2)?
+    # Measured, and left off"): on a server answering back-to-back requests the job (a full prefill
+    # of S and the documents, never beside a request's prefill: engine/scheduler.py) did not finish
+    # before the order's next requests, which paid its pieces instead and got slower on both known
+    # models. With about one full prefill of idle time between requests, a repeated order is exact
     # from its third request (sights 2). Offline, `LLM.generate` waits for the jobs. Tools that run
     # a full-prefill reference beside reuse modes in one engine keep it off whatever the user sets
     # (fidelity/measure.py ENGINE_OPTIONS): the reference would leave an exact prefix. Without prefix
@@ -566,14 +562,13 @@ class EngineConfig:
     # CPU float32: projections packed for oneDNN also keep a plain layout for decode steps of
     # 1-3 sequences, where the packed kernel is slow (model/linear.py); up to 2x weight memory.
     narrow_weights: bool = True
-    # One-sequence decode steps run through torch.compile (LlamaForCausalLM.compile_decode): on
-    # CPU 1.17-1.28x the tokens/s of eager mode at batch 1 on SmolLM2, and ~1.45x more where its
-    # 1-row products are fused loops (timed per projection kind at start; up to one more copy
-    # of the projections);
-    # compiled at engine start (12-50 s on two CPU cores; ~100 s for the 1.5B, whose decode it
-    # brings from 0.81-0.95x to 0.98-1.08x llama.cpp's, answers kept: RESULTS.md) and needs a C++
-    # compiler there. Off by default for that start-up cost, the 1.5B's too: its default reuse
-    # decodes a RAG request's fusion streams as a batch, which the one-sequence graph does not serve.
+    # One-sequence decode steps run through torch.compile (LlamaForCausalLM.compile_decode): faster
+    # batch-1 decode on CPU, more where its 1-row products are fused loops (timed per projection
+    # kind at start; up to one more copy of the projections), answers kept (benchmarks/RESULTS.md
+    # "bench_engine", "bench_llamacpp"); compiled at engine start (tens of seconds, longer for the
+    # 1.5B) and needs a C++ compiler there. Off by default for that start-up cost, the 1.5B's too:
+    # its default reuse decodes a RAG request's fusion streams as a batch, which the one-sequence
+    # graph does not serve.
     compile_decode: bool = False
     # CPU: dense (the checkpoint's weights in `dtype`), native (a GGUF's own quantized weights,
     # 4-bit codes kept as they are), int8 (per output channel); model/quant.py. auto: per
@@ -585,7 +580,8 @@ class EngineConfig:
     # int8 per block of 32 (llama.cpp's Q8_0) and sum integer products, and native Q6_K and Q4_K tensors are
     # held as the file's blocks (model/quant_blocks.py);
     # off keeps float32 activations (model/qkernel.py). The 1.5B's default (catalog
-    # engine_defaults: decode ~1.2x faster, its held-out answers kept), off elsewhere.
+    # engine_defaults: faster decode, its held-out answers kept: benchmarks/RESULTS.md
+    # "bench_qkernel", "bench_fidelity"), off elsewhere.
     int8_activations: bool = False
     # CPU: refuse to start where the C kernels (model/qkernel.py) cannot be built or loaded, naming
     # why, instead of serving with torch's slower kernels (a WARNING says what that costs). For

@@ -1,12 +1,12 @@
 """How glibc's malloc keeps the memory a CPU step frees (engines on CPU).
 
-A prefill allocates activations of tens of MB per layer ([T, intermediate] for T = 2,000 tokens
-is 12-25 MB on SmolLM2-135M) and frees them a moment later. glibc's defaults hand such blocks back
-to the kernel: above its (adaptive) mmap threshold a block is its own mapping, unmapped on free,
-and a heap whose free top grows past twice that threshold is trimmed. The next layer's
-allocation then faults every page in again, zero-filled by the kernel: 24k-187k page faults per
-2,000-token prefill here, 0.1-0.5 s of system time, ~5% of its CPU time (benchmarks/RESULTS.md,
-bench_host_memory, and bench_llamacpp "Host memory and RoPE"). Serving wants the opposite trade:
+A prefill allocates activations of tens of MB per layer ([T, intermediate] for T = 2,000 tokens is
+12-25 MB on SmolLM2-135M) and frees them a moment later. glibc's defaults hand such blocks back to
+the kernel: above its (adaptive) mmap threshold a block is its own mapping, unmapped on free, and a
+heap whose free top grows past twice that threshold is trimmed. The next layer's allocation then
+faults every page in again, zero-filled by the kernel: 24k-187k page faults per 2,000-token prefill
+here, 0.1-0.5 s of system time, ~5% of its CPU time (benchmarks/RESULTS.md "bench_host_memory";
+benchmarks/history/RESULTS-narrative.md "Host memory and RoPE"). Serving wants the opposite trade:
 keep the step's peak mapped, as a GPU server keeps its memory.
 
 `keep_freed_memory()` sets glibc's malloc (`mallopt`) for the whole process, once:
@@ -23,7 +23,7 @@ Elsewhere (musl, macOS, Windows) it does nothing.
 model's load: loading reads, converts and frees tensors in the heap, and the free pages between
 the blocks still in use stay resident under any trim threshold (only the heap's top is trimmed).
 It returned 0.24 GB of Qwen2.5-Coder-1.5B's native load (2.02 -> 1.78 GB) and 0.14 GB of
-SmolLM2's (benchmarks/RESULTS.md, "Where a server's memory goes").
+SmolLM2's (benchmarks/history/RESULTS-narrative.md, "Where a server's memory goes").
 """
 
 from __future__ import annotations
@@ -129,13 +129,14 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     larger one in its own), so only each mapping's last huge page is partly used: a mapping of
     its own per weight held ~1 MB more resident per weight (the 1.5B's 113: +0.1 GB).
 
-    A batch-1 decode step streams every weight once, one core at ~10 GB/s: with 4 KB pages each
-    4 KB costs a TLB miss and a page walk. The weights a load builds came from glibc's heap
-    (blocks under its 32 MB mmap threshold, `keep_freed_memory`), in 4 KB pages: 0.2 of the
-    1.5B's 1.1 GB sat in huge pages. On the AMX Xeon the 1.5B's Q4_K gate product out of cache
-    took 0.83 ms from 4 KB pages, 0.72 from huge ones, and its decode 123 -> 103-105 ms a token
-    (benchmarks/RESULTS.md, "the GGUF's own blocks on the AMX Xeon"). A mapping lives as long as
-    any tensor in it (torch.frombuffer holds it): only weights go here, never transient tensors."""
+    A batch-1 decode step streams every weight once, one core at ~10 GB/s: with 4 KB pages each 4 KB
+    costs a TLB miss and a page walk. The weights a load builds came from glibc's heap (blocks under
+    its 32 MB mmap threshold, `keep_freed_memory`), in 4 KB pages: 0.2 of the 1.5B's 1.1 GB sat in
+    huge pages. On the AMX Xeon the 1.5B's Q4_K gate product out of cache took 0.83 ms from 4 KB
+    pages, 0.72 from huge ones, and its decode 123 -> 103-105 ms a token
+    (benchmarks/history/RESULTS-narrative.md, "the GGUF's own blocks on the AMX Xeon"). A mapping
+    lives as long as any tensor in it (torch.frombuffer holds it): only weights go here, never
+    transient tensors."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not _placed(nbytes):
         return torch.empty(shape, dtype=dtype)

@@ -1,13 +1,13 @@
 """A chunk entry's sensitivity: how far each token's KV moves when its chunk follows other text.
 
-Blend recomputes the chunk tokens whose reused KV is furthest from what a full prefill would
-give them. The usual selectors estimate that at the request, from the fresh K of one check layer,
-which every chunk token must first run to. The probes with transformers (benchmarks/
-fidelity_probes.py, RESULTS.md "Where the answers are lost") found the deviation to be mostly a
-property of the token itself: measured once, after the entry's S and one fixed passage of another
-domain, it ranked the tokens as well as the true all-layer deviation in the prompt (41 and 42 of
-48 of full prefill's answers kept at 15%, against 36 for the K deviation at layer 1). So an entry
-measures it once, the first time a request ranks by it (`blend_selector="stored_deviation"`),
+Blend recomputes the chunk tokens whose reused KV is furthest from what a full prefill would give
+them. The usual selectors estimate that at the request, from the fresh K of one check layer, which
+every chunk token must first run to. The probes with transformers (benchmarks/fidelity_probes.py;
+benchmarks/history/RESULTS-narrative.md "Where the answers are lost") found the deviation to be
+mostly a property of the token itself: measured once, after the entry's S and one fixed passage of
+another domain, it ranked the tokens as well as the true all-layer deviation in the prompt (41 and
+42 of 48 of full prefill's answers kept at 15%, against 36 for the K deviation at layer 1). So an
+entry measures it once, the first time a request ranks by it (`blend_selector="stored_deviation"`),
 and keeps it; the choice is then known before layer 0, and the tokens not chosen never run.
 
 score(token i) = sum over layers l of

@@ -125,7 +125,8 @@ class RagQuestion:
 def estimate(text: str) -> float:
     """Tokens as a BPE tokenizer that splits digits counts them, roughly: a digit, a word, a
     punctuation mark each one, times 1.27 (the mean ratio of SmolLM2's and Qwen2.5's counts to
-    those pieces on these documents; their counts per size are in RESULTS.md)."""
+    those pieces on these documents; their counts per size are in benchmarks/history/
+    RESULTS-narrative.md "bench_rag_shape: the real RAG shape")."""
     return 1.27 * len(re.findall(r"\d|[^\W\d_]+|[^\w\s]", text))
 
 

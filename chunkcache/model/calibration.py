@@ -18,8 +18,8 @@ class ContextCalibration:
     them attends to them with temperature T (logits / T inside the group; APE sharpens with
     T < 1) and with the group's total weight multiplied by s; the entries before and after the
     group are attended as usual. T = s = 1 is exact attention. Tokens before `end` are never
-    calibrated. Measured on SmolLM2 it kept fewer of full prefill's answers (RESULTS.md), so the
-    engine's default is the identity.
+    calibrated. Measured on SmolLM2 it kept fewer of full prefill's answers (benchmarks/history/
+    RESULTS-narrative.md "APE's attention calibration"), so the engine's default is the identity.
     """
 
     start: int

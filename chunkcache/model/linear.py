@@ -1,6 +1,7 @@
 """Linear layers with CPU fast paths: the weight held in the layouts its row counts run fastest in.
 
-On CPU in float32 three layouts of a weight serve `y = x W^T` (benchmarks/RESULTS.md, bench_engine):
+On CPU in float32 three layouts of a weight serve `y = x W^T` (benchmarks/history/
+RESULTS-narrative.md, bench_engine's sections):
 - dense [out, in], `F.linear` (MKL): the reference, and the best at 1 row when in > out;
 - transposed [in, out] contiguous, `x @ W^T` (MKL): at 1-3 rows, 1.2-1.8x faster than dense when
   out >= in (q/k/v, gate/up, lm_head: 10 -> 6 ms per decode token for SmolLM2's lm_head), and

@@ -1,14 +1,15 @@
 """Decode's few-row products over quantized weights in float32, by a small AVX2 + FMA kernel
 (`qkernel.c`) compiled on first use: what `weights native` / `int8` serve at 1-8 rows.
 
-torch's weight-only CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) take
-bfloat16 activations, bfloat16 scales and zeros, and on one AVX2 EPYC core read the 1.5B's codes
-at ~4.8 GB/s, where one core streams 13-16 GB/s: they are bound by their arithmetic, not by the
-bytes (benchmarks/RESULTS.md, "A float32 AVX2 kernel for decode"). This one reads the same codes
-(torch's own int4 packing, so prefill's dequantized blocks and the held bytes are unchanged; the
-int8 codes and bfloat16 scales as they are), with float32 activations and float32 int4 scales and
-minimums (the file's values exactly, no bfloat16 rounding), and factors a group's minimum out of
-a 1-row product: sum(x (s q + m)) = s sum(x q) + m sum(x), one conversion and one FMA per code.
+torch's weight-only CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`) take bfloat16
+activations, bfloat16 scales and zeros, and on one AVX2 EPYC core read the 1.5B's codes at ~4.8
+GB/s, where one core streams 13-16 GB/s: they are bound by their arithmetic, not by the bytes
+(benchmarks/history/RESULTS-narrative.md, "A float32 AVX2 kernel for decode"). This one reads the
+same codes (torch's own int4 packing, so prefill's dequantized blocks and the held bytes are
+unchanged; the int8 codes and bfloat16 scales as they are), with float32 activations and float32
+int4 scales and minimums (the file's values exactly, no bfloat16 rounding), and factors a group's
+minimum out of a 1-row product: sum(x (s q + m)) = s sum(x q) + m sum(x), one conversion and one FMA
+per code.
 
 It is built with the system C compiler (`cc -O3 -mavx2 -mfma -mf16c -fopenmp`: 4.5-5.3 s wall on a
 loaded 2-core EPYC, logged), cached by source hash under `envs.kernel_dir()`, loaded with ctypes
@@ -67,8 +68,9 @@ FORMS_VERSION = (
     "blocks-bf16-prefill;q4_0-q4_1-tiles"
 )
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
-# What serving without the library costs, in the WARNING at load (benchmarks/RESULTS.md, "A float32
-# AVX2 kernel for decode's quantized products" and the sections on GGUF blocks and AMX after it).
+# What serving without the library costs, in the WARNING at load (benchmarks/history/
+# RESULTS-narrative.md, "A float32 AVX2 kernel for decode's quantized products" and the sections on
+# GGUF blocks and AMX after it; the current speeds: benchmarks/RESULTS.md "bench_llamacpp").
 COST = (
     "served with torch's kernels: decode's quantized products in bfloat16 at 3.5-4.4 GB/s of codes "
     "where the kernel reads ~10 (a 1.5B step's int4 projections 177 ms, not 107), no GGUF blocks "

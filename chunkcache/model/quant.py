@@ -7,8 +7,8 @@ dequantized 4-bit file holds 8x (float32) or 4x (bfloat16) the bytes it came wit
 products run in `qkernel` (an AVX2 + FMA C kernel, float32 activations, float32 int4 scales and
 minimums: the file's values exactly) where it is available, and otherwise in torch's two CPU
 kernels for weight-only products, which both take bfloat16 activations (their float32 path
-measured 10-70x slower on an AVX2 EPYC, their float16 one ~15x; benchmarks/RESULTS.md). Both read
-the same held codes:
+measured 10-70x slower on an AVX2 EPYC, their float16 one ~15x; benchmarks/history/
+RESULTS-narrative.md "Quantized weights: a GGUF's own codes served"). Both read the same held codes:
 
 - `_weight_int4pack_mm_for_cpu`: 4-bit codes q in [0, 16) with a scale s and a zero z per group
   of 32 inputs and output channel, w = (q - 8) * s + z (found by a probe against a

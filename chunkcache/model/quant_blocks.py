@@ -17,7 +17,8 @@ of 16 rows (where torch's int4 kernel would serve them).
   its tied token embedding so (49152 x 576); a Q8_0 file, every projection. Per channel int8
   cannot hold the per-block scales (~4e-3 of the weight re-quantized); the blocks are exact, and a
   tied embedding's row lookups read the same bytes (`quant_embedding`), where a float32 copy for
-  the lm_head held 113 MB on SmolLM2 and its 1-row product took ~14 ms against ~3.5 (RESULTS.md).
+  the lm_head held 113 MB on SmolLM2 and its 1-row product took ~14 ms against ~3.5
+  (benchmarks/history/RESULTS-narrative.md).
 
 Every product here starts from gguf's own float32 weights bit for bit (qkernel_q6k.c and
 qkernel_q8_0.c say why that is exact).
@@ -86,7 +87,8 @@ def own_blocks(qtype: str, int8_x: bool) -> bool:
 
     Q8_0: always (exact, 6% more bytes than per channel int8's codes). Q6_K: where decode's 1-row
     products take int8 x (`int8_activations`). Measured in one process on the 1.5B, the forms
-    alternated (benchmarks/bench_q6k_forms.py, RESULTS.md "Q6_K in its own blocks"): with int8 x
+    alternated (benchmarks/bench_q6k_forms.py; benchmarks/RESULTS.md "bench_q6k_forms", the other
+    runs in benchmarks/history/RESULTS-narrative.md "Q6_K in its own blocks"): with int8 x
     the blocks decode faster (medians 105.5 against 124.0 and 115.7 against 128.9 ms per token,
     faster in 6 rounds of 6); with float32 x not (148.8 against 149.7 in one run, 163.6 against
     154.1 in another, slower in 4 rounds of 6): unpacking 6-bit codes to float costs more vector
@@ -100,7 +102,8 @@ def own_blocks(qtype: str, int8_x: bool) -> bool:
     GEMM) measured RAG random 43x llama.cpp against 61x and prefill 7.4x against 8.6x; with the
     AMX tiles multiplying straight from the blocks (`qkernel.amx_blocks_product`) SmolLM2's tied
     table is held as its blocks there too: its 1-row lm_head reads 30 MB where the dense bfloat16
-    table read 56 (in process 26.1 -> 22.9 ms a token, the same tokens: RESULTS.md).
+    table read 56 (in process 26.1 -> 22.9 ms a token, the same tokens: benchmarks/RESULTS.md
+    "bench_decode_forms"; the rest: benchmarks/history/RESULTS-narrative.md, sessions 42-44).
 
     Q4_0 / Q4_1: in tiles where torch's int4 kernel would serve them (`qkernel.available()` False:
     torch packs int4 for AVX512): their products 5.5-6.2 (AVX512 build) and 6.8-7.2 ms (AVX2)

@@ -3,7 +3,8 @@ fastest at load, dense or native (`model/quant.py`).
 
 Which is faster depends on the CPU, the dtype, the GGUF type and the shape: on the 1.5B
 (Q4_K_M, AVX2 EPYC, bfloat16) native weights decode ~1.5x faster than dense and prefill alike;
-on SmolLM2 in float32 they decode faster but prefill ~20% slower (benchmarks/RESULTS.md). So
+on SmolLM2 in float32 they decode faster but prefill ~20% slower (benchmarks/history/
+RESULTS-narrative.md, "Quantized weights: a GGUF's own codes served" and after). So
 `auto` times both forms of one projection per group (a kind: qkv, o, gate_up, down, lm_head,
 and the GGUF types of its tensors: the 1.5B's down projection is Q6_K in half its layers and
 Q4_K in the others: the file's Q6_K blocks and int4 once native), on the group's first layer, and serves the
@@ -26,7 +27,8 @@ once, whatever the rows) weighs most against the GEMM both forms then run in flo
 native win or tie at 128 rows holds at longer prefills. The lm_head is timed at one row only:
 its prefill rows are the last token of each prompt. Every timed product starts with its weight
 out of the caches (`_EVICT_FLOATS` written first), as a decode step reads every weight from
-memory. Timing runs before the weights are read: ~1-3 s of a load (RESULTS.md).
+memory. Timing runs before the weights are read: ~1-3 s of a load (benchmarks/RESULTS.md
+"`weights auto`").
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ MARGIN = 1.10  # dense must be this much faster at every size to be chosen
 REPEATS = 7  # timed products per form and size (the fastest counts), after one warm-up
 # Rows of the lm_head timed (its vocabulary is 49k-152k rows): 32,768 x 1,536 is 50-200 MB in
 # either form, read from memory as the whole one is; converting the 1.5B's whole Q6_K lm_head
-# twice (dense, int8) made `auto` ~27 s of its load, this ~1/5 of that (RESULTS.md).
+# twice (dense, int8) made `auto` ~27 s of its load, this ~1/5 of that (benchmarks/history/
+# RESULTS-narrative.md "`weights auto`: the faster form per projection kind, measured at load").
 LM_HEAD_ROWS = 32768
 _EVICT_FLOATS = 16 * 2**20  # 64 MB written before each timed product: beyond a 32 MB L3
 _KINDS = {

@@ -9,7 +9,8 @@ router does this, at 0.5): a mostly new prompt then goes where the load is least
 backend that holds a little of it, so a backend that started with little is not left idle while
 the others queue (bench_router_cluster saw splits of 60/9/51 requests). It is off by default: at
 0.5 it evened the split, and mean TTFT in bench_router_cluster's interleaved runs was 0.91-1.07x
-that of threshold 0 (six comparisons, within the round-to-round spread; RESULTS.md).
+that of threshold 0 (six comparisons, within the round-to-round spread; benchmarks/history/
+RESULTS-narrative.md "bench_router_cluster").
 The decision says which rule chose, for the metrics.
 """
 
