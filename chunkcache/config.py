@@ -279,6 +279,7 @@ class ChunkConfig:
         if self.separator_free_min_tokens < 1:
             raise ValueError(f"separator_free_min_tokens must be >= 1, got {self.separator_free_min_tokens}")
         self._validate_blend(num_layers)
+        self._validate_calibration()
 
     def _validate_fusion(self) -> None:
         if self.fusion_rule not in FUSION_RULES:
@@ -303,7 +304,19 @@ class ChunkConfig:
                 raise ValueError(f"{name} must be an integer in [{low}, 1024], got {value!r}")
 
     def _validate_blend(self, num_layers: int | None) -> None:
+        """Blend's options, group by group in a fixed order (the first failing check is the error a
+        request's 400 names): check layers, their ratios, the selector (whose layer-0 rule reads
+        both), the amounts. Each group relies on the ones before it (a layer at least, one ratio
+        per layer), so the order is part of the behaviour."""
         layers, ratios = tuple(self.blend_check_layers), tuple(self.blend_recompute_ratios)
+        self._validate_blend_layers(layers, num_layers)
+        self._validate_blend_ratios(layers, ratios)
+        self._validate_blend_selector(layers, ratios)
+        self._validate_blend_amounts()
+
+    def _validate_blend_layers(self, layers: tuple[int, ...], num_layers: int | None) -> None:
+        """The check layers: at least one, increasing, and inside the model where this config
+        blends (layout offset, or fusion's blended joint stream; `num_layers` None: not known yet)."""
         if not layers:
             raise ValueError("blend_check_layers must name at least one layer")
         if any(not isinstance(x, int) or x < 0 for x in layers) or list(layers) != sorted(set(layers)):
@@ -315,6 +328,11 @@ class ChunkConfig:
             raise ValueError(
                 f"blend_check_layers {list(layers)} out of range: the model has {num_layers} layers"
             )
+
+    @staticmethod
+    def _validate_blend_ratios(layers: tuple[int, ...], ratios: tuple[float, ...]) -> None:
+        """One ratio per check layer, each a share, none above the one before: each check layer
+        keeps a share of the tokens the previous one kept (gradual filtering)."""
         if len(ratios) != len(layers):
             raise ValueError(
                 f"blend_recompute_ratios {list(ratios)} must give one ratio per check layer {list(layers)}"
@@ -325,6 +343,11 @@ class ChunkConfig:
             raise ValueError(
                 f"blend_recompute_ratios must not increase (gradual filtering), got {list(ratios)}"
             )
+
+    def _validate_blend_selector(self, layers: tuple[int, ...], ratios: tuple[float, ...]) -> None:
+        """The selector and the unit it ranks, and the one place they meet the layers: a selector
+        comparing fresh and cached KV has nothing to compare at layer 0 (they differ by rounding
+        only), so it may not choose there."""
         if self.blend_selector not in BLEND_SELECTORS:
             raise ValueError(f"blend_selector {self.blend_selector!r} is not one of {BLEND_SELECTORS}")
         if self.blend_unit not in BLEND_UNITS:
@@ -338,12 +361,20 @@ class ChunkConfig:
                 "layer 0 differ by rounding only: give blend_check_layers from 1, or blend_selector "
                 "'stored_deviation'"
             )
+
+    def _validate_blend_amounts(self) -> None:
+        """The threshold and token counts. Plain checks in order, not a table of conditions: a
+        table would compare every value before raising, so a value of the wrong type (a
+        TypeError) could pre-empt an earlier option's ValueError."""
         if not math.isfinite(self.blend_threshold) or self.blend_threshold < 0:
             raise ValueError(f"blend_threshold must be a finite number >= 0, got {self.blend_threshold}")
         if self.blend_boundary_tokens < 0:
             raise ValueError(f"blend_boundary_tokens must be >= 0, got {self.blend_boundary_tokens}")
         if self.blend_min_tokens < 0:
             raise ValueError(f"blend_min_tokens must be >= 0, got {self.blend_min_tokens}")
+
+    def _validate_calibration(self) -> None:
+        """APE's temperature and scale (both layouts): positive and finite, 1.0 being exact."""
         for name in ("calibration_temperature", "calibration_scale"):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
