@@ -547,32 +547,51 @@ class FidelityConfig:
         return 0.01 if self.target is not None else 0.0
 
     def validate(self) -> None:
-        t = self.target
-        if t is not None and (
-            isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or not 0 < t <= 1
-        ):
-            raise ValueError(f"fidelity_target must be a fraction in (0, 1], got {t!r}")
-        r = self.sample_rate
-        if r is not None and (
-            isinstance(r, bool) or not isinstance(r, int | float) or not math.isfinite(r) or not 0 <= r <= 1
-        ):
-            raise ValueError(f"fidelity_sample_rate must be a fraction in [0, 1], got {r!r}")
-        k = self.distribution_steps
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
-            raise ValueError(f"fidelity_distribution_steps must be an integer in [1, 64], got {k!r}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"fidelity_window must be an integer >= 1, got {self.window!r}")
-        m = self.margin
-        if isinstance(m, bool) or not isinstance(m, int | float) or not math.isfinite(m) or not 0 <= m < 1:
-            raise ValueError(f"fidelity_margin must be in [0, 1), got {m!r}")
-        c = self.max_share
-        if isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c) or not 0 < c <= 1:
-            raise ValueError(f"fidelity_max_share must be a fraction in (0, 1], got {c!r}")
-        if self.profile is not None and t is None:
+        """The gate's shares, then the shadow checks' settings, then the profile (read only by a
+        gate): in this order, the first failing check is the error."""
+        self._validate_shares()
+        self._validate_checks()
+        if self.profile is not None and self.target is None:
             raise ValueError(
                 "fidelity_profile is read only with fidelity_target (the share of full prefill's "
                 "answers to keep, e.g. 0.95)"
             )
+
+    def _validate_shares(self) -> None:
+        """What the gate keeps and how much of the traffic it re-runs: fractions, or None (off,
+        or the default rate)."""
+        t = self.target
+        if t is not None and not (_finite_number(t) and 0 < t <= 1):
+            raise ValueError(f"fidelity_target must be a fraction in (0, 1], got {t!r}")
+        r = self.sample_rate
+        if r is not None and not (_finite_number(r) and 0 <= r <= 1):
+            raise ValueError(f"fidelity_sample_rate must be a fraction in [0, 1], got {r!r}")
+
+    def _validate_checks(self) -> None:
+        """How shadow checks compare and how the controller judges them: counts and shares, each
+        given (no None)."""
+        k = self.distribution_steps
+        if not (_integer(k) and 1 <= k <= 64):
+            raise ValueError(f"fidelity_distribution_steps must be an integer in [1, 64], got {k!r}")
+        if not (_integer(self.window) and self.window >= 1):
+            raise ValueError(f"fidelity_window must be an integer >= 1, got {self.window!r}")
+        m = self.margin
+        if not (_finite_number(m) and 0 <= m < 1):
+            raise ValueError(f"fidelity_margin must be in [0, 1), got {m!r}")
+        c = self.max_share
+        if not (_finite_number(c) and 0 < c <= 1):
+            raise ValueError(f"fidelity_max_share must be a fraction in (0, 1], got {c!r}")
+
+
+def _finite_number(value: object) -> bool:
+    """An int or a float, finite, and not a bool (true is no number in a config file). Checked in
+    this order, so a value of another type is never compared."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def _integer(value: object) -> bool:
+    """An int that is not a bool."""
+    return not isinstance(value, bool) and isinstance(value, int)
 
 
 @dataclass(frozen=True)
