@@ -307,6 +307,19 @@ class Conversion:
         return (self.error_sq / self.norm_sq) ** 0.5 if self.norm_sq else 0.0
 
 
+@dataclass
+class _Form:
+    """One GGUF tensor in the form a part holds it: the part class, the tensors that class is
+    built from (stacked with the next tensors' of the same form), the sampled rows' values as
+    that form serves them (to measure its error against the file's) and the form's name in the
+    log line."""
+
+    kind: type
+    args: list[torch.Tensor]
+    served: np.ndarray
+    name: str
+
+
 def native_parts(
     raws: list[RawTensor], dtype: torch.dtype, report: dict[str, Conversion], int8_x: bool = False
 ) -> list[Part]:
@@ -319,66 +332,80 @@ def native_parts(
     for raw in raws:
         rows = slice(0, min(_ERROR_ROWS, raw.shape[0]))
         reference = raw.dequantize(rows)
-        if quant_blocks.own_blocks(raw.qtype, int8_x) and qkernel.holds(raw.qtype, raw.shape[0]):
-            part = BlocksPart.of_raw(raw, int8_x)
-            args, served = [part.blocks], part.dequantize(rows).numpy()
-            kind, form = BlocksPart, f"{raw.qtype}'s own blocks (exact)"
-        elif raw.qtype in INT4_TYPES and raw.shape[1] % GROUP == 0:
-            q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
-            args = [q, scale, minimum]
-            if raw.qtype == "Q4_K":
-                args += [torch.from_numpy(a) for a in q4k_superblocks(raw)]
-            if qkernel.available() and raw.shape[0] % qkernel.TILE == 0:  # float32 factors
-                s, m = (a[rows].repeat_interleave(GROUP, 1) for a in (scale, minimum))
-                served, form = (
-                    (q[rows].float() * s + m).numpy(),
-                    "int4 (own codes, float32 scales and minimums)",
-                )
-            else:
-                s = scale[rows].to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
-                z = (minimum[rows] + 8 * scale[rows]).to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
-                served = ((q[rows].float() - 8) * s + z).numpy()
-                form = "int4 (own codes, bfloat16 scales and zeros)"
-            kind = Int4Part
-        elif raw.qtype in QUANTIZED_TYPES:  # INT8_TYPES and Q6_K, not held as their blocks
-            part = Int8Part.of_raw(raw, int8_x)
-            args = [part.codes, part.scales]
-            served = (part.codes[rows].float() * part.scales[rows].float()[:, None]).numpy()
-            kind, form = Int8Part, "int8 per channel (re-quantized)"
-        else:
-            if raw.qtype not in _FLOAT_TYPES and raw.qtype not in report:
-                logger.warning(
-                    "weights native: %s (%s) has no quantized kernel here; served dequantized",
-                    raw.qtype,
-                    raw.name,
-                )
-            args = [torch.from_numpy(raw.dequantize()).to(dtype)]
-            served = args[0][rows].float().numpy()
-            kind, form = DensePart, f"dense {str(dtype).removeprefix('torch.')}"
-        entry = report.setdefault(raw.qtype, Conversion(form))
-        entry.error_sq += float(np.square(served - reference).sum())
+        form = _native_form(raw, rows, dtype, report, int8_x)
+        entry = report.setdefault(raw.qtype, Conversion(form.name))
+        entry.error_sq += float(np.square(form.served - reference).sum())
         entry.norm_sq += float(np.square(reference).sum())
         entry.tensors += 1
-        key = (kind, raw.qtype if kind is BlocksPart else None)  # blocks of one type share a part
+        key = (form.kind, raw.qtype if form.kind is BlocksPart else None)  # blocks of one type share a part
         if pieces and pieces[-1][0] == key:
-            pieces[-1][1].append(args)
+            pieces[-1][1].append(form.args)
         else:
-            pieces.append((key, [args]))
-    parts: list[Part] = []
-    for (kind, blocks_type), group in pieces:
-        if kind is Int4Part and len({len(a) for a in group}) > 1:  # Q4_K beside another 4-bit type
-            group = [a[:3] for a in group]
-        join = _joined if kind is BlocksPart else torch.cat
-        args = [join(column) for column in zip(*group, strict=True)]
-        if kind is DensePart:
-            parts.append(DensePart(*args))
-        elif kind is Int4Part:
-            parts.append(Int4Part(*args[:3], int8_x=int8_x, superblocks=tuple(args[3:]) or None))
-        elif kind is BlocksPart:
-            parts.append(BlocksPart(*args, blocks_type, int8_x=int8_x))
-        else:
-            parts.append(Int8Part(*args, int8_x=int8_x))
-    return parts
+            pieces.append((key, [form.args]))
+    return [_stacked_part(kind, blocks_type, group, int8_x) for (kind, blocks_type), group in pieces]
+
+
+def _native_form(
+    raw: RawTensor, rows: slice, dtype: torch.dtype, report: dict[str, Conversion], int8_x: bool
+) -> _Form:
+    """The form `raw` takes, the most exact one this machine serves first: the file's own blocks
+    (where `qkernel` holds that type), its own 4-bit codes, int8 per channel (re-quantized), or
+    dense in `dtype`. `report` only says whether the type was seen already (warned about once)."""
+    if quant_blocks.own_blocks(raw.qtype, int8_x) and qkernel.holds(raw.qtype, raw.shape[0]):
+        part = BlocksPart.of_raw(raw, int8_x)
+        return _Form(
+            BlocksPart, [part.blocks], part.dequantize(rows).numpy(), f"{raw.qtype}'s own blocks (exact)"
+        )
+    if raw.qtype in INT4_TYPES and raw.shape[1] % GROUP == 0:
+        return _int4_form(raw, rows)
+    if raw.qtype in QUANTIZED_TYPES:  # INT8_TYPES and Q6_K, not held as their blocks
+        part = Int8Part.of_raw(raw, int8_x)
+        served = (part.codes[rows].float() * part.scales[rows].float()[:, None]).numpy()
+        return _Form(Int8Part, [part.codes, part.scales], served, "int8 per channel (re-quantized)")
+    if raw.qtype not in _FLOAT_TYPES and raw.qtype not in report:
+        logger.warning(
+            "weights native: %s (%s) has no quantized kernel here; served dequantized",
+            raw.qtype,
+            raw.name,
+        )
+    weight = torch.from_numpy(raw.dequantize()).to(dtype)
+    return _Form(
+        DensePart, [weight], weight[rows].float().numpy(), f"dense {str(dtype).removeprefix('torch.')}"
+    )
+
+
+def _int4_form(raw: RawTensor, rows: slice) -> _Form:
+    """A 4-bit type's own codes with its scale and minimum per group (and Q4_K's superblocks).
+    The values served are those of the kernel that will run: `qkernel`'s float32 factors where it
+    serves this shape, else torch's kernel's, whose scale and zero are rounded to bfloat16."""
+    q, scale, minimum = (torch.from_numpy(a) for a in affine_int4(raw))
+    args = [q, scale, minimum]
+    if raw.qtype == "Q4_K":
+        args += [torch.from_numpy(a) for a in q4k_superblocks(raw)]
+    if qkernel.available() and raw.shape[0] % qkernel.TILE == 0:  # float32 factors
+        s, m = (a[rows].repeat_interleave(GROUP, 1) for a in (scale, minimum))
+        served = (q[rows].float() * s + m).numpy()
+        return _Form(Int4Part, args, served, "int4 (own codes, float32 scales and minimums)")
+    s = scale[rows].to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
+    z = (minimum[rows] + 8 * scale[rows]).to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
+    served = ((q[rows].float() - 8) * s + z).numpy()
+    return _Form(Int4Part, args, served, "int4 (own codes, bfloat16 scales and zeros)")
+
+
+def _stacked_part(kind: type, blocks_type: str | None, group: list[list[torch.Tensor]], int8_x: bool) -> Part:
+    """One part of class `kind` from consecutive tensors' arguments `group`, each argument stacked
+    along the outputs (file blocks into huge pages, `_joined`)."""
+    if kind is Int4Part and len({len(a) for a in group}) > 1:  # Q4_K beside another 4-bit type
+        group = [a[:3] for a in group]
+    join = _joined if kind is BlocksPart else torch.cat
+    args = [join(column) for column in zip(*group, strict=True)]
+    if kind is DensePart:
+        return DensePart(*args)
+    if kind is Int4Part:
+        return Int4Part(*args[:3], int8_x=int8_x, superblocks=tuple(args[3:]) or None)
+    if kind is BlocksPart:
+        return BlocksPart(*args, blocks_type, int8_x=int8_x)
+    return Int8Part(*args, int8_x=int8_x)
 
 
 def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
