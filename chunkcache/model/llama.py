@@ -163,6 +163,26 @@ def prepare_projection(m: Linear, narrow_weights: bool, lm_head: bool) -> None:
     m.prepare(pack, narrow_weights, pack_prefill)
 
 
+def _keep_faster_products(linears: list[Linear]) -> None:
+    """Time both forms of each projection kind's 1-row product over these weights (one pass
+    each), log them, and drop the fused form (`fused = None`) where BLAS is as fast or faster."""
+    timings = time_one_row_products(linears)
+    for (out_features, in_features, _, _), (fused, blas) in timings.items():
+        logger.info(
+            "compile_decode: %dx%d 1-row products as %s (a pass over their weights: %.1f ms "
+            "fused, %.1f ms BLAS)",
+            in_features,
+            out_features,
+            "fused multiply-sums" if fused < blas else "BLAS calls",
+            fused * 1e3,
+            blas * 1e3,
+        )
+    for m in linears:
+        fused, blas = timings[m.kind]
+        if fused >= blas:
+            m.fused = None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -257,6 +277,22 @@ class LlamaForCausalLM(nn.Module):
         The multiply-sum needs the [out, in] weight of every projection whose 1-row layout is
         the transposed one: a second copy of those weights (+318 MB on SmolLM2-135M; a tied
         lm_head reads the embedding's)."""
+        self._check_compilable()
+        linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
+        self._choose_product_forms(linears)
+        self.fused_products = any(m.fused is not None for m in [*linears, self.lm_head])
+        self._compiled_decode = torch.compile(self._forward, dynamic=True)
+        if self.lm_head.fused is not None:
+            # A decode step's logits (one row) stream the lm_head's weight the same way: compiled
+            # for one row only, and now, so that no request's step waits for the compiler.
+            self._compiled_logits = torch.compile(self._logits, dynamic=False)
+            with torch.inference_mode():
+                self._compiled_logits(self.norm.weight.new_zeros(1, self.spec.hidden_size))
+
+    def _check_compilable(self) -> None:
+        """Refuse, before any time is spent, what `compile_decode` cannot serve, naming the first
+        projection in the way: oneDNN's packed 1-row layout (inductor cannot lower it), and
+        qkernel's C products under torch's AVX512 kernels (compiled graphs around them aborted)."""
         packed = [n for n, m in self.named_modules() if isinstance(m, Linear) and m.narrow == "packed"]
         if packed:
             raise ValueError(
@@ -272,39 +308,20 @@ class LlamaForCausalLM(nn.Module):
                 "kernels graphs compiled around them aborted in glibc's heap checks (a known bug: "
                 "docs/operations.md); serve without compile_decode here"
             )
-        linears = [m for m in self.layers.modules() if isinstance(m, Linear)]
+
+    def _choose_product_forms(self, linears: list[Linear]) -> None:
+        """Per projection kind, the faster form of its 1-row product (`Linear.fused` kept for a
+        fused multiply-sum, None for BLAS). Timed only where every projection, the lm_head
+        included, can hold the [out, in] weight the multiply-sum reads; otherwise all are BLAS."""
         # A tied lm_head's [out, in] weight is the embedding's, held anyway for row lookups.
         # (Native weights' quantized embedding holds no dense weight: its tied lm_head is int4.)
         tied = self.spec.tie_word_embeddings and isinstance(self.embed_tokens, nn.Embedding)
         shared = self.embed_tokens.weight.detach() if tied else None
         if all(m.hold_fused_weight() for m in linears) and self.lm_head.hold_fused_weight(shared):
-            linears.append(self.lm_head)
-            timings = time_one_row_products(linears)
-            for (out_features, in_features, _, _), (fused, blas) in timings.items():
-                logger.info(
-                    "compile_decode: %dx%d 1-row products as %s (a pass over their weights: %.1f ms "
-                    "fused, %.1f ms BLAS)",
-                    in_features,
-                    out_features,
-                    "fused multiply-sums" if fused < blas else "BLAS calls",
-                    fused * 1e3,
-                    blas * 1e3,
-                )
-            for m in linears:
-                fused, blas = timings[m.kind]
-                if fused >= blas:
-                    m.fused = None
+            _keep_faster_products([*linears, self.lm_head])
         else:
             for m in [*linears, self.lm_head]:
                 m.fused = None
-        self.fused_products = any(m.fused is not None for m in [*linears, self.lm_head])
-        self._compiled_decode = torch.compile(self._forward, dynamic=True)
-        if self.lm_head.fused is not None:
-            # A decode step's logits (one row) stream the lm_head's weight the same way: compiled
-            # for one row only, and now, so that no request's step waits for the compiler.
-            self._compiled_logits = torch.compile(self._logits, dynamic=False)
-            with torch.inference_mode():
-                self._compiled_logits(self.norm.weight.new_zeros(1, self.spec.hidden_size))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._compiled_logits is not None and hidden.shape[0] == 1:
