@@ -274,13 +274,16 @@ def load_model(
         )
     net = _build_net(spec, read, lora, dev, torch_dtype)
     if served != "dense":
-        if dev.type != "cpu":
-            raise ModelLoadError(f"weights {weights!r} are CPU kernels; on {dev.type} use weights 'dense'")
-        raw = _raw_reader(checkpoint) if gguf is not None else None
-        apply_weights(net, served, raw, spec.tie_word_embeddings, dense_modules, int8_activations)
-        unbuilt = [n for n, p in net.named_parameters() if p.is_meta]
-        if unbuilt:  # a tensor dense_at_load skipped that no quantized form replaced: a bug here
-            raise ModelLoadError(f"weights {weights!r} left {unbuilt[:4]} without values")
+        _quantize(
+            net,
+            weights,
+            served,
+            checkpoint if gguf is not None else None,
+            dev,
+            spec.tie_word_embeddings,
+            dense_modules,
+            int8_activations,
+        )
     size = _held_bytes(net)  # the weights as loaded (quantized ones included), a tied one once
     # After every weight is in place: the layouts are built from the final (merged, tied) tensors.
     net.prepare(narrow_weights)
@@ -288,14 +291,50 @@ def load_model(
     gen = path / "generation_config.json" if gguf is None else None
     net.weights_form = served if forms is None else forms.form
     net.int8_activations = int8_activations and served != "dense"
-    why = f"{str(torch_dtype).removeprefix('torch.')} on {dev} ({reason})"
-    if weights != "dense":
-        why += f", weights {weights if forms is None else forms.summary()}"
-    if net.int8_activations:
-        why += ", int8 activations in decode's products"
+    why = _why_served(torch_dtype, dev, reason, weights, forms, net.int8_activations)
     _log_loaded(net, name, size, why, time.perf_counter() - start)
     eos = _eos_ids(gen, tok, hf)
     return LoadedModel(net, spec, tok, path, name, eos, torch_dtype, dev, net.weights_form)
+
+
+def _quantize(
+    net: LlamaForCausalLM,
+    weights: str,
+    served: str,
+    checkpoint: GGUFCheckpoint | None,
+    dev: torch.device,
+    tied: bool,
+    dense_modules: frozenset[str],
+    int8_activations: bool,
+) -> None:
+    """Give `net`'s projections their quantized products (`apply_weights`, the `served` form;
+    `weights` is the option as given, for the errors): CPU only, and every tensor the load left
+    on the meta device must have been replaced by one."""
+    if dev.type != "cpu":
+        raise ModelLoadError(f"weights {weights!r} are CPU kernels; on {dev.type} use weights 'dense'")
+    raw = _raw_reader(checkpoint) if checkpoint is not None else None
+    apply_weights(net, served, raw, tied, dense_modules, int8_activations)
+    unbuilt = [n for n, p in net.named_parameters() if p.is_meta]
+    if unbuilt:  # a tensor dense_at_load skipped that no quantized form replaced: a bug here
+        raise ModelLoadError(f"weights {weights!r} left {unbuilt[:4]} without values")
+
+
+def _why_served(
+    dtype: torch.dtype,
+    dev: torch.device,
+    reason: str,
+    weights: str,
+    forms: weight_forms.Forms | None,
+    int8_activations: bool,
+) -> str:
+    """The load line's account of how the model is served: dtype and device (and why), the
+    weights' form where not dense (auto's choices summed up), int8 activations where on."""
+    why = f"{str(dtype).removeprefix('torch.')} on {dev} ({reason})"
+    if weights != "dense":
+        why += f", weights {weights if forms is None else forms.summary()}"
+    if int8_activations:
+        why += ", int8 activations in decode's products"
+    return why
 
 
 def _auto_forms(
