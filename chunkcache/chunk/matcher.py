@@ -303,6 +303,10 @@ class FusionDocuments:
     dropped: int
 
 
+# A plan's part: (start, end, the run it borrows or None), as in `Plan.parts`.
+_Part = tuple[int, int, Run | None]
+
+
 def fusion_documents(
     token_ids: Sequence[int], cut: Plan, index: SpanIndex, min_tokens: int
 ) -> FusionDocuments | None:
@@ -320,25 +324,53 @@ def fusion_documents(
     an unmatched piece between documents shorter than `min_tokens` is glue (a blank line, a token
     tokenized apart at an edge: dropped, as a separator prompt's separators are), a longer one is
     a new document, computed after S and cached."""
+    parts, sys_end, q_start = _fusion_edges(cut, min_tokens)
+    exact = _runs_after_s(token_ids, index, sys_end, q_start, min_tokens)
+    docs, matched, dropped = _fusion_pieces(parts, exact, sys_end, q_start, min_tokens)
+    if sum(matched) < 2:
+        return None
+    return FusionDocuments(Plan(sys_end, tuple(docs), q_start), tuple(matched), dropped)
+
+
+def _fusion_edges(cut: Plan, min_tokens: int) -> tuple[list[_Part], int, int]:
+    """`cut`'s parts, S's end and Q's start, with the unmatched gap before the first document
+    joined to S where shorter than `min_tokens` (the instructions' tail) and the one after the
+    last joined to Q (the question's head)."""
     parts = list(cut.parts)
     sys_end, q_start = cut.sys_end, cut.q_start
     if parts and parts[0][2] is None and parts[0][1] - parts[0][0] < min_tokens:
         sys_end = parts.pop(0)[1]
     if parts and parts[-1][2] is None:
         q_start = parts.pop()[0]
+    return parts, sys_end, q_start
+
+
+def _runs_after_s(
+    token_ids: Sequence[int], index: SpanIndex, sys_end: int, q_start: int, min_tokens: int
+) -> list[Run]:
+    """The span [sys_end, q_start) matched again on `index`, keeping only runs whose KV was
+    computed right after this very S (`Run.after`), cut at Q and at least `min_tokens` long:
+    the runs a stream S + Ci + Q may borrow exactly."""
     sys_ids = tuple(token_ids[:sys_end])
     found = [(p, h) for p, h in anchors(token_ids[:q_start]) if p >= sys_end]
-    exact = [
+    return [
         Run(r.start, min(r.end, q_start) - r.start, r.entry, r.entry_start)
         for r in index.match(token_ids, found, min_tokens, sys_end, lambda r: r.after(sys_ids))
         if min(r.end, q_start) - r.start >= min_tokens
     ]
-    cuts = {b for _, b, _ in parts if not any(r.start < b < r.end for r in exact)}  # not inside a run
-    ends = sorted(cuts | {r.start for r in exact} | {r.end for r in exact})
-    docs: list[tuple[int, int, Run | None]] = []
+
+
+def _fusion_pieces(
+    parts: list[_Part], exact: list[Run], sys_end: int, q_start: int, min_tokens: int
+) -> tuple[list[_Part], list[bool], int]:
+    """The span cut at the exact runs' edges and at `parts`' ends not inside a run: the documents
+    (an exact run, or None: computed after S), whether each was found in the pool (matched in
+    `parts`, exact or not), and how many tokens of glue (unmatched, shorter than `min_tokens`)
+    were dropped between them."""
+    docs: list[_Part] = []
     matched: list[bool] = []
     dropped, at = 0, sys_end
-    for end in (e for e in ends if sys_end < e <= q_start):
+    for end in (e for e in _piece_ends(parts, exact) if sys_end < e <= q_start):
         run = next((r for r in exact if r.start == at), None)
         known = run is not None or any(r is not None and a <= at < b for a, b, r in parts)
         if run is None and end - at < min_tokens:
@@ -347,6 +379,11 @@ def fusion_documents(
             docs.append((at, end, run))
             matched.append(known)
         at = end
-    if sum(matched) < 2:
-        return None
-    return FusionDocuments(Plan(sys_end, tuple(docs), q_start), tuple(matched), dropped)
+    return docs, matched, dropped
+
+
+def _piece_ends(parts: list[_Part], exact: list[Run]) -> list[int]:
+    """Where the span is cut, in order: every exact run's start and end, and each of `parts`'
+    ends that falls outside the runs (a run is never split)."""
+    cuts = {b for _, b, _ in parts if not any(r.start < b < r.end for r in exact)}
+    return sorted(cuts | {r.start for r in exact} | {r.end for r in exact})
