@@ -79,80 +79,20 @@ def create_app(router: Router) -> FastAPI:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next: Any) -> Response:
-        # Everything but /health needs the key when one is set: /score tells which documents a
-        # pod holds, /metrics what traffic it had (left open by --metrics-without-api-key).
-        path = request.url.path
-        open_paths = {"/health"} | ({"/metrics"} if router.config.open_metrics else set())
-        if api_key is not None and path not in open_paths:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), api_key.encode()
-            ):
-                return _error(
-                    401,
-                    "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                )
-        return await call_next(request)
-
-    async def proxy(request: Request, path: str, chat: bool) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as e:
-            return _error(400, f"invalid JSON body: {e}")
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
-        stream = bool(body.get("stream"))
-        try:
-            up = await router.forward(path, body, raw, headers, chat, stream=stream)
-        except NoBackendError as e:
-            return _error(e.status, str(e), "backend_unavailable", "no_backend")
-        except httpx.HTTPError as e:
-            router.metrics.requests_failed.inc()
-            return _error(
-                502, f"backend request failed: {type(e).__name__}: {e}", "backend_error", "backend_failed"
-            )
-        out_headers = {"x-chunkcache-backend": up.backend.pod_id}
-        media_type = up.resp.headers.get("content-type")
-        if stream:
-
-            def failed_mid_stream(error: BaseException) -> None:
-                router.metrics.requests_failed.inc()
-                router.metrics.proxy_errors.labels(up.backend.pod_id).inc()
-
-            return StreamingResponse(
-                up.relay(failed_mid_stream), up.resp.status_code, out_headers, media_type
-            )
-        await up.release()
-        return Response(up.first, up.resp.status_code, out_headers, media_type)
+        refused = _key_refusal(request, api_key, router.config.open_metrics)
+        return refused if refused is not None else await call_next(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await proxy(request, "/v1/completions", chat=False)
+        return await _proxy(router, request, "/v1/completions", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await proxy(request, "/v1/chat/completions", chat=True)
+        return await _proxy(router, request, "/v1/chat/completions", chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        assert router.client is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
-        for b in router.pool.candidates():
-            try:
-                resp = await router.client.get(
-                    f"{b.url}/v1/models", headers=headers, timeout=router.config.health_timeout_s
-                )
-            except httpx.HTTPError:
-                continue
-            return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
-        if not len(router.pool):
-            return _error(
-                503, "no backend yet: discovery found no ready pod", "backend_unavailable", "no_backend"
-            )
-        return _error(502, "no backend answered /v1/models", "backend_unavailable", "no_backend")
+        return await _models(router, request)
 
     @app.post("/score")
     async def score(request: Request) -> Response:
@@ -200,6 +140,79 @@ def create_app(router: Router) -> FastAPI:
         return Response(await run_in_threadpool(router.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _key_refusal(request: Request, api_key: str | None, open_metrics: bool) -> JSONResponse | None:
+    """The 401 for a request without the router's key, or None to let it through. Everything but
+    /health needs the key when one is set: /score tells which documents a pod holds, /metrics
+    what traffic it had (left open by --metrics-without-api-key: `open_metrics`)."""
+    path = request.url.path
+    open_paths = {"/health"} | ({"/metrics"} if open_metrics else set())
+    if api_key is None or path in open_paths:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        return _error(
+            401,
+            "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
+    return None
+
+
+async def _proxy(router: Router, request: Request, path: str, chat: bool) -> Response:
+    """A completion request forwarded to the backend `router` picks, streamed through when the
+    body asks for a stream; an invalid body is a 400, no backend or a failed one an error in
+    OpenAI's shape naming which."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+    except ValueError as e:
+        return _error(400, f"invalid JSON body: {e}")
+    headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+    stream = bool(body.get("stream"))
+    try:
+        up = await router.forward(path, body, raw, headers, chat, stream=stream)
+    except NoBackendError as e:
+        return _error(e.status, str(e), "backend_unavailable", "no_backend")
+    except httpx.HTTPError as e:
+        router.metrics.requests_failed.inc()
+        return _error(
+            502, f"backend request failed: {type(e).__name__}: {e}", "backend_error", "backend_failed"
+        )
+    out_headers = {"x-chunkcache-backend": up.backend.pod_id}
+    media_type = up.resp.headers.get("content-type")
+    if stream:
+
+        def failed_mid_stream(error: BaseException) -> None:
+            router.metrics.requests_failed.inc()
+            router.metrics.proxy_errors.labels(up.backend.pod_id).inc()
+
+        return StreamingResponse(up.relay(failed_mid_stream), up.resp.status_code, out_headers, media_type)
+    await up.release()
+    return Response(up.first, up.resp.status_code, out_headers, media_type)
+
+
+async def _models(router: Router, request: Request) -> Response:
+    """GET /v1/models as the first candidate backend that answers gives it; 503 while discovery
+    has found no pod, 502 when none answered."""
+    assert router.client is not None
+    headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+    for b in router.pool.candidates():
+        try:
+            resp = await router.client.get(
+                f"{b.url}/v1/models", headers=headers, timeout=router.config.health_timeout_s
+            )
+        except httpx.HTTPError:
+            continue
+        return Response(resp.content, resp.status_code, media_type=resp.headers.get("content-type"))
+    if not len(router.pool):
+        return _error(
+            503, "no backend yet: discovery found no ready pod", "backend_unavailable", "no_backend"
+        )
+    return _error(502, "no backend answered /v1/models", "backend_unavailable", "no_backend")
 
 
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
