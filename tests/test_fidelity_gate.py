@@ -294,18 +294,18 @@ def test_candidates_are_bench_fidelitys_modes_and_the_15b_default_among_them(
     from bench_fidelity import MODES
 
     shared = set(CANDIDATES) & set(MODES)
-    assert "fusion/contrastive/joint3/m0.6" in shared and len(shared) >= len(CANDIDATES) - 1
+    default = "fusion/contrastive/joint3/m0.6/s1"
+    assert default in shared and len(shared) >= len(CANDIDATES) - 1
     for name in shared:
         assert MODES[name] == CANDIDATES[name], name
-    pair = ReuseOptions.from_mapping(CANDIDATES["fusion/contrastive/joint3/m0.6"])
+    pair = ReuseOptions.from_mapping(CANDIDATES[default])
     # The 1.5B's default as served: the catalog's options over the generic default (the catalog
     # names only what differs from it), every chunk option equal to the candidate's over it.
     served = EngineConfig.from_options(QWEN_CODER_1_5B.name, use_env=False).chunk
     assert ChunkConfig().with_request_options(pair, None) == served
-    assert (pair.fusion_pair_margin, pair.fusion_max_joint) == (0.6, 3) and fits(
-        CANDIDATES["fusion/contrastive/joint3/m0.6"], 1
-    )
-    p = _profile(dataclasses.replace(_measured("fusion/contrastive/joint3/m0.6", 0.9, 4.0), options=pair))
+    assert (pair.fusion_pair_margin, pair.fusion_max_joint, pair.fusion_max_streams) == (0.6, 3, 1)
+    assert fits(CANDIDATES[default], 1)
+    p = _profile(dataclasses.replace(_measured(default, 0.9, 4.0), options=pair))
     assert profiles.parse(p.to_json(), "x").configurations[0].options == pair
 
 

@@ -30,10 +30,19 @@ def fusion(rule: str, **extra: Any) -> ChunkOptions:
 CANDIDATES: dict[str, ChunkOptions] = {
     "fusion/contrastive": fusion("contrastive", fusion_amateur=True),
     "fusion/contrastive/pairlead": fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
-    # The conditional joint stream, Qwen2.5-Coder-1.5B's catalog default (model/catalog.py): up to
-    # three documents within 0.6 of the most relevant one's relevance lead (bench_fidelity's name).
+    # The conditional joint stream: up to three documents within 0.6 of the most relevant one's
+    # relevance lead (bench_fidelity's name); with only the most relevant document stream decoding
+    # where none joins (s1), Qwen2.5-Coder-1.5B's catalog default (model/catalog.py).
     "fusion/contrastive/joint3/m0.6": fusion(
         "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=0.6, fusion_max_joint=3
+    ),
+    "fusion/contrastive/joint3/m0.6/s1": fusion(
+        "contrastive",
+        fusion_amateur=True,
+        fusion_pair="lead",
+        fusion_pair_margin=0.6,
+        fusion_max_joint=3,
+        fusion_max_streams=1,
     ),
     "isolated": {"chunk_layout": "isolated"},
     "offset": offset([0], [0.0]),

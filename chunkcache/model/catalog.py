@@ -91,8 +91,15 @@ QWEN_CODER_1_5B = KnownModel(
     # 0.6 nats of the most relevant one's relevance: on the real RAG shape it kept the most of full
     # prefill's answers and reads the documents two- and three-document questions need, where the
     # pair stream chosen on short documents did not (benchmarks/RESULTS.md "bench_rag_shape",
-    # "joint_recall"; the margin: "fusion_pair_margin").
-    chunk_defaults=(("fusion_pair", "lead"), ("fusion_pair_margin", 0.6), ("fusion_max_joint", 3)),
+    # "joint_recall"; the margin: "fusion_pair_margin"). Where no document joins the most relevant
+    # one, only its stream decodes on (`fusion_max_streams` 1): the same answers on both halves,
+    # one-document questions decoding 2 streams instead of 9 at 8 documents ("bench_rag_shape").
+    chunk_defaults=(
+        ("fusion_pair", "lead"),
+        ("fusion_pair_margin", 0.6),
+        ("fusion_max_joint", 3),
+        ("fusion_max_streams", 1),
+    ),
     # weights auto: every projection kind resolved native in every load timed, so on a CPU the
     # file's own 4-bit codes: far less memory than dense, faster decode, every held-out answer of
     # bf16's full prefill kept (benchmarks/RESULTS.md "`weights auto`", "bench_default_model",
