@@ -87,10 +87,9 @@ class SchedulerConfig:
     # two pieces, so smaller pieces answer it sooner, while below 256 the long prompt itself slows.
     long_prefill_token_threshold: int = 256
     # Long prefills computed at once (vLLM V0's option of the same name): the oldest run, the
-    # others wait, first come first served; short prompts still pass them. Processor sharing
-    # (every long prefill a piece per step) made 8 RAG requests arriving together all end their
-    # prefills near the last one's end: a median TTFT 2.2x that of serving them one after another
-    # (RESULTS.md "bench_serve on the 1.5B").
+    # others wait, first come first served; short prompts still pass them. With every long prefill
+    # a piece per step, requests arriving together all ended their prefills near the last one's
+    # end, worse than serving them one after another (benchmarks/RESULTS.md "bench_burst").
     max_long_partial_prefills: int = 1
     # While streams decode, long prefills and background work run only while the streams' decode
     # rate is at least this share of their rate in decode-only steps (engine/decode_guard.py);
