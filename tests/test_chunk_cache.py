@@ -237,3 +237,18 @@ def test_hash_algorithm_changes_keys_not_outputs(checkpoint) -> None:
     a = _llm(path).generate(_prompt([0, 1]), GREEDY)[0]
     b = _llm(path, chunk_cache_hash_algorithm="sha3_256").generate(_prompt([0, 1]), GREEDY)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_a_chunk_that_tokenizes_to_nothing_is_skipped_and_logged(checkpoint, caplog) -> None:
+    """An empty document between two others is skipped with a log line naming it; the request is
+    served as the prompt without it is."""
+    path = checkpoint(arch="llama")
+    llm = _llm(path)
+    with caplog.at_level("INFO", logger="chunkcache.chunk.parse"):
+        out = llm.generate(chunked(SYSTEM, [ALICE, "", BOB], QUESTION), GREEDY)[0]
+    assert "skipped 1 of 3 chunks that tokenize to nothing (chunks [1]" in caplog.text
+    assert (
+        out.outputs[0].token_ids
+        == llm.generate(chunked(SYSTEM, [ALICE, BOB], QUESTION), GREEDY)[0].outputs[0].token_ids
+    )
+    llm.check_integrity()
