@@ -17,7 +17,8 @@ class InvalidRequestError(ValueError):
 
 
 class PromptTooLongError(InvalidRequestError):
-    """The prompt, or prompt plus max_tokens, exceeds max_model_len (HTTP 413)."""
+    """The prompt, or prompt plus max_tokens, exceeds max_model_len (HTTP 400
+    `context_length_exceeded`, as OpenAI and vLLM answer it; 413 is a body over the size cap)."""
 
 
 class ModelLoadError(ValueError):

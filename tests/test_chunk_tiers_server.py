@@ -135,7 +135,7 @@ def test_prewarm_endpoint_and_tier_metrics(checkpoint: Callable[..., Path], tmp_
 
 def test_prewarm_total_size_is_capped(checkpoint: Callable[..., Path]) -> None:
     """Issue 35: nothing capped a prewarm's size (256 documents of up to 8,192 tokens), and one
-    held the engine for minutes. Over `max_prewarm_tokens` it is a 413 naming the field and limit."""
+    held the engine for minutes. Over `max_prewarm_tokens` it is a 400 naming the field and limit."""
     options = {"device": "cpu", "kv_cache_tokens": 1024, "max_model_len": 256, "chunk_cache_size_gb": 0.01}
     engine = LLMEngine(EngineConfig.from_options(str(checkpoint("qwen3")), use_env=False, **options))
     app = build_app(engine, api_key=None, max_queue=8, served_model_name="m", max_prewarm_tokens=64)
@@ -148,15 +148,15 @@ def test_prewarm_total_size_is_capped(checkpoint: Callable[..., Path]) -> None:
             tokens = r.json()["prompt_tokens"]
             assert tokens <= 64
             r = http.post("/v1/chunk_cache/prewarm", json={"system": system, "documents": documents * 3})
-            assert r.status_code == 413 and r.json()["error"]["param"] == "documents", r.text
+            assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
             assert "--max-prewarm-tokens" in r.text and "(64" in r.text
             r = http.post(
                 "/v1/chunk_cache/prewarm", json={"prompt": " # # ".join([system, *documents * 3, "?"])}
             )
-            assert r.status_code == 413 and r.json()["error"]["param"] == "prompt", r.text
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
             # Far too much text is refused before it is tokenized.
             r = http.post("/v1/chunk_cache/prewarm", json={"system": system, "documents": ["word " * 20_000]})
-            assert r.status_code == 413 and "before tokenizing" in r.text, r.text
+            assert r.status_code == 400 and "before tokenizing" in r.text, r.text
         server.wait_idle()
     finally:
         server.stop()

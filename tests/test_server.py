@@ -374,7 +374,14 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
         ("/v1/completions", {"prompt": [10**9]}, 400, "token id", None),
         ("/v1/completions", {"max_tokens": 3}, 400, "missing required field 'prompt'", "prompt"),
         ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "nope", "model"),
-        ("/v1/completions", {"prompt": "hello " * 400}, 413, "max_model_len", "prompt"),
+        ("/v1/completions", {"prompt": "hello " * 400}, 400, "max_model_len", "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "documents": ["hello " * 400]},
+            400,
+            "max_model_len",
+            "documents",
+        ),
         ("/v1/completions", {"prompt": "x", "max_tokens": 10_000}, 400, "max_tokens", None),
         ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
         (
@@ -467,9 +474,9 @@ def test_error_statuses_through_the_client(server: ServerThread, client: openai.
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"best_of": 3})
     assert "best_of" in e.value.message
-    with pytest.raises(openai.APIStatusError) as e:
+    with pytest.raises(openai.BadRequestError) as e:  # as OpenAI answers a prompt over the context
         client.completions.create(model=MODEL, prompt="hello " * 400, max_tokens=2)
-    assert e.value.status_code == 413
+    assert e.value.code == "context_length_exceeded"
 
 
 def test_malformed_json_and_unknown_route(http: httpx.Client) -> None:

@@ -70,7 +70,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         type=int,
         default=DEFAULT_MAX_PREWARM_TOKENS,
         help="tokens one POST /v1/chunk_cache/prewarm may compute (system and documents together); "
-        "larger ones get HTTP 413 (default: %(default)s)",
+        "larger ones get HTTP 400 naming the field (default: %(default)s)",
     )
     server.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]

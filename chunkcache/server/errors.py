@@ -164,7 +164,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PromptTooLongError)
     async def prompt_too_long(request: Request, exc: PromptTooLongError) -> JSONResponse:
         return error_response(
-            413, str(exc), "invalid_request_error", exc.param or "prompt", "context_length_exceeded"
+            400, str(exc), "invalid_request_error", exc.param or "prompt", "context_length_exceeded"
         )
 
     @app.exception_handler(InvalidRequestError)

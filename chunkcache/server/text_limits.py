@@ -45,7 +45,7 @@ class TextBound:
         self.max_parts = max_chunks + 2  # system, chunks, question
 
     def check_prompt(self, prompt: str | list[int] | PromptParts, param: str) -> None:
-        """PromptTooLongError (HTTP 413) if `prompt` cannot fit max_model_len tokens."""
+        """PromptTooLongError (HTTP 400) if `prompt` cannot fit max_model_len tokens."""
         if isinstance(prompt, PromptParts):
             parts = [prompt.system, *prompt.chunks, prompt.question]
         elif isinstance(prompt, str):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from chunkcache.errors import InvalidRequestError
+from chunkcache.errors import InvalidRequestError, PromptTooLongError
 from chunkcache.outputs import CompletionOutput, RequestOutput
 from chunkcache.server.choices import ChoiceGroup
 from chunkcache.server.context import Context, ServerContext, sampling_params
@@ -52,7 +52,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     messages, template_kwargs = body.template_messages(), body.template_kwargs()
     engine = context.engine
     prompt = await context.engine_loop.run_off_loop(lambda: engine.render_chat(messages, **template_kwargs))
-    context.text_bound.check_prompt(prompt, "messages")
+    context.text_bound.check_prompt(prompt, "documents" if body.documents else "messages")
     n = body.num_choices
     try:
         group = await context.submit_group(
@@ -64,6 +64,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             add_special_tokens=False,
             cache_salt=body.cache_salt,
         )
+    except PromptTooLongError as e:
+        if e.param in (None, "prompt"):  # the engine's name: here the text came from these fields
+            e.param = "documents" if body.documents else "messages"
+        raise
     except InvalidRequestError as e:
         if e.param == "json_schema":  # the engine's name; the schema came from one of these fields
             e.param = "tools" if body.tool_mode() in ("required", "named") else "response_format"
