@@ -69,6 +69,7 @@ def test_cold_warm_partial_and_reordered_agree(checkpoint) -> None:
     assert cold.num_chunk_cached_tokens == 0 and cold.num_prefix_cached_tokens == 0
     s = llm.chunk_cache_stats()
     assert (s["hits"], s["misses"], s["entries"]) == (0, 3, 4)  # 3 chunks + the system part
+    assert s["pinned_entries"] == 0  # the request gave its pins back
 
     warm = llm.generate(_prompt([2, 0, 1]), GREEDY)[0]
     assert warm.num_chunk_cached_tokens == lens[0] + lens[1] + lens[2]

@@ -298,6 +298,8 @@ class ChunkManager:
             "budget_bytes": self.pool.budget_bytes,
             "usage_ratio": self.pool.used_bytes / self.pool.budget_bytes if self.pool.budget_bytes else 0.0,
             "entries": len(self.pool),
+            # Entries a request holds now (0 when idle: every request gives its pins back).
+            "pinned_entries": sum(e.pins > 0 for e in self.pool.entries()),
             "evictions": s.evictions,
             "uncacheable": s.uncacheable,
             "jobs_running": len(self.fills),
