@@ -90,6 +90,8 @@ def idle_state(url: str) -> dict[str, float]:
         "running": values.get("chunkcache_num_requests_running", float("nan")),
         "waiting": values.get("chunkcache_num_requests_waiting", float("nan")),
         "pinned_entries": float(chunks.get("pinned_entries", float("nan"))),
+        "pool_gb": chunks.get("bytes", 0) / 2**30,  # what the chunk pool holds (its pages touched)
+        "pool_budget_gb": chunks.get("budget_bytes", 0) / 2**30,
     }
 
 
