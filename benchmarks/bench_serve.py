@@ -311,9 +311,9 @@ def plot(path: Path, runs: dict[str, dict[str, dict[str, Any]]]) -> None:
         keys = [key for key in runs if key.startswith(kind)]
         sides = list(runs[keys[0]])
         for i, side in enumerate(sides):
-            for q, style in ((50, "-"), (90, "--"), (99, ":")):
+            for q, style, marker in ((50, "-", "o"), (90, "--", "s"), (99, ":", "^")):
                 ys = [runs[key][side]["figures"][f"ttft_p{q}"] for key in keys]
-                ax.plot(range(len(keys)), ys, style, marker="o", color=f"C{i}", label=f"{side} p{q}")
+                ax.plot(range(len(keys)), ys, style, marker=marker, color=f"C{i}", label=f"{side} p{q}")
         ax.set_xticks(range(len(keys)), [key[1:] for key in keys])
         ax.set_xlabel("rate (requests/s)" if kind == "r" else "concurrency")
         ax.set_ylabel("TTFT (s)")
