@@ -100,7 +100,7 @@ def slo_note(figures: dict[str, float], slo_ttft: float, slo_tpot: float) -> str
     if figures["ok"] and not figures["slo_met"]:
         return (
             f"no request met the SLO (TTFT <= {slo_ttft:g}s and TPOT <= {slo_tpot:g}s): goodput 0; "
-            f"its fastest TTFT p50 was {figures['ttft_p50']:.2f}s"
+            f"its TTFT p50 was {figures['ttft_p50']:.2f}s"
         )
     return ""
 
