@@ -15,10 +15,10 @@ A run is one side at one setting: a fixed concurrency (`--concurrency 1,4,8`: at
 requests in flight) or a Poisson arrival rate (`--rates 0.05,0.1,inf`, requests/s; inf = all at
 once). Only one side works at a time: the requests are cut into `--rounds` consecutive slices, and
 each slice runs on every side in turn, the order alternating per round, so that a drift of the
-machine's load hits every side alike. Before its first run, every server sees every chunk once
-(warm-up prompts of 4 chunks, not timed; `--cold` skips it and restarts the servers before every
-setting): a run measures the warm state a serving system lives in. chunkcache's servers stay up
-across settings; llama-server restarts (and warms up again) when its slots change.
+machine's load hits every side alike. Every setting starts every server afresh, then shows it
+every chunk once (warm-up prompts of 4 chunks, not timed; `--cold` skips that): each run starts
+from the warm state a serving system lives in, and none reads the KV of the prompts another
+setting sent (the same requests make every run).
 
 Reported per run (serve_metrics.py): TTFT p50/p90/p99, TPOT and ITL, output tokens/s, requests/s,
 goodput (requests/s that met `--slo-ttft` and `--slo-tpot`; none met is goodput 0, with a note),
@@ -133,7 +133,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--slo-tpot", type=float, default=0.5, help="goodput's TPOT bound, s (default: %(default)s)"
     )
-    p.add_argument("--cold", action="store_true", help="no warm-up; servers restarted before every setting")
+    p.add_argument("--cold", action="store_true", help="no warm-up: every run starts from empty caches")
     p.add_argument(
         "--ctx", type=int, default=8192, help="llama-server's context per slot (default: %(default)s)"
     )
@@ -181,7 +181,7 @@ def model_files(model: str | None, work: Path) -> tuple[str, Path | None]:
     return model, Path(model_path(model))
 
 
-async def warm_up(side: Side, corpus: list[wl.Chunk], timeout: float) -> None:
+async def warm_up(side: Side, corpus: list[wl.Chunk], timeout: float) -> float:
     """Every chunk once on the side, one prompt at a time (1 token each)."""
     assert side.server is not None
     prompts = wl.warmup_prompts(corpus)
@@ -195,7 +195,7 @@ async def warm_up(side: Side, corpus: list[wl.Chunk], timeout: float) -> None:
         f"warm-up {side.name}: {len(prompts)} prompts in {took:.1f}s"
         + (f", errors: {errors[:3]}" if errors else "")
     )
-    side.warm = True
+    return took
 
 
 async def run_setting(
@@ -229,10 +229,13 @@ def run_all(args: argparse.Namespace, sides: list[Side], corpus: list[wl.Chunk],
             print(f"{key}: in {args.raw}, skipped")
             continue
         slots = int(value) if kind == "concurrency" else args.rate_slots
+        warm_s = {}
         for side in sides:
-            side.ensure(slots, restart=args.cold)
-            if not args.cold and not side.warm:
-                asyncio.run(warm_up(side, corpus, args.request_timeout))
+            side.restart(slots)
+            if not args.cold:
+                warm_s[side.name] = asyncio.run(warm_up(side, corpus, args.request_timeout))
+        if kind == "concurrency" and min(map(len, wl.slices(len(requests), args.rounds))) < value:
+            print(f"note: a round's slice holds fewer requests than concurrency {int(value)}")
         got = asyncio.run(run_setting(sides, requests, kind, value, args))
         runs = {}
         for side in sides:
@@ -240,6 +243,7 @@ def run_all(args: argparse.Namespace, sides: list[Side], corpus: list[wl.Chunk],
             figures = run_figures(results, duration, args.slo_ttft, args.slo_tpot)
             runs[side.name] = {
                 "figures": figures, "memory": side.memory(), "stats": chunk_stats(side),
+                "warmup_s": warm_s.get(side.name),
                 "results": [vars(r) for r in results],
             }  # fmt: skip
         raw["runs"][key] = runs
@@ -250,7 +254,7 @@ def run_all(args: argparse.Namespace, sides: list[Side], corpus: list[wl.Chunk],
 
 def chunk_stats(side: Side) -> dict[str, Any]:
     """chunkcache's chunk cache stats (hits, misses, entries); {} for llama-server."""
-    if side.per_slots or side.server is None:
+    if side.is_llama or side.server is None:
         return {}
     import httpx
 

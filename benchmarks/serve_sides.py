@@ -5,7 +5,7 @@
 - `chunkcache-off`: the same with `--no-enable-chunk-cache` (its prefix cache stays on);
 - `llama.cpp`: `llama-server -m <the same GGUF> -t T -tb T --parallel S -c <ctx x S>
   --cache-reuse 256`, continuous batching and its prompt cache (on by default, with its RAM cache
-  of slots' prompts) on; restarted when the number of slots changes (S = the run's concurrency).
+  of slots' prompts) on; S = the run's concurrency.
 """
 
 from __future__ import annotations
@@ -111,24 +111,18 @@ def memory(pid: int) -> dict[str, int]:
 
 @dataclass
 class Side:
-    """A side's server, started on demand: `make(slots)` builds it; a side whose server depends
-    on the slots (llama.cpp) is restarted when they change."""
+    """A side's server, (re)started by `restart(slots)` through `make(slots)` (slots: llama.cpp's
+    parallel slots; the chunkcache sides ignore them)."""
 
     name: str
     make: Callable[[int], ServerProcess]
-    per_slots: bool = False
+    is_llama: bool = False
     server: ServerProcess | None = None
-    slots: int | None = None
-    warm: bool = False
 
-    def ensure(self, slots: int, restart: bool = False) -> None:
-        key = slots if self.per_slots else None
-        if self.server is not None and not restart and self.slots == key:
-            return
+    def restart(self, slots: int) -> None:
         self.stop()
         self.server = self.make(slots)
         self.server.start(timeout=1800)
-        self.slots, self.warm = key, False
 
     def stop(self) -> None:
         if self.server is not None:
@@ -153,7 +147,7 @@ def make_sides(
                 raise SystemExit("the llama.cpp side serves a GGUF file: pass --model NAME or a .gguf")
             binary = llama_binary()
             sides.append(
-                Side(name, lambda s, b=binary: LlamaServer(b, gguf, threads, s, ctx, log_dir), per_slots=True)
+                Side(name, lambda s, b=binary: LlamaServer(b, gguf, threads, s, ctx, log_dir), is_llama=True)
             )
         else:
             on = name == "chunkcache"
