@@ -68,84 +68,58 @@ SMALL_OVERRIDES: dict[str, Any] = {
     "intermediate_size": 768,
     "max_position_embeddings": 4096,
 }
-# Workload defaults: the real model's (issue 57), and the random checkpoint's (its tokenizer
-# spends ~2 tokens per estimated one, its context is 4,096).
-REAL = {"chunk_tokens": 500, "k_min": 4, "k_max": 8, "out_min": 16, "out_max": 128, "concurrency": "1,4,8,16"}
-SMALL = {"chunk_tokens": 100, "k_min": 2, "k_max": 4, "out_min": 8, "out_max": 16, "concurrency": "4"}
+# Workload options whose defaults differ: (help, the real model's, the random checkpoint's: its
+# tokenizer spends ~2 tokens per estimated one, its context is 4,096).
+PER_MODEL: dict[str, tuple[str, Any, Any]] = {
+    "chunk_tokens": ("~tokens per chunk", 500, 100),
+    "k_min": ("chunks per request, at least", 4, 2),
+    "k_max": ("chunks per request, at most", 8, 4),
+    "out_min": ("output tokens, at least", 16, 8),
+    "out_max": ("output tokens, at most", 128, 16),
+    "concurrency": ("fixed-concurrency runs, a list (none by default with --rates)", "1,4,8,16", "4"),
+}
 WORKLOAD_ARGS = ("model", "num_chunks", "chunk_tokens", "k_min", "k_max", "zipf", "out_min", "out_max",
                  "num_requests", "seed", "threads", "cold", "rounds", "slo_ttft", "slo_tpot", "sides", "ctx",
                  "rate_slots")  # fmt: skip
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    extra: list[str] = []
-    if "--" in argv:
-        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--model", help="a known model's name or a .gguf / checkpoint (default: a small random one)"
-    )
-    p.add_argument("--sides", help=f"comma-separated, of {','.join(SIDES)} (default: all three with "
-                   "--model, else the two chunkcache ones)")  # fmt: skip
+    # fmt: off
+    p.add_argument("--model", help="a known model's name, a .gguf or a checkpoint (default: a small random one)")
+    p.add_argument("--sides", help=f"of {','.join(SIDES)} (default: all with --model, else the chunkcache ones)")
     p.add_argument("--threads", type=int, default=2, help="each server's threads (default: %(default)s)")
     p.add_argument("--num-requests", type=int, default=24)
-    p.add_argument("--num-chunks", type=int, default=64, help="chunks in the corpus (M)")
-    p.add_argument(
-        "--chunk-tokens",
-        type=int,
-        help=f"~tokens per chunk (default {REAL['chunk_tokens']}; small model {SMALL['chunk_tokens']})",
-    )
-    p.add_argument(
-        "--k-min",
-        type=int,
-        help=f"chunks per request, at least (default {REAL['k_min']}; small {SMALL['k_min']})",
-    )
-    p.add_argument(
-        "--k-max",
-        type=int,
-        help=f"chunks per request, at most (default {REAL['k_max']}; small {SMALL['k_max']})",
-    )
-    p.add_argument(
-        "--zipf", type=float, default=1.0, help="popularity skew s: rank r weighs 1/r^s (0: uniform)"
-    )
-    p.add_argument(
-        "--out-min",
-        type=int,
-        help=f"output tokens, at least (default {REAL['out_min']}; small {SMALL['out_min']})",
-    )
-    p.add_argument(
-        "--out-max",
-        type=int,
-        help=f"output tokens, at most (default {REAL['out_max']}; small {SMALL['out_max']})",
-    )
-    p.add_argument("--concurrency", help=f"fixed-concurrency runs, a list (default {REAL['concurrency']} "
-                   f"unless --rates; small {SMALL['concurrency']})")  # fmt: skip
+    p.add_argument("--num-chunks", type=int, default=64, help="chunks in the corpus, M (default: %(default)s)")
+    p.add_argument("--zipf", type=float, default=1.0, help="popularity skew s: rank r weighs 1/r^s (0: uniform)")
+    for key, (text, real, small) in PER_MODEL.items():
+        p.add_argument("--" + key.replace("_", "-"), type=type(real), help=f"{text} (default {real}; small model {small})")
     p.add_argument("--rates", help="Poisson runs at these requests/s, a list (inf: all at once)")
-    p.add_argument(
-        "--rate-slots", type=int, default=8, help="llama-server's slots in rate runs (default: %(default)s)"
-    )
-    p.add_argument(
-        "--rounds", type=int, default=2, help="interleaved rounds per setting (default: %(default)s)"
-    )
-    p.add_argument(
-        "--slo-ttft", type=float, default=10.0, help="goodput's TTFT bound, s (default: %(default)s)"
-    )
-    p.add_argument(
-        "--slo-tpot", type=float, default=0.5, help="goodput's TPOT bound, s (default: %(default)s)"
-    )
+    p.add_argument("--rate-slots", type=int, default=8, help="llama-server's slots in rate runs (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per setting (default: %(default)s)")
+    p.add_argument("--slo-ttft", type=float, default=10.0, help="goodput's TTFT bound, s (default: %(default)s)")
+    p.add_argument("--slo-tpot", type=float, default=0.5, help="goodput's TPOT bound, s (default: %(default)s)")
     p.add_argument("--cold", action="store_true", help="no warm-up: every run starts from empty caches")
-    p.add_argument(
-        "--ctx", type=int, default=8192, help="llama-server's context per slot (default: %(default)s)"
-    )
+    p.add_argument("--ctx", type=int, default=8192, help="llama-server's context per slot (default: %(default)s)")
     p.add_argument("--llama-server", type=Path, help="an existing llama-server binary (default: build one)")
-    p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds")
+    p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", type=Path, help="every request's timings as JSON; a rerun resumes from it")
     p.add_argument("--plot", type=Path, help="TTFT percentiles PNG (default: in the temp work dir)")
+    # fmt: on
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The options, each workload default the model's, and the chunkcache arguments after `--`."""
+    extra: list[str] = []
+    if "--" in argv:
+        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+    p = build_parser()
     args = p.parse_args(argv)
-    for key, value in (REAL if args.model else SMALL).items():
+    for key, (_, real, small) in PER_MODEL.items():
         if getattr(args, key) is None and not (key == "concurrency" and args.rates):
-            setattr(args, key, value)
+            setattr(args, key, real if args.model else small)
     args.sides = [s for s in (args.sides or ",".join(SIDES if args.model else SIDES[:2])).split(",") if s]
     if bad := [s for s in args.sides if s not in SIDES]:
         p.error(f"unknown sides {bad}; of {SIDES}")
