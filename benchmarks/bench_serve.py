@@ -1,25 +1,42 @@
-"""Serving benchmark in the manner of `vllm bench serve`, on a RAG workload, chunk cache on vs off.
+"""Serving benchmark in the shape of `vllm bench serve`: RAG requests through HTTP, several sides.
 
-The script starts `chunkcache serve` itself (one server process per mode, both up at once, on the
-same model) and drives them over HTTP with streaming completions at a fixed concurrency, in
-interleaved rounds: the request list is cut into `--rounds` consecutive slices, and each slice runs
-on one server, then on the other, the order alternating per round, so that a drift of the
-machine's load hits both modes alike (each server still sees every request, in the same order).
-Only one server works at a time; the ratio of each round is reported too, as its spread. The workload is retrieval-augmented generation: a pool of documents recurs in
-different combinations and orders, each prompt being `system # # doc # # ... # # question`. The
-prefix cache only helps when two prompts start with the same documents in the same order; the
-chunk cache reuses every document it has seen, wherever it sits.
+The sides (`--sides`, serve_sides.py) serve the same model on the same core budget (`--threads`):
+chunkcache with its default reuse (`chunkcache`), chunkcache with the chunk cache off
+(`chunkcache-off`, prefix cache on), and llama.cpp's own server on the same GGUF file
+(`llama.cpp`: `llama-server`, built once by llama_server.py, its prompt cache on,
+`--cache-reuse 256`, slots = the run's concurrency). The workload (serve_workload.py): a corpus of
+`--num-chunks` real-text chunks of ~`--chunk-tokens` tokens (elements' documents from the
+`mendeleev` package), each request `k` of them (`--k-min`..`--k-max`) drawn by Zipf popularity
+(`--zipf`) in random order with a question about one, as `SYSTEM # # doc # # ... # # question`
+(the same text to every side), and a fixed output length in `--out-min`..`--out-max` forced with
+ignore_eos. The same `--num-requests` requests make every run.
 
-Reported per mode: TTFT, TPOT (time per output token after the first), ITL (gaps between streamed
-chunks) as mean / p50 / p99, request and output-token throughput, and the prompt tokens served from
-cache. The last line is grep-able:
+A run is one side at one setting: a fixed concurrency (`--concurrency 1,4,8`: at most that many
+requests in flight) or a Poisson arrival rate (`--rates 0.05,0.1,inf`, requests/s; inf = all at
+once). Only one side works at a time: the requests are cut into `--rounds` consecutive slices, and
+each slice runs on every side in turn, the order alternating per round, so that a drift of the
+machine's load hits every side alike. Every setting starts every server afresh, then shows it
+every chunk once (warm-up prompts of 4 chunks, not timed; `--cold` skips that): each run starts
+from the warm state a serving system lives in, and none reads the KV of the prompts another
+setting sent (the same requests make every run).
 
-    SUMMARY bench_serve: ttft_mean_ratio_off_on=...x ttft_p50_ratio_off_on=...x ...
+Reported per run (serve_metrics.py): TTFT p50/p90/p99, TPOT and ITL, output tokens/s, requests/s,
+goodput (requests/s that met `--slo-ttft` and `--slo-tpot`; none met is goodput 0, with a note),
+the share of prompt tokens each side reports served from its caches (usage cached_tokens), errors
+(counted, the first few printed) and each server's resident memory; a PNG of TTFT percentiles
+against the setting per side (`--plot`); every request's timings as JSON (`--raw`, rewritten after
+each setting; a rerun with the same workload arguments skips the settings it holds). The last line:
+
+    SUMMARY bench_serve: c8_goodput_cc_over_llamacpp=...x c8_ttft_p50_cc_over_llamacpp=...x ...
+
+(cc = chunkcache, off = chunkcache-off; ratios are chunkcache's figure over the other side's:
+goodput > 1 and TTFT < 1 favour chunkcache.)
 
 Usage:
-    python benchmarks/bench_serve.py                      # builds a small random checkpoint
-    python benchmarks/bench_serve.py --model DIR --concurrency 8 --num-requests 64
-    python benchmarks/bench_serve.py -- --device cuda     # args after -- go to both servers
+    python benchmarks/bench_serve.py      # a small random checkpoint, chunkcache vs chunkcache-off
+    python benchmarks/bench_serve.py --model qwen2.5-coder-1.5b --num-requests 24 --concurrency 1,8
+    python benchmarks/bench_serve.py --model qwen2.5-coder-1.5b --rates 0.05,0.1,inf --raw out.json
+    python benchmarks/bench_serve.py --model smollm2 -- --max-num-seqs 32   # after --: chunkcache args
 """
 
 from __future__ import annotations
@@ -28,24 +45,19 @@ import argparse
 import asyncio
 import json
 import os
-import random
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import serve_workload as wl
+from serve_client import at_concurrency, at_times, client_for
+from serve_metrics import RequestResult, percentile, ratio, run_figures, slo_note, table
+from serve_sides import REPO, SHORT, SIDES, ServerProcess, Side, make_sides
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-SEPARATOR = " # # "
-SYSTEM = "You are a helpful assistant. Answer the question from the documents."
+__all__ = ["ServerProcess", "main", "percentile"]  # bench_llamacpp imports the first and the last
+
 # The default model: the tiny recipe widened and deepened until a prefill costs real compute, so
 # the TTFT difference measures attention/MLP work saved, not HTTP overhead. Random weights.
 SMALL_OVERRIDES: dict[str, Any] = {
@@ -56,383 +68,278 @@ SMALL_OVERRIDES: dict[str, Any] = {
     "intermediate_size": 768,
     "max_position_embeddings": 4096,
 }
+# Workload options whose defaults differ: (help, the real model's, the random checkpoint's: its
+# tokenizer spends ~2 tokens per estimated one, its context is 4,096).
+PER_MODEL: dict[str, tuple[str, Any, Any]] = {
+    "chunk_tokens": ("~tokens per chunk", 500, 100),
+    "k_min": ("chunks per request, at least", 4, 2),
+    "k_max": ("chunks per request, at most", 8, 4),
+    "out_min": ("output tokens, at least", 16, 8),
+    "out_max": ("output tokens, at most", 128, 16),
+    "concurrency": ("fixed-concurrency runs, a list (none by default with --rates)", "1,4,8,16", "4"),
+}
+WORKLOAD_ARGS = ("model", "num_chunks", "chunk_tokens", "k_min", "k_max", "zipf", "out_min", "out_max",
+                 "num_requests", "seed", "threads", "cold", "rounds", "slo_ttft", "slo_tpot", "sides", "ctx",
+                 "rate_slots")  # fmt: skip
 
 
-@dataclass
-class RequestResult:
-    ok: bool
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itls: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    error: str = ""
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens <= 1:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
-
-
-@dataclass
-class ModeResult:
-    name: str
-    results: list[RequestResult]
-    duration: float
-    chunk_stats: dict[str, Any]
-
-    @property
-    def ok(self) -> list[RequestResult]:
-        return [r for r in self.results if r.ok]
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # fmt: off
+    p.add_argument("--model", help="a known model's name, a .gguf or a checkpoint (default: a small random one)")
+    p.add_argument("--sides", help=f"of {','.join(SIDES)} (default: all with --model, else the chunkcache ones)")
+    p.add_argument("--threads", type=int, default=2, help="each server's threads (default: %(default)s)")
+    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--num-chunks", type=int, default=64, help="chunks in the corpus, M (default: %(default)s)")
+    p.add_argument("--zipf", type=float, default=1.0, help="popularity skew s: rank r weighs 1/r^s (0: uniform)")
+    for key, (text, real, small) in PER_MODEL.items():
+        p.add_argument("--" + key.replace("_", "-"), type=type(real), help=f"{text} (default {real}; small model {small})")
+    p.add_argument("--rates", help="Poisson runs at these requests/s, a list (inf: all at once)")
+    p.add_argument("--rate-slots", type=int, default=8, help="llama-server's slots in rate runs (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per setting (default: %(default)s)")
+    p.add_argument("--slo-ttft", type=float, default=10.0, help="goodput's TTFT bound, s (default: %(default)s)")
+    p.add_argument("--slo-tpot", type=float, default=0.5, help="goodput's TPOT bound, s (default: %(default)s)")
+    p.add_argument("--cold", action="store_true", help="no warm-up: every run starts from empty caches")
+    p.add_argument("--ctx", type=int, default=8192, help="llama-server's context per slot (default: %(default)s)")
+    p.add_argument("--llama-server", type=Path, help="an existing llama-server binary (default: build one)")
+    p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", type=Path, help="every request's timings as JSON; a rerun resumes from it")
+    p.add_argument("--plot", type=Path, help="TTFT percentiles PNG (default: in the temp work dir)")
+    # fmt: on
+    return p
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method), 0 <= q <= 100."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The options, each workload default the model's, and the chunkcache arguments after `--`."""
+    extra: list[str] = []
+    if "--" in argv:
+        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+    p = build_parser()
+    args = p.parse_args(argv)
+    for key, (_, real, small) in PER_MODEL.items():
+        if getattr(args, key) is None and not (key == "concurrency" and args.rates):
+            setattr(args, key, real if args.model else small)
+    args.sides = [s for s in (args.sides or ",".join(SIDES if args.model else SIDES[:2])).split(",") if s]
+    if bad := [s for s in args.sides if s not in SIDES]:
+        p.error(f"unknown sides {bad}; of {SIDES}")
+    return args, extra
 
 
-def summarize(values: list[float]) -> tuple[float, float, float]:
-    if not values:
-        return float("nan"), float("nan"), float("nan")
-    return statistics.fmean(values), percentile(values, 50), percentile(values, 99)
+def settings(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """("rate", r) and ("concurrency", c) in the order given."""
+    return [("rate", r) for r in wl.parse_list(args.rates)] + [
+        ("concurrency", c) for c in wl.parse_list(args.concurrency, int)
+    ]
 
 
-# ---- workload --------------------------------------------------------------------------------
+def label(kind: str, value: float) -> str:
+    """The setting's key: "c8", "r0.1", "rinf"."""
+    return f"c{int(value)}" if kind == "concurrency" else f"r{value:g}"
 
 
-def build_documents(tokenizer: Any, num_docs: int, doc_tokens: int, seed: int) -> list[str]:
-    """`num_docs` documents of about `doc_tokens` tokens each, made of the tiny corpus' sentences
-    (its vocabulary tokenizes compactly). Lines holding the separator are left out: a document must
-    stay one chunk."""
-    from tests.support.tiny_checkpoint import corpus
+def model_files(model: str | None, work: Path) -> tuple[str, Path | None]:
+    """What chunkcache serves, and the GGUF llama.cpp serves (None: no GGUF)."""
+    if model is None:
+        from tests.support.tiny_checkpoint import build_checkpoint
 
-    sentences = [line.strip() for line in corpus(num_lines=4000, seed=seed) if SEPARATOR not in line]
-    rng = random.Random(seed)
-    docs: list[str] = []
-    for i in range(num_docs):
-        parts = [f"Document {i}."]
-        while len(tokenizer.encode(" ".join(parts), add_special_tokens=False)) < doc_tokens:
-            parts.append(rng.choice(sentences))
-        docs.append(" ".join(parts))
-    return docs
+        # build_checkpoint caches by its arguments: a rerun reuses the directory.
+        return str(build_checkpoint(work / "bench-serve-small", arch="llama", **SMALL_OVERRIDES)), None
+    if model.endswith(".gguf"):
+        return model, Path(model)
+    if Path(model).is_dir():
+        ggufs = sorted(Path(model).glob("*.gguf"))
+        return model, ggufs[0] if ggufs else None
+    from chunkcache.model.loader import model_path
 
-
-def build_prompts(docs: list[str], num_requests: int, docs_per_prompt: int, seed: int) -> list[str]:
-    """Each prompt draws `docs_per_prompt` documents from the pool in a random order: documents
-    recur across prompts, rarely with the same neighbours or at the same place."""
-    from tests.support.tiny_checkpoint import corpus
-
-    lines = corpus(num_lines=600, seed=seed + 1)
-    questions = [line for line in lines if line.endswith("?") and SEPARATOR not in line]
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(num_requests):
-        chosen = rng.sample(docs, docs_per_prompt)
-        prompts.append(SEPARATOR.join([SYSTEM, *chosen, rng.choice(questions)]))
-    return prompts
+    return model, Path(model_path(model))
 
 
-def default_model(cache_root: Path) -> Path:
-    from tests.support.tiny_checkpoint import build_checkpoint
-
-    # build_checkpoint caches by its arguments: a rerun reuses the directory.
-    return build_checkpoint(cache_root / "bench-serve-small", arch="llama", **SMALL_OVERRIDES)
-
-
-# ---- server process --------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m chunkcache.server.cli` on a free loopback port, its log in a temp file."""
-
-    health_path = "/health"  # answers 200 once the server can take requests
-
-    def __init__(self, model: Path, chunk_cache: bool, extra: list[str], log_dir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        flag = "--enable-chunk-cache" if chunk_cache else "--no-enable-chunk-cache"
-        self.cmd = [
-            sys.executable, "-m", "chunkcache.server.cli", "--model", str(model), "--port", str(self.port),
-            "--max-queue", "100000", "--log-level", "warning", flag, *extra,
-        ]  # fmt: skip
-        self.log_path = log_dir / f"server-chunk-cache-{'on' if chunk_cache else 'off'}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 300.0) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        # The environment must not flip the mode under test.
-        env.pop("CHUNKCACHE_ENABLE_CHUNK_CACHE", None)
-        env.pop("VLLM_ENABLE_CHUNK_CACHE", None)
-        log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}{self.health_path}", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not come up in {timeout}s:\n{self.log_tail()}")
-            time.sleep(0.25)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+async def warm_up(side: Side, corpus: list[wl.Chunk], timeout: float) -> float:
+    """Every chunk once on the side, one prompt at a time (1 token each)."""
+    assert side.server is not None
+    prompts = wl.warmup_prompts(corpus)
+    bar = tqdm(total=len(prompts), desc=f"warm {side.name}", unit="req")
+    async with client_for(side.server.url, timeout) as client:
+        results, took = await at_concurrency(client, [(p, 1) for p in prompts], 1, lambda: bar.update(1))
+    bar.close()
+    # One token each: an empty first token is no error here, the prefill is what warms.
+    errors = [r.error for r in results if not r.ok and r.error != "no token received"]
+    print(
+        f"warm-up {side.name}: {len(prompts)} prompts in {took:.1f}s"
+        + (f", errors: {errors[:3]}" if errors else "")
+    )
+    return took
 
 
-# ---- client ----------------------------------------------------------------------------------
-
-
-async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> RequestResult:
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,  # equal output lengths in both modes: the comparison is about prefill
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    result = RequestResult(ok=False)
-    last: float | None = None
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
-                return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                now = time.perf_counter()
-                if event.get("usage"):
-                    usage = event["usage"]
-                    result.prompt_tokens = usage["prompt_tokens"]
-                    result.output_tokens = usage["completion_tokens"]
-                    result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                if not event.get("choices") or not event["choices"][0].get("text"):
-                    continue
-                if last is None:
-                    result.ttft = now - start
+async def run_setting(
+    sides: list[Side], requests: list[wl.Request], kind: str, value: float, args: argparse.Namespace
+) -> dict[str, tuple[list[RequestResult], float]]:
+    """Every side over the same requests at one setting, in alternating rounds."""
+    out: dict[str, tuple[list[RequestResult], float]] = {s.name: ([], 0.0) for s in sides}
+    offsets = wl.arrival_offsets(len(requests), value, args.seed) if kind == "rate" else []
+    bar = tqdm(total=len(requests) * len(sides), desc=label(kind, value), unit="req")
+    for r, part in enumerate(wl.slices(len(requests), args.rounds)):
+        work = [(requests[i].prompt, requests[i].max_tokens) for i in part]
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            assert side.server is not None
+            async with client_for(side.server.url, args.request_timeout) as client:
+                if kind == "rate":
+                    got = await at_times(client, work, [offsets[i] for i in part], lambda: bar.update(1))
                 else:
-                    result.itls.append(now - last)
-                last = now
-        result.e2e = time.perf_counter() - start
-        result.ok = last is not None
-        if not result.ok:
-            result.error = "no token received"
-    except httpx.HTTPError as e:
-        result.error = f"{type(e).__name__}: {e}"
-    return result
+                    got = await at_concurrency(client, work, int(value), lambda: bar.update(1))
+            results, duration = out[side.name]
+            out[side.name] = (results + got[0], duration + got[1])
+    bar.close()
+    return out
 
 
-async def run_interleaved(
-    urls: dict[str, str], prompts: list[str], max_tokens: int, concurrency: int, rounds: int
-) -> tuple[dict[str, ModeResult], list[float]]:
-    """Every mode's results over the same prompts, run in alternating rounds; and per round the
-    TTFT mean ratio of the second mode over the first (off / on when both run)."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    timeout = httpx.Timeout(600.0)
-    clients = {m: httpx.AsyncClient(base_url=u, timeout=timeout, limits=limits) for m, u in urls.items()}
-    modes = list(urls)
-    results: dict[str, list[RequestResult]] = {m: [] for m in modes}
-    durations = dict.fromkeys(modes, 0.0)
-    round_ratios: list[float] = []
+def run_all(args: argparse.Namespace, sides: list[Side], corpus: list[wl.Chunk], requests: list[wl.Request],
+            raw: dict[str, Any]) -> None:  # fmt: skip
+    """Every setting not yet in `raw`: servers up and warm, the runs, the table; raw rewritten."""
+    for kind, value in settings(args):
+        key = label(kind, value)
+        if key in raw["runs"]:
+            print(f"{key}: in {args.raw}, skipped")
+            continue
+        slots = int(value) if kind == "concurrency" else args.rate_slots
+        warm_s = {}
+        for side in sides:
+            side.restart(slots)
+            if not args.cold:
+                warm_s[side.name] = asyncio.run(warm_up(side, corpus, args.request_timeout))
+        if kind == "concurrency" and min(map(len, wl.slices(len(requests), args.rounds))) < value:
+            print(f"note: a round's slice holds fewer requests than concurrency {int(value)}")
+        got = asyncio.run(run_setting(sides, requests, kind, value, args))
+        runs = {}
+        for side in sides:
+            results, duration = got[side.name]
+            figures = run_figures(results, duration, args.slo_ttft, args.slo_tpot)
+            runs[side.name] = {
+                "figures": figures, "memory": side.memory(), "stats": chunk_stats(side),
+                "warmup_s": warm_s.get(side.name),
+                "results": [vars(r) for r in results],
+            }  # fmt: skip
+        raw["runs"][key] = runs
+        report_setting(key, runs, args)
+        if args.raw:
+            args.raw.write_text(json.dumps(raw, indent=1))
+
+
+def chunk_stats(side: Side) -> dict[str, Any]:
+    """chunkcache's chunk cache stats (hits, misses, entries); {} for llama-server."""
+    if side.is_llama or side.server is None:
+        return {}
+    import httpx
+
     try:
-        for m in modes:
-            # Warm-up on a prompt without separators: torch's first calls are slow, and the chunk
-            # cache must start empty for both modes alike.
-            await one_request(clients[m], "Where does Mirela live?", 2)
-        semaphore = asyncio.Semaphore(concurrency)
-        bar = tqdm(total=len(prompts) * len(modes), desc="rounds", unit="req")
-
-        async def bounded(client: httpx.AsyncClient, prompt: str) -> RequestResult:
-            async with semaphore:
-                result = await one_request(client, prompt, max_tokens)
-            bar.update(1)
-            return result
-
-        size = -(-len(prompts) // rounds)
-        for k in range(0, len(prompts), size):
-            part = prompts[k : k + size]
-            means: dict[str, float] = {}
-            for m in modes if (k // size) % 2 == 0 else modes[::-1]:
-                start = time.perf_counter()
-                got = await asyncio.gather(*(bounded(clients[m], p) for p in part))
-                durations[m] += time.perf_counter() - start
-                results[m].extend(got)
-                ttfts = [r.ttft for r in got if r.ok]
-                means[m] = statistics.fmean(ttfts) if ttfts else float("nan")
-            if len(modes) == 2:
-                round_ratios.append(means[modes[1]] / means[modes[0]])
-        bar.close()
-        stats = {m: (await clients[m].get("/v1/chunk_cache/stats")).json() for m in modes}
-    finally:
-        for c in clients.values():
-            await c.aclose()
-    named = {m: ModeResult(f"chunk cache {m}", results[m], durations[m], stats[m]) for m in modes}
-    return named, round_ratios
+        return httpx.get(f"{side.server.url}/v1/chunk_cache/stats", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
-# ---- report ----------------------------------------------------------------------------------
+def report_setting(key: str, runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    print("\n" + table(key, {side: run["figures"] for side, run in runs.items()}))
+    for side, run in runs.items():
+        f, mem, stats = run["figures"], run["memory"], run["stats"]
+        notes = [f"RSS {mem['VmRSS'] / 1e9:.2f} GB (peak {mem['VmHWM'] / 1e9:.2f})",
+                 f"cached {int(f['cached_tokens'])}/{int(f['prompt_tokens'])} prompt tokens"]  # fmt: skip
+        if stats.get("enabled"):
+            notes.append(
+                f"chunk cache hits {stats.get('hits')} misses {stats.get('misses')} entries {stats.get('entries')}"
+            )
+        if note := slo_note(f, args.slo_ttft, args.slo_tpot):
+            notes.append(note)
+        print(f"  {side}: " + "; ".join(notes))
+        for error in [r["error"] for r in run["results"] if not r["ok"]][:3]:
+            print(f"  {side} error: {error}")
 
 
-def report(mode: ModeResult) -> dict[str, float]:
-    ok = mode.ok
-    ttft = summarize([r.ttft for r in ok])
-    tpot = summarize([t for r in ok if (t := r.tpot) is not None])
-    itl = summarize([x for r in ok for x in r.itls])
-    out_tokens = sum(r.output_tokens for r in ok)
-    prompt_tokens = sum(r.prompt_tokens for r in ok)
-    cached = sum(r.cached_tokens for r in ok)
-    figures = {
-        "ttft_mean": ttft[0],
-        "ttft_p50": ttft[1],
-        "ttft_p99": ttft[2],
-        "tpot_mean": tpot[0],
-        "itl_mean": itl[0],
-        "req_per_s": len(ok) / mode.duration,
-        "out_tok_per_s": out_tokens / mode.duration,
-        "cached_share": cached / prompt_tokens if prompt_tokens else 0.0,
-    }
-    print(f"\n=== {mode.name}: {len(ok)}/{len(mode.results)} requests ok in {mode.duration:.2f}s ===")
-    for r in mode.results:
-        if not r.ok:
-            print(f"  failed: {r.error}")
-            break
-    print(f"  {'metric':<10}{'mean':>12}{'p50':>12}{'p99':>12}")
-    for name, (mean, p50, p99) in (("TTFT ms", ttft), ("TPOT ms", tpot), ("ITL ms", itl)):
-        print(f"  {name:<10}{mean * 1e3:>12.2f}{p50 * 1e3:>12.2f}{p99 * 1e3:>12.2f}")
-    print(f"  throughput: {figures['req_per_s']:.2f} req/s, {figures['out_tok_per_s']:.1f} output tok/s")
-    print(f"  prompt tokens: {prompt_tokens}, from cache: {cached} ({figures['cached_share']:.1%})")
-    if mode.chunk_stats.get("enabled"):
-        s = mode.chunk_stats
-        print(f"  chunk cache: hits {s.get('hits')} misses {s.get('misses')} entries {s.get('entries')}")
-    return figures
+def summary_line(args: argparse.Namespace, runs: dict[str, dict[str, dict[str, Any]]]) -> str:
+    parts: list[str] = []
+    for key, by_side in runs.items():
+        f = {side: run["figures"] for side, run in by_side.items()}
+        if "chunkcache" in f:
+            for other in ("llama.cpp", "chunkcache-off"):
+                if other in f:
+                    for m in ("goodput", "ttft_p50", "ttft_p99"):
+                        parts.append(
+                            f"{key}_{m}_cc_over_{SHORT[other]}={ratio(f['chunkcache'][m], f[other][m])}"
+                        )
+        for side, g in f.items():
+            s = SHORT[side]
+            parts += [f"{key}_goodput_{s}={g['goodput']:.3f}", f"{key}_ttft_p50_{s}={g['ttft_p50']:.2f}s",
+                      f"{key}_ttft_p99_{s}={g['ttft_p99']:.2f}s", f"{key}_errors_{s}={int(g['errors'])}"]  # fmt: skip
+    parts += [f"slo_ttft={args.slo_ttft:g}s", f"slo_tpot={args.slo_tpot:g}s", f"requests={args.num_requests}",
+              f"threads={args.threads}", f"model={args.model or 'small-random'}",
+              f"loadavg={os.getloadavg()[0]:.2f}"]  # fmt: skip
+    return "SUMMARY bench_serve: " + " ".join(parts)
+
+
+def plot(path: Path, runs: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """TTFT p50/p90/p99 per side against the setting, a panel per kind (rate, concurrency)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in ("r", "c") if any(key.startswith(k) for key in runs)]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.5), squeeze=False)
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        keys = [key for key in runs if key.startswith(kind)]
+        sides = list(runs[keys[0]])
+        for i, side in enumerate(sides):
+            for q, style, marker in ((50, "-", "o"), (90, "--", "s"), (99, ":", "^")):
+                ys = [runs[key][side]["figures"][f"ttft_p{q}"] for key in keys]
+                ax.plot(range(len(keys)), ys, style, marker=marker, color=f"C{i}", label=f"{side} p{q}")
+        ax.set_xticks(range(len(keys)), [key[1:] for key in keys])
+        ax.set_xlabel("rate (requests/s)" if kind == "r" else "concurrency")
+        ax.set_ylabel("TTFT (s)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("bench_serve: TTFT percentiles")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    server_extra: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, server_extra = argv[:split], argv[split + 1 :]
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model", type=Path, default=None, help="model dir (default: build a small random one)"
-    )
-    parser.add_argument("--num-requests", type=int, default=48)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--num-docs", type=int, default=12, help="documents in the pool")
-    parser.add_argument("--docs-per-prompt", type=int, default=4)
-    parser.add_argument("--doc-tokens", type=int, default=160, help="approximate tokens per document")
-    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="on,off", help="chunk cache modes to run: on,off")
-    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds (slices of the requests)")
-    args = parser.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("on", "off") for m in modes):
-        parser.error(f"--modes must list 'on' and/or 'off', got {args.modes!r}")
-    if args.docs_per_prompt > args.num_docs:
-        parser.error("--docs-per-prompt cannot exceed --num-docs")
-
-    sys.path.insert(0, str(REPO))  # chunkcache, and tests.support.tiny_checkpoint (the random checkpoints)
-    from transformers import AutoTokenizer
-
+    args, extra = parse_args(list(sys.argv[1:] if argv is None else argv))
+    sys.path.insert(0, str(REPO))  # chunkcache, and tests.support.tiny_checkpoint (the random checkpoint)
     work = Path(tempfile.gettempdir()) / "chunkcache-bench"
     work.mkdir(parents=True, exist_ok=True)
-    model = args.model or default_model(work)
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    docs = build_documents(tokenizer, args.num_docs, args.doc_tokens, args.seed)
-    prompts = build_prompts(docs, args.num_requests, args.docs_per_prompt, args.seed)
-    mean_len = statistics.fmean(len(tokenizer.encode(p)) for p in prompts)
+    model, gguf = model_files(args.model, work)
+    corpus = wl.element_corpus(args.num_chunks, args.chunk_tokens, args.seed)
+    requests = wl.build_requests(corpus, args.num_requests, (args.k_min, args.k_max),
+                                 (args.out_min, args.out_max), args.zipf, args.seed)  # fmt: skip
+    signature = {k: getattr(args, k) for k in WORKLOAD_ARGS}
+    raw: dict[str, Any] = {"workload": signature, "runs": {}}
+    if args.raw and args.raw.exists() and json.loads(args.raw.read_text()).get("workload") == signature:
+        raw = json.loads(args.raw.read_text())
+    mean_k = sum(len(r.chunks) for r in requests) / len(requests)
     print(
-        f"model {model}\nworkload: {args.num_requests} requests, concurrency {args.concurrency}, "
-        f"{args.num_docs} docs x ~{args.doc_tokens} tokens, {args.docs_per_prompt} per prompt "
-        f"(~{mean_len:.0f} prompt tokens), {args.max_tokens} output tokens; server args {server_extra}\n"
-        f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        f"model {model} (llama.cpp: {gguf}); sides {args.sides}; threads {args.threads}; chunkcache args {extra}\n"
+        f"workload: {args.num_requests} requests of {args.k_min}-{args.k_max} chunks (mean {mean_k:.1f}) of "
+        f"{args.num_chunks} (~{args.chunk_tokens} tokens, zipf {args.zipf}), {args.out_min}-{args.out_max} "
+        f"output tokens; {'cold' if args.cold else 'warm'}; SLO TTFT {args.slo_ttft:g}s TPOT {args.slo_tpot:g}s\n"
+        f"machine: {os.cpu_count()} cpus, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; logs in {work}"
     )
 
-    servers = {
-        m: ServerProcess(model, chunk_cache=m == "on", extra=server_extra, log_dir=work) for m in modes
-    }
-    try:
-        for server in servers.values():
-            server.start()
-        results, round_ratios = asyncio.run(
-            run_interleaved(
-                {m: s.url for m, s in servers.items()},
-                prompts,
-                args.max_tokens,
-                args.concurrency,
-                args.rounds,
-            )
-        )
-    finally:
-        for server in servers.values():
-            server.stop()
-    figures: dict[str, dict[str, float]] = {}
-    for mode, result in results.items():
-        figures[mode] = report(result)
-        if len(result.ok) != len(result.results):
-            print(f"server log tail:\n{servers[mode].log_tail()}")
-            return 1
-    if round_ratios:
-        print(
-            f"\nTTFT mean ratio {modes[1]} / {modes[0]} per round: "
-            + ", ".join(f"{r:.2f}x" for r in round_ratios)
-        )
+    def binary() -> Path:
+        from llama_server import llama_server_binary
 
-    # key=value pairs, ratios first: the comparison is what survives a noisy machine.
-    parts: list[str] = []
-    if "on" in figures and "off" in figures:
-        on, off = figures["on"], figures["off"]
-        parts.append(f"ttft_mean_ratio_off_on={off['ttft_mean'] / on['ttft_mean']:.2f}x")
-        parts.append(f"ttft_p50_ratio_off_on={off['ttft_p50'] / on['ttft_p50']:.2f}x")
-        parts.append(f"throughput_ratio_on_off={on['out_tok_per_s'] / off['out_tok_per_s']:.2f}x")
-        per_round = [r if modes[0] == "on" else 1 / r for r in round_ratios]
-        parts.append(
-            f"ttft_ratio_rounds_min={min(per_round):.2f}x ttft_ratio_rounds_max={max(per_round):.2f}x"
-        )
-    for mode, f in figures.items():
-        parts.append(f"ttft_mean_{mode}={f['ttft_mean'] * 1e3:.1f}ms")
-        parts.append(f"tpot_mean_{mode}={f['tpot_mean'] * 1e3:.1f}ms")
-        parts.append(f"out_tok_s_{mode}={f['out_tok_per_s']:.1f}")
-        parts.append(f"cached_{mode}={f['cached_share']:.1%}")
-    parts += [f"concurrency={args.concurrency}", f"requests={args.num_requests}", f"rounds={args.rounds}"]
-    print("SUMMARY bench_serve: " + " ".join(parts))
-    return 0
+        return args.llama_server or llama_server_binary()
+
+    sides = make_sides(args.sides, model, gguf, binary, args.threads, args.ctx, extra, work)
+    try:
+        run_all(args, sides, corpus, requests, raw)
+    finally:
+        for side in sides:
+            side.stop()
+    plot(args.plot or work / "bench_serve_ttft.png", raw["runs"])
+    print(summary_line(args, raw["runs"]))
+    return 1 if any(run["figures"]["errors"] for r in raw["runs"].values() for run in r.values()) else 0
 
 
 if __name__ == "__main__":
