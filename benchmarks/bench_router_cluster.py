@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from serve_metrics import percentile
 from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -449,15 +450,6 @@ async def run_interleaved(
 # ---- report ------------------------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def figures(res: PolicyResult) -> dict[str, float]:
     ttft = [r.ttft for r in res.ok]
     hits = sum(s.get("hits", 0) for s in res.chunk_stats)
@@ -467,8 +459,8 @@ def figures(res: PolicyResult) -> dict[str, float]:
     prompt = sum(r.prompt_tokens for r in res.ok)
     return {
         "ttft_mean": statistics.fmean(ttft) if ttft else float("nan"),
-        "ttft_p50": pct(ttft, 50),
-        "ttft_p90": pct(ttft, 90),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90),
         "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         "token_hit_rate": hit_tok / (hit_tok + miss_tok) if hit_tok + miss_tok else 0.0,
         "cached_share": sum(r.cached_tokens for r in res.ok) / prompt if prompt else 0.0,
