@@ -200,7 +200,8 @@ def run_all(args: argparse.Namespace, sides: list[Side], corpus: list[wl.Chunk],
     for kind, value in settings(args):
         key = label(kind, value)
         if key in raw["runs"]:
-            print(f"{key}: in {args.raw}, skipped")
+            print(f"{key}: in {args.raw}, not run again")
+            report_setting(key, raw["runs"][key], args)
             continue
         slots = int(value) if kind == "concurrency" else args.rate_slots
         warm_s = {}
@@ -251,8 +252,21 @@ def report_setting(key: str, runs: dict[str, dict[str, Any]], args: argparse.Nam
         if note := slo_note(f, args.slo_ttft, args.slo_tpot):
             notes.append(note)
         print(f"  {side}: " + "; ".join(notes))
+        print(f"  {side} per round: " + per_round(run["results"], args.rounds))
         for error in [r["error"] for r in run["results"] if not r["ok"]][:3]:
             print(f"  {side} error: {error}")
+
+
+def per_round(results: list[dict[str, Any]], rounds: int) -> str:
+    """TTFT and TPOT p50 of each round's slice: how far the machine drifted under a side."""
+    out = []
+    for part in wl.slices(len(results), rounds):
+        ok = [RequestResult(**results[i]) for i in part if results[i]["ok"]]
+        tpots = [t for r in ok if (t := r.tpot) is not None]
+        out.append(
+            f"TTFT {percentile([r.ttft for r in ok], 50):.2f}s TPOT {percentile(tpots, 50) * 1e3:.0f}ms"
+        )
+    return " | ".join(out)
 
 
 def summary_line(args: argparse.Namespace, runs: dict[str, dict[str, dict[str, Any]]]) -> str:
