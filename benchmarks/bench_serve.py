@@ -25,7 +25,8 @@ goodput (requests/s that met `--slo-ttft` and `--slo-tpot`; none met is goodput 
 the share of prompt tokens each side reports served from its caches (usage cached_tokens), errors
 (counted, the first few printed) and each server's resident memory; a PNG of TTFT percentiles
 against the setting per side (`--plot`); every request's timings as JSON (`--raw`, rewritten after
-each setting; a rerun with the same workload arguments skips the settings it holds). The last line:
+each setting; a rerun with the same workload arguments reports the settings it holds, at its own
+SLO, without running them again). The last line:
 
     SUMMARY bench_serve: c8_goodput_cc_over_llamacpp=...x c8_ttft_p50_cc_over_llamacpp=...x ...
 
@@ -79,7 +80,7 @@ PER_MODEL: dict[str, tuple[str, Any, Any]] = {
     "concurrency": ("fixed-concurrency runs, a list (none by default with --rates)", "1,4,8,16", "4"),
 }
 WORKLOAD_ARGS = ("model", "num_chunks", "chunk_tokens", "k_min", "k_max", "zipf", "out_min", "out_max",
-                 "num_requests", "seed", "threads", "cold", "rounds", "slo_ttft", "slo_tpot", "sides", "ctx",
+                 "num_requests", "seed", "threads", "cold", "rounds", "sides", "ctx",
                  "rate_slots")  # fmt: skip
 
 
@@ -200,7 +201,13 @@ def run_all(args: argparse.Namespace, sides: list[Side], corpus: list[wl.Chunk],
     for kind, value in settings(args):
         key = label(kind, value)
         if key in raw["runs"]:
-            print(f"{key}: in {args.raw}, skipped")
+            print(f"{key}: in {args.raw}, not run again; its figures at this SLO")
+            for run in raw["runs"][key].values():
+                results = [RequestResult(**r) for r in run["results"]]
+                run["figures"] = run_figures(
+                    results, run["figures"]["duration_s"], args.slo_ttft, args.slo_tpot
+                )
+            report_setting(key, raw["runs"][key], args)
             continue
         slots = int(value) if kind == "concurrency" else args.rate_slots
         warm_s = {}
@@ -251,8 +258,21 @@ def report_setting(key: str, runs: dict[str, dict[str, Any]], args: argparse.Nam
         if note := slo_note(f, args.slo_ttft, args.slo_tpot):
             notes.append(note)
         print(f"  {side}: " + "; ".join(notes))
+        print(f"  {side} per round: " + per_round(run["results"], args.rounds))
         for error in [r["error"] for r in run["results"] if not r["ok"]][:3]:
             print(f"  {side} error: {error}")
+
+
+def per_round(results: list[dict[str, Any]], rounds: int) -> str:
+    """TTFT and TPOT p50 of each round's slice: how far the machine drifted under a side."""
+    out = []
+    for part in wl.slices(len(results), rounds):
+        ok = [RequestResult(**results[i]) for i in part if results[i]["ok"]]
+        tpots = [t for r in ok if (t := r.tpot) is not None]
+        out.append(
+            f"TTFT {percentile([r.ttft for r in ok], 50):.2f}s TPOT {percentile(tpots, 50) * 1e3:.0f}ms"
+        )
+    return " | ".join(out)
 
 
 def summary_line(args: argparse.Namespace, runs: dict[str, dict[str, dict[str, Any]]]) -> str:

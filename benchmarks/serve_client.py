@@ -17,8 +17,11 @@ from serve_metrics import RequestResult
 
 
 def client_for(url: str, timeout_s: float) -> httpx.AsyncClient:
-    """No connection limit: the run decides how many requests are in flight."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    """No connection limit: the run decides how many requests are in flight. No keep-alive: a
+    connection per request (loopback, a fraction of a millisecond), since a pooled one that the
+    server closes as it is reused fails the request ("Server disconnected without sending a
+    response"; llama-server did that to 2 of 24 requests at concurrency 1)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s), limits=limits)
 
 
