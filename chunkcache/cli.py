@@ -100,9 +100,11 @@ def _add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=0, help="measure the first N prompts only (0 = all)")
     p.add_argument(
         "--set",
-        choices=["original", "counterfactual", "both"],
-        default="both",
-        help="built-in questions: which set (default: %(default)s, alternating)",
+        choices=["original", "counterfactual", "both", "rag", "all"],
+        default="all",
+        help="built-in questions: the fidelity sets (original, counterfactual, both: 3-5 short "
+        "documents), the real RAG shape (rag: 8 alike documents of ~500 tokens, questions over one "
+        "to three of them), or all (default: %(default)s, alternating)",
     )
     p.add_argument(
         "--split",

@@ -115,3 +115,29 @@ def test_the_report_counts_answers_kept_and_speedups() -> None:
     assert "default@8x500=kept3/4" in bench.summary_line(rows)
     assert bench.refused(raw, "8x500", qs, ["closed", "full", "default"]) is None
     assert "1 questions refused" in bench.refused(raw, "16x500", qs[:1], ["full"])
+
+
+def test_calibrate_builtin_prompts_carry_the_real_shape() -> None:
+    """`chunkcache calibrate`'s built-in set holds the real shape (8 documents of ~500 tokens, each
+    kind in turn), scored by its own rules, free-form replies long enough for their facts."""
+    from chunkcache.fidelity import prompts as fp
+    from chunkcache.fidelity import questions as fq
+
+    rag = fp.rag_prompts("heldout")
+    assert len(rag) == sum(q.n == 8 and q.split == "heldout" for q in rs.load())
+    assert [p.rag.kind for p in rag[:4]] == list(rs.KINDS)
+    assert all(len(p.documents) == 8 and p.rag.split == "heldout" for p in rag)
+    assert all(rs.estimate(d) > 300 for d in rag[0].documents)
+    assert {p.tokens(24) for p in rag if p.rag.kind == "free"} == {fp.RAG_FREE_TOKENS}
+    assert {p.tokens(24) for p in rag if p.rag.kind != "free"} == {24}
+    comparison = next(p for p in rag if p.rag.form in ("higher", "highest"))
+    right = comparison.rag.answers[0][0]
+    wrong = next(c for c in comparison.rag.choices if c != right)
+    reply = f"{wrong}, not {right}."  # the words are there, the choice is wrong
+    assert fq.correct(reply, [list(g) for g in comparison.answers]) and not comparison.correct(reply)
+    assert comparison.correct(f"{right}.")
+    mixed = fp.builtin(6, "all", "tune")
+    assert [p.rag is not None for p in mixed] == [False, True] * 3
+    assert all(p.rag is None for p in fp.builtin(4, "both", "tune"))
+    with pytest.raises(ValueError, match="set must be one of"):
+        fp.builtin(1, "everything")

@@ -71,7 +71,11 @@ def run(
     as it goes. Returns the records of `prompts` (old and new) and the prompts that failed."""
     done = read_results(results)
     wanted: dict[str, ChunkOptions | None] = {FULL: None, **configs}
-    todo = [p for p in prompts if not set(wanted) <= set(done.get(p.key(max_tokens), {}).get("outcomes", {}))]
+    todo = [
+        p
+        for p in prompts
+        if not set(wanted) <= set(done.get(p.key(p.tokens(max_tokens)), {}).get("outcomes", {}))
+    ]
     if len(todo) < len(prompts):
         logger.info(
             "resuming: %d of %d prompts already measured in %s",
@@ -89,19 +93,19 @@ def run(
         for i, p in enumerate(tqdm(todo, desc="calibrate", unit="prompt")):
             text = measure.render(llm.tokenizer, list(p.documents), p.question, sep, p.system)
             try:
-                outcomes = measure.measure(llm, text, wanted, max_tokens, rotate=i)
+                outcomes = measure.measure(llm, text, wanted, p.tokens(max_tokens), rotate=i)
             except (InvalidRequestError, ValueError) as e:  # e.g. longer than the model's context
                 failed.append(f"prompt {p.question[:40]!r}: {e}")
                 continue
             record = {
-                "key": p.key(max_tokens),
+                "key": p.key(p.tokens(max_tokens)),
                 "answers": p.answers,
                 "outcomes": {n: {**asdict(o), "correct": p.correct(o.reply)} for n, o in outcomes.items()},
             }
             f.write(json.dumps(record) + "\n")
             f.flush()
             done[record["key"]] = record
-    keys = [p.key(max_tokens) for p in prompts]
+    keys = [p.key(p.tokens(max_tokens)) for p in prompts]
     return [done[k] for k in keys if k in done], failed
 
 
@@ -271,7 +275,7 @@ def load_prompts(args: Any, separator: str) -> tuple[list[CalibrationPrompt], st
         except ModuleNotFoundError as e:
             raise UsageError(str(e)) from None
         split = "" if args.split == "all" else f", {args.split} split"
-        return found, f"built-in fidelity questions ({args.set}{split})"
+        return found, f"built-in questions ({args.set}{split})"
     path = Path(args.prompts)
     if not path.is_file():
         raise UsageError(f"--prompts {path} is not a file")

@@ -1,4 +1,7 @@
-"""Calibration prompts: the user's JSONL file, or the built-in fidelity questions.
+"""Calibration prompts: the user's JSONL file, or the built-in questions: the fidelity benchmark's
+(3-5 short documents, one fact asked) and the real RAG shape's (`rag_shape`: 8 alike documents of
+~500 tokens, questions over one to three of them or free-form), so that a profile made on the
+built-in set reflects the shape a retriever sends (issue 56).
 
 A line of the file is `{"documents": ["...", ...], "question": "...", "answers": [...],
 "system": "..."}` (answers and system optional). `answers` is a list of strings (any one in the
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from chunkcache.fidelity import questions as fq
+from chunkcache.fidelity import rag_shape as rs
 from chunkcache.fidelity.measure import SYSTEM
 
 _FIELDS = {"documents", "question", "answers", "system"}
@@ -26,6 +30,14 @@ class CalibrationPrompt:
     question: str
     answers: tuple[tuple[str, ...], ...] | None  # groups; None = compare with full prefill's reply
     system: str = SYSTEM
+    # A real-shape question: scored by its own rules (`rag_shape.score`: numbers as numbers, the
+    # name a comparison chooses, every fact of a free-form answer), not by words in the reply.
+    rag: rs.RagQuestion | None = None
+    reply_tokens: int = 0  # the reply length it needs at least (a free-form answer's), else the run's
+
+    def tokens(self, max_tokens: int) -> int:
+        """The reply length this prompt is measured with: the run's, or longer where it needs."""
+        return max(max_tokens, self.reply_tokens)
 
     def key(self, max_tokens: int) -> str:
         """What identifies this prompt's results in the resume file (the reply length included)."""
@@ -33,6 +45,8 @@ class CalibrationPrompt:
         return hashlib.sha256(json.dumps(body).encode()).hexdigest()[:24]
 
     def correct(self, reply: str) -> bool | None:
+        if self.rag is not None:
+            return rs.score(self.rag, reply)[0]
         if self.answers is None:
             return None
         return fq.correct(reply, [list(g) for g in self.answers])
@@ -91,17 +105,62 @@ def read_file(path: Path, separator: str) -> tuple[list[CalibrationPrompt], list
 
 
 SPLITS = ("all", "tune", "heldout")
+# `--set`: the fidelity questions ("original", "counterfactual", "both"), the real shape's ("rag"),
+# or all of them ("all", the default), the sets alternating.
+SETS = ("original", "counterfactual", "both", "rag", "all")
+# The real shape's prompts: 8 documents of ~500 tokens (issue 56's target shape), and the reply
+# length of a free-form answer (bench_rag_shape's `--max-tokens-free`).
+RAG_DOCUMENTS, RAG_SIZE, RAG_FREE_TOKENS = 8, 500, 80
 
 
-def builtin(limit: int, which: str = "both", split: str = "all") -> list[CalibrationPrompt]:
-    """The fidelity benchmark's frozen questions (`builtin_questions`), with their documents
+def builtin(limit: int, which: str = "all", split: str = "all") -> list[CalibrationPrompt]:
+    """The built-in prompts of `which` set(s), the sets alternating (so that a limit keeps every
+    kind), the first `limit` (0: all); `split` keeps one half ("tune" or "heldout"). Documents come
     from the `mendeleev` package."""
-    order = builtin_questions(limit, which, split)
-    elements = fq.load_elements()
-    return [
-        CalibrationPrompt(tuple(q.documents(elements)), q.question, tuple(tuple(g) for g in q.answers))
-        for q in order
-    ]
+    if which not in SETS:
+        raise ValueError(f"set must be one of {SETS}, got {which!r}")
+    sets = []
+    if which != "rag":
+        questions = builtin_questions(0, "both" if which == "all" else which, split)
+        elements = fq.load_elements()
+        sets.append(
+            [
+                CalibrationPrompt(
+                    tuple(q.documents(elements)), q.question, tuple(tuple(g) for g in q.answers)
+                )
+                for q in questions
+            ]
+        )
+    if which in ("rag", "all"):
+        sets.append(rag_prompts(split))
+    order = _alternating(sets)
+    return order[:limit] if limit else order
+
+
+def rag_prompts(split: str = "all") -> list[CalibrationPrompt]:
+    """The real shape's frozen questions over `RAG_DOCUMENTS` documents of ~`RAG_SIZE` tokens (the
+    asked facts counterfactual, as bench_rag_shape serves them), their kinds alternating."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    records = rs.load_records()
+    kinds: dict[str, list[CalibrationPrompt]] = {kind: [] for kind in rs.KINDS}
+    for q in rs.load():
+        if q.n == RAG_DOCUMENTS and split in ("all", q.split):
+            kinds[q.kind].append(
+                CalibrationPrompt(
+                    tuple(q.documents(records, RAG_SIZE)),
+                    q.question,
+                    tuple(tuple(g) for g in q.answers),
+                    rag=q,
+                    reply_tokens=RAG_FREE_TOKENS if q.kind == "free" else 0,
+                )
+            )
+    return _alternating(list(kinds.values()))
+
+
+def _alternating(lists: list[list[CalibrationPrompt]]) -> list[CalibrationPrompt]:
+    longest = max((len(x) for x in lists), default=0)
+    return [x[i] for i in range(longest) for x in lists if i < len(x)]
 
 
 def builtin_questions(limit: int, which: str = "both", split: str = "all") -> list[fq.Question]:
