@@ -52,13 +52,13 @@ from chunkcache.chunk.assemble import assemble
 from chunkcache.chunk.fill_jobs import FillJobs
 from chunkcache.chunk.matcher import SpanIndex
 from chunkcache.chunk.pool import ChunkPool
-from chunkcache.chunk.separator_free import Fuse, PlainPromptCutter
+from chunkcache.chunk.separator_free import PlainCut, PlainPromptCutter
 from chunkcache.chunk.tiers.pool_link import PoolTiers
 from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.kv_slots import block_slots
-from chunkcache.core.plan import ChunkedPrompt, Entry
+from chunkcache.core.plan import ChunkedPrompt, Entry, PlainPrompt
 from chunkcache.core.sequence import Sequence
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 
@@ -139,9 +139,20 @@ class ChunkManager:
 
     # ---- engine thread -----------------------------------------------------------------------
 
-    def admit(self, seq: Sequence, fuse: Fuse | None = None) -> list[Sequence]:
-        """Pin the request's entries; the fill jobs to schedule for the missing ones (admission.py)."""
-        return self.admission.admit(seq, fuse)
+    def propose(self, seq: Sequence) -> PlainCut | None:
+        """Separator-free matching: how `seq`'s plain prompt would be cut on the pool now, and
+        under layout "fusion" the documents it offers to fuse over, for the engine to decide on
+        before `admit` (chunk/separator_free.py). None: `seq`'s prompt is chunked already."""
+        assert seq.chunk_plan is not None, "propose() is for chunked requests"
+        prompt = seq.chunk_plan.prompt
+        if not isinstance(prompt, PlainPrompt):
+            return None
+        return self.cutter.propose(prompt, seq.chunk_plan.config)
+
+    def admit(self, seq: Sequence, proposed: PlainCut | None = None, fused: bool = False) -> list[Sequence]:
+        """Pin the request's entries (a plain prompt's as `proposed`, over the offered documents
+        where the engine `fused` it); the fill jobs to schedule for the missing ones (admission.py)."""
+        return self.admission.admit(seq, proposed, fused)
 
     # ---- lower tiers (engine thread) ---------------------------------------------------------
 

@@ -54,7 +54,12 @@ class ChunkSteps:
         its follow-ups, then the fill jobs of its missing entries. Raises when admission fails."""
         jobs = []
         if not self.follow_ups.reads_cached_prefix(seq):
-            jobs = self.chunks.admit(seq, self.follow_ups.fuse)
+            # A plain prompt is cut first; documents it offers to fuse over are fused here if its
+            # streams fit (RequestIntake.fuse, by way of the follow-ups), then admitted as decided.
+            proposed = self.chunks.propose(seq)
+            offer = None if proposed is None else proposed.offer
+            fused = offer is not None and self.follow_ups.fuse(seq, offer.prompt, offer.config, offer.reserve)
+            jobs = self.chunks.admit(seq, proposed, fused)
         if seq.kind is SequenceKind.PREWARM:
             self._prewarms.append(seq)
         return [*self.follow_ups.take_new_jobs(), *jobs]
