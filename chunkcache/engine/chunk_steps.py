@@ -69,6 +69,17 @@ class ChunkSteps:
         nobody waits for any more, to finish)."""
         return self.chunks.poll()
 
+    def lay_out(self, waiting: Iterable[Sequence]) -> None:
+        """Before the scheduler picks: each waiting sequence whose borrowed KV is all computed now
+        gets its view of it (ChunkManager.lay_out; a fusion stream its request's, then its own
+        slots), so that the scheduler's readiness is a plain check of what is laid out."""
+        for seq in waiting:
+            if seq.fusion is not None:
+                self.chunks.lay_out(seq.fusion.request)
+                seq.fusion.give_slots()
+            else:
+                self.chunks.lay_out(seq)
+
     def wait_for_loads(self) -> None:
         """Nothing to run: sleep until a tier load ends (at most _LOAD_WAIT_S), not spin."""
         if self.chunks.loads_pending:

@@ -43,7 +43,7 @@ class LLMEngine:
         self.kernels = parts.kernels  # "c", "torch" or None (off CPU): which serve quantized products
         self.blocks, self.runner, self.chunks = parts.blocks, parts.runner, parts.chunks
         self.publisher = parts.publisher
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self._is_ready, self.spec.num_layers)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.spec.num_layers)
         self.detokenizer = Detokenizer(self.tokenizer, parts.loaded.eos_token_ids, self.max_model_len)
         self._generator = torch.Generator().manual_seed(config.seed)
         self.intake = RequestIntake(config, parts, self._generator)
@@ -69,15 +69,6 @@ class LLMEngine:
     @classmethod
     def from_options(cls, model: str, **options: Any) -> LLMEngine:
         return cls(EngineConfig.from_options(model, **options))
-
-    def _is_ready(self, seq: Sequence) -> bool:
-        """Whether the scheduler may run `seq`: its borrowed KV is computed (a fusion stream's
-        is its request's)."""
-        if self.chunks is None:
-            return True
-        if seq.fusion is not None:
-            return seq.fusion.ready(self.chunks.is_ready)
-        return self.chunks.is_ready(seq)
 
     # ---- requests in (any thread) ------------------------------------------------------------
 
@@ -152,8 +143,11 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Admit what arrived (and what the chunk cache loaded), schedule, run, postprocess."""
+        """Admit what arrived (and what the chunk cache loaded), lay out what waiting sequences
+        borrow, schedule, run, postprocess."""
         finished_now = self._admit()
+        if self.chunk_steps is not None:
+            self.chunk_steps.lay_out(self.scheduler.waiting)
         batch = self.scheduler.schedule()
         finished_now += self._execute(batch)
         finished_now += self._finish_prewarms()
