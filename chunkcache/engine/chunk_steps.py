@@ -66,8 +66,10 @@ class ChunkSteps:
 
     def poll(self) -> tuple[list[Sequence], list[Sequence]]:
         """Chunk entries whose tier load ended: (fill jobs to start for the misses, fill jobs
-        nobody waits for any more, to finish)."""
-        return self.chunks.poll()
+        nobody waits for any more, to finish). An exact-prefix job queued by an admission that
+        then failed is started here too."""
+        jobs, cancel = self.chunks.poll()
+        return [*self.follow_ups.take_new_jobs(), *jobs], cancel
 
     def lay_out(self, waiting: Iterable[Sequence]) -> None:
         """Before the scheduler picks: each waiting sequence whose borrowed KV is all computed now
