@@ -280,7 +280,7 @@ def _drive(sched: Scheduler, blocks: BlockManager, max_out: int, max_steps: int)
 def test_scheduler_overcommitted_kv_makes_progress() -> None:
     """The issue's case: 64 blocks, two 260-token prompts each wanting 600 more tokens."""
     blocks = BlockManager(64, 16, enable_prefix_caching=True, hash_seed="0", medium="GPU")
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048), blocks, lambda s: True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048), blocks)
     for i in range(2):
         prompt = [(i * 131 + j) % 900 + 1 for j in range(260)]
         sched.add(Sequence(f"r{i}", list(prompt), list(prompt), SamplingParams(max_tokens=600)))

@@ -183,8 +183,15 @@ def test_shadows_keep_the_request_salt(model: Path) -> None:
     try:
         engine = llm.engine
         added: list[Sequence] = []
-        schedule = engine.shadows._schedule
-        engine.shadows._schedule = lambda s: (added.append(s), schedule(s))  # type: ignore[method-assign]
+        served = engine.shadows.served
+
+        def keep(seq: Sequence) -> Sequence | None:
+            shadow = served(seq)
+            if shadow is not None:
+                added.append(shadow)
+            return shadow
+
+        engine.shadows.served = keep  # type: ignore[method-assign]
         _serve(engine, 0, 1, salt="tenant-a")
         assert [s.cache_salt for s in added] == ["tenant-a"]
         ids = added[0].prompt_token_ids
@@ -378,7 +385,7 @@ def test_cpu_is_split_between_shadows_and_other_work_by_tokens() -> None:
     def seq(kind: SequenceKind) -> Sequence:
         return Sequence(request_id=kind.value, prompt_token_ids=[1], token_ids=[1], params=GREEDY, kind=kind)
 
-    checks = ShadowChecks(FidelityConfig(sample_rate=0.5, max_share=0.15), 0, None, 64, lambda s: None, None)  # type: ignore[arg-type]
+    checks = ShadowChecks(FidelityConfig(sample_rate=0.5, max_share=0.15), 0, None, 64, None)  # type: ignore[arg-type]
     live, shadow = seq(SequenceKind.REQUEST), seq(SequenceKind.SHADOW)
     checks.account([live, shadow], [30, 10], 2.0)  # a quarter of the tokens: a quarter of the CPU
     assert (checks.shadow_cpu, checks.step_cpu) == (0.5, 2.0) and checks.cpu_share == 0.25
@@ -389,7 +396,7 @@ def test_cpu_is_split_between_shadows_and_other_work_by_tokens() -> None:
     assert not checks.within_budget()
     checks.account([live], [1], 2.0)  # ...and fits once the steps' time allows it: 1.0 / 7.5
     assert checks.within_budget()
-    off = ShadowChecks(FidelityConfig(), 0, None, 64, lambda s: None, None)  # type: ignore[arg-type]
+    off = ShadowChecks(FidelityConfig(), 0, None, 64, None)  # type: ignore[arg-type]
     off.account([shadow], [5], 1.0)  # no rate: nothing is measured
     assert off.step_cpu == 0.0 and off.cpu_share == 0.0
 

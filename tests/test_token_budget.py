@@ -29,7 +29,7 @@ def _scheduler(
         long_prefill_token_threshold=threshold,
         max_long_partial_prefills=long_at_once,
     )
-    return Scheduler(config, blocks, lambda s: True), blocks
+    return Scheduler(config, blocks), blocks
 
 
 def _seq(name: str, length: int, background: bool = False, max_out: int = MAX_OUT) -> Sequence:
@@ -323,7 +323,7 @@ def test_running_streams_keep_their_share_of_the_decode_rate(
 def test_min_decode_share_zero_turns_the_guard_off() -> None:
     blocks = BlockManager(256, 16, enable_prefix_caching=True, hash_seed="0", medium="GPU")
     config = SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=32, min_decode_share=0)
-    sched = Scheduler(config, blocks, lambda s: True)
+    sched = Scheduler(config, blocks)
     sched.add(_seq("stream", 4, max_out=10_000))
     _timed_steps(sched, blocks, 5, 0.8)
     sched.add(_seq("long", 3000))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from chunkcache.chunk.fill_jobs import FillJobs
 from chunkcache.chunk.matcher import Run, SpanIndex
 from chunkcache.chunk.pool import ChunkPool
-from chunkcache.chunk.separator_free import Fuse, PlainPromptCutter
+from chunkcache.chunk.separator_free import PlainCut, PlainPromptCutter
 from chunkcache.chunk.tiers.pool_link import PoolTiers
 from chunkcache.config import ChunkConfig
 from chunkcache.core.plan import Entry, PlainPrompt, RequestChunks
@@ -70,17 +70,19 @@ class Admission:
     below: PoolTiers | None
     separator_free: dict[str, int]  # the manager's counters (stats)
 
-    def admit(self, seq: Sequence, fuse: Fuse | None = None) -> list[Sequence]:
+    def admit(self, seq: Sequence, proposed: PlainCut | None = None, fused: bool = False) -> list[Sequence]:
         """Match every part of the request; return the fill jobs to schedule for the missing ones.
-        A plain prompt that separator-free matching cannot cut leaves as a plain request; under
-        layout "fusion" one whose matches make two or more documents becomes a fusion request
-        over them where `fuse` (the engine's) says its streams fit, else a first sight."""
+        A plain prompt is served as `proposed` (cut now where not given); one that separator-free
+        matching cannot cut leaves as a plain request; under layout "fusion" one whose matches
+        make two or more documents runs over them where the engine `fused` it (its streams fit),
+        else as a first sight."""
         assert seq.chunk_plan is not None, "admit() is for chunked requests"
         config, prompt = seq.chunk_plan.config, seq.chunk_plan.prompt
         runs: list[Run | None] | None = None
         matched: tuple[bool, ...] = ()
         if isinstance(prompt, PlainPrompt):
-            cut = self.cutter.admit(seq, prompt, config, fuse)
+            proposed = proposed or self.cutter.propose(prompt, config)
+            cut = self.cutter.admit(seq, prompt, config, proposed, fused)
             if cut is None:
                 return []
             prompt, runs, matched = cut

@@ -36,8 +36,8 @@ A request that needs such an entry before it is done promotes its job to an ordi
 
 Where it is: admission (matching, pinning, starting jobs and loads) in chunk/admission.py, the
 registry of fill jobs in chunk/fill_jobs.py; this module keeps the manager, the engine's one
-interface to the chunk cache, and what follows admission: readiness (a request's view assembled,
-chunk/assemble.py), release, the lower tiers' results, events and stats.
+interface to the chunk cache, and what follows admission: a request's view of its entries laid
+out once they are computed (chunk/assemble.py), release, the lower tiers' results, events and stats.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ from chunkcache.chunk.assemble import assemble
 from chunkcache.chunk.fill_jobs import FillJobs
 from chunkcache.chunk.matcher import SpanIndex
 from chunkcache.chunk.pool import ChunkPool
-from chunkcache.chunk.separator_free import Fuse, PlainPromptCutter
+from chunkcache.chunk.separator_free import PlainCut, PlainPromptCutter
 from chunkcache.chunk.tiers.pool_link import PoolTiers
 from chunkcache.chunk.tiers.stack import TierStack
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.kv_slots import block_slots
-from chunkcache.core.plan import ChunkedPrompt, Entry
+from chunkcache.core.plan import ChunkedPrompt, Entry, PlainPrompt
 from chunkcache.core.sequence import Sequence
 from chunkcache.errors import InvalidRequestError, PromptTooLongError
 
@@ -66,8 +66,8 @@ logger = logging.getLogger(__name__)
 
 
 class ChunkManager:
-    """The chunk cache as the engine sees it: validate and admit requests, say when a sequence may
-    run, release what it held, and report."""
+    """The chunk cache as the engine sees it: validate and admit requests, lay out what a sequence
+    borrows once it is computed, release what it held, and report."""
 
     def __init__(
         self,
@@ -139,9 +139,20 @@ class ChunkManager:
 
     # ---- engine thread -----------------------------------------------------------------------
 
-    def admit(self, seq: Sequence, fuse: Fuse | None = None) -> list[Sequence]:
-        """Pin the request's entries; the fill jobs to schedule for the missing ones (admission.py)."""
-        return self.admission.admit(seq, fuse)
+    def propose(self, seq: Sequence) -> PlainCut | None:
+        """Separator-free matching: how `seq`'s plain prompt would be cut on the pool now, and
+        under layout "fusion" the documents it offers to fuse over, for the engine to decide on
+        before `admit` (chunk/separator_free.py). None: `seq`'s prompt is chunked already."""
+        assert seq.chunk_plan is not None, "propose() is for chunked requests"
+        prompt = seq.chunk_plan.prompt
+        if not isinstance(prompt, PlainPrompt):
+            return None
+        return self.cutter.propose(prompt, seq.chunk_plan.config)
+
+    def admit(self, seq: Sequence, proposed: PlainCut | None = None, fused: bool = False) -> list[Sequence]:
+        """Pin the request's entries (a plain prompt's as `proposed`, over the offered documents
+        where the engine `fused` it); the fill jobs to schedule for the missing ones (admission.py)."""
+        return self.admission.admit(seq, proposed, fused)
 
     # ---- lower tiers (engine thread) ---------------------------------------------------------
 
@@ -184,33 +195,22 @@ class ChunkManager:
         (chunk/separator_free.py), each new entry written down to the tiers as a fill job's is."""
         self.cutter.learn(seq, kv_caches, self._slots, None if self.below is None else self.below.store)
 
-    def is_ready(self, seq: Sequence) -> bool:
-        """Whether the scheduler may run `seq`: a job needs its S computed (and private pages), a
-        question needs every entry computed, and its view of them is laid out then (chunk/assemble.py)."""
+    def lay_out(self, seq: Sequence) -> None:
+        """Once the KV `seq` borrows is computed, lay out its view of it: a chunk job's S slots, a
+        question's entries as its layout reads them (chunk/assemble.py). Nothing before, nothing
+        twice. The engine calls it for every waiting sequence before it schedules (a sequence is
+        ready to run when its view is laid out)."""
         if seq.fill is not None:
-            state = seq.fill
-            if state.sys_entry is not None and not state.sys_entry.ready:
-                return False
-            if state.entry.private and not state.entry.pages:
-                need = self.blocks.blocks_for(state.entry.num_tokens)
-                if need > self.blocks.num_free_blocks:
-                    return False
-                state.entry.pages = self.blocks.allocate(need)
-                seq.block_table = state.entry.pages
-            if state.sys_entry is not None and seq.borrowed_slots is None:
-                seq.borrowed_slots = self._slots(state.sys_entry)
-            return True
-        if seq.chunks is not None:
-            state = seq.chunks
-            if not all(e.ready for e in state.entries):
-                return False
-            if not state.assembled:
-                settle_cached(seq)
-                parts = [
-                    self._slots(e)[a : a + n] for e, (a, n) in zip(state.entries, state.slices, strict=True)
-                ]
-                assemble(seq, parts, self.device)
-        return True
+            sys_entry = seq.fill.sys_entry
+            if sys_entry is not None and sys_entry.ready and seq.borrowed_slots is None:
+                seq.borrowed_slots = self._slots(sys_entry)
+            return
+        state = seq.chunks
+        if state is None or state.assembled or not all(e.ready for e in state.entries):
+            return
+        settle_cached(seq)
+        parts = [self._slots(e)[a : a + n] for e, (a, n) in zip(state.entries, state.slices, strict=True)]
+        assemble(seq, parts, self.device)
 
     def _slots(self, entry: Entry) -> torch.Tensor:
         return block_slots(entry.pages, self.pool.page_size, entry.num_tokens, self.device)

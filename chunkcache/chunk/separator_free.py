@@ -8,16 +8,19 @@ Apart from chunk/manager.py so that each reads in one sitting (docs/chunk-cache.
 Under layout "fusion" every stream must be exact, so a prompt's matches are cut again
 (matcher.fusion_documents): only runs computed right after this S are borrowed; the other matched
 pieces are computed after S for this request, and the request becomes a fusion request over the
-documents (the engine's `fuse`, at admission).
+documents where its streams fit. That is the engine's to say (RequestIntake.fuse), so admission of
+a plain prompt is two calls with the engine's answer between them: `propose` (the cut, and the
+documents it offers to fuse over) and `admit` (the parts served, given whether it was fused).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from chunkcache.chunk.matcher import Plan, Run, SpanIndex, fusion_documents, plan
+from chunkcache.chunk.matcher import FusionDocuments, Plan, Run, SpanIndex, fusion_documents, plan
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
@@ -33,11 +36,29 @@ from chunkcache.hashing import chunk_hash, system_hash
 _MIN_REUSED_SHARE = 0.25
 _NO_INDEX = SpanIndex(lambda entry: False)
 
-# Admission's question to the engine (layout "fusion"): make this separator-free request a
-# fusion request over these documents, if its streams fit (engine/intake.py, RequestIntake.fuse).
-# The last argument: KV blocks the request's S and computed documents may take (the pool refusing).
-Fuse = Callable[[Sequence, ChunkedPrompt, ChunkConfig, int], bool]
 Admitted = tuple[ChunkedPrompt, list[Run | None], tuple[bool, ...]]
+
+
+@dataclass(frozen=True)
+class FusionOffer:
+    """Layout "fusion": the documents a separator-free request's matches make, offered to the
+    engine, which makes it a fusion request over them if its streams fit (RequestIntake.fuse)."""
+
+    prompt: ChunkedPrompt  # S, the documents, Q
+    config: ChunkConfig
+    reserve: int  # KV blocks its S and computed documents may take (should the pool refuse them)
+    documents: FusionDocuments
+
+
+@dataclass(frozen=True)
+class PlainCut:
+    """How a plain prompt would be served on the pool as it is now (`PlainPromptCutter.propose`):
+    its plan (None: a plain request) and, under layout "fusion" with matches, whether it is a
+    fusion candidate and the documents offered (None: too few matched, it runs as a first sight)."""
+
+    plan: Plan | None
+    fusion_candidate: bool = False
+    offer: FusionOffer | None = None
 
 
 class PlainPromptCutter:
@@ -57,21 +78,34 @@ class PlainPromptCutter:
         self.model_name, self.hash_algorithm = model_name, hash_algorithm
         self.counters = counters
 
-    def admit(
-        self, seq: Sequence, prompt: PlainPrompt, config: ChunkConfig, fuse: Fuse | None
-    ) -> Admitted | None:
-        """The parts `seq`'s plain prompt is served as, each chunk's run (None: computed) and, under
-        fusion, which chunks were matched; their runs' entries pinned. None: it runs as a plain
-        request (its `learn` set where a first sight stores its parts afterwards)."""
+    def propose(self, prompt: PlainPrompt, config: ChunkConfig) -> PlainCut:
+        """How a plain prompt would be cut now; under layout "fusion", the documents its matches
+        make, offered to the engine (`admit` is told whether it took them). Changes nothing."""
         self.counters["requests"] += 1
         cut = self.cut(prompt.token_ids, config)
+        if cut is None or config.layout != "fusion" or not any(run for _, _, run in cut.parts):
+            return PlainCut(cut)
+        docs = fusion_documents(prompt.token_ids, cut, self.index, config.separator_free_min_tokens)
+        if docs is None:
+            return PlainCut(cut, fusion_candidate=True)
+        parts = self.parts(prompt.token_ids, docs.plan)[0]
+        return PlainCut(cut, True, FusionOffer(parts, config, self.private_worst(docs.plan), docs))
+
+    def admit(
+        self, seq: Sequence, prompt: PlainPrompt, config: ChunkConfig, proposed: PlainCut, fused: bool
+    ) -> Admitted | None:
+        """The parts `seq`'s plain prompt is served as (`proposed`, over the documents offered
+        where the engine `fused` it), each chunk's run (None: computed) and, under fusion, which
+        chunks were matched; their runs' entries pinned. None: it runs as a plain request (its
+        `learn` set where a first sight stores its parts afterwards)."""
+        cut = proposed.plan
         if cut is None:
             seq.chunk_plan = None
             seq.prefix_cacheable = True
             return None
         matched: tuple[bool, ...] = ()
-        if config.layout == "fusion" and any(run for _, _, run in cut.parts):
-            cut, matched = self._fusion_cut(seq, prompt.token_ids, cut, config, fuse)
+        if proposed.fusion_candidate:
+            cut, matched = self._fusion_cut(prompt.token_ids, config, proposed.offer, fused)
         if not matched and (cut is None or not any(run for _, _, run in cut.parts)):
             # First sight: nothing to borrow. A plain prefill computes exactly the KV its
             # parts would get (S, then the span after S), so it runs as one, prefix cache
@@ -92,18 +126,15 @@ class PlainPromptCutter:
         return chunked, runs, matched
 
     def _fusion_cut(
-        self, seq: Sequence, token_ids: tuple[int, ...], cut: Plan, config: ChunkConfig, fuse: Fuse | None
+        self, token_ids: tuple[int, ...], config: ChunkConfig, offer: FusionOffer | None, fused: bool
     ) -> tuple[Plan | None, tuple[bool, ...]]:
-        """Layout "fusion": the plan of `cut`'s documents (matcher.fusion_documents) once `fuse`
-        has made `seq` a fusion request over them, and which were matched; else (fewer than two
+        """Layout "fusion": the plan of the documents offered (matcher.fusion_documents) where the
+        engine `fused` the request over them, and which were matched; else (fewer than two
         matched, streams that do not fit) a first sight's plan."""
-        docs = fusion_documents(token_ids, cut, self.index, config.separator_free_min_tokens)
-        if docs is not None and fuse is not None:
-            prompt = self.parts(token_ids, docs.plan)[0]
-            if fuse(seq, prompt, config, self.private_worst(docs.plan)):
-                self.counters["fusion"] += 1
-                self.counters["fusion_dropped_tokens"] += docs.dropped
-                return docs.plan, docs.matched
+        if offer is not None and fused:
+            self.counters["fusion"] += 1
+            self.counters["fusion_dropped_tokens"] += offer.documents.dropped
+            return offer.documents.plan, offer.documents.matched
         self.counters["fusion_plain"] += 1
         return self.plan(token_ids, config, _NO_INDEX), ()
 

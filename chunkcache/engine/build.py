@@ -133,7 +133,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         pool = ChunkPool(num_blocks, pool_pages, bs, token_bytes * bs, config.chunk.lru_threshold, _MEDIUM)
         tiers = _lower_tiers(config.chunk, loaded, model_name)
         chunks = ChunkManager(config.chunk, model_name, blocks, pool, loaded.device, runner.kv_caches, tiers)
-        runner.on_measured = chunks.sensitivity_measured
+        runner.chunks = chunks
     publisher = _publisher(config.kv_events, model_name)
     controller = None
     if gated.profile is not None and gated.chosen is not None:

@@ -4,6 +4,7 @@ because it is also asked for alone (`/tokenize` with messages) and by LLM.chat b
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from chunkcache.chunk.documents import PromptParts, parse_documents, render_with_documents
@@ -45,28 +46,41 @@ class ChatRenderer:
         reserved = sorted(set(extra) & _RENDER_ARGUMENTS)
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}")
-
-        def render(msgs: list[dict[str, Any]], docs: list[dict[str, str]] | None) -> str:
-            if docs is not None:
-                extra["documents"] = docs
-            else:
-                extra.pop("documents", None)
-            try:
-                return self.tokenizer.apply_chat_template(
-                    msgs,
-                    tokenize=False,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    tools=tools,
-                    **extra,
-                )
-            except Exception as e:  # template errors are the client's messages being wrong
-                raise InvalidRequestError(f"chat template failed on these messages: {e}") from None
-
+        template = ChatTemplate(self.tokenizer, add_generation_prompt, continue_final_message, tools, extra)
         if documents is None:
-            return render(messages, None)
+            return template.render(messages, None)
         docs = parse_documents(documents, self.chunk_config.max_chunks)
-        return render_with_documents(render, messages, docs, self.chunk_config.documents_format)
+        # The documents' place in the rendered text is found by rendering with sentinels in their
+        # place (chunk/documents.py, shared with the router, which renders with its own tokenizer).
+        return render_with_documents(template.render, messages, docs, self.chunk_config.documents_format)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The model's chat template with one request's rendering arguments."""
+
+    tokenizer: Any
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    variables: dict[str, Any] = field(default_factory=dict)  # the template's own (chat_template_kwargs)
+
+    def render(self, messages: list[dict[str, Any]], documents: list[dict[str, str]] | None) -> str:
+        """`messages` rendered, with `documents` passed to the template (None: not passed)."""
+        extra = dict(self.variables)
+        if documents is not None:
+            extra["documents"] = documents
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=self.add_generation_prompt,
+                continue_final_message=self.continue_final_message,
+                tools=self.tools,
+                **extra,
+            )
+        except Exception as e:  # template errors are the client's messages being wrong
+            raise InvalidRequestError(f"chat template failed on these messages: {e}") from None
 
 
 def _check_messages(messages: list[dict[str, Any]]) -> None:

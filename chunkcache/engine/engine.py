@@ -21,7 +21,7 @@ from chunkcache.engine.build import build_engine
 from chunkcache.engine.chat import ChatRenderer
 from chunkcache.engine.chunk_steps import ChunkSteps
 from chunkcache.engine.detokenizer import Detokenizer
-from chunkcache.engine.fusion import JointStats
+from chunkcache.engine.fusion import JointStats, StreamChanges
 from chunkcache.engine.intake import Prompt, RequestIntake
 from chunkcache.engine.postprocess import append_token, make_output, sample_batch
 from chunkcache.engine.scheduler import ScheduledBatch, Scheduler
@@ -43,22 +43,19 @@ class LLMEngine:
         self.kernels = parts.kernels  # "c", "torch" or None (off CPU): which serve quantized products
         self.blocks, self.runner, self.chunks = parts.blocks, parts.runner, parts.chunks
         self.publisher = parts.publisher
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self._is_ready, self.spec.num_layers)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.spec.num_layers)
         self.detokenizer = Detokenizer(self.tokenizer, parts.loaded.eos_token_ids, self.max_model_len)
         self._generator = torch.Generator().manual_seed(config.seed)
         self.intake = RequestIntake(config, parts, self._generator)
         self.chunk_steps = None
         if self.chunks is not None:
             self.chunk_steps = ChunkSteps(
-                self.chunks, config.chunk, self.blocks, self.runner, self._generator,
-                self.scheduler.add, self._start_job, self._finish, self.intake.fuse,
-                self.intake.unfuse,
-            )  # fmt: skip
+                self.chunks, config.chunk, self.blocks, self.runner, self._generator, self.intake
+            )
         # Online shadow checks of chunked requests, and the controller they steer (fidelity/).
         self.shadows = ShadowChecks(
-            config.fidelity, config.seed, self.blocks, self.max_model_len, self.scheduler.add,
-            parts.controller,
-        )  # fmt: skip
+            config.fidelity, config.seed, self.blocks, self.max_model_len, parts.controller
+        )
         # The chat rendered by the model's template (chat.py says how).
         self.render_chat = ChatRenderer(self.tokenizer, config.chunk).render
         self._lock = threading.Lock()
@@ -72,15 +69,6 @@ class LLMEngine:
     @classmethod
     def from_options(cls, model: str, **options: Any) -> LLMEngine:
         return cls(EngineConfig.from_options(model, **options))
-
-    def _is_ready(self, seq: Sequence) -> bool:
-        """Whether the scheduler may run `seq`: its borrowed KV is computed (a fusion stream's
-        is its request's)."""
-        if self.chunks is None:
-            return True
-        if seq.fusion is not None:
-            return seq.fusion.ready(self.chunks.is_ready)
-        return self.chunks.is_ready(seq)
 
     # ---- requests in (any thread) ------------------------------------------------------------
 
@@ -155,12 +143,14 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Admit what arrived (and what the chunk cache loaded), schedule, run, postprocess."""
+        """Admit what arrived (and what the chunk cache loaded), lay out what waiting sequences
+        borrow, schedule, run, postprocess."""
         finished_now = self._admit()
+        if self.chunk_steps is not None:
+            self.chunk_steps.lay_out(self.scheduler.waiting)
         batch = self.scheduler.schedule()
         finished_now += self._execute(batch)
-        if self.chunk_steps is not None:
-            finished_now += self.chunk_steps.finish_prewarms()
+        finished_now += self._finish_prewarms()
         outputs = self._collect_outputs(batch, finished_now)
         self._publish_events()
         return outputs
@@ -183,7 +173,10 @@ class LLMEngine:
             self._finish(seq)
             ended.append(seq)
         if self.chunk_steps is not None:
-            self.chunk_steps.poll()
+            started, cancelled = self.chunk_steps.poll()
+            self._start_jobs(started)
+            for job in cancelled:
+                self._finish(job)
         return ended
 
     def _admit_one(self, seq: Sequence) -> bool:
@@ -191,7 +184,7 @@ class LLMEngine:
         self.counters["requests"] += 1
         try:
             if self.chunk_steps is not None and seq.chunk_plan is not None:
-                self.chunk_steps.admit(seq)
+                self._start_jobs(self.chunk_steps.admit(seq))
         except Exception as e:
             logger.exception("admitting %s failed", seq.request_id)
             self._fail(seq, f"admission failed: {type(e).__name__}: {e}")
@@ -206,10 +199,20 @@ class LLMEngine:
         self.shadows.admitted(seq)
         return True
 
-    def _start_job(self, job: Sequence) -> None:
-        """A fill job: tracked (aborts and failures find it) and scheduled."""
-        self._requests[job.request_id] = job
-        self.scheduler.add(job)
+    def _start_jobs(self, jobs: list[Sequence]) -> None:
+        """Schedule the chunk cache's jobs; a fill job is tracked too (a failure of its batch
+        finds the requests waiting for it). An exact-prefix job is nobody's request: no output."""
+        for job in jobs:
+            if job.kind.is_fill:
+                self._requests[job.request_id] = job
+            self.scheduler.add(job)
+
+    def _finish_prewarms(self) -> list[Sequence]:
+        """Finish the prewarms whose entries are all computed now."""
+        done = [] if self.chunk_steps is None else self.chunk_steps.prewarms_done()
+        for seq in done:
+            self._finish(seq)
+        return done
 
     def _execute(self, batch: ScheduledBatch) -> list[Sequence]:
         """Run the batch and postprocess it; returns the requests a failure of it ended. With
@@ -239,8 +242,12 @@ class LLMEngine:
             self._computed(seq, n)
         now = time.time()
         eos = self.detokenizer.eos_token_ids
-        joined, dropped = self.scheduler.join, self.scheduler.finish
-        for seq, s in sample_batch(batch, logits, rows, eos, joined, dropped) if rows else []:
+        sampled, changes = sample_batch(batch, logits, rows, eos) if rows else ([], StreamChanges())
+        for stream in changes.joined:  # a pair stream: scheduled with its group from now on
+            self.scheduler.join(stream)
+        for stream in changes.dropped:  # a stream that left its group: nobody reads it
+            self.scheduler.finish(stream)
+        for seq, s in sampled:
             if s.error is not None:
                 self._fail(seq, s.error)
                 continue
@@ -273,14 +280,17 @@ class LLMEngine:
             if seq.fusion.choice is not None:
                 self.joint.observe(seq.fusion.choice)
         seq.metrics.finished_time = time.time()
-        if self.chunk_steps is not None:
-            self.chunk_steps.on_finish(seq)
+        if self.chunk_steps is not None:  # then the fill jobs nobody waits for any more
+            for job in self.chunk_steps.on_finish(seq):
+                self._finish(job)
         if seq.kind.is_fill:
             self._requests.pop(seq.request_id, None)
         elif seq.kind is SequenceKind.SHADOW:
             self.shadows.finished(seq)
         elif seq.kind is SequenceKind.REQUEST:
-            self.shadows.served(seq)
+            shadow = self.shadows.served(seq)
+            if shadow is not None:  # drawn for a check: its plain prefill is background work
+                self.scheduler.add(shadow)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         if seq.is_finished:

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable
 
 import torch
 
-from chunkcache.chunk.separator_free import Fuse
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.plan import ChunkedPrompt
 from chunkcache.core.sequence import Sequence, SequenceKind
-from chunkcache.engine.intake import ONE_DISCARDED_TOKEN
+from chunkcache.engine.intake import ONE_DISCARDED_TOKEN, RequestIntake
 from chunkcache.hashing import BlockKeys
 
 _MAX_EXACT_JOBS = 64
@@ -43,18 +41,16 @@ class FollowUps:
         config: ChunkConfig,
         blocks: BlockManager,
         generator: torch.Generator,
-        schedule: Callable[[Sequence], None],
-        fuse: Fuse,
-        unfuse: Callable[[Sequence], bool],
+        intake: RequestIntake,
     ) -> None:
         self.config = config
         self.blocks = blocks
         self._generator = generator
-        self._schedule = schedule
-        # The intake's: a separator-free request made a fusion request over its documents, and a
-        # fusion request made a plain one again (RequestIntake.fuse, .unfuse).
-        self._fuse = fuse
-        self._unfuse = unfuse
+        # Makes a separator-free request a fusion request over its documents, and a fusion
+        # request a plain one again (RequestIntake.fuse, .unfuse).
+        self.intake = intake
+        # Exact-prefix jobs queued since the engine last took them (`take_new_jobs`).
+        self._new_jobs: list[Sequence] = []
         # Chunked requests that read an earlier request's blended KV from the prefix cache, or an
         # exact one; the exact-prefix jobs that finished, and those queued, by (salt, prompt).
         self.blended_prefix_hits = 0
@@ -83,7 +79,7 @@ class FollowUps:
         need = context // self.blocks.block_size
         exact = self._exact and need > 0
         if exact and self._exact_cached(seq, context):
-            if seq.fusion is not None and not self._unfuse(seq):
+            if seq.fusion is not None and not self.intake.unfuse(seq):
                 return False  # its whole prompt does not fit as a plain one: its streams serve it
             seq.kv_key, seq.kv_key_from = None, 0  # what it computes is exact too: plain blocks
             seq.fidelity_config = None  # no reuse configuration serves it: no shadow check of one
@@ -105,9 +101,9 @@ class FollowUps:
         return True
 
     def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig, reserve: int) -> bool:
-        """Admission's `fuse` (separator-free matching, layout "fusion") with `exact_follow_ups`:
-        False (the request runs as a plain prompt, prefix cache included) where the prompt before
-        the question is cached exactly; else the intake's answer, and where that makes a fusion
+        """Whether to take the documents admission offers to fuse a separator-free request over
+        (ChunkSteps.admit, layout "fusion"), with `exact_follow_ups`: False (the request runs as a
+        plain prompt, prefix cache included) where the prompt before the question is cached exactly; else the intake's answer, and where that makes a fusion
         request, the exact-prefix job for its follow-ups. The prefix is the prompt's own tokens
         before Q, not S and the documents joined: fusion's documents may drop a few tokens."""
         context = len(seq.prompt_token_ids) - len(prompt.question_token_ids)
@@ -116,7 +112,7 @@ class FollowUps:
             seq.fidelity_config = None
             self.exact_prefix_hits += 1
             return False
-        fused = self._fuse(seq, prompt, cfg, reserve)
+        fused = self.intake.fuse(seq, prompt, cfg, reserve)
         if fused and exact:
             self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
         return fused
@@ -145,7 +141,12 @@ class FollowUps:
         )
         job.generator = self._generator
         self.jobs[key] = job
-        self._schedule(job)
+        self._new_jobs.append(job)
+
+    def take_new_jobs(self) -> list[Sequence]:
+        """The exact-prefix jobs queued since the last call, for the engine to schedule."""
+        jobs, self._new_jobs = self._new_jobs, []
+        return jobs
 
     def _seen_enough(self, key: tuple[str | None, tuple[int, ...]]) -> bool:
         """Count a sight of this order; whether it has now been seen `exact_follow_ups_sights`

@@ -360,18 +360,16 @@ class FusionGroup:
         self.question_logprobs = [self.question_logprobs[k] for k in keep]
         return dropped  # still pointing at the group: the request they answered
 
-    def ready(self, request_ready: Callable[[Sequence], bool]) -> bool:
-        """Whether the streams may run: the request's entries are computed (then each stream
-        borrows S and its chunk, as the chunk manager laid them out)."""
-        if not request_ready(self.request):
-            return False
-        if not self.slots_given:
-            assert self.request.chunks is not None and self.request.chunks.stream_slots is not None
-            slots = self.request.chunks.stream_slots
-            for stream, k in zip(self.streams, self.slot_of, strict=True):
-                stream.borrowed_slots = slots[k]
-            self.slots_given = True
-        return True
+    def give_slots(self) -> None:
+        """Once the chunk manager has laid out the request's view of its entries (all computed),
+        each stream borrows S and its chunk from it; the streams are then ready to run."""
+        state = self.request.chunks
+        if self.slots_given or state is None or not state.assembled:
+            return
+        assert state.stream_slots is not None
+        for stream, k in zip(self.streams, self.slot_of, strict=True):
+            stream.borrowed_slots = state.stream_slots[k]
+        self.slots_given = True
 
     def relevance(self) -> torch.Tensor:
         """Per stream, the mean log-likelihood it gives Q's tokens (0 where Q has one token)."""

@@ -222,9 +222,9 @@ class RequestIntake:
         return None
 
     def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig, reserve: int) -> bool:
-        """Admission (ChunkManager.admit, on the step thread): make a separator-free request, cut
-        into documents, a fusion request over them (its own tokens Q, one stream per document),
-        if its streams fit one batch and, with its max_tokens (an open one capped for them, as for
+        """Admission (ChunkSteps.admit, on the step thread, between ChunkManager.propose and
+        .admit): make a separator-free request, cut into documents, a fusion request over them
+        (its own tokens Q, one stream per document), if its streams fit one batch and, with its max_tokens (an open one capped for them, as for
         a chunked prompt), the KV cache beside `reserve` blocks (its entries, should the pool
         refuse them); False leaves it untouched (it runs as a plain prefill)."""
         assert seq.chunk_plan is not None and isinstance(seq.chunk_plan.prompt, PlainPrompt)

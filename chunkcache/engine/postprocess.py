@@ -4,13 +4,11 @@ sequence's RequestOutput (what it produced since the last one it sent)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from chunkcache.core.sequence import Sequence
 from chunkcache.engine.detokenizer import Detokenizer
-from chunkcache.engine.fusion import fuse_rows
+from chunkcache.engine.fusion import StreamChanges, fuse_rows
 from chunkcache.engine.sampler import History, Sampled, sample
 from chunkcache.engine.scheduler import ScheduledBatch
 from chunkcache.outputs import CompletionOutput, RequestOutput
@@ -21,25 +19,19 @@ def sample_batch(
     logits: torch.Tensor,
     rows: list[int],
     eos_token_ids: frozenset[int],
-    join: Callable[[Sequence], None],
-    drop: Callable[[Sequence], None],
-) -> list[tuple[Sequence, Sampled]]:
+) -> tuple[list[tuple[Sequence, Sampled]], StreamChanges]:
     """One token for each sequence of `batch` that samples (`rows`); a fusion request's streams'
     rows become one row, its combined distribution, sampled for the request (none the step its
-    pair stream is added: `join` schedules that stream with its group; `drop` finishes a stream
-    that left its group)."""
+    pair stream is added). Also the streams that joined their group (the engine schedules them
+    with it) or left it (the engine finishes them)."""
     logits, seqs, changes = fuse_rows(logits, [batch.seqs[r] for r in rows])
-    for stream in changes.joined:
-        join(stream)
-    for stream in changes.dropped:
-        drop(stream)
     if not seqs:
-        return []
+        return [], changes
     histories = [History(s.prompt_token_ids, s.output_token_ids, s.grammar) for s in seqs]
     sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], histories, eos_token_ids)
     for row, (seq, s) in enumerate(zip(seqs, sampled, strict=True)):
         _shadow_step(seq, s, logits[row])
-    return list(zip(seqs, sampled, strict=True))
+    return list(zip(seqs, sampled, strict=True)), changes
 
 
 def _shadow_step(seq: Sequence, s: Sampled, logits: torch.Tensor) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
+from chunkcache.chunk.manager import ChunkManager
 from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_slots import block_slots, consecutive
 from chunkcache.core.plan import Entry
@@ -41,9 +41,9 @@ class ModelRunner:
     ) -> None:
         self.model = loaded.model
         # The passage P after which a chunk entry measures its sensitivity (engine/sensitivity.py),
-        # and who is told of each entry that measured it (the chunk manager, for its tiers).
+        # and the chunk manager, told of each entry that measured it (for its tiers); set by build.py.
         self.neutral_ids = neutral_ids
-        self.on_measured: Callable[[Entry], None] | None = None
+        self.chunks: ChunkManager | None = None
         self.spec = loaded.spec
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -280,8 +280,8 @@ class ModelRunner:
             scores = measure(self.model, self.kv_caches, sys_ids, self.neutral_ids, chunks)
             for entry, score in zip(group, scores, strict=True):
                 entry.sensitivity = score
-                if self.on_measured is not None:
-                    self.on_measured(entry)
+                if self.chunks is not None:
+                    self.chunks.sensitivity_measured(entry)
 
     def _stored_sensitivity(
         self, num_sys: int, entries: list[Entry], slices: list[tuple[int, int]]

@@ -101,12 +101,22 @@ def _is_decode(seq: Sequence) -> bool:
     return not seq.kind.is_background and remaining(seq) == 1
 
 
+def _is_ready(seq: Sequence) -> bool:
+    """Whether the KV `seq` borrows is computed and its view laid out (the engine lays it out
+    before each schedule, ChunkSteps.lay_out): a fusion stream's slots given, a chunk job's S
+    computed, a question's view assembled. A plain check: it changes nothing."""
+    if seq.fusion is not None:
+        return seq.fusion.slots_given
+    if seq.fill is not None:
+        return seq.fill.sys_entry is None or seq.fill.sys_entry.ready
+    return seq.chunks is None or seq.chunks.assembled
+
+
 class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
         blocks: BlockManager,
-        is_ready: Callable[[Sequence], bool],
         num_layers: int = 1,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
@@ -115,8 +125,6 @@ class Scheduler:
         self.max_long_partial_prefills = config.max_long_partial_prefills
         self.blocks = blocks
         self.num_layers = num_layers  # of the model: what a layer of a blend costs (engine/pieces.py)
-        # The chunk manager decides when a sequence's borrowed KV exists (fill jobs done).
-        self.is_ready = is_ready
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -191,7 +199,7 @@ class Scheduler:
             seq = unit[0]
             if batch.budget <= 0 or len(self.running) + len(unit) > self.max_num_seqs:
                 return
-            if not wanted(seq) or not self.is_ready(seq):
+            if not wanted(seq) or not _is_ready(seq) or not self._take_entry_pages(seq):
                 continue
             self._match_prefix(seq)
             piece = self._piece(unit, batch)
@@ -314,6 +322,20 @@ class Scheduler:
         seq.block_hashes = hashes
         seq.num_computed = len(blocks) * self.blocks.block_size
         seq.num_prefix_cached = seq.num_computed
+
+    def _take_entry_pages(self, seq: Sequence) -> bool:
+        """A fill job of a private entry (one the pool could not take) computes it into KV blocks,
+        taken as it is admitted (False: not enough free now) and held by the entry until its
+        last reader lets go of it (chunk/manager.py). Other sequences take nothing here."""
+        entry = None if seq.fill is None else seq.fill.entry
+        if entry is None or not entry.private or entry.pages:
+            return True
+        need = self.blocks.blocks_for(entry.num_tokens)
+        if need > self.blocks.num_free_blocks:
+            return False
+        entry.pages = self.blocks.allocate(need)
+        seq.block_table = entry.pages
+        return True
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make the sequence own enough blocks for `num_tokens` own tokens."""

@@ -39,7 +39,6 @@ import dataclasses
 import logging
 import random
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +71,6 @@ class ShadowChecks:
         seed: int,
         blocks: BlockManager,
         max_model_len: int,
-        schedule: Callable[[Sequence], None],
         controller: Controller | None,
     ) -> None:
         self.rate = config.effective_sample_rate
@@ -80,7 +78,6 @@ class ShadowChecks:
         self.steps = config.distribution_steps
         self.blocks = blocks
         self.max_model_len = max_model_len
-        self._schedule = schedule
         self.controller = controller
         self._random = random.Random(seed)
         self._generator = torch.Generator().manual_seed(seed)
@@ -114,26 +111,26 @@ class ShadowChecks:
         if p.temperature > 0:
             seq.step_logprobs, seq.record_steps = [], self.steps
 
-    def served(self, seq: Sequence) -> None:
-        """A request finished: if it was drawn, queue its shadow."""
+    def served(self, seq: Sequence) -> Sequence | None:
+        """A request finished: if it was drawn, its shadow, for the engine to schedule."""
         served, seq.step_logprobs = seq.step_logprobs, None  # the request keeps no vocab rows
         if not seq.shadow_drawn or seq.error is not None or seq.finish_reason not in ("stop", "length"):
-            return
+            return None
         if not seq.num_output_tokens or (served is not None and not served):
-            return
+            return None
         if len(self._pending) >= MAX_QUEUED:
             self.dropped += 1
-            return
+            return None
         if not self.within_budget():
             self._count(seq.fidelity_config or DEFAULT_CONFIG, "over_budget")
-            return
+            return None
         reply = list(seq.output_token_ids)
         ids = list(seq.prompt_token_ids)
         if len(ids) + len(reply) > self.max_model_len or self.blocks.blocks_for(len(ids) + len(reply)) > (
             self.blocks.num_blocks
         ):
             self._count(seq.fidelity_config or DEFAULT_CONFIG, "skipped")  # a full prefill cannot fit
-            return
+            return None
         p = seq.params
         # Greedy: up to the served reply's length. Sampled: the recorded steps, teacher-forced.
         length = len(reply) if served is None else len(served)
@@ -154,7 +151,7 @@ class ShadowChecks:
         if served is not None:
             shadow.forced_token_ids, shadow.step_logprobs, shadow.record_steps = reply[:length], [], length
         self._pending[id(shadow)] = _Pending(seq.fidelity_config or DEFAULT_CONFIG, reply, served)
-        self._schedule(shadow)
+        return shadow
 
     @property
     def cpu_share(self) -> float:

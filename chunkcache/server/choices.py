@@ -12,24 +12,43 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from chunkcache.chunk.documents import PromptParts
+from chunkcache.config import ReuseOptions
 from chunkcache.outputs import RequestOutput
 from chunkcache.sampling import SamplingParams
-from chunkcache.server.engine_loop import RequestStream
+from chunkcache.server.engine_loop import EngineLoop, RequestStream
 
 Prompt = str | list[int] | PromptParts
-Submit = Callable[[Prompt, SamplingParams], Awaitable[RequestStream]]
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What every engine request of one API request shares but its prompt and sampling params."""
+
+    prefix: str  # of its request ids ("cmpl", "chatcmpl")
+    chunk_options: ReuseOptions | None
+    add_special_tokens: bool = True
+    cache_salt: str | None = None
 
 
 class ChoiceGroup:
     """Choice i of prompt p has index p * n + i (OpenAI's and vLLM's numbering). Made by `start`."""
 
-    def __init__(self, submit: Submit, prompts: Sequence[Prompt], params: SamplingParams, n: int) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        submission: Submission,
+        prompts: Sequence[Prompt],
+        params: SamplingParams,
+        n: int,
+    ) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        self._submit = submit
+        self._loop = loop
+        self._submission = submission
         self._params = params
         self.prompts = list(prompts)
         self.n = n
@@ -39,17 +58,34 @@ class ChoiceGroup:
 
     @classmethod
     async def start(
-        cls, submit: Submit, prompts: Sequence[Prompt], params: SamplingParams, n: int
+        cls,
+        loop: EngineLoop,
+        submission: Submission,
+        prompts: Sequence[Prompt],
+        params: SamplingParams,
+        n: int,
     ) -> ChoiceGroup:
         """A group with choice 0 of every prompt submitted (so bad input fails here)."""
-        group = cls(submit, prompts, params, n)
+        group = cls(loop, submission, prompts, params, n)
         try:
             for p, prompt in enumerate(group.prompts):
-                group.streams[p * n] = await submit(prompt, group.params_for(0))
+                group.streams[p * n] = await group._submit(prompt, 0)
         except BaseException:
             group.release()
             raise
         return group
+
+    async def _submit(self, prompt: Prompt, choice: int) -> RequestStream:
+        """One choice of `prompt`, submitted to the engine (EngineLoop.submit -> LLMEngine.add_request)."""
+        s = self._submission
+        return await self._loop.submit(
+            self._loop.new_request_id(s.prefix),
+            prompt,
+            self.params_for(choice),
+            add_special_tokens=s.add_special_tokens,
+            chunk_options=s.chunk_options,
+            cache_salt=s.cache_salt,
+        )
 
     @property
     def request_id(self) -> str:
@@ -92,7 +128,7 @@ class ChoiceGroup:
     async def _start_followers(self, lead: int) -> None:
         prompt = self.prompts[lead // self.n]
         for i in range(1, self.n):
-            self.streams[lead + i] = await self._submit(prompt, self.params_for(i))
+            self.streams[lead + i] = await self._submit(prompt, i)
             self._tasks.append(asyncio.ensure_future(self._pump(lead + i, lead=False)))
 
     def release(self) -> None:

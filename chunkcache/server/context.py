@@ -8,7 +8,6 @@ limits, and the checks every route makes (API key, model name, sampling fields).
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
@@ -16,8 +15,8 @@ from fastapi import Depends, Request
 
 from chunkcache.config import ReuseOptions
 from chunkcache.sampling import SamplingParams
-from chunkcache.server.choices import ChoiceGroup, Prompt
-from chunkcache.server.engine_loop import EngineLoop, RequestStream
+from chunkcache.server.choices import ChoiceGroup, Prompt, Submission
+from chunkcache.server.engine_loop import EngineLoop
 from chunkcache.server.errors import ApiError, invalid, param_named_in
 from chunkcache.server.logprobs import LogprobWriter
 from chunkcache.server.metrics import ServerMetrics
@@ -83,19 +82,8 @@ class ServerContext:
         cache_salt: str | None = None,
     ) -> ChoiceGroup:
         """The `n` choices of every prompt, choice 0 of each submitted now (bad input fails here)."""
-        loop = self.engine_loop
-
-        def one(prompt: Prompt, choice_params: SamplingParams) -> Awaitable[RequestStream]:
-            return loop.submit(
-                loop.new_request_id(prefix),
-                prompt,
-                choice_params,
-                add_special_tokens=add_special_tokens,
-                chunk_options=chunk_options,
-                cache_salt=cache_salt,
-            )
-
-        return await ChoiceGroup.start(one, prompts, params, n)
+        submission = Submission(prefix, chunk_options, add_special_tokens, cache_salt)
+        return await ChoiceGroup.start(self.engine_loop, submission, prompts, params, n)
 
 
 def sampling_params(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
