@@ -369,12 +369,12 @@ def test_q4_1_avx512_build_gives_the_avx2_builds_bits() -> None:
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_bfloat16_decode_row_is_the_float32_products_rounding(qtype) -> None:
-    """A bfloat16 x of 1-7 rows (a bfloat16 model's decode step) goes to C as it is and comes back
+    """A bfloat16 x of 1-5 rows (a bfloat16 model's decode step) goes to C as it is and comes back
     bfloat16 (`blocks_rows`, `blocks_product_bf16`): bit for bit the float32 product of x widened,
     rounded by torch's `.to(torch.bfloat16)`; in `BlocksPart`'s call, with int8 x too."""
     blocks, _ = _blocks((96, 512), seed=47, qtype=qtype)
     g = torch.Generator().manual_seed(47)
-    for rows in (1, 3, 7):  # below every type's `bf16_min_rows` (from there: the GEMM)
+    for rows in (1, 3, 5):  # below every type's `bf16_min_rows` (from there: the GEMM)
         x = (torch.randn(rows, 512, generator=g) * 2).bfloat16()
         for int8_x in (False, True):
             part = BlocksPart(blocks, qtype, int8_x=int8_x)
@@ -393,7 +393,7 @@ def test_a_bfloat16_rows_epilogue_is_torchs(qtype) -> None:
     blocks, _ = _blocks((96, 512), seed=53, qtype=qtype)
     g = torch.Generator().manual_seed(53)
     differing = 0
-    for rows in (1, 3, 7):
+    for rows in (1, 3, 5):  # below `bf16_min_rows`: the rows' path
         x = (torch.randn(rows, 512, generator=g) * 2).bfloat16()
         plain = qkernel.blocks_rows(x, qtype, blocks)
         residual = (torch.randn(rows, 96, generator=g) * 3).bfloat16()
@@ -406,7 +406,7 @@ def test_a_bfloat16_rows_epilogue_is_torchs(qtype) -> None:
         bad = ulps > 1
         assert ulps.max() <= 1, (gated[bad], expected[bad], gate[bad], up[bad])
         differing += int((ulps > 0).sum())
-    assert differing <= 0.01 * 11 * 48
+    assert differing <= 0.01 * 9 * 48
 
     from chunkcache.model.linear import Linear
     from chunkcache.model.quant import QuantProduct

@@ -60,12 +60,15 @@ BLOCK_FORMATS = {
     # runs): kernel against blocks 7.4-9.7 / 7.8-10.7 ms at 12 rows, 9.9-10.0 / 9.1-12.6 at 16,
     # 15-22 / 17-24 at 24, 22-25 / 19 at 32: a crossing at 16-24 rows, as int8's
     # (`dequant.INT8_MIN_ROWS`). Dequantizing costs 0.17 ns per weight (gguf's numpy: 7.9).
-    # bfloat16 blocks on the AMX Xeon (one thread, the 1.5B's down, float x): kernel against
-    # blocks 3.0 / 6.3 ms at 4 rows, 6.3 / 6.1 at 8, 9.0 / 5.2 at 12.
-    "Q6_K": BlockFormat("Q6_K", *qkernel.BLOCK_TYPES["Q6_K"], min_rows=16, bf16_min_rows=8),
-    # Q4_K's float32 blocks as Q6_K's (not measured apart); bfloat16 ones on the AMX Xeon (the
-    # 1.5B's gate): 4.1 / 5.3 ms at 8 rows, 6.5 / 5.5 at 12, 8.2 / 5.5 at 16.
-    "Q4_K": BlockFormat("Q4_K", *qkernel.BLOCK_TYPES["Q4_K"], min_rows=16, bf16_min_rows=12),
+    # bfloat16 blocks (on AMX tiles) from 6 rows for Q6_K and Q4_K alike: the 1.5B's whole decode
+    # step with every Q4_K and Q6_K product on the kernel (int8 x, a pass per 8 rows) against the
+    # blocks, ms wall, 2 threads, the AMX Xeon, alternated in one process (session 49): 122 / 168 at
+    # 4 rows, 160 / 167 at 5, 191 / 173 at 6, 211 / 192 at 7, 247 / 190 at 8, 281 / 184 at 10: the
+    # kernel's cost grows with the rows, the blocks' hardly (their dequantization is most of it).
+    # One product alone (one thread, float x) had put the crossing at 8 (down) and 12 (gate) rows.
+    "Q6_K": BlockFormat("Q6_K", *qkernel.BLOCK_TYPES["Q6_K"], min_rows=16, bf16_min_rows=6),
+    # Q4_K's float32 blocks as Q6_K's (not measured apart).
+    "Q4_K": BlockFormat("Q4_K", *qkernel.BLOCK_TYPES["Q4_K"], min_rows=16, bf16_min_rows=6),
     # int8 codes and one multiply per weight to float32, as int8 per channel's: its threshold.
     "Q8_0": BlockFormat(
         "Q8_0",
