@@ -422,3 +422,49 @@ def test_decode_of_one_run_of_slots_reads_the_cache_in_place() -> None:
     gathered = run(None)
     torch.testing.assert_close(run((first, length)), gathered, atol=1e-6, rtol=1e-6)
     assert not torch.allclose(run((first + 1, length)), gathered, atol=1e-3)
+
+
+def test_decode_rows_of_unlike_lengths_attend_in_groups_as_padded() -> None:
+    """Decode rows whose KV lists differ much in length (a fusion request's joint, document and
+    no-document streams) are attended in groups of alike lengths (`DecodeBatch.groups`), each
+    padded to its own longest: the one padded call's output to float rounding (the kernel blocks a
+    shorter list differently), with far less padding."""
+    from chunkcache.model.attention import (
+        AttentionMetadata,
+        DecodeBatch,
+        attend,
+        decode_groups,
+        length_groups,
+    )
+
+    lengths = [1700, 550, 50, 560, 48, 545, 52, 30]
+    groups = length_groups(lengths)
+    assert groups == [[0], [3, 1, 5, 6], [2, 4, 7]]  # longest first; each pads <= 1.5x or <= 512 entries
+    assert length_groups([100, 10]) == [[0, 1]]  # a call more would cost more than 90 entries
+    assert length_groups([600, 590, 580]) == [[0, 1, 2]]
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 6, 2, 16
+    total = sum(lengths)
+    k_cache, v_cache = (torch.randn(total + 8, kv_heads, dim, generator=gen) for _ in range(2))
+    order = torch.randperm(total, generator=gen)  # scattered slots, as paged blocks give
+    slots, start = [], 0
+    for n in lengths:
+        slots.append(order[start : start + n])
+        start += n
+    b = len(lengths)
+    q, k, v = torch.randn(b, heads, dim, generator=gen), *torch.randn(2, b, kv_heads, dim, generator=gen)
+    padded = torch.zeros(b, max(lengths), dtype=torch.long)
+    mask = torch.zeros(b, 1, 1, max(lengths), dtype=torch.bool)
+    for row, s in enumerate(slots):
+        padded[row, : s.numel()], mask[row, 0, 0, : s.numel()] = s, True
+    index = list(range(b))
+    grouped = decode_groups(index, slots, torch.device("cpu"))
+    assert [g.slots.shape for g in grouped] == [(1, 1700), (4, 560), (3, 50)] and grouped[0].mask is None
+
+    def run(groups: list) -> torch.Tensor:
+        kc, vc = k_cache.clone(), v_cache.clone()
+        write = torch.tensor([s[-1].item() for s in slots])
+        meta = AttentionMetadata(write, [], DecodeBatch(torch.tensor(index), padded, mask, groups=groups))
+        return attend(q, k, v, kc, vc, meta, dim**-0.5)
+
+    torch.testing.assert_close(run(grouped), run([]), atol=1e-6, rtol=1e-6)
