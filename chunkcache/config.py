@@ -777,6 +777,69 @@ OPTION_CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+# What each flat engine option serves, in the order `--help` and docs/options.md list them (one
+# argument group, one section each). A view over the config tree's sections, which keep their
+# fields where the code reads them: the chunk pool's size and tiers are ChunkConfig's but serve
+# memory, the served name is EngineConfig's but serves the server. tests/test_cli.py checks that
+# every option is in exactly one group.
+OPTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": (
+        "device",
+        "dtype",
+        "seed",
+        "tokenizer",
+        "adapter",
+        "threads",
+        "weights",
+        "int8_activations",
+        "narrow_weights",
+        "compile_decode",
+        "require_kernels",
+    ),
+    "memory": (
+        "kv_cache_memory_gb",
+        "kv_cache_tokens",
+        "block_size",
+        "enable_prefix_caching",
+        "hash_seed",
+        "prefix_caching_hash_algo",
+        "chunk_cache_size_gb",
+        "chunk_cache_lru_threshold",
+        "chunk_cache_hash_algorithm",
+        "chunk_cache_disk_dir",
+        "chunk_cache_disk_gb",
+        "chunk_cache_remote",
+    ),
+    "scheduling": (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "long_prefill_token_threshold",
+        "max_long_partial_prefills",
+        "min_decode_share",
+        "max_model_len",
+    ),
+    "reuse": (
+        "enable_chunk_cache",
+        "chunk_layout",
+        "chunk_separator",
+        "documents_format",
+        "max_chunks",
+        *(f.name for f in dataclasses.fields(ChunkConfig) if f.name.startswith(("fusion_", "blend_"))),
+        "calibration_temperature",
+        "calibration_scale",
+        "separator_free",
+        "separator_free_min_tokens",
+        "exact_follow_ups",
+        "exact_follow_ups_sights",
+    ),
+    "fidelity": tuple(name for name in _FLAT_TO_SECTION if name.startswith("fidelity_")),
+    "server": (
+        "served_model_name",
+        *(name for name in _FLAT_TO_SECTION if name.startswith("kv_events_")),
+    ),
+}
+
+
 def option_names() -> list[str]:
     """Every flat engine option, for CLI flags and error messages."""
     return [*_TOP_LEVEL, *_FLAT_TO_SECTION]
