@@ -32,7 +32,8 @@ MODEL_HELP = (
     "or a hub id where a hub is reachable"
 )
 
-# What each group of options serves: the title of its `--help` group and of its docs/options.md section.
+# What each group of options serves: the description of its `--help` group (titled "<group> options")
+# and of its docs/options.md section.
 GROUP_HELP: dict[str, str] = {
     "model": "which model runs where, in which precision and with which kernels",
     "memory": "the paged KV cache of running requests, prefix caching, and the chunk KV pool with "
@@ -192,6 +193,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def _add_flag(group: argparse._ArgumentGroup, name: str, tp: Any, default: Any) -> None:
+    """One option's flag: its form from its type (a bool gets --no-), every default None so that
+    `EngineConfig.from_options` can tell a flag given from one left to the environment and model."""
     flag = "--" + name.replace("_", "-")
     what = OPTION_HELP.get(name, f"engine option {name}")
     help_text = what if "(default:" in what else f"{what} (default: {_show(default)}{_per_model(name)})"
