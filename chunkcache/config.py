@@ -16,6 +16,7 @@ from typing import Any
 
 from chunkcache import envs
 from chunkcache.hashing import BLOCK_HASH_ALGORITHMS, block_hash_fn
+from chunkcache.model.catalog import GENERIC_DEFAULTS, identify  # pure data: loads no torch
 
 CHUNK_LAYOUTS = ("isolated", "offset", "fusion")
 # How layout "fusion" combines its streams' next-token distributions (engine/fusion.py).
@@ -126,12 +127,10 @@ class ChunkConfig:
     hash_algorithm: str = "sha256"
     # "isolated": chunks share one position range, Q sees them as computed (exact, no recompute).
     # "offset": chunks at their natural positions (cached K re-rotated), then blend.
-    # Default "fusion" (below; with rule contrastive, the amateur, no pair stream): the generic
-    # default, for every model, and the one place it is set (model/catalog.py names only what a
-    # known model is served with beyond it). By measurement (benchmarks/RESULTS.md "bench_fidelity",
-    # held-out): fusion kept the most of full prefill's answers on every model measured, where
-    # offset + blend loses answers on alike documents (issue 58).
-    layout: str = "fusion"
+    # The defaults read from `GENERIC_DEFAULTS` (layout, fusion's rule, amateur, pair stream and
+    # streams; weights and int8 activations below) depend on the model: they are written, with
+    # why, in model/catalog.py, beside each known model's own.
+    layout: str = GENERIC_DEFAULTS["chunk_layout"]
     # "fusion": one stream per chunk, S + Ci + Q, each exactly the KV the pool holds (only Q is
     # computed), decoded together; each step their next-token distributions are combined into
     # one by `fusion_rule` (engine/fusion.py) and the token chosen is appended to every stream.
@@ -140,13 +139,10 @@ class ChunkConfig:
     # mean log-likelihood it gives Q's tokens); "contrastive": PCED (arXiv 2601.08670): each
     # stream contrasted with the no-document stream, (1 + beta) log p_i - beta log p_0, the
     # stream with the highest top score plus gamma x relevance decides.
-    # Default "contrastive" by a quick check on SmolLM2 (bench_fidelity's questions as extra modes;
-    # benchmarks/RESULTS.md "bench_fidelity"): as many of full prefill's answers kept as
-    # max_confidence, more gained, for one more stream.
-    fusion_rule: str = "contrastive"
+    fusion_rule: str = GENERIC_DEFAULTS["fusion_rule"]
     # Add the no-document stream S + Q (PCED's amateur): the contrast of "contrastive" (which
     # needs it), one more expert (the model's own knowledge) under the other rules.
-    fusion_amateur: bool = True
+    fusion_amateur: bool = GENERIC_DEFAULTS["fusion_amateur"]
     # "contrastive": beta (the contrast's strength) and gamma (the relevance's weight). beta 0.1
     # by a quick sweep on SmolLM2's tune questions: a stronger contrast, or no relevance, answered
     # fewer right (benchmarks/RESULTS.md "bench_fidelity").
@@ -157,22 +153,22 @@ class ChunkConfig:
     # S + Ci + Cj + Q over the two most relevant documents (Ci read from the pool, Cj + Q
     # computed: |Cj| more prefill tokens, before the first token) as one more expert of the rule;
     # "lead" makes it the only document stream the rule reads (the others still run, unread).
-    fusion_pair: str = "none"
+    fusion_pair: str = GENERIC_DEFAULTS["fusion_pair"]
     # The pair stream joins only when the two most relevant documents are close: their streams'
     # relevance (mean log-likelihood of Q's tokens, nats) differ by at most this. A question about
     # one document names it, so its stream stands out and the request decodes on without the pair
-    # (no document prefilled); a question about two names both. 100 (the default): always (a
-    # mean log-likelihood gap of 100 nats per token does not occur).
-    fusion_pair_margin: float = 100.0
+    # (no document prefilled); a question about two names both. 100: always (a mean
+    # log-likelihood gap of 100 nats per token does not occur).
+    fusion_pair_margin: float = GENERIC_DEFAULTS["fusion_pair_margin"]
     # The joint stream's most documents: it reads every document whose relevance is within
     # `fusion_pair_margin` of the most relevant one's, the most relevant first, up to this many
     # (>= 2; 2 is the pair stream). Each document beyond the first is prefilled in the stream
     # (|Cj| tokens before the first token), so k costs k - 1 documents' prefill.
-    fusion_max_joint: int = 2
+    fusion_max_joint: int = GENERIC_DEFAULTS["fusion_max_joint"]
     # At most this many document streams decode past the first step (0: all): after it, every
     # stream's relevance is known and only the most relevant ones go on (the others' KV blocks and
     # decode rows are freed), so a prompt of 16-32 documents decodes like one of a few.
-    fusion_max_streams: int = 0
+    fusion_max_streams: int = GENERIC_DEFAULTS["fusion_max_streams"]
     # The joint stream's documents after the first are not prefilled but blended (layout offset's
     # mechanism, the blend_* options): their cached KV re-rotated to their place, the share the
     # selector picks recomputed, S and the first document exact. Cheaper than prefilling them, but
@@ -622,16 +618,15 @@ class EngineConfig:
     # CPU: dense (the checkpoint's weights in `dtype`), native (a GGUF's own quantized weights,
     # 4-bit codes kept as they are), int8 (per output channel); model/quant.py. auto: per
     # projection kind, native unless dense measures >10% faster at both 1 and 128 rows at load
-    # (model/weight_forms.py); the 1.5B's default (catalog engine_defaults), dense elsewhere.
-    weights: str = "dense"
+    # (model/weight_forms.py). Its default depends on the model (model/catalog.py).
+    weights: str = GENERIC_DEFAULTS["weights"]
     # CPU, quantized weights (native, int8, auto's native kinds) served by qkernel: a decode
     # step's products (every sequence of a batch, as its 1-row step) round the activations to
     # int8 per block of 32 (llama.cpp's Q8_0) and sum integer products, and native Q6_K and Q4_K tensors are
     # held as the file's blocks (model/quant_blocks.py);
-    # off keeps float32 activations (model/qkernel.py). The 1.5B's default (catalog
-    # engine_defaults: faster decode, its held-out answers kept: benchmarks/RESULTS.md
-    # "bench_qkernel", "bench_fidelity"), off elsewhere.
-    int8_activations: bool = False
+    # off keeps float32 activations (model/qkernel.py). Its default depends on the model
+    # (model/catalog.py).
+    int8_activations: bool = GENERIC_DEFAULTS["int8_activations"]
     # CPU: refuse to start where the C kernels (model/qkernel.py) cannot be built or loaded, naming
     # why, instead of serving with torch's slower kernels (a WARNING says what that costs). For
     # production replicas whose speed was measured with the kernels.
@@ -696,9 +691,8 @@ def _check_gate_conflicts(given: dict[str, Any]) -> None:
 
 
 def _model_defaults(model: str) -> tuple[tuple[str, Any], ...]:
-    """The chunk and engine options measured best for a known model (by short name or file), else none."""
-    from chunkcache.model.catalog import identify  # pure data; model/ loads no torch for it
-
+    """The chunk and engine options measured best for a known model (by short name or file), where
+    they differ from `GENERIC_DEFAULTS` (the fields' own defaults), else none."""
     known = identify(model)
     return known.chunk_defaults + known.engine_defaults if known is not None else ()
 
@@ -780,6 +774,69 @@ OPTION_CHOICES: dict[str, tuple[str, ...]] = {
     "blend_unit": BLEND_UNITS,
     "fusion_rule": FUSION_RULES,
     "fusion_pair": FUSION_PAIRS,
+}
+
+
+# What each flat engine option serves, in the order `--help` and docs/options.md list them (one
+# argument group, one section each). A view over the config tree's sections, which keep their
+# fields where the code reads them: the chunk pool's size and tiers are ChunkConfig's but serve
+# memory, the served name is EngineConfig's but serves the server. tests/test_cli.py checks that
+# every option is in exactly one group.
+OPTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": (
+        "device",
+        "dtype",
+        "seed",
+        "tokenizer",
+        "adapter",
+        "threads",
+        "weights",
+        "int8_activations",
+        "narrow_weights",
+        "compile_decode",
+        "require_kernels",
+    ),
+    "memory": (
+        "kv_cache_memory_gb",
+        "kv_cache_tokens",
+        "block_size",
+        "enable_prefix_caching",
+        "hash_seed",
+        "prefix_caching_hash_algo",
+        "chunk_cache_size_gb",
+        "chunk_cache_lru_threshold",
+        "chunk_cache_hash_algorithm",
+        "chunk_cache_disk_dir",
+        "chunk_cache_disk_gb",
+        "chunk_cache_remote",
+    ),
+    "scheduling": (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "long_prefill_token_threshold",
+        "max_long_partial_prefills",
+        "min_decode_share",
+        "max_model_len",
+    ),
+    "reuse": (
+        "enable_chunk_cache",
+        "chunk_layout",
+        "chunk_separator",
+        "documents_format",
+        "max_chunks",
+        *(f.name for f in dataclasses.fields(ChunkConfig) if f.name.startswith(("fusion_", "blend_"))),
+        "calibration_temperature",
+        "calibration_scale",
+        "separator_free",
+        "separator_free_min_tokens",
+        "exact_follow_ups",
+        "exact_follow_ups_sights",
+    ),
+    "fidelity": tuple(name for name in _FLAT_TO_SECTION if name.startswith("fidelity_")),
+    "server": (
+        "served_model_name",
+        *(name for name in _FLAT_TO_SECTION if name.startswith("kv_events_")),
+    ),
 }
 
 

@@ -2,8 +2,10 @@
 
 Every flag defaults to None ("not given"), so `EngineConfig.from_options` applies the environment
 and then the config's own default, in that order. A new config field becomes a flag by itself; its
-help comes from `OPTION_HELP` below (a test fails until the field has a line there) and its choices
-from `config.OPTION_CHOICES`, the tuples the validators check, so the two cannot disagree.
+help comes from `OPTION_HELP` below (a test fails until the field has a line there), its choices
+from `config.OPTION_CHOICES`, the tuples the validators check, so the two cannot disagree, and its
+argument group (docs section) from `config.OPTION_GROUPS`. An option whose default depends on the
+model shows the generic default and each known model's own (model/catalog.py).
 """
 
 from __future__ import annotations
@@ -13,14 +15,36 @@ import typing
 from typing import Any
 
 from chunkcache import envs
-from chunkcache.config import OPTION_CHOICES, REQUEST_CHUNK_OPTIONS, EngineConfig, option_names, option_specs
+from chunkcache.config import (
+    OPTION_CHOICES,
+    OPTION_GROUPS,
+    REQUEST_CHUNK_OPTIONS,
+    EngineConfig,
+    option_names,
+    option_specs,
+)
 from chunkcache.errors import UsageError
+from chunkcache.model.catalog import KNOWN_MODELS
 
 MODEL_HELP = (
     "a known model's short name (qwen2.5-coder-1.5b, the default; smollm2; see `chunkcache models`), "
     "a checkpoint directory (config.json + safetensors), a .gguf file or a directory holding one, "
     "or a hub id where a hub is reachable"
 )
+
+# What each group of options serves: the description of its `--help` group (titled "<group> options")
+# and of its docs/options.md section.
+GROUP_HELP: dict[str, str] = {
+    "model": "which model runs where, in which precision and with which kernels",
+    "memory": "the paged KV cache of running requests, prefix caching, and the chunk KV pool with "
+    "its disk and remote tiers",
+    "scheduling": "what one engine step runs: how many sequences and tokens, how long prompts are cut",
+    "reuse": "how a prompt's documents reuse their cached KV: chunking, the layout, fusion, blend, "
+    "APE calibration, separator-free matching, exact follow-ups",
+    "fidelity": "the fidelity gate (reuse chosen by the share of full prefill's answers it keeps) and "
+    "its shadow checks",
+    "server": "what the engine tells the outside: its served name and its KV events for a router",
+}
 
 # What each flat engine option does and the values it takes; `--help` adds the default and the
 # choices. docs/chunk-cache.md and docs/operations.md explain the costs behind them.
@@ -159,24 +183,45 @@ OPTION_HELP: dict[str, str] = {
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group("engine")
-    for name, (tp, default) in option_specs().items():
-        flag = "--" + name.replace("_", "-")
-        what = OPTION_HELP.get(name, f"engine option {name}")
-        help_text = what if "(default:" in what else f"{what} (default: {_show(default)})"
-        choices = OPTION_CHOICES.get(name)
-        if tp is bool:
-            group.add_argument(
-                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        elif typing.get_origin(tp) in (list, tuple):
-            item = typing.get_args(tp)[0] if typing.get_args(tp) else str
-            group.add_argument(flag, dest=name, type=item, nargs="+", default=None, help=help_text)
-        elif tp in (int, float, str):
-            group.add_argument(flag, dest=name, type=tp, default=None, choices=choices, help=help_text)
-        else:
-            raise TypeError(f"engine option {name} has type {tp!r}, which has no command-line form")
+    """The engine options as flags, one argument group per `OPTION_GROUPS` entry."""
+    specs = option_specs()
+    for group_name, names in OPTION_GROUPS.items():
+        group = parser.add_argument_group(f"{group_name} options", GROUP_HELP[group_name])
+        for name in names:
+            _add_flag(group, name, *specs[name])
     return parser
+
+
+def _add_flag(group: argparse._ArgumentGroup, name: str, tp: Any, default: Any) -> None:
+    """One option's flag: its form from its type (a bool gets --no-), every default None so that
+    `EngineConfig.from_options` can tell a flag given from one left to the environment and model."""
+    flag = "--" + name.replace("_", "-")
+    what = OPTION_HELP.get(name, f"engine option {name}")
+    help_text = what if "(default:" in what else f"{what} (default: {_show(default)}{_per_model(name)})"
+    choices = OPTION_CHOICES.get(name)
+    if tp is bool:
+        group.add_argument(
+            flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
+    elif typing.get_origin(tp) in (list, tuple):
+        item = typing.get_args(tp)[0] if typing.get_args(tp) else str
+        group.add_argument(flag, dest=name, type=item, nargs="+", default=None, help=help_text)
+    elif tp in (int, float, str):
+        group.add_argument(flag, dest=name, type=tp, default=None, choices=choices, help=help_text)
+    else:
+        raise TypeError(f"engine option {name} has type {tp!r}, which has no command-line form")
+
+
+def _per_model(name: str, quote: str = "") -> str:
+    """The known models that are served with their own default of this option, with it: the
+    catalog's `chunk_defaults` / `engine_defaults` (empty where none sets it)."""
+    own = [
+        f"{model.name}: {quote}{_show(value)}{quote}"
+        for model in KNOWN_MODELS.values()
+        for option, value in model.chunk_defaults + model.engine_defaults
+        if option == name
+    ]
+    return "; " + "; ".join(own) if own else ""
 
 
 def _show(default: Any) -> str:
@@ -212,27 +257,38 @@ def options_markdown() -> str:
         "# Engine options",
         "",
         "Generated by `python -m chunkcache.engine_args > docs/options.md` from the config tree",
-        "(`chunkcache/config.py`) and `engine_args.OPTION_HELP`; do not edit by hand. Each option is a",
-        "keyword of `LLM(...)` and a flag of `chunkcache generate | serve | eval | prewarm`; those marked",
-        "*request* are also fields of a completions or chat body (and `chunk_options=` offline).",
+        "(`chunkcache/config.py`), `engine_args.OPTION_HELP` and the model catalog; do not edit by hand.",
+        "Each option is a keyword of `LLM(...)` and a flag of `chunkcache generate | serve | eval |",
+        "prewarm`; those marked *request* are also fields of a completions or chat body (and",
+        "`chunk_options=` offline). A default that depends on the model shows the generic one (any model",
+        "not in the catalog) and then each known model's own (`chunkcache/model/catalog.py`).",
+        "Grouped by what the options serve:",
         "",
-        "| option / flag | default | what it does | environment |",
-        "|---|---|---|---|",
+        *(f"- [{group}](#{group}-options): {GROUP_HELP[group]}" for group in OPTION_GROUPS),
     ]
-    for name, (tp, default) in option_specs().items():
-        flag = "--" + name.replace("_", "-")
-        if tp is bool:
-            flag += f" / --no-{name.replace('_', '-')}"
-        what = OPTION_HELP.get(name, "")
-        if name in OPTION_CHOICES:
-            what += "; one of " + ", ".join(f"`{c}`" for c in OPTION_CHOICES[name])
-        if name in REQUEST_CHUNK_OPTIONS:
-            what += " (*request*)"
-        env = ", ".join(f"`{v}`" for v in envs.env_names(name))
-        shown = _show(default).replace("%%", "%")
-        cells = [f"`{name}` `{flag}`", f"`{shown}`" if default is not None else "unset", what, env]
-        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    specs = option_specs()
+    for group, names in OPTION_GROUPS.items():
+        lines += ["", f"## {group.capitalize()} options", "", GROUP_HELP[group].capitalize() + ".", ""]
+        lines += ["| option / flag | default | what it does | environment |", "|---|---|---|---|"]
+        lines += [_markdown_row(name, *specs[name]) for name in names]
     return "\n".join(lines) + "\n"
+
+
+def _markdown_row(name: str, tp: Any, default: Any) -> str:
+    """One option's row of docs/options.md."""
+    flag = "--" + name.replace("_", "-")
+    if tp is bool:
+        flag += f" / --no-{name.replace('_', '-')}"
+    what = OPTION_HELP.get(name, "")
+    if name in OPTION_CHOICES:
+        what += "; one of " + ", ".join(f"`{c}`" for c in OPTION_CHOICES[name])
+    if name in REQUEST_CHUNK_OPTIONS:
+        what += " (*request*)"
+    env = ", ".join(f"`{v}`" for v in envs.env_names(name))
+    shown = f"`{_show(default)}`" if default is not None else "unset"
+    shown = (shown + _per_model(name, quote="`")).replace("%%", "%")
+    cells = [f"`{name}` `{flag}`", shown, what, env]
+    return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
 
 
 if __name__ == "__main__":

