@@ -22,7 +22,7 @@ from chunkcache.engine.prompt_logprobs import record_prompt_logprobs
 from chunkcache.engine.scheduler import ScheduledBatch
 from chunkcache.engine.sensitivity import measure
 from chunkcache.model import qkernel
-from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment, decode_groups
+from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 from chunkcache.model.calibration import ContextCalibration, calibration_for
 from chunkcache.model.loader import LoadedModel
 
@@ -146,7 +146,6 @@ class ModelRunner:
                 mask,
                 calibrated,
                 span if len(decode_slots) == 1 else None,
-                [] if calibrated else decode_groups(decode_index, decode_slots, dev),
             )
         meta = AttentionMetadata(torch.cat(slot_mapping), prefills, decode)
         return torch.tensor(ids, device=dev), torch.cat(positions), meta, sample_index

@@ -47,30 +47,9 @@ class PrefillSegment:
         return cls(start, end, past_slots, mask, calibration)
 
 
-# Decode rows of KV lists of very different lengths (a fusion request's joint stream of ~1,700
-# entries beside its document streams of ~550 and no-document ones of ~50) attended in one padded
-# call read and attend every row's padding: the gather copies B x longest entries a layer. They go
-# in groups instead (`length_groups`): a row joins the group of longer rows unless that pads the
-# group beyond MAX_PADDING x its real entries and by more than MIN_SPLIT entries (below that a
-# call more, ~50 us, costs more than the padding it saves). 16 such rows, one thread, 28 layers of
-# the 1.5B's shapes: 132 ms padded, 51 one call per row (session 49).
-MAX_PADDING = 1.5
-MIN_SPLIT = 512
-
-
-@dataclass(frozen=True)
-class DecodeGroup:
-    """Decode rows attended in one padded call."""
-
-    token_index: torch.Tensor  # [b] index of each sequence's token in the flattened batch
-    slots: torch.Tensor  # [b, L] the whole KV list including the new token, padded with slot 0
-    mask: torch.Tensor | None  # [b, 1, 1, L] True where a slot is real; None: no padding
-
-
 @dataclass
 class DecodeBatch:
-    """Sequences with exactly one new token each, attended in one padded call, or in `groups`
-    of rows of alike lengths (`length_groups`)."""
+    """Sequences with exactly one new token each, attended in one padded call."""
 
     token_index: torch.Tensor  # [B] index of each sequence's token in the flattened batch
     slots: torch.Tensor  # [B, L] the whole KV list including the new token, padded with slot 0
@@ -81,47 +60,6 @@ class DecodeBatch:
     # (first slot, length) when the batch is one sequence whose KV list is one run of slots: the
     # cache is then read in place, with no gather (two copies of the whole KV list per layer).
     span: tuple[int, int] | None = None
-    # The rows in groups of alike lengths where that saves padding (none calibrated), else empty.
-    groups: list[DecodeGroup] = field(default_factory=list)
-
-
-def length_groups(lengths: list[int]) -> list[list[int]]:
-    """The rows (indices into `lengths`) in groups for padded calls, longest first, each row in
-    the group of the rows just longer than it unless that pads the group beyond `MAX_PADDING` x
-    its real entries and by more than `MIN_SPLIT` (module comment)."""
-    groups: list[list[int]] = []
-    real = 0
-    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
-        if groups:
-            padded = (len(groups[-1]) + 1) * lengths[groups[-1][0]]
-            if padded <= MAX_PADDING * (real + lengths[row]) or padded - real - lengths[row] <= MIN_SPLIT:
-                groups[-1].append(row)
-                real += lengths[row]
-                continue
-        groups.append([row])
-        real = lengths[row]
-    return groups
-
-
-def decode_groups(
-    token_index: list[int], slots: list[torch.Tensor], device: torch.device
-) -> list[DecodeGroup]:
-    """`DecodeBatch.groups` of decode rows (their token indices and KV lists): empty where one
-    padded call serves (one group)."""
-    groups = length_groups([s.numel() for s in slots])
-    if len(groups) < 2:
-        return []
-    out = []
-    for rows in groups:
-        lengths = [slots[r].numel() for r in rows]
-        padded = torch.zeros(len(rows), lengths[0], dtype=torch.long, device=device)
-        mask = torch.zeros(len(rows), 1, 1, lengths[0], dtype=torch.bool, device=device)
-        for i, r in enumerate(rows):
-            padded[i, : lengths[i]] = slots[r]
-            mask[i, 0, 0, : lengths[i]] = True
-        index = torch.tensor([token_index[r] for r in rows], device=device)
-        out.append(DecodeGroup(index, padded, None if min(lengths) == lengths[0] else mask))
-    return out
 
 
 @dataclass
@@ -154,38 +92,12 @@ def _decode_kv(
         kd = k_cache[first : first + length].unsqueeze(0).permute(0, 2, 1, 3)
         vd = v_cache[first : first + length].unsqueeze(0).permute(0, 2, 1, 3)
         return kd, vd, None
-    kd, vd = _gathered(d.slots, k_cache, v_cache)
+    # index_select over the flattened slots, not k_cache[d.slots]: the advanced-indexing gather
+    # was ~5x slower on CPU and 7% of a 16-sequence decode step.
+    flat = d.slots.flatten()
+    kd = k_cache.index_select(0, flat).view(*d.slots.shape, *k_cache.shape[1:]).permute(0, 2, 1, 3)
+    vd = v_cache.index_select(0, flat).view(*d.slots.shape, *v_cache.shape[1:]).permute(0, 2, 1, 3)
     return kd, vd, d.mask if d.slots.shape[0] > 1 else None
-
-
-def _gathered(
-    slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [b, Hk, L, D] of the slots [b, L]: index_select over the flattened slots, not
-    k_cache[slots]: the advanced-indexing gather was ~5x slower on CPU and 7% of a 16-sequence
-    decode step."""
-    flat = slots.flatten()
-    kd = k_cache.index_select(0, flat).view(*slots.shape, *k_cache.shape[1:]).permute(0, 2, 1, 3)
-    vd = v_cache.index_select(0, flat).view(*slots.shape, *v_cache.shape[1:]).permute(0, 2, 1, 3)
-    return kd, vd
-
-
-def _decode_rows(
-    q: torch.Tensor,
-    token_index: torch.Tensor,
-    kd: torch.Tensor,
-    vd: torch.Tensor,
-    mask: torch.Tensor | None,
-    num_kv_heads: int,
-    scale: float,
-) -> torch.Tensor:
-    """The attention of decode rows (one query each) over their gathered K/V: [b, Hq, D]. The
-    query heads of a KV head folded into the query axis (GQA without repeating K/V), which is
-    several times faster than enable_gqa on CPU."""
-    b = token_index.numel()
-    qd = q[token_index].view(b, num_kv_heads, q.shape[1] // num_kv_heads, -1)
-    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
-    return o.reshape(b, q.shape[1], -1)
 
 
 def attend(
@@ -238,15 +150,13 @@ def attend(
         out[seg.start : seg.end] = o[0].transpose(0, 1)
     if meta.decode is not None:
         d = meta.decode
-        for group in d.groups:  # rows of alike lengths, a call each (then none is calibrated)
-            kd, vd = _gathered(group.slots, k_cache, v_cache)
-            out[group.token_index] = _decode_rows(
-                q, group.token_index, kd, vd, group.mask, num_kv_heads, scale
-            )
-        if d.groups:
-            return out
+        b = d.token_index.numel()
+        # One query per sequence: fold the query heads of a KV head into the query axis (GQA
+        # without repeating K/V), which is several times faster than enable_gqa on CPU.
+        qd = q[d.token_index].view(b, num_kv_heads, q.shape[1] // num_kv_heads, -1)
         kd, vd, mask = _decode_kv(d, k_cache, v_cache)
-        out[d.token_index] = _decode_rows(q, d.token_index, kd, vd, mask, num_kv_heads, scale)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+        out[d.token_index] = o.reshape(b, q.shape[1], -1)
         for row, i, length, cal in d.calibrated:
             index = torch.tensor([length - 1], device=q.device)
             out[i : i + 1] = calibrated_attention(
