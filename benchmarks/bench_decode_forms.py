@@ -7,7 +7,10 @@ int8 (`qkernel.decode_step`, the runner's marking of decode-only steps; `int8_ac
 against the previous behaviour, int8 x for 1-row products only (the steps left unmarked: 2+ rows
 run float32 x). `--compare lm_head`: a tied Q8_0 lm_head held as the file's blocks (`BlocksPart`)
 against a dense float32 copy of the same values (SmolLM2's before Q8_0 had a kernel), or with
-`--dtype auto` a dense bfloat16 one (on AMX tiles where they serve). `--compare c_rows` (with
+`--dtype auto` a dense bfloat16 one (on AMX tiles where they serve). `--compare blocks_rows` (with
+`--dtype auto`, int8 activations as the 1.5B is served): Q4_K's and Q6_K's products of 6+ rows on
+the AMX blocks (`quant_blocks.BLOCK_FORMATS`) against the old thresholds (12 and 8 rows; below
+them the int8-x kernel, a pass per 8 rows). `--compare c_rows` (with
 `--dtype auto` on a CPU that serves bfloat16): a bfloat16 decode row's norms, one sequence's
 attention and the products' residual adds / SwiGLU as C calls (`qkernel_row.c`) against torch's
 operators.
@@ -18,20 +21,24 @@ the CPU time (time.process_time) of the difference over `--tokens` steps is a de
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_forms.py --compare rows [--model qwen2.5-coder-1.5b] [--sequences 5]
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_forms.py --compare lm_head --model smollm2 --sequences 1 --tokens 64
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_forms.py --compare c_rows --model smollm2 --sequences 1 --tokens 128 --dtype auto
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode_forms.py --compare blocks_rows --sequences 8 --dtype auto
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.model import qkernel
+from chunkcache.model.linear import Linear
 from chunkcache.model.quant import DensePart, QuantProduct
 from chunkcache.model.quant_blocks import BlocksPart
 
@@ -74,6 +81,8 @@ def sides(llm: LLM, compare: str) -> dict[str, contextlib.AbstractContextManager
                 qkernel.rows_served, QuantProduct.with_epilogue = served, epilogue
 
         return {"rows in C": contextlib.nullcontext, "rows in torch": in_torch}
+    if compare == "blocks_rows":
+        return blocks_rows_sides(llm)
     lm_head = llm.engine.runner.model.lm_head.quant
     blocks = lm_head.parts
     if not (len(blocks) == 1 and isinstance(blocks[0], BlocksPart)):
@@ -94,11 +103,43 @@ def sides(llm: LLM, compare: str) -> dict[str, contextlib.AbstractContextManager
     }
 
 
+# The rows from which Q4_K's and Q6_K's products took the AMX blocks before session 49 (now 6).
+OLD_BF16_MIN_ROWS = {"Q4_K": 12, "Q6_K": 8}
+
+
+def blocks_rows_sides(llm: LLM) -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """`--compare blocks_rows`: the served thresholds against the old ones (`OLD_BF16_MIN_ROWS`),
+    set on every Q4_K and Q6_K part of the model while a side runs."""
+    parts = [
+        part
+        for m in llm.engine.runner.model.modules()
+        if isinstance(m, Linear) and m.quant is not None
+        for part in m.quant.parts
+        if isinstance(part, BlocksPart) and part.qtype in OLD_BF16_MIN_ROWS
+    ]
+    if not parts:
+        raise SystemExit("no Q4_K or Q6_K blocks in this model: nothing to compare")
+
+    @contextlib.contextmanager
+    def old_thresholds():
+        served = [(part.format, part.few_rows) for part in parts]
+        for part in parts:
+            part.format = dataclasses.replace(part.format, bf16_min_rows=OLD_BF16_MIN_ROWS[part.qtype])
+            part.few_rows = min(part.format.min_rows, part.format.bf16_min_rows)
+        try:
+            yield
+        finally:
+            for part, (fmt, few) in zip(parts, served, strict=True):
+                part.format, part.few_rows = fmt, few
+
+    return {"blocks from 6 rows": contextlib.nullcontext, "old thresholds (12 / 8 rows)": old_thresholds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--compare", choices=("rows", "lm_head", "c_rows"), required=True)
+    parser.add_argument("--compare", choices=("rows", "lm_head", "c_rows", "blocks_rows"), required=True)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--sequences", type=int, default=5, choices=range(1, len(PROMPTS) + 1))
     parser.add_argument("--tokens", type=int, default=16)
@@ -114,7 +155,7 @@ def main() -> None:
         args.model,
         dtype=args.dtype,
         weights="native",
-        int8_activations=args.compare == "rows",
+        int8_activations=args.compare in ("rows", "blocks_rows"),
         kv_cache_tokens=4096,
         enable_chunk_cache=False,
     )

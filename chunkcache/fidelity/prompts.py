@@ -15,13 +15,14 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from chunkcache.fidelity import questions as fq
 from chunkcache.fidelity import rag_shape as rs
 from chunkcache.fidelity.measure import SYSTEM
 
 _FIELDS = {"documents", "question", "answers", "system"}
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,8 @@ def rag_prompts(split: str = "all") -> list[CalibrationPrompt]:
     return _alternating(list(kinds.values()))
 
 
-def _alternating(lists: list[list[CalibrationPrompt]]) -> list[CalibrationPrompt]:
+def _alternating(lists: list[list[T]]) -> list[T]:
+    """The lists' items taken in turn, one of each while it has any."""
     longest = max((len(x) for x in lists), default=0)
     return [x[i] for i in range(longest) for x in lists if i < len(x)]
 
@@ -174,7 +176,5 @@ def builtin_questions(limit: int, which: str = "both", split: str = "all") -> li
         "original": fq.load_original() if which in ("original", "both") else [],
         "counterfactual": fq.load_counterfactual() if which in ("counterfactual", "both") else [],
     }
-    sets = {name: [q for q in qs if split in ("all", q.split)] for name, qs in sets.items()}
-    longest = max(len(qs) for qs in sets.values())
-    order = [qs[i] for i in range(longest) for qs in sets.values() if i < len(qs)]
+    order = _alternating([[q for q in qs if split in ("all", q.split)] for qs in sets.values()])
     return order[:limit] if limit else order
