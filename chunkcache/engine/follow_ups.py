@@ -103,8 +103,9 @@ class FollowUps:
     def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig, reserve: int) -> bool:
         """Whether to take the documents admission offers to fuse a separator-free request over
         (ChunkSteps.admit, layout "fusion"), with `exact_follow_ups`: False (the request runs as a
-        plain prompt, prefix cache included) where the prompt before the question is cached exactly; else the intake's answer, and where that makes a fusion
-        request, the exact-prefix job for its follow-ups. The prefix is the prompt's own tokens
+        plain prompt, prefix cache included) where the prompt before the question is cached
+        exactly; else the intake's answer, and where that makes a fusion request, the
+        exact-prefix job for its follow-ups. The prefix is the prompt's own tokens
         before Q, not S and the documents joined: fusion's documents may drop a few tokens."""
         context = len(seq.prompt_token_ids) - len(prompt.question_token_ids)
         exact = self._exact and context >= self.blocks.block_size
