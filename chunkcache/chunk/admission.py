@@ -72,7 +72,7 @@ class Admission:
 
     def admit(self, seq: Sequence, proposed: PlainCut | None = None, fused: bool = False) -> list[Sequence]:
         """Match every part of the request; return the fill jobs to schedule for the missing ones.
-        A plain prompt is served as `proposed` (cut now where not given); one that separator-free
+        A plain prompt is served as `proposed` (ChunkManager.propose's cut); one that separator-free
         matching cannot cut leaves as a plain request; under layout "fusion" one whose matches
         make two or more documents runs over them where the engine `fused` it (its streams fit),
         else as a first sight."""
@@ -81,7 +81,7 @@ class Admission:
         runs: list[Run | None] | None = None
         matched: tuple[bool, ...] = ()
         if isinstance(prompt, PlainPrompt):
-            proposed = proposed or self.cutter.propose(prompt, config)
+            assert proposed is not None, "a plain prompt is admitted as ChunkManager.propose cut it"
             cut = self.cutter.admit(seq, prompt, config, proposed, fused)
             if cut is None:
                 return []

@@ -224,9 +224,10 @@ class RequestIntake:
     def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig, reserve: int) -> bool:
         """Admission (ChunkSteps.admit, on the step thread, between ChunkManager.propose and
         .admit): make a separator-free request, cut into documents, a fusion request over them
-        (its own tokens Q, one stream per document), if its streams fit one batch and, with its max_tokens (an open one capped for them, as for
-        a chunked prompt), the KV cache beside `reserve` blocks (its entries, should the pool
-        refuse them); False leaves it untouched (it runs as a plain prefill)."""
+        (its own tokens Q, one stream per document), if its streams fit one batch and, with its
+        max_tokens (an open one capped for them, as for a chunked prompt), the KV cache beside
+        `reserve` blocks (its entries, should the pool refuse them); False leaves it untouched (it
+        runs as a plain prefill)."""
         assert seq.chunk_plan is not None and isinstance(seq.chunk_plan.prompt, PlainPrompt)
         requested = seq.chunk_plan.prompt.max_tokens
         copies = stream_count(prompt, cfg)
