@@ -4,7 +4,9 @@ The sides (`--sides`, serve_sides.py) serve the same model on the same core budg
 chunkcache with its default reuse (`chunkcache`), chunkcache with the chunk cache off
 (`chunkcache-off`, prefix cache on), and llama.cpp's own server on the same GGUF file
 (`llama.cpp`: `llama-server`, built once by llama_server.py, its prompt cache on,
-`--cache-reuse 256`, slots = the run's concurrency). The workload (serve_workload.py): a corpus of
+`--cache-reuse 256`, slots = the run's concurrency); and, when asked, a cluster per router policy
+(`cluster-cache_aware`, `cluster-round_robin`, ...: `--replicas` chunkcache servers sharing
+`--threads`, behind `chunkcache route`, issue 57). The workload (serve_workload.py): a corpus of
 `--num-chunks` real-text chunks of ~`--chunk-tokens` tokens (elements' documents from the
 `mendeleev` package), each request `k` of them (`--k-min`..`--k-max`) drawn by Zipf popularity
 (`--zipf`) in random order with a question about one, as `SYSTEM # # doc # # ... # # question`
@@ -38,6 +40,7 @@ Usage:
     python benchmarks/bench_serve.py --model qwen2.5-coder-1.5b --num-requests 24 --concurrency 1,8
     python benchmarks/bench_serve.py --model qwen2.5-coder-1.5b --rates 0.05,0.1,inf --raw out.json
     python benchmarks/bench_serve.py --model smollm2 -- --max-num-seqs 32   # after --: chunkcache args
+    python benchmarks/bench_serve.py --model qwen2.5-coder-1.5b --sides cluster-cache_aware,cluster-round_robin
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from typing import Any
 import serve_workload as wl
 from serve_client import at_concurrency, at_times, client_for
 from serve_metrics import RequestResult, percentile, ratio, run_figures, slo_note, table
-from serve_sides import REPO, SHORT, SIDES, ServerProcess, Side, make_sides
+from serve_sides import CLUSTER_POLICIES, REPO, SHORT, SIDES, ServerProcess, Side, make_sides
 from tqdm import tqdm
 
 __all__ = ["ServerProcess", "main", "percentile"]  # bench_llamacpp imports the first and the last
@@ -88,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # fmt: off
     p.add_argument("--model", help="a known model's name, a .gguf or a checkpoint (default: a small random one)")
-    p.add_argument("--sides", help=f"of {','.join(SIDES)} (default: all with --model, else the chunkcache ones)")
-    p.add_argument("--threads", type=int, default=2, help="each server's threads (default: %(default)s)")
+    p.add_argument("--sides", help=f"of {','.join(SIDES)} (default: the first three with --model, else two)")
+    p.add_argument("--threads", type=int, default=2, help="each side's threads (default: %(default)s)")
+    p.add_argument("--replicas", type=int, default=2, help="a cluster side's replicas, sharing --threads (default: %(default)s)")
     p.add_argument("--num-requests", type=int, default=24)
     p.add_argument("--num-chunks", type=int, default=64, help="chunks in the corpus, M (default: %(default)s)")
     p.add_argument("--zipf", type=float, default=1.0, help="popularity skew s: rank r weighs 1/r^s (0: uniform)")
@@ -121,7 +125,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for key, (_, real, small) in PER_MODEL.items():
         if getattr(args, key) is None and not (key == "concurrency" and args.rates):
             setattr(args, key, real if args.model else small)
-    args.sides = [s for s in (args.sides or ",".join(SIDES if args.model else SIDES[:2])).split(",") if s]
+    args.sides = [s for s in (args.sides or ",".join(SIDES[:3] if args.model else SIDES[:2])).split(",") if s]
     if bad := [s for s in args.sides if s not in SIDES]:
         p.error(f"unknown sides {bad}; of {SIDES}")
     return args, extra
@@ -240,9 +244,16 @@ def chunk_stats(side: Side) -> dict[str, Any]:
     import httpx
 
     try:
-        return httpx.get(f"{side.server.url}/v1/chunk_cache/stats", timeout=10).json()
+        found = [
+            httpx.get(f"{url}/v1/chunk_cache/stats", timeout=10).json() for url in side.server.stats_urls()
+        ]
     except (httpx.HTTPError, ValueError):
         return {}
+    if len(found) == 1:
+        return found[0]
+    # A cluster: its replicas' counts summed.
+    summed = {k: sum(f.get(k) or 0 for f in found) for k in ("hits", "misses", "entries")}
+    return {"enabled": any(f.get("enabled") for f in found), **summed}
 
 
 def report_setting(key: str, runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
@@ -279,6 +290,13 @@ def summary_line(args: argparse.Namespace, runs: dict[str, dict[str, dict[str, A
     parts: list[str] = []
     for key, by_side in runs.items():
         f = {side: run["figures"] for side, run in by_side.items()}
+        for policy in CLUSTER_POLICIES[1:]:  # cache-aware routing against each other policy run
+            ca, other = f.get("cluster-cache_aware"), f.get(f"cluster-{policy}")
+            if ca is not None and other is not None:
+                for m in ("goodput", "ttft_p50", "ttft_p90"):
+                    parts.append(
+                        f"{key}_{m}_cl_ca_over_{SHORT['cluster-' + policy]}={ratio(ca[m], other[m])}"
+                    )
         if "chunkcache" in f:
             for other in ("llama.cpp", "chunkcache-off"):
                 if other in f:
@@ -351,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return args.llama_server or llama_server_binary()
 
-    sides = make_sides(args.sides, model, gguf, binary, args.threads, args.ctx, extra, work)
+    sides = make_sides(args.sides, model, gguf, binary, args.threads, args.ctx, extra, work, args.replicas)
     try:
         run_all(args, sides, corpus, requests, raw)
     finally:

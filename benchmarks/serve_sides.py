@@ -5,7 +5,11 @@
 - `chunkcache-off`: the same with `--no-enable-chunk-cache` (its prefix cache stays on);
 - `llama.cpp`: `llama-server -m <the same GGUF> -t T -tb T --parallel S -c <ctx x S>
   --cache-reuse 256`, continuous batching and its prompt cache (on by default, with its RAM cache
-  of slots' prompts) on; S = the run's concurrency.
+  of slots' prompts) on; S = the run's concurrency;
+- `cluster-<policy>` (cache_aware, round_robin, prefix_only, least_loaded): `--replicas` chunkcache
+  servers with the default reuse, the threads shared out (T // replicas each), each publishing its KV
+  events to `chunkcache route --policy <policy>` in front (issue 57's cluster on the real model).
+  Its memory is the replicas' and the router's summed; its chunk stats the replicas' summed.
 """
 
 from __future__ import annotations
@@ -23,8 +27,16 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-SIDES = ("chunkcache", "chunkcache-off", "llama.cpp")
-SHORT = {"chunkcache": "cc", "chunkcache-off": "off", "llama.cpp": "llamacpp"}  # SUMMARY keys
+# The replicas' served name: the model name in their chunk keys and KV event topics, the router's.
+CLUSTER_MODEL_NAME = "bench-cluster"
+CLUSTER_POLICIES = ("cache_aware", "round_robin", "prefix_only", "least_loaded")
+SIDES = ("chunkcache", "chunkcache-off", "llama.cpp", *(f"cluster-{p}" for p in CLUSTER_POLICIES))
+SHORT = {  # SUMMARY keys
+    "chunkcache": "cc",
+    "chunkcache-off": "off",
+    "llama.cpp": "llamacpp",
+    **{f"cluster-{p}": f"cl_{''.join(w[0] for w in p.split('_'))}" for p in CLUSTER_POLICIES},
+}
 
 
 def free_port() -> int:
@@ -85,6 +97,14 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def pids(self) -> list[int]:
+        """The processes whose memory is this side's."""
+        return [] if self.proc is None else [self.proc.pid]
+
+    def stats_urls(self) -> list[str]:
+        """The chunkcache servers whose /v1/chunk_cache/stats are this side's."""
+        return [self.url]
+
 
 class LlamaServer(ServerProcess):
     """llama.cpp's `llama-server` with `slots` parallel slots of `ctx` tokens each."""
@@ -97,6 +117,58 @@ class LlamaServer(ServerProcess):
             "--cont-batching", "--cache-reuse", "256",
         ]  # fmt: skip
         self.log_path = log_dir / f"llama-server-np{slots}.log"
+
+
+class RouterProcess(ServerProcess):
+    """`chunkcache route --policy P` over `backends` (NAME@URL==REPLAY specs), binding `events`."""
+
+    def __init__(self, model: Path, policy: str, backends: list[str], events: str, log_dir: Path) -> None:
+        super().__init__(model, True, [], log_dir)
+        self.cmd = [
+            sys.executable, "-m", "chunkcache.cli", "route", "--model", str(model), "--policy", policy,
+            "--port", str(self.port), "--backends", ",".join(backends), "--events-bind", events,
+            "--events-topic-filter", "kv@", "--event-workers", "2", "--health-interval", "2",
+            "--model-name", CLUSTER_MODEL_NAME,
+        ]  # fmt: skip
+        self.log_path = log_dir / f"router-{policy}.log"
+
+
+class ClusterProcess(ServerProcess):
+    """`replicas` chunkcache servers (`extra` their options) behind a router with `policy`; its
+    url is the router's. The replicas start one after another (two loading at once on a small
+    machine would each take twice as long), then the router."""
+
+    def __init__(self, model: Path, policy: str, replicas: int, extra: list[str], log_dir: Path) -> None:
+        events = f"tcp://127.0.0.1:{free_port()}"
+        self.replicas, specs = [], []
+        for i in range(replicas):
+            replay = f"tcp://127.0.0.1:{free_port()}"
+            topic = ["--kv-events-endpoint", events, "--kv-events-topic", f"kv@r{i}@{CLUSTER_MODEL_NAME}"]
+            server = ServerProcess(
+                model, True, [*extra, *topic, "--kv-events-replay-endpoint", replay], log_dir
+            )
+            server.log_path = log_dir / f"cluster-{policy}-r{i}.log"
+            self.replicas.append(server)
+            specs.append(f"r{i}@{server.url}=={replay}")
+        self.router = RouterProcess(model, policy, specs, events, log_dir)
+        self.port, self.url, self.log_path = self.router.port, self.router.url, self.router.log_path
+        self.proc = None
+
+    def start(self, timeout: float = 300.0) -> None:
+        for server in self.replicas:
+            server.start(timeout)
+        self.router.start(timeout)
+        self.proc = self.router.proc
+
+    def stop(self) -> None:
+        for server in [self.router, *self.replicas]:
+            server.stop()
+
+    def pids(self) -> list[int]:
+        return [pid for server in [self.router, *self.replicas] for pid in server.pids()]
+
+    def stats_urls(self) -> list[str]:
+        return [server.url for server in self.replicas]
 
 
 def memory(pid: int) -> dict[str, int]:
@@ -130,19 +202,36 @@ class Side:
             self.server = None
 
     def memory(self) -> dict[str, int]:
-        assert self.server is not None and self.server.proc is not None
-        return memory(self.server.proc.pid)
+        """Its processes' resident bytes summed (a cluster's peaks summed: an upper bound)."""
+        assert self.server is not None
+        total: dict[str, int] = {"VmRSS": 0, "VmHWM": 0}
+        for pid in self.server.pids():
+            for key, value in memory(pid).items():
+                total[key] += value
+        return total
 
 
 def make_sides(
     names: list[str], model: str, gguf: Path | None, llama_binary: Callable[[], Path],
-    threads: int, ctx: int, extra: list[str], log_dir: Path,
+    threads: int, ctx: int, extra: list[str], log_dir: Path, replicas: int = 2,
 ) -> list[Side]:  # fmt: skip
-    """The sides named, in that order; `extra` goes to both chunkcache servers."""
+    """The sides named, in that order; `extra` goes to every chunkcache server."""
     ours = ["--threads", str(threads), *extra]
     sides = []
     for name in names:
-        if name == "llama.cpp":
+        if name.startswith("cluster-"):
+            policy = name.removeprefix("cluster-")
+            share = [
+                "--threads",
+                str(max(1, threads // replicas)),
+                "--served-model-name",
+                CLUSTER_MODEL_NAME,
+                *extra,
+            ]
+            sides.append(
+                Side(name, lambda _s, p=policy, a=share: ClusterProcess(Path(model), p, replicas, a, log_dir))
+            )
+        elif name == "llama.cpp":
             if gguf is None:
                 raise SystemExit("the llama.cpp side serves a GGUF file: pass --model NAME or a .gguf")
             binary = llama_binary()

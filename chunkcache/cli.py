@@ -254,8 +254,10 @@ def run_eval(args: argparse.Namespace) -> int:
             raise UsageError(f"unknown modes {unknown}; available: {sorted(known)}")
         # The reference is always computed first: every other mode is measured against it.
         modes = [m for m in modes if m.name == "full" or m.name in args.modes]
-    if engine_options(args).get("exact_follow_ups"):
-        raise UsageError("eval measures reuse modes against a full prefill: drop --exact-follow-ups")
+    for name in ("exact_follow_ups", "exact_prefix_reads"):
+        if engine_options(args).get(name):
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"eval measures reuse modes against a full prefill: drop {flag}")
     llm = load_llm(args, enable_prefix_caching=False, **ENGINE_OPTIONS)
     results = evaluate(llm, prompts, modes, args.max_tokens)
     print(format_table(results, args.max_tokens))

@@ -239,6 +239,14 @@ class ChunkConfig:
     # (fidelity/measure.py ENGINE_OPTIONS): the reference would leave an exact prefix. Without prefix
     # caching it does nothing.
     exact_follow_ups: bool = False
+    # Layouts "offset" and "fusion": a chunked request whose S and documents, in this order, are in
+    # the prefix cache as a plain prefill's KV (a plain request's, a separator-free first sight's,
+    # an exact_follow_ups job's) runs as that plain prompt: it computes only its question and is
+    # answered as a full prefill answers it, never dearer than the reuse it replaces (issue 56: an
+    # exact repeat costs no more than a prefix cache). On by default; exact_follow_ups implies it.
+    # Tools that measure reuse modes beside a full prefill in one engine turn it off
+    # (fidelity/measure.py ENGINE_OPTIONS): the full prefill would leave the exact prefix.
+    exact_prefix_reads: bool = True
     # How many requests must show an order (S and documents in this order, one salt) before its
     # job is queued: 1, the first; 2, a repeat, so that a workload whose orders never repeat
     # (random retrieval) pays no job and its jobs evict nothing, while a repeated order is exact
@@ -744,6 +752,7 @@ _FLAT_TO_SECTION: dict[str, tuple[str, str]] = {
     "documents_format": ("chunk", "documents_format"),
     "exact_follow_ups": ("chunk", "exact_follow_ups"),
     "exact_follow_ups_sights": ("chunk", "exact_follow_ups_sights"),
+    "exact_prefix_reads": ("chunk", "exact_prefix_reads"),
     "kv_events_endpoint": ("kv_events", "endpoint"),
     "kv_events_topic": ("kv_events", "topic"),
     "kv_events_replay_endpoint": ("kv_events", "replay_endpoint"),
@@ -831,6 +840,7 @@ OPTION_GROUPS: dict[str, tuple[str, ...]] = {
         "separator_free_min_tokens",
         "exact_follow_ups",
         "exact_follow_ups_sights",
+        "exact_prefix_reads",
     ),
     "fidelity": tuple(name for name in _FLAT_TO_SECTION if name.startswith("fidelity_")),
     "server": (

@@ -130,6 +130,9 @@ OPTION_HELP: dict[str, str] = {
     "that later requests with the same system part and documents in the same order are answered exactly, as "
     "one plain prompt over that prefix (under fusion: no streams), as a prefix cache serves a repeated prompt; "
     "needs prefix caching",
+    "exact_prefix_reads": "layouts offset and fusion: a request whose system part and documents, in this order, "
+    "are in the prefix cache as a plain prefill's KV runs as that plain prompt (only its question computed, a "
+    "full prefill's answer); exact_follow_ups implies it; needs prefix caching",
     "exact_follow_ups_sights": "with exact_follow_ups: requests that must show a document order before its "
     "background prefill is queued: 1 the first, 2 a repeat (no job for orders seen once: random retrieval "
     "pays nothing), >= 1",

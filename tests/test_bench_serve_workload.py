@@ -96,3 +96,24 @@ def test_real_corpus_chunks_ask_what_they_state() -> None:
     assert chunks == wl.element_corpus(8, 500, seed=0) and len({c.name for c in chunks}) == 8
     for c in chunks:
         assert wl.SEPARATOR.strip() not in c.text and c.questions
+
+
+def test_cluster_sides_are_named_and_compared() -> None:
+    """A cluster side per router policy, each with its own SUMMARY key; cache_aware's figures are
+    set against every other policy run beside it (issue 57's cluster on the real model)."""
+    import bench_serve
+    import serve_sides
+
+    assert {f"cluster-{p}" for p in serve_sides.CLUSTER_POLICIES} <= set(serve_sides.SIDES)
+    assert len(set(serve_sides.SHORT.values())) == len(serve_sides.SHORT) == len(serve_sides.SIDES)
+    args, _ = bench_serve.parse_args(["--model", "smollm2"])
+    assert args.sides == ["chunkcache", "chunkcache-off", "llama.cpp"]  # clusters only when asked
+    args, _ = bench_serve.parse_args(
+        ["--sides", "cluster-cache_aware,cluster-round_robin", "--replicas", "3"]
+    )
+    assert args.replicas == 3
+    figures = {"goodput": 2.0, "ttft_p50": 1.0, "ttft_p90": 2.0, "ttft_p99": 3.0, "errors": 0}
+    runs = {"c2": {"cluster-cache_aware": {"figures": figures},
+                   "cluster-round_robin": {"figures": {**figures, "goodput": 1.0, "ttft_p90": 4.0}}}}  # fmt: skip
+    line = bench_serve.summary_line(args, runs)
+    assert "c2_goodput_cl_ca_over_cl_rr=2.00x" in line and "c2_ttft_p90_cl_ca_over_cl_rr=0.50x" in line

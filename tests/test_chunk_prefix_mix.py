@@ -63,15 +63,15 @@ def _reference(path, llm: LLM, layout: str, prefix_caching: bool = True) -> torc
 @pytest.mark.parametrize("order", ["plain-first", "chunked-first"])
 def test_chunked_and_plain_requests_mix(checkpoint, prefix_caching: bool, layout: str, order: str) -> None:
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    # exact_follow_ups off: with it a chunked request after a plain prefill of its tokens reads that
-    # exact prefix on purpose (tests/test_measure_apart.py); here no chunked request may read it.
-    llm = _llm(path, enable_prefix_caching=prefix_caching, exact_follow_ups=False)
+    # exact_prefix_reads off: with it a chunked request after a plain prefill of its tokens reads
+    # that exact prefix on purpose (tests/test_fusion_follow_ups.py); here none may read it.
+    llm = _llm(path, enable_prefix_caching=prefix_caching, exact_follow_ups=False, exact_prefix_reads=False)
     options = REUSE if layout == "offset" else ISOLATED
     ref = _reference(path, llm, layout, prefix_caching)
     # The plain request is the chunked prompt's own token ids: every block of it is then in the
     # prefix cache, the worst case for a chunked request that wrongly matches the prefix.
     joined = llm.generate(PROMPT, FIRST, chunk_options=options)[0].prompt_token_ids
-    llm = _llm(path, enable_prefix_caching=prefix_caching, exact_follow_ups=False)
+    llm = _llm(path, enable_prefix_caching=prefix_caching, exact_follow_ups=False, exact_prefix_reads=False)
     plain_first = order == "plain-first"
     if plain_first:
         llm.generate([joined], FIRST)

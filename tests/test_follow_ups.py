@@ -24,7 +24,13 @@ BLEND = {"chunk_layout": "offset", "blend_recompute_ratios": [0.3]}
 
 # The engine's default chunk pool; exact_follow_ups off unless a test turns it on (then at one
 # sight: the first request queues the job). Two sights (the option's default): test_fusion_follow_ups.py.
-_llm = partial(tiny_llm, chunk_cache_size_gb=None, exact_follow_ups=False, exact_follow_ups_sights=1)
+_llm = partial(
+    tiny_llm,
+    chunk_cache_size_gb=None,
+    exact_follow_ups=False,
+    exact_prefix_reads=False,
+    exact_follow_ups_sights=1,
+)
 
 
 def _prompt(doc_ids: list[int], question: str) -> str:

@@ -329,3 +329,35 @@ def test_a_shadow_checks_prefill_serves_the_order_exactly(checkpoint) -> None:
     again = _stats(llm)["fidelity"]["configs"]["default"]
     assert again.get("agree", 0) + again.get("disagree", 0) == 2
     _clean(llm)
+
+
+@pytest.mark.parametrize("reads", [True, False], ids=["default", "reads-off"])
+def test_an_order_a_plain_prefill_left_is_read_exactly_by_default(
+    checkpoint, monkeypatch, reads: bool
+) -> None:
+    """Without `exact_follow_ups` (the default) no job is ever queued, but an exact prefix that is
+    there (a plain prompt of the same tokens computed it) is read: the fusion request runs as one
+    plain prompt, computes only its question and answers as a full prefill (issue 56: an exact
+    repeat costs no more than a prefix cache). `exact_prefix_reads` off (the measurement tools')
+    keeps it a fusion request."""
+    path = checkpoint(arch="llama", num_hidden_layers=3)
+    llm = _fusion(path, exact_prefix_reads=reads)
+    assert llm.engine.config.chunk.exact_follow_ups is False
+    seen = Scheduled(llm, monkeypatch)
+    tokens = llm.generate(_prompt([0, 1, 2], Q1), GREEDY)[0].prompt_token_ids
+    llm.generate([tokens], GREEDY)  # the same tokens as a plain prompt: S and the documents cached
+    seen.take()
+    follow = llm.generate(_prompt([0, 1, 2], Q2), GREEDY)[0]
+    stats = _stats(llm)
+    assert stats["exact_prefix_jobs"] == 0
+    if reads:
+        assert seen.take() == [SequenceKind.REQUEST] and stats["exact_prefix_hits"] == 1
+        context = len(follow.prompt_token_ids) - len(llm.tokenizer.encode(Q2, add_special_tokens=False))
+        assert follow.num_prefix_cached_tokens >= context // 16 * 16 > 0
+        _is_full_prefill(path, follow)
+    else:
+        assert seen.take().count(SequenceKind.FUSION_STREAM) == 4 and stats["exact_prefix_hits"] == 0
+    # Another order is not that prefix: fusion.
+    llm.generate(_prompt([1, 0, 2], Q2), GREEDY)
+    assert seen.take().count(SequenceKind.FUSION_STREAM) == 4
+    _clean(llm)

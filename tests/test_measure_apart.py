@@ -60,6 +60,9 @@ def test_no_configuration_reads_the_full_prefills_prefix(
     leaky.generate([ids], GREEDY, add_special_tokens=False)
     leaky.generate([text], GREEDY, add_special_tokens=False, chunk_options=options)
     assert _hits(leaky)[0] == 1
+    # So does an engine with its defaults (exact prefixes read, no job queued).
+    with pytest.raises(ValueError, match="exact_prefix_reads"):
+        measure.check_engine(tiny_llm(path, kv_cache_tokens=4096))
     # Without prefix caching nothing can leak (and no job is queued for no one).
     plain = tiny_llm(path, kv_cache_tokens=4096, enable_prefix_caching=False, exact_follow_ups=True)
     measure.check_engine(plain)
@@ -83,3 +86,7 @@ def test_calibrate_and_eval_refuse_exact_follow_ups(
         capsys, ["eval", "--model", model, "--prompts", str(prompts), "--exact-follow-ups", *TINY]
     )
     assert "--exact-follow-ups" in line
+    line = _error_line(
+        capsys, ["eval", "--model", model, "--prompts", str(prompts), "--exact-prefix-reads", *TINY]
+    )
+    assert "--exact-prefix-reads" in line

@@ -1,7 +1,8 @@
 """Follow-up questions on the same documents: read the prefix cache, not the pool.
 
 A chunked request whose S and chunks, in this order, are in the prefix cache, as a plain prefill's
-KV (an `exact_follow_ups` job's) or (layout "offset") blended before under the same blend options
+KV (`exact_prefix_reads`, on by default: a plain request's, a separator-free first sight's, an
+`exact_follow_ups` job's) or (layout "offset") blended before under the same blend options
 (its `kv_key` chain), reads that KV as a prefix (the scheduler matches the chain) and computes only
 its question and the last chunk's tokens after its last full block: no pool entries, no blend.
 Where the exact prefix is not cached and `exact_follow_ups` is on, a background job prefills it for
@@ -58,9 +59,12 @@ class FollowUps:
         self.exact_prefix_jobs = 0
         self.jobs: dict[tuple[str | None, tuple[int, ...]], Sequence] = {}
         self._seen: OrderedDict[bytes, int] = OrderedDict()
-        # Without a prefix cache a job's KV is registered nowhere and no request could read it:
-        # the option then does nothing rather than prefill for no one.
-        self._exact = config.exact_follow_ups and blocks.enable_prefix_caching
+        # Without a prefix cache no exact prefix is registered, nor could a job's be read: both
+        # options then do nothing (rather than prefill for no one). A job is only worth its
+        # prefill where requests read what it leaves, so exact_follow_ups reads too.
+        caching = blocks.enable_prefix_caching
+        self._read = caching and (config.exact_prefix_reads or config.exact_follow_ups)
+        self._exact = caching and config.exact_follow_ups
 
     def reads_cached_prefix(self, seq: Sequence) -> bool:
         """Whether `seq` reads its S and chunks from the prefix cache (it then runs as a plain
@@ -78,7 +82,7 @@ class FollowUps:
         context = prompt.num_tokens - len(prompt.question_token_ids)  # S and the chunks
         need = context // self.blocks.block_size
         exact = self._exact and need > 0
-        if exact and self._exact_cached(seq, context):
+        if self._read and need > 0 and self._exact_cached(seq, context):
             if seq.fusion is not None and not self.intake.unfuse(seq):
                 return False  # its whole prompt does not fit as a plain one: its streams serve it
             seq.kv_key, seq.kv_key_from = None, 0  # what it computes is exact too: plain blocks
@@ -109,7 +113,7 @@ class FollowUps:
         before Q, not S and the documents joined: fusion's documents may drop a few tokens."""
         context = len(seq.prompt_token_ids) - len(prompt.question_token_ids)
         exact = self._exact and context >= self.blocks.block_size
-        if exact and self._exact_cached(seq, context):
+        if self._read and context >= self.blocks.block_size and self._exact_cached(seq, context):
             seq.fidelity_config = None
             self.exact_prefix_hits += 1
             return False

@@ -249,8 +249,8 @@ def check_args(args: Any) -> dict[str, ChunkOptions]:
     fixed = sorted(k for k in given if k in REQUEST_CHUNK_OPTIONS or k.startswith("fidelity_"))
     if given.get("enable_chunk_cache") is False:
         fixed.append("enable_chunk_cache")  # without it every configuration is a full prefill
-    if given.get("exact_follow_ups"):
-        fixed.append("exact_follow_ups")  # the full prefill's KV would serve every configuration
+    # The full prefill's KV would serve every configuration:
+    fixed += [k for k in ("exact_follow_ups", "exact_prefix_reads") if given.get(k)]
     if fixed or "served_model_name" in given:
         raise UsageError(
             f"calibrate measures its own reuse configurations on the weights: drop {fixed or ['served_model_name']} "

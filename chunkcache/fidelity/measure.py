@@ -7,11 +7,11 @@ ids; a reuse configuration is a chunked request over a warm chunk pool (the docu
 before, as in production); the warm TTFT is a one-token request timed before the answer run (so
 that a full prefill does not hit its own prompt's blocks in the prefix cache).
 
-The engine runs with ENGINE_OPTIONS: `exact_follow_ups` off. On, the full prefill of a prompt
-leaves its S and documents in the prefix cache as a plain prefill's KV, and the reuse
-configurations measured after it (and any after two sights of the prompt, by their own job) would
-run as that plain prompt: every configuration would report full prefill's reply and a follow-up's
-TTFT. `run`, which every request of these tools goes through, refuses an engine with it on.
+The engine runs with ENGINE_OPTIONS: `exact_prefix_reads` and `exact_follow_ups` off. On, the
+full prefill of a prompt leaves its S and documents in the prefix cache as a plain prefill's KV,
+and the reuse configurations measured after it would run as that plain prompt: every
+configuration would report full prefill's reply and a follow-up's TTFT. `run`, which every request
+of these tools goes through, refuses an engine with either on.
 """
 
 from __future__ import annotations
@@ -44,17 +44,19 @@ MEASURE_OPTIONS: ChunkOptions = {
 _ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1)
 # Engine options of every tool that measures reuse configurations against a full prefill in one
 # engine (calibrate, eval, the fidelity and fusion benchmarks): see the module's docstring.
-ENGINE_OPTIONS: dict[str, Any] = {"exact_follow_ups": False}
+ENGINE_OPTIONS: dict[str, Any] = {"exact_follow_ups": False, "exact_prefix_reads": False}
 
 
 def check_engine(llm: LLM) -> None:
     """Refuse an engine where a full prefill's KV could serve a reuse configuration's request
-    (`exact_follow_ups` reads the prefix cache: without one it does nothing)."""
+    (`exact_prefix_reads` / `exact_follow_ups` read the prefix cache: without one they do nothing)."""
     config = llm.engine.config
-    if config.chunk.exact_follow_ups and config.cache.enable_prefix_caching:
+    if (
+        config.chunk.exact_prefix_reads or config.chunk.exact_follow_ups
+    ) and config.cache.enable_prefix_caching:
         raise ValueError(
-            "exact_follow_ups must be off to measure reuse against full prefill in one engine "
-            "(a full prefill's exact prefix would serve every configuration): build the engine "
+            "exact_prefix_reads and exact_follow_ups must be off to measure reuse against full prefill in "
+            "one engine (a full prefill's exact prefix would serve every configuration): build the engine "
             "with fidelity.measure.ENGINE_OPTIONS"
         )
 
