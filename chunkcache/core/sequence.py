@@ -19,16 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from chunkcache.core.sequence_state import BlendState, FidelityCheck, Reply, ReuseCounts
 from chunkcache.hashing import BlockKeys
 from chunkcache.outputs import RequestMetrics
 from chunkcache.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from llguidance import LLMatcher
-
-    from chunkcache.config import ChunkConfig
     from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, FillJob, RequestChunks
-    from chunkcache.engine.blend import BlendRun
     from chunkcache.engine.fusion import FusionGroup
     from chunkcache.model.calibration import ContextCalibration
 
@@ -87,7 +84,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]  # what the request reports as its prompt
@@ -102,22 +99,9 @@ class Sequence:
     num_computed: int = 0  # own tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    num_prefix_cached: int = 0  # own prompt tokens found in the prefix cache
-    num_chunk_cached: int = 0  # prompt tokens borrowed from the chunk cache
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    # SamplingParams.prompt_logprobs: one entry per own prompt token, None for the first.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    # SamplingParams.json_schema: the llguidance matcher that constrains the output.
-    grammar: LLMatcher | None = None
-    generator: torch.Generator | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # Why the engine failed this request (finish_reason "error"); other requests go on.
-    error: str | None = None
-    text: str = ""
-    num_sent_tokens: int = 0
-    sent_text_len: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+    reply: Reply = field(default_factory=Reply)
+    reuse: ReuseCounts = field(default_factory=ReuseCounts)
     # A chunked (or separator-free candidate) request's parts and chunk options, from intake;
     # None for a plain request (or one that admission turned into one).
     chunk_plan: ChunkPlan | None = None
@@ -125,15 +109,8 @@ class Sequence:
     chunks: RequestChunks | None = None
     # A fill job's entry (kinds CHUNK_FILL, CANONICAL_FILL, PREWARM_FILL).
     fill: FillJob | None = None
-    # Layout "offset": the prompt is prefilled by blend with these options. Cleared on preemption,
-    # after which the request is recomputed by a plain prefill.
-    blend: ChunkConfig | None = None
-    # The blend under way, where it spans steps (its layers run in pieces of the token budget);
-    # its tokens count as computed in the step that runs its last layer.
-    blend_run: BlendRun | None = None
-    blend_reused_tokens: int = 0
-    blend_recomputed_tokens: int = 0
-    blend_fallback: bool = False
+    # Layout "offset": the blend that prefills the prompt; None once it is done with or dropped.
+    blend: BlendState | None = None
     # The chunks' entries in the KV list were computed apart: later tokens attend to them through
     # this calibration (model.calibration.ContextCalibration); None = exact attention.
     calibration: ContextCalibration | None = None
@@ -156,17 +133,8 @@ class Sequence:
     # Layout "fusion" (engine/fusion.py): the group this sequence belongs to, as the request (its
     # reply; never scheduled) or as one of its streams (scheduled, preempted and freed together).
     fusion: FusionGroup | None = None
-    # The engine's reuse configuration (fidelity/controller.py's name) this chunked request was
-    # served with, where it gave no chunk options of its own: what a shadow check of it judges.
-    fidelity_config: str | None = None
-    # Drawn for a shadow check at admission (fidelity/shadow.py). A sampled request so drawn, and
-    # its shadow, keep the log-softmax of the raw next-token distribution of each of their first
-    # `record_steps` tokens (engine/postprocess.py); the shadow appends `forced_token_ids` (the
-    # served reply) instead of its own samples, so both are read on the same tokens.
-    shadow_drawn: bool = False
-    step_logprobs: list[torch.Tensor] | None = None
-    record_steps: int = 0
-    forced_token_ids: list[int] | None = None
+    # A shadow check that may judge this request, or that this shadow runs (fidelity/shadow.py).
+    fidelity: FidelityCheck | None = None
 
     def __post_init__(self) -> None:
         if not self.num_own_prompt_tokens:

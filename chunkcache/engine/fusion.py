@@ -43,6 +43,7 @@ from chunkcache.chunk.assemble import offset_deltas
 from chunkcache.config import ChunkConfig, SchedulerConfig
 from chunkcache.core.plan import ChunkedPrompt, RequestChunks
 from chunkcache.core.sequence import Sequence, SequenceKind, Status
+from chunkcache.core.sequence_state import BlendState
 from chunkcache.engine.prompt_logprobs import prompt_slices
 
 logger = logging.getLogger(__name__)
@@ -306,7 +307,7 @@ class FusionGroup:
         ids = [*context, *before, *prompt.question_token_ids]
         if self.joint_blend is not None:  # all of it in its own blocks, blended from the pool's KV
             stream = self._add_stream(n, ids, [*context, *before], 0, first)
-            stream.blend, stream.chunks = self.joint_blend, self._joint_chunks(documents)
+            stream.blend, stream.chunks = BlendState(self.joint_blend), self._joint_chunks(documents)
         else:
             stream = self._add_stream(n, ids, before, len(context), first)
             stream.borrowed_slots = self.streams[first].borrowed_slots

@@ -192,12 +192,13 @@ class ModelRunner:
         them) in this step: the last token's hidden state once the last layer ran, else None. None
         also after a failure, which leaves the request to an ordinary prefill of every token (its
         blocks are simply overwritten)."""
-        cfg = seq.blend
-        assert cfg is not None, "a blend needs the request's options"
+        blend = seq.blend
+        assert blend is not None, "a blend needs the request's options"
+        cfg = blend.config
         try:
-            if seq.blend_run is None:
-                seq.blend_run = BlendRun(self.model, self.kv_caches, self._blend_input(seq, cfg), cfg)
-            run = seq.blend_run
+            if blend.run is None:
+                blend.run = BlendRun(self.model, self.kv_caches, self._blend_input(seq, cfg), cfg)
+            run = blend.run
             run.run(run.num_layers if stop is None else stop)
             if not run.done:
                 return None
@@ -208,13 +209,13 @@ class ModelRunner:
                 self.blend_failure_causes.add(cause)
                 logger.warning("blend failed (%s); falling back to a plain prefill", cause, exc_info=True)
             self.blend_fallbacks += 1
-            seq.blend, seq.blend_run = None, None
-            seq.blend_fallback = True
-            seq.num_prefix_cached = seq.num_chunk_cached = 0  # every token is computed now
+            seq.blend = None
+            seq.reuse.blend_fallback = True
+            seq.reuse.num_prefix_cached = seq.reuse.num_chunk_cached = 0  # every token is computed now
             # ... by a plain prefill, whose blocks any prompt with these tokens may find.
             seq.prefix_cacheable, seq.kv_key = True, None
             return None
-        seq.blend_run = None
+        blend.run = None
         state = seq.chunks
         assert state is not None
         seq.calibration = run.inp.calibration  # decode attends to the blended chunks the same way
@@ -223,12 +224,12 @@ class ModelRunner:
             # Its blocks are found under the blend's key from the first one holding blended KV.
             seq.kv_key_from = min(seq.kv_key_from, exact_prefix // self.block_size)
             seq.prefix_cacheable = True
-        seq.blend_reused_tokens = result.reused_tokens
-        seq.blend_recomputed_tokens = result.recomputed_tokens
+        seq.reuse.blend_reused_tokens = result.reused_tokens
+        seq.reuse.blend_recomputed_tokens = result.recomputed_tokens
         # Cached = read from an entry that existed before the request and not recomputed.
         kept = result.reused.split([n for _, n in state.slices])
         counts = [int(k.sum()) if hit else 0 for k, hit in zip(kept, state.was_cached, strict=True)]
-        seq.num_prefix_cached, seq.num_chunk_cached = counts[0], sum(counts[1:])
+        seq.reuse.num_prefix_cached, seq.reuse.num_chunk_cached = counts[0], sum(counts[1:])
         self.blend_reused_tokens += result.reused_tokens
         self.blend_recomputed_tokens += result.recomputed_tokens
         return result.hidden
