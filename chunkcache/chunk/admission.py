@@ -120,7 +120,7 @@ class Admission:
         if config.layout == "offset":
             seq.blend = BlendState(config)  # own tokens: the whole prompt, at natural positions
         else:
-            seq.position_base = prompt.question_position()
+            seq.kv_list.position_base = prompt.question_position()
         return jobs
 
     def _admit_chunk(

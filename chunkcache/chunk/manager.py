@@ -202,8 +202,8 @@ class ChunkManager:
         ready to run when its view is laid out)."""
         if seq.fill is not None:
             sys_entry = seq.fill.sys_entry
-            if sys_entry is not None and sys_entry.ready and seq.borrowed_slots is None:
-                seq.borrowed_slots = self._slots(sys_entry)
+            if sys_entry is not None and sys_entry.ready and seq.kv_list.borrowed_slots is None:
+                seq.kv_list.borrowed_slots = self._slots(sys_entry)
             return
         state = seq.chunks
         if state is None or state.assembled or not all(e.ready for e in state.entries):

@@ -1,13 +1,16 @@
 """A sequence: the engine's state of one request, or of work the engine does for requests.
 
 What a sequence is (`SequenceKind`) is fixed when it is made, but for a canonical chunk fill that
-a request starts waiting for (it becomes an ordinary fill). Its chunk plan is typed by stage:
-`chunk_plan` (what intake decided: the prompt's parts and the chunk options), `chunks` (the
-entries admission pinned for a request), `fill` (the entry a fill job computes).
+a request starts waiting for (it becomes an ordinary fill). Its core is what every sequence has:
+ids, tokens, sampling params, status, blocks and timings. The rest sits in typed groups
+(core/sequence_state.py): `kv_list` (its borrowed KV and positions), `reply` (what it samples and
+reports), `reuse` (cached-token counts), and one Optional field per mode that serves it (`blend`,
+`fidelity`, `fill`, `learn`). Its chunk plan is typed by stage: `chunk_plan` (what intake decided:
+the prompt's parts and the chunk options), `chunks` (the entries admission pinned for a request),
+`fill` (the entry a fill job computes).
 
-KV list of a sequence = `borrowed_slots` (KV it reads but does not own: a chunk-cache entry, a
-system part) followed by its own tokens' KV in `block_table`. Own token i sits at KV list index
-`len(borrowed_slots) + i` and at position `position_base + i`.
+KV list of a sequence = `kv_list.borrowed_slots` followed by its own tokens' KV in `block_table`
+(sequence_state.KVList).
 """
 
 from __future__ import annotations
@@ -17,9 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
-from chunkcache.core.sequence_state import BlendState, FidelityCheck, Reply, ReuseCounts
+from chunkcache.core.sequence_state import BlendState, FidelityCheck, KVList, Reply, ReuseCounts
 from chunkcache.hashing import BlockKeys
 from chunkcache.outputs import RequestMetrics
 from chunkcache.sampling import SamplingParams
@@ -27,7 +28,6 @@ from chunkcache.sampling import SamplingParams
 if TYPE_CHECKING:
     from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, FillJob, RequestChunks
     from chunkcache.engine.fusion import FusionGroup
-    from chunkcache.model.calibration import ContextCalibration
 
 
 class SequenceKind(enum.Enum):
@@ -91,8 +91,6 @@ class Sequence:
     token_ids: list[int]  # own tokens: the part of the prompt computed here, then the output
     params: SamplingParams
     prompt: str | None = None
-    position_base: int = 0
-    borrowed_slots: torch.Tensor | None = None
     kind: SequenceKind = SequenceKind.REQUEST
     status: Status = Status.WAITING
     num_own_prompt_tokens: int = 0
@@ -100,6 +98,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+    kv_list: KVList = field(default_factory=KVList)
     reply: Reply = field(default_factory=Reply)
     reuse: ReuseCounts = field(default_factory=ReuseCounts)
     # A chunked (or separator-free candidate) request's parts and chunk options, from intake;
@@ -111,9 +110,6 @@ class Sequence:
     fill: FillJob | None = None
     # Layout "offset": the blend that prefills the prompt; None once it is done with or dropped.
     blend: BlendState | None = None
-    # The chunks' entries in the KV list were computed apart: later tokens attend to them through
-    # this calibration (model.calibration.ContextCalibration); None = exact attention.
-    calibration: ContextCalibration | None = None
     # Separator-free matching, first sight (nothing to reuse): the prompt is prefilled as usual and
     # these parts (a ChunkedPrompt) are stored in the chunk pool from its KV once it is computed.
     learn: ChunkedPrompt | None = None
@@ -167,7 +163,8 @@ class Sequence:
 
     @property
     def num_borrowed(self) -> int:
-        return 0 if self.borrowed_slots is None else int(self.borrowed_slots.numel())
+        slots = self.kv_list.borrowed_slots
+        return 0 if slots is None else int(slots.numel())
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -187,4 +184,4 @@ class Sequence:
         return self.status == Status.FINISHED
 
     def last_position(self) -> int:
-        return self.position_base + self.num_tokens - 1
+        return self.kv_list.position_base + self.num_tokens - 1

@@ -2,7 +2,7 @@
 so that the request reads as ids, tokens, blocks and timings, and each mode's state sits apart,
 written by the few modules that serve that mode.
 
-`Reply` and `ReuseCounts` are every sequence's (a job's are never read); `BlendState` and
+`KVList`, `Reply` and `ReuseCounts` are every sequence's (a job's are never read); `BlendState` and
 `FidelityCheck` exist only where their mode serves the sequence (None otherwise).
 """
 
@@ -18,6 +18,23 @@ if TYPE_CHECKING:
 
     from chunkcache.config import ChunkConfig
     from chunkcache.engine.blend import BlendRun
+    from chunkcache.model.calibration import ContextCalibration
+
+
+@dataclass
+class KVList:
+    """Where a sequence's own tokens sit and what they attend to besides them: its KV list is
+    `borrowed_slots` (KV it reads but does not own: a chunk-cache entry, a system part) followed by
+    its own tokens' KV in its blocks; own token i is at KV list index `len(borrowed_slots) + i` and
+    at position `position_base + i`. Laid out by the chunk cache (chunk/assemble.py, a fill job's
+    S) and fusion, read by the runner. Apart from the core because a plain request has none of it
+    (no borrowed KV, position 0, exact attention)."""
+
+    position_base: int = 0
+    borrowed_slots: torch.Tensor | None = None
+    # The borrowed (or blended) chunks' KV was computed apart: later tokens attend to it through
+    # this calibration (model.calibration.ContextCalibration); None = exact attention.
+    calibration: ContextCalibration | None = None
 
 
 @dataclass

@@ -108,28 +108,28 @@ class ModelRunner:
         calibrated: list[tuple[int, int, int, ContextCalibration]] = []
         sample_index: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            c = seq.num_computed
+            c, kv = seq.num_computed, seq.kv_list
             start = len(ids)
             ids.extend(seq.token_ids[c : c + n])
-            positions.append(torch.arange(seq.position_base + c, seq.position_base + c + n, device=dev))
+            positions.append(torch.arange(kv.position_base + c, kv.position_base + c + n, device=dev))
             own = block_slots(seq.block_table, self.block_size, c + n, dev)
             slot_mapping.append(own[c:])
-            past = own[:c] if seq.borrowed_slots is None else torch.cat((seq.borrowed_slots, own[:c]))
+            past = own[:c] if kv.borrowed_slots is None else torch.cat((kv.borrowed_slots, own[:c]))
             if n == 1 and past.numel() > 0:
-                if seq.calibration is not None:
-                    calibrated.append((len(decode_index), start, past.numel() + 1, seq.calibration))
+                if kv.calibration is not None:
+                    calibrated.append((len(decode_index), start, past.numel() + 1, kv.calibration))
                 # Only a batch of one decode reads its KV in place (`DecodeBatch.span`).
                 first_decode = not decode_slots
                 if (
                     first_decode
-                    and seq.borrowed_slots is None
+                    and kv.borrowed_slots is None
                     and consecutive(seq.block_table, c + n, self.block_size)
                 ):
                     span = (seq.block_table[0] * self.block_size, c + n)
                 decode_index.append(start)
                 decode_slots.append(torch.cat((past, own[c:])))
             else:
-                prefills.append(PrefillSegment.make(start, start + n, past, seq.calibration))
+                prefills.append(PrefillSegment.make(start, start + n, past, kv.calibration))
             done = c + n == seq.num_tokens
             sample_index.append(start + n - 1 if done and not seq.kind.is_fill else -1)
         decode = None
@@ -218,7 +218,7 @@ class ModelRunner:
         blend.run = None
         state = seq.chunks
         assert state is not None
-        seq.calibration = run.inp.calibration  # decode attends to the blended chunks the same way
+        seq.kv_list.calibration = run.inp.calibration  # decode attends to the blended chunks alike
         seq.exact_prefix = exact_prefix = run.inp.num_exact
         if seq.kv_key is not None:
             # Its blocks are found under the blend's key from the first one holding blended KV.

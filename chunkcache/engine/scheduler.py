@@ -363,11 +363,11 @@ class Scheduler:
             del batch.seqs[k], batch.num_new_tokens[k]
         self.release(seq)
         seq.num_computed = 0
-        if seq.borrowed_slots is None:
+        if seq.kv_list.borrowed_slots is None:
             # Recomputed from scratch (a plain request, or an "offset" one whose blend is lost).
             seq.reuse.num_prefix_cached = 0
             seq.reuse.num_chunk_cached = 0
-            seq.calibration = None  # the recomputed KV is exact
+            seq.kv_list.calibration = None  # the recomputed KV is exact
         seq.blend = None
         self.add(seq, front=True)
         batch.preempted.append(seq)
@@ -378,7 +378,7 @@ class Scheduler:
             return  # a fill job's pages were assigned with the job, not taken here
         self.release(seq)
         seq.num_computed = 0
-        if seq.borrowed_slots is None:
+        if seq.kv_list.borrowed_slots is None:
             seq.reuse.num_prefix_cached = 0
 
     def release(self, seq: Sequence) -> None:
