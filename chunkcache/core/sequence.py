@@ -108,7 +108,8 @@ class Sequence:
     chunks: RequestChunks | None = None
     # A fill job's entry (kinds CHUNK_FILL, CANONICAL_FILL, PREWARM_FILL).
     fill: FillJob | None = None
-    # Layout "offset": the blend that prefills the prompt; None once it is done with or dropped.
+    # Layout "offset" (or a fusion request's blended joint stream): the blend that prefills the
+    # prompt; None for a plain prefill, and once dropped (preemption, a failed blend).
     blend: BlendState | None = None
     # Separator-free matching, first sight (nothing to reuse): the prompt is prefilled as usual and
     # these parts (a ChunkedPrompt) are stored in the chunk pool from its KV once it is computed.

@@ -73,9 +73,11 @@ class ReuseCounts:
 
 @dataclass
 class BlendState:
-    """Layout "offset": the prompt is prefilled by blend (engine/blend.py) with `config`. Cleared
-    (the sequence's `blend` set to None) on preemption or a failed blend, after which the request
-    is recomputed by a plain prefill."""
+    """Layout "offset", or a fusion request's blended joint stream (`fusion_joint_blend`): the
+    prompt is prefilled by blend (engine/blend.py) with `config`. Dropped (the sequence's `blend`
+    set to None) on preemption or a failed blend, after which the sequence is recomputed by a plain
+    prefill; kept once the blend is done, since its tokens' KV is blended. The counts it leaves are
+    in `ReuseCounts`, which outlive it (a fallback is reported after the blend is gone)."""
 
     config: ChunkConfig
     # The blend under way, where it spans steps (its layers run in pieces of the token budget);
