@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from chunkcache import SamplingParams
+from chunkcache.core.sequence import Sequence
 from chunkcache.engine import blend as blend_module
+from chunkcache.engine.blend import BlendRun
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.engine.scheduler import ScheduledBatch
 from tests.support.engines import tiny_llm
@@ -67,6 +69,11 @@ def _warm(engine: LLMEngine, prompt: str) -> int:
     return len(_run(engine)["warm"].prompt_token_ids)
 
 
+def _run_of(seq: Sequence) -> BlendRun | None:
+    """The blend under way of `seq`, if any."""
+    return None if seq.blend is None else seq.blend.run
+
+
 def _budget(engine: LLMEngine, budget: int, threshold: int) -> None:
     """Give the engine's scheduler another budget: one engine runs a request split and unsplit,
     over the same pool entries (entries computed in other pieces would differ by rounding)."""
@@ -106,11 +113,11 @@ def test_a_short_request_is_answered_while_a_blend_is_split(checkpoint) -> None:
     engine.add_request("blend", _blend_prompt(), GREEDY, chunk_options=OFFSET)
     engine.step()
     blend = next(s for s in engine.scheduler.running if s.request_id == "blend")
-    assert blend.blend_run is not None and not blend.blend_run.done
+    assert _run_of(blend) is not None and not _run_of(blend).done
     engine.add_request("short", "Hi", SamplingParams(temperature=0, max_tokens=1))
     out = {o.request_id: o for o in engine.step()}
     assert out["short"].finished and out["short"].outputs[0].token_ids
-    assert blend.blend_run is not None and blend.num_computed == 0  # still under way
+    assert _run_of(blend) is not None and blend.num_computed == 0  # still under way
     _run(engine)
 
 
@@ -126,11 +133,11 @@ def test_abort_mid_split_gives_everything_back(checkpoint, steps: int) -> None:
     for _ in range(steps):
         engine.step()
     seq = next(s for s in engine.scheduler.running if s.request_id == "a")
-    assert seq.blend_run is not None and not seq.blend_run.done
+    assert _run_of(seq) is not None and not _run_of(seq).done
     engine.abort_request("a")
     final = engine.step()
     assert final[0].finished and final[0].outputs[0].finish_reason == "abort"
-    assert seq.blend_run is None
+    assert _run_of(seq) is None
     engine.check_integrity()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert all(e.pins == 0 for e in engine.chunks.pool.entries())
@@ -156,9 +163,9 @@ def test_a_blend_preempted_mid_split_is_recomputed_by_a_plain_prefill(checkpoint
     engine.add_request("blend", _blend_prompt(), GREEDY, chunk_options=OFFSET)
     engine.step()  # the stream's 17th token (one block still), the blend's first piece
     blend = next(s for s in engine.scheduler.running if s.request_id == "blend")
-    assert blend.blend_run is not None and not blend.blend_run.done
+    assert _run_of(blend) is not None and not _run_of(blend).done
     engine.step()  # the stream's next token needs a block: the blend gives its own back
-    assert engine.scheduler.num_preemptions == 1 and blend.blend_run is None and blend.blend is None
+    assert engine.scheduler.num_preemptions == 1 and _run_of(blend) is None and blend.blend is None
     out = _run(engine)["blend"]
     assert out.num_blend_recomputed_tokens == 0 and not out.blend_fallback
     engine.add_request("plain", out.prompt_token_ids, GREEDY)

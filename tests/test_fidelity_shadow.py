@@ -286,7 +286,7 @@ def _record_checks(engine: LLMEngine) -> list[dict[str, Any]]:
     finished, distributions = shadows.finished, shadows._distributions
 
     def on_finished(shadow: Sequence) -> Any:
-        checks.append({"ids": shadow.prompt_token_ids, "forced": shadow.forced_token_ids,
+        checks.append({"ids": shadow.prompt_token_ids, "forced": shadow.fidelity.forced_token_ids if shadow.fidelity else None,
                        "output": list(shadow.output_token_ids)})  # fmt: skip
         return finished(shadow)
 
@@ -329,7 +329,9 @@ def test_sampled_replies_are_compared_by_their_next_token_distributions(
         # Nothing kept: no shadow pending, every block back, no request holds vocab rows.
         assert _fidelity(engine)["pending"] == 0
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-        assert all(seq.step_logprobs is None for seq in engine._requests.values())
+        assert all(
+            seq.fidelity is None or seq.fidelity.step_logprobs is None for seq in engine._requests.values()
+        )
     finally:
         llm.close()
 

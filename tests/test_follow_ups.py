@@ -243,14 +243,14 @@ def test_an_exact_prefix_job_yields_to_requests(checkpoint) -> None:
         if first.num_output_tokens == 0:
             assert job.num_computed == 0  # nothing beside the request's prefill (fill jobs included)
         if job.num_computed and shared is None:
-            shared = job.num_prefix_cached  # the request's own plain blocks (S, first chunk)
+            shared = job.reuse.num_prefix_cached  # the request's own plain blocks (S, first chunk)
         most = max(most, job.num_computed)
         engine.step()
     assert job in engine.scheduler.waiting and not job.block_table  # its blocks went back
     assert 16 < most < job.num_own_prompt_tokens
     assert engine.stats()["num_preemptions"] == 0  # a yield is not a preemption
     engine.step()
-    assert shared is not None and job.num_prefix_cached > shared  # resumed from its own cached blocks
+    assert shared is not None and job.reuse.num_prefix_cached > shared  # resumed from its own cached blocks
     while engine.has_background_work():
         engine.step()
     assert llm.chunk_cache_stats()["exact_prefix_jobs"] == 1

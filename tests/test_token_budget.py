@@ -167,7 +167,7 @@ def test_a_request_takes_the_blocks_of_background_work() -> None:
     assert sched.num_preemptions == 0
     while not job.is_finished:
         _step(sched, blocks)
-    assert job.num_prefix_cached >= 16  # what the request did not overwrite was still cached
+    assert job.reuse.num_prefix_cached >= 16  # what the request did not overwrite was still cached
     assert blocks.num_free_blocks == blocks.num_blocks
     blocks.check_integrity()
 

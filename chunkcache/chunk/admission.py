@@ -20,6 +20,7 @@ from chunkcache.chunk.tiers.pool_link import PoolTiers
 from chunkcache.config import ChunkConfig
 from chunkcache.core.plan import Entry, PlainPrompt, RequestChunks
 from chunkcache.core.sequence import Sequence, SequenceKind
+from chunkcache.core.sequence_state import BlendState
 from chunkcache.hashing import chunk_hash, system_hash
 
 
@@ -49,8 +50,8 @@ def settle_cached(seq: Sequence) -> bool:
         e.from_tier if c is None else c for c, e in zip(state.was_cached, state.entries, strict=True)
     ]
     # Counted by the slice each entry lends (a separator-free match borrows part of one).
-    seq.num_prefix_cached = state.slices[0][1] if state.was_cached[0] else 0
-    seq.num_chunk_cached = sum(
+    seq.reuse.num_prefix_cached = state.slices[0][1] if state.was_cached[0] else 0
+    seq.reuse.num_chunk_cached = sum(
         n for (_, n), c in zip(state.slices[1:], state.was_cached[1:], strict=True) if c
     )
     return True
@@ -117,9 +118,9 @@ class Admission:
             state.was_cached.append(_cached_at_admission(entry, bool(hit)))
         settle_cached(seq)
         if config.layout == "offset":
-            seq.blend = config  # own tokens: the whole prompt, at natural positions
+            seq.blend = BlendState(config)  # own tokens: the whole prompt, at natural positions
         else:
-            seq.position_base = prompt.question_position()
+            seq.kv_list.position_base = prompt.question_position()
         return jobs
 
     def _admit_chunk(

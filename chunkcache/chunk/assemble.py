@@ -33,8 +33,8 @@ def assemble(seq: Sequence, parts: list[torch.Tensor], device: torch.device) -> 
         state.cached_slots = slots
         state.cached_delta = offset_deltas(state).to(device)
     else:
-        seq.borrowed_slots = slots
-        seq.calibration = calibration_for(
+        seq.kv_list.borrowed_slots = slots
+        seq.kv_list.calibration = calibration_for(
             len(state.prompt.sys_token_ids),
             slots.numel(),
             cfg.calibration_temperature,

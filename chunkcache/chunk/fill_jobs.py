@@ -14,6 +14,7 @@ import itertools
 from chunkcache.chunk.pool import ChunkPool
 from chunkcache.core.plan import Entry, FillJob
 from chunkcache.core.sequence import Sequence, SequenceKind
+from chunkcache.core.sequence_state import KVList
 from chunkcache.sampling import SamplingParams
 
 _FILL_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
@@ -53,7 +54,7 @@ class FillJobs:
             prompt_token_ids=token_ids,
             token_ids=list(token_ids),
             params=_FILL_PARAMS,
-            position_base=position_base,
+            kv_list=KVList(position_base=position_base),
             kind=_fill_kind(entry, canonical),
             block_table=entry.pages,
             fill=FillJob(entry, sys_entry, holds_entry=canonical),

@@ -202,8 +202,8 @@ class ChunkManager:
         ready to run when its view is laid out)."""
         if seq.fill is not None:
             sys_entry = seq.fill.sys_entry
-            if sys_entry is not None and sys_entry.ready and seq.borrowed_slots is None:
-                seq.borrowed_slots = self._slots(sys_entry)
+            if sys_entry is not None and sys_entry.ready and seq.kv_list.borrowed_slots is None:
+                seq.kv_list.borrowed_slots = self._slots(sys_entry)
             return
         state = seq.chunks
         if state is None or state.assembled or not all(e.ready for e in state.entries):
@@ -222,7 +222,7 @@ class ChunkManager:
         if seq.fill is not None:
             state = seq.fill
             self.fills.pop(state.entry)
-            if seq.finish_reason is None and seq.num_computed == seq.num_tokens:
+            if seq.reply.finish_reason is None and seq.num_computed == seq.num_tokens:
                 # A private entry (no room in the pool) is written down too: its pages are
                 # paged KV blocks of the same size, read the same way.
                 if self.below is not None:  # read before mark_ready can evict anything
@@ -259,7 +259,7 @@ class ChunkManager:
             # Nobody waits for it any more: cancel its job, if it still runs, and forget it.
             job = self.fills.pop(entry)
             if job is not None:
-                job.finish_reason = "abort"
+                job.reply.finish_reason = "abort"
                 cancel.append(job)
             if not entry.private and entry.pages:
                 self.pool.drop(entry)

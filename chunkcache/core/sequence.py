@@ -1,13 +1,16 @@
 """A sequence: the engine's state of one request, or of work the engine does for requests.
 
 What a sequence is (`SequenceKind`) is fixed when it is made, but for a canonical chunk fill that
-a request starts waiting for (it becomes an ordinary fill). Its chunk plan is typed by stage:
-`chunk_plan` (what intake decided: the prompt's parts and the chunk options), `chunks` (the
-entries admission pinned for a request), `fill` (the entry a fill job computes).
+a request starts waiting for (it becomes an ordinary fill). Its core is what every sequence has:
+ids, tokens, sampling params, status, blocks and timings. The rest sits in typed groups
+(core/sequence_state.py): `kv_list` (its borrowed KV and positions), `reply` (what it samples and
+reports), `reuse` (cached-token counts), and one Optional field per mode that serves it (`blend`,
+`fidelity`, `fill`, `learn`). Its chunk plan is typed by stage: `chunk_plan` (what intake decided:
+the prompt's parts and the chunk options), `chunks` (the entries admission pinned for a request),
+`fill` (the entry a fill job computes).
 
-KV list of a sequence = `borrowed_slots` (KV it reads but does not own: a chunk-cache entry, a
-system part) followed by its own tokens' KV in `block_table`. Own token i sits at KV list index
-`len(borrowed_slots) + i` and at position `position_base + i`.
+KV list of a sequence = `kv_list.borrowed_slots` followed by its own tokens' KV in `block_table`
+(sequence_state.KVList).
 """
 
 from __future__ import annotations
@@ -17,20 +20,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
+from chunkcache.core.sequence_state import BlendState, FidelityCheck, KVList, Reply, ReuseCounts
 from chunkcache.hashing import BlockKeys
 from chunkcache.outputs import RequestMetrics
 from chunkcache.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from llguidance import LLMatcher
-
-    from chunkcache.config import ChunkConfig
     from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, FillJob, RequestChunks
-    from chunkcache.engine.blend import BlendRun
     from chunkcache.engine.fusion import FusionGroup
-    from chunkcache.model.calibration import ContextCalibration
 
 
 class SequenceKind(enum.Enum):
@@ -87,37 +84,23 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True)
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]  # what the request reports as its prompt
     token_ids: list[int]  # own tokens: the part of the prompt computed here, then the output
     params: SamplingParams
     prompt: str | None = None
-    position_base: int = 0
-    borrowed_slots: torch.Tensor | None = None
     kind: SequenceKind = SequenceKind.REQUEST
     status: Status = Status.WAITING
     num_own_prompt_tokens: int = 0
     num_computed: int = 0  # own tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    num_prefix_cached: int = 0  # own prompt tokens found in the prefix cache
-    num_chunk_cached: int = 0  # prompt tokens borrowed from the chunk cache
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    # SamplingParams.prompt_logprobs: one entry per own prompt token, None for the first.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    # SamplingParams.json_schema: the llguidance matcher that constrains the output.
-    grammar: LLMatcher | None = None
-    generator: torch.Generator | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # Why the engine failed this request (finish_reason "error"); other requests go on.
-    error: str | None = None
-    text: str = ""
-    num_sent_tokens: int = 0
-    sent_text_len: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+    kv_list: KVList = field(default_factory=KVList)
+    reply: Reply = field(default_factory=Reply)
+    reuse: ReuseCounts = field(default_factory=ReuseCounts)
     # A chunked (or separator-free candidate) request's parts and chunk options, from intake;
     # None for a plain request (or one that admission turned into one).
     chunk_plan: ChunkPlan | None = None
@@ -125,18 +108,9 @@ class Sequence:
     chunks: RequestChunks | None = None
     # A fill job's entry (kinds CHUNK_FILL, CANONICAL_FILL, PREWARM_FILL).
     fill: FillJob | None = None
-    # Layout "offset": the prompt is prefilled by blend with these options. Cleared on preemption,
-    # after which the request is recomputed by a plain prefill.
-    blend: ChunkConfig | None = None
-    # The blend under way, where it spans steps (its layers run in pieces of the token budget);
-    # its tokens count as computed in the step that runs its last layer.
-    blend_run: BlendRun | None = None
-    blend_reused_tokens: int = 0
-    blend_recomputed_tokens: int = 0
-    blend_fallback: bool = False
-    # The chunks' entries in the KV list were computed apart: later tokens attend to them through
-    # this calibration (model.calibration.ContextCalibration); None = exact attention.
-    calibration: ContextCalibration | None = None
+    # Layout "offset" (or a fusion request's blended joint stream): the blend that prefills the
+    # prompt; None for a plain prefill, and once dropped (preemption, a failed blend).
+    blend: BlendState | None = None
     # Separator-free matching, first sight (nothing to reuse): the prompt is prefilled as usual and
     # these parts (a ChunkedPrompt) are stored in the chunk pool from its KV once it is computed.
     learn: ChunkedPrompt | None = None
@@ -156,17 +130,8 @@ class Sequence:
     # Layout "fusion" (engine/fusion.py): the group this sequence belongs to, as the request (its
     # reply; never scheduled) or as one of its streams (scheduled, preempted and freed together).
     fusion: FusionGroup | None = None
-    # The engine's reuse configuration (fidelity/controller.py's name) this chunked request was
-    # served with, where it gave no chunk options of its own: what a shadow check of it judges.
-    fidelity_config: str | None = None
-    # Drawn for a shadow check at admission (fidelity/shadow.py). A sampled request so drawn, and
-    # its shadow, keep the log-softmax of the raw next-token distribution of each of their first
-    # `record_steps` tokens (engine/postprocess.py); the shadow appends `forced_token_ids` (the
-    # served reply) instead of its own samples, so both are read on the same tokens.
-    shadow_drawn: bool = False
-    step_logprobs: list[torch.Tensor] | None = None
-    record_steps: int = 0
-    forced_token_ids: list[int] | None = None
+    # A shadow check that may judge this request, or that this shadow runs (fidelity/shadow.py).
+    fidelity: FidelityCheck | None = None
 
     def __post_init__(self) -> None:
         if not self.num_own_prompt_tokens:
@@ -199,7 +164,8 @@ class Sequence:
 
     @property
     def num_borrowed(self) -> int:
-        return 0 if self.borrowed_slots is None else int(self.borrowed_slots.numel())
+        slots = self.kv_list.borrowed_slots
+        return 0 if slots is None else int(slots.numel())
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -219,4 +185,4 @@ class Sequence:
         return self.status == Status.FINISHED
 
     def last_position(self) -> int:
-        return self.position_base + self.num_tokens - 1
+        return self.kv_list.position_base + self.num_tokens - 1

@@ -103,7 +103,7 @@ class ChunkSteps:
                     self.runner.measure_sensitivity(seq.chunks.entries[1:])
                 except Exception:  # the first request that ranks by them measures them then
                     logger.exception("measuring the sensitivity of prewarmed documents failed")
-            seq.finish_reason = "stop"
+            seq.reply.finish_reason = "stop"
             done.append(seq)
         ended = {id(s) for s in done}
         self._prewarms = [s for s in self._prewarms if not s.is_finished and id(s) not in ended]

@@ -169,7 +169,7 @@ class LLMEngine:
             seq = self._requests.get(request_id)
             if seq is None or seq.is_finished or seq.kind.is_fill:
                 continue
-            seq.finish_reason = "abort"
+            seq.reply.finish_reason = "abort"
             self._finish(seq)
             ended.append(seq)
         if self.chunk_steps is not None:
@@ -252,7 +252,7 @@ class LLMEngine:
                 self._fail(seq, s.error)
                 continue
             append_token(seq, s, now, self.detokenizer)
-            if seq.finish_reason is not None:
+            if seq.reply.finish_reason is not None:
                 self._finish(seq)
 
     def _computed(self, seq: Sequence, n: int) -> None:
@@ -295,7 +295,8 @@ class LLMEngine:
     def _fail(self, seq: Sequence, message: str) -> None:
         if seq.is_finished:
             return
-        seq.finish_reason, seq.stop_reason, seq.error = "error", None, message
+        reply = seq.reply
+        reply.finish_reason, reply.stop_reason, reply.error = "error", None, message
         self._finish(seq)
 
     def _fail_batch(self, batch: ScheduledBatch, message: str) -> list[Sequence]:
@@ -319,7 +320,7 @@ class LLMEngine:
         for seq in {id(s.request): s.request for s in [*batch.seqs, *finished_now]}.values():
             if seq.kind.is_fill or self._requests.get(seq.request_id) is not seq:
                 continue
-            if not seq.output_token_ids[seq.num_sent_tokens :] and not seq.is_finished:
+            if not seq.output_token_ids[seq.reply.num_sent_tokens :] and not seq.is_finished:
                 continue
             outputs.append(make_output(seq))
             if seq.is_finished:
@@ -328,7 +329,7 @@ class LLMEngine:
                     self._ids_in_use.discard(seq.request_id)
                 self.counters["prompt_tokens"] += len(seq.prompt_token_ids)
                 self.counters["generated_tokens"] += seq.num_output_tokens
-                self.counters["cached_tokens"] += seq.num_prefix_cached + seq.num_chunk_cached
+                self.counters["cached_tokens"] += seq.reuse.num_prefix_cached + seq.reuse.num_chunk_cached
         return outputs
 
     def _publish_events(self) -> None:

@@ -86,7 +86,7 @@ class FollowUps:
             if seq.fusion is not None and not self.intake.unfuse(seq):
                 return False  # its whole prompt does not fit as a plain one: its streams serve it
             seq.kv_key, seq.kv_key_from = None, 0  # what it computes is exact too: plain blocks
-            seq.fidelity_config = None  # no reuse configuration serves it: no shadow check of one
+            seq.fidelity = None  # no reuse configuration serves it: no shadow check of one
             self.exact_prefix_hits += 1
         elif (
             seq.kv_key is not None
@@ -114,7 +114,7 @@ class FollowUps:
         context = len(seq.prompt_token_ids) - len(prompt.question_token_ids)
         exact = self._exact and context >= self.blocks.block_size
         if self._read and context >= self.blocks.block_size and self._exact_cached(seq, context):
-            seq.fidelity_config = None
+            seq.fidelity = None
             self.exact_prefix_hits += 1
             return False
         fused = self.intake.fuse(seq, prompt, cfg, reserve)
@@ -144,7 +144,7 @@ class FollowUps:
             kind=SequenceKind.PREFIX_JOB,
             cache_salt=seq.cache_salt,
         )
-        job.generator = self._generator
+        job.reply.generator = self._generator
         self.jobs[key] = job
         self._new_jobs.append(job)
 
@@ -172,4 +172,4 @@ class FollowUps:
     def job_finished(self, job: Sequence) -> None:
         """An exact-prefix job ended: its blocks are registered, nothing else to keep."""
         self.jobs = {k: j for k, j in self.jobs.items() if j is not job}
-        self.exact_prefix_jobs += job.error is None
+        self.exact_prefix_jobs += job.reply.error is None

@@ -43,6 +43,7 @@ from chunkcache.chunk.assemble import offset_deltas
 from chunkcache.config import ChunkConfig, SchedulerConfig
 from chunkcache.core.plan import ChunkedPrompt, RequestChunks
 from chunkcache.core.sequence import Sequence, SequenceKind, Status
+from chunkcache.core.sequence_state import BlendState, KVList
 from chunkcache.engine.prompt_logprobs import prompt_slices
 
 logger = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ class FusionGroup:
             prompt_token_ids=prompt_ids,
             token_ids=[*before, *self.request.token_ids],
             params=self.request.params,
-            position_base=base,
+            kv_list=KVList(position_base=base),
             kind=SequenceKind.FUSION_STREAM,
             prefix_cacheable=False,
             cache_salt=self.request.cache_salt,
@@ -306,10 +307,10 @@ class FusionGroup:
         ids = [*context, *before, *prompt.question_token_ids]
         if self.joint_blend is not None:  # all of it in its own blocks, blended from the pool's KV
             stream = self._add_stream(n, ids, [*context, *before], 0, first)
-            stream.blend, stream.chunks = self.joint_blend, self._joint_chunks(documents)
+            stream.blend, stream.chunks = BlendState(self.joint_blend), self._joint_chunks(documents)
         else:
             stream = self._add_stream(n, ids, before, len(context), first)
-            stream.borrowed_slots = self.streams[first].borrowed_slots
+            stream.kv_list.borrowed_slots = self.streams[first].kv_list.borrowed_slots
         stream.status = self.streams[0].status
         self.pair, self.first_rows = n, rows
         return stream
@@ -368,7 +369,7 @@ class FusionGroup:
             return
         assert state.stream_slots is not None
         for stream, k in zip(self.streams, self.slot_of, strict=True):
-            stream.borrowed_slots = state.stream_slots[k]
+            stream.kv_list.borrowed_slots = state.stream_slots[k]
         self.slots_given = True
 
     def relevance(self) -> torch.Tensor:

@@ -22,6 +22,7 @@ from chunkcache.chunk.parse import parse_chunked_prompt, tokenize_parts
 from chunkcache.config import ChunkConfig, EngineConfig, ReuseOptions
 from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, PlainPrompt
 from chunkcache.core.sequence import Sequence, SequenceKind
+from chunkcache.core.sequence_state import FidelityCheck
 from chunkcache.engine.blend import kv_options
 from chunkcache.engine.build import EngineParts
 from chunkcache.engine.fusion import FusionGroup, fits_one_batch, pair_tokens, stream_count
@@ -93,7 +94,7 @@ class RequestIntake:
             not isinstance(chunk_options, ReuseOptions) or chunk_options.given()
         )
         if self.shadowed and not own and plan is not None and isinstance(plan.prompt, ChunkedPrompt):
-            seq.fidelity_config = name
+            seq.fidelity = FidelityCheck(name)
         return seq
 
     def _check_params(self, params: SamplingParams) -> None:
@@ -168,11 +169,11 @@ class RequestIntake:
             prompt=_prompt_text(prompt),
             cache_salt=cache_salt,
         )
-        seq.generator = (
+        seq.reply.generator = (
             torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
         )
         if params.json_schema is not None:
-            seq.grammar = self.structured.matcher(params.json_schema)
+            seq.reply.grammar = self.structured.matcher(params.json_schema)
         reused = chunked if chunked is not None else plain
         if reused is not None:
             seq.chunk_plan = ChunkPlan(reused, chunk_config)

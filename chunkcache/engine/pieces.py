@@ -105,7 +105,8 @@ def _blend_piece(seq: Sequence, budget: int, threshold: int, num_layers: int, lo
     every token counts as running). At least one layer where no other long prefill runs in
     this step, so that a layer larger than a piece still runs (and a blend never waits behind
     long prefills for ever)."""
-    run = seq.blend_run
+    assert seq.blend is not None
+    run = seq.blend.run
     done, rows = (run.next_layer, run.rows) if run is not None else (0, remaining(seq))
     left, rows = num_layers - done, max(rows, 1)
     room = min(budget, threshold)

@@ -93,8 +93,8 @@ def record_prompt_logprobs(
     for part in parts:
         seq, c, k = part.seq, part.start, part.seq.params.prompt_logprobs
         assert k is not None
-        if seq.prompt_logprobs is None:
-            seq.prompt_logprobs = [None] * seq.num_own_prompt_tokens
+        if seq.reply.prompt_logprobs is None:
+            seq.reply.prompt_logprobs = [None] * seq.num_own_prompt_tokens
         picked = part.picked()
         top = torch.topk(part.logprobs, min(k, part.logprobs.shape[-1])) if k > 0 else None
         for j in range(len(picked)):
@@ -102,4 +102,4 @@ def record_prompt_logprobs(
             if top is not None:
                 entry = dict(zip(top.indices[j].tolist(), top.values[j].tolist(), strict=True))
             entry[int(part.targets[j])] = picked[j]
-            seq.prompt_logprobs[c + 1 + j] = entry
+            seq.reply.prompt_logprobs[c + 1 + j] = entry

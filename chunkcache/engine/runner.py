@@ -108,28 +108,28 @@ class ModelRunner:
         calibrated: list[tuple[int, int, int, ContextCalibration]] = []
         sample_index: list[int] = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            c = seq.num_computed
+            c, kv = seq.num_computed, seq.kv_list
             start = len(ids)
             ids.extend(seq.token_ids[c : c + n])
-            positions.append(torch.arange(seq.position_base + c, seq.position_base + c + n, device=dev))
+            positions.append(torch.arange(kv.position_base + c, kv.position_base + c + n, device=dev))
             own = block_slots(seq.block_table, self.block_size, c + n, dev)
             slot_mapping.append(own[c:])
-            past = own[:c] if seq.borrowed_slots is None else torch.cat((seq.borrowed_slots, own[:c]))
+            past = own[:c] if kv.borrowed_slots is None else torch.cat((kv.borrowed_slots, own[:c]))
             if n == 1 and past.numel() > 0:
-                if seq.calibration is not None:
-                    calibrated.append((len(decode_index), start, past.numel() + 1, seq.calibration))
+                if kv.calibration is not None:
+                    calibrated.append((len(decode_index), start, past.numel() + 1, kv.calibration))
                 # Only a batch of one decode reads its KV in place (`DecodeBatch.span`).
                 first_decode = not decode_slots
                 if (
                     first_decode
-                    and seq.borrowed_slots is None
+                    and kv.borrowed_slots is None
                     and consecutive(seq.block_table, c + n, self.block_size)
                 ):
                     span = (seq.block_table[0] * self.block_size, c + n)
                 decode_index.append(start)
                 decode_slots.append(torch.cat((past, own[c:])))
             else:
-                prefills.append(PrefillSegment.make(start, start + n, past, seq.calibration))
+                prefills.append(PrefillSegment.make(start, start + n, past, kv.calibration))
             done = c + n == seq.num_tokens
             sample_index.append(start + n - 1 if done and not seq.kind.is_fill else -1)
         decode = None
@@ -192,12 +192,13 @@ class ModelRunner:
         them) in this step: the last token's hidden state once the last layer ran, else None. None
         also after a failure, which leaves the request to an ordinary prefill of every token (its
         blocks are simply overwritten)."""
-        cfg = seq.blend
-        assert cfg is not None, "a blend needs the request's options"
+        blend = seq.blend
+        assert blend is not None, "a blend needs the request's options"
+        cfg = blend.config
         try:
-            if seq.blend_run is None:
-                seq.blend_run = BlendRun(self.model, self.kv_caches, self._blend_input(seq, cfg), cfg)
-            run = seq.blend_run
+            if blend.run is None:
+                blend.run = BlendRun(self.model, self.kv_caches, self._blend_input(seq, cfg), cfg)
+            run = blend.run
             run.run(run.num_layers if stop is None else stop)
             if not run.done:
                 return None
@@ -208,27 +209,27 @@ class ModelRunner:
                 self.blend_failure_causes.add(cause)
                 logger.warning("blend failed (%s); falling back to a plain prefill", cause, exc_info=True)
             self.blend_fallbacks += 1
-            seq.blend, seq.blend_run = None, None
-            seq.blend_fallback = True
-            seq.num_prefix_cached = seq.num_chunk_cached = 0  # every token is computed now
+            seq.blend = None
+            seq.reuse.blend_fallback = True
+            seq.reuse.num_prefix_cached = seq.reuse.num_chunk_cached = 0  # every token is computed now
             # ... by a plain prefill, whose blocks any prompt with these tokens may find.
             seq.prefix_cacheable, seq.kv_key = True, None
             return None
-        seq.blend_run = None
+        blend.run = None
         state = seq.chunks
         assert state is not None
-        seq.calibration = run.inp.calibration  # decode attends to the blended chunks the same way
+        seq.kv_list.calibration = run.inp.calibration  # decode attends to the blended chunks alike
         seq.exact_prefix = exact_prefix = run.inp.num_exact
         if seq.kv_key is not None:
             # Its blocks are found under the blend's key from the first one holding blended KV.
             seq.kv_key_from = min(seq.kv_key_from, exact_prefix // self.block_size)
             seq.prefix_cacheable = True
-        seq.blend_reused_tokens = result.reused_tokens
-        seq.blend_recomputed_tokens = result.recomputed_tokens
+        seq.reuse.blend_reused_tokens = result.reused_tokens
+        seq.reuse.blend_recomputed_tokens = result.recomputed_tokens
         # Cached = read from an entry that existed before the request and not recomputed.
         kept = result.reused.split([n for _, n in state.slices])
         counts = [int(k.sum()) if hit else 0 for k, hit in zip(kept, state.was_cached, strict=True)]
-        seq.num_prefix_cached, seq.num_chunk_cached = counts[0], sum(counts[1:])
+        seq.reuse.num_prefix_cached, seq.reuse.num_chunk_cached = counts[0], sum(counts[1:])
         self.blend_reused_tokens += result.reused_tokens
         self.blend_recomputed_tokens += result.recomputed_tokens
         return result.hidden

@@ -321,7 +321,7 @@ class Scheduler:
         seq.block_table = blocks
         seq.block_hashes = hashes
         seq.num_computed = len(blocks) * self.blocks.block_size
-        seq.num_prefix_cached = seq.num_computed
+        seq.reuse.num_prefix_cached = seq.num_computed
 
     def _take_entry_pages(self, seq: Sequence) -> bool:
         """A fill job of a private entry (one the pool could not take) computes it into KV blocks,
@@ -363,11 +363,11 @@ class Scheduler:
             del batch.seqs[k], batch.num_new_tokens[k]
         self.release(seq)
         seq.num_computed = 0
-        if seq.borrowed_slots is None:
+        if seq.kv_list.borrowed_slots is None:
             # Recomputed from scratch (a plain request, or an "offset" one whose blend is lost).
-            seq.num_prefix_cached = 0
-            seq.num_chunk_cached = 0
-            seq.calibration = None  # the recomputed KV is exact
+            seq.reuse.num_prefix_cached = 0
+            seq.reuse.num_chunk_cached = 0
+            seq.kv_list.calibration = None  # the recomputed KV is exact
         seq.blend = None
         self.add(seq, front=True)
         batch.preempted.append(seq)
@@ -378,8 +378,8 @@ class Scheduler:
             return  # a fill job's pages were assigned with the job, not taken here
         self.release(seq)
         seq.num_computed = 0
-        if seq.borrowed_slots is None:
-            seq.num_prefix_cached = 0
+        if seq.kv_list.borrowed_slots is None:
+            seq.reuse.num_prefix_cached = 0
 
     def release(self, seq: Sequence) -> None:
         """Give back the blocks a sequence owns (finish, abort, preemption)."""
@@ -388,7 +388,8 @@ class Scheduler:
         if not seq.kind.is_fill:
             seq.block_table = []
             seq.block_hashes = []
-        seq.blend_run = None  # a blend under way wrote into those blocks: it starts over
+        if seq.blend is not None:
+            seq.blend.run = None  # a blend under way wrote into those blocks: it starts over
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.running:

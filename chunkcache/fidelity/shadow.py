@@ -47,6 +47,7 @@ import torch
 from chunkcache.config import FidelityConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.sequence import Sequence, SequenceKind
+from chunkcache.core.sequence_state import FidelityCheck
 from chunkcache.fidelity.controller import Controller, Move
 
 logger = logging.getLogger(__name__)
@@ -98,23 +99,27 @@ class ShadowChecks:
     def admitted(self, seq: Sequence) -> None:
         """A request entered the engine: draw it for a check where it is eligible; a sampled one
         drawn starts keeping its first steps' distributions."""
-        p = seq.params
+        p, check = seq.params, seq.fidelity
         if (
             self.rate <= 0
             or seq.kind is not SequenceKind.REQUEST
-            or seq.fidelity_config is None
+            or check is None
             or p.json_schema is not None
             or self._random.random() >= self.rate
         ):
             return
-        seq.shadow_drawn = True
+        check.drawn = True
         if p.temperature > 0:
-            seq.step_logprobs, seq.record_steps = [], self.steps
+            check.step_logprobs, check.record_steps = [], self.steps
 
     def served(self, seq: Sequence) -> Sequence | None:
         """A request finished: if it was drawn, its shadow, for the engine to schedule."""
-        served, seq.step_logprobs = seq.step_logprobs, None  # the request keeps no vocab rows
-        if not seq.shadow_drawn or seq.error is not None or seq.finish_reason not in ("stop", "length"):
+        check = seq.fidelity
+        if check is None or not check.drawn:
+            return None
+        served, check.step_logprobs = check.step_logprobs, None  # the request keeps no vocab rows
+        name = check.config or DEFAULT_CONFIG
+        if seq.reply.error is not None or seq.reply.finish_reason not in ("stop", "length"):
             return None
         if not seq.num_output_tokens or (served is not None and not served):
             return None
@@ -122,14 +127,14 @@ class ShadowChecks:
             self.dropped += 1
             return None
         if not self.within_budget():
-            self._count(seq.fidelity_config or DEFAULT_CONFIG, "over_budget")
+            self._count(name, "over_budget")
             return None
         reply = list(seq.output_token_ids)
         ids = list(seq.prompt_token_ids)
         if len(ids) + len(reply) > self.max_model_len or self.blocks.blocks_for(len(ids) + len(reply)) > (
             self.blocks.num_blocks
         ):
-            self._count(seq.fidelity_config or DEFAULT_CONFIG, "skipped")  # a full prefill cannot fit
+            self._count(name, "skipped")  # a full prefill cannot fit
             return None
         p = seq.params
         # Greedy: up to the served reply's length. Sampled: the recorded steps, teacher-forced.
@@ -147,10 +152,12 @@ class ShadowChecks:
             kind=SequenceKind.SHADOW,
             cache_salt=seq.cache_salt,
         )
-        shadow.generator = self._generator
+        shadow.reply.generator = self._generator
         if served is not None:
-            shadow.forced_token_ids, shadow.step_logprobs, shadow.record_steps = reply[:length], [], length
-        self._pending[id(shadow)] = _Pending(seq.fidelity_config or DEFAULT_CONFIG, reply, served)
+            shadow.fidelity = FidelityCheck(
+                name, record_steps=length, step_logprobs=[], forced_token_ids=reply[:length]
+            )
+        self._pending[id(shadow)] = _Pending(name, reply, served)
         return shadow
 
     @property
@@ -178,8 +185,10 @@ class ShadowChecks:
         """A shadow ended (done, or failed with its batch): compare, count, tell the controller."""
         pending = self._pending.pop(id(shadow))
         name = pending.name
-        full, shadow.step_logprobs = shadow.step_logprobs, None
-        if shadow.error is not None or (pending.served is not None and not full):
+        full = None
+        if shadow.fidelity is not None:
+            full, shadow.fidelity.step_logprobs = shadow.fidelity.step_logprobs, None
+        if shadow.reply.error is not None or (pending.served is not None and not full):
             self._count(name, "error")
             return None
         if pending.served is None:
