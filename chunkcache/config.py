@@ -623,11 +623,11 @@ class EngineConfig:
     # CPU, quantized weights (native, int8, auto's native kinds) served by qkernel: a decode
     # step's products (every sequence of a batch, as its 1-row step) round the activations to
     # int8 per block of 32 (llama.cpp's Q8_0) and sum integer products, and native Q6_K and Q4_K tensors are
-    # held as the file's blocks (model/quant_blocks.py);
-    # off keeps float32 activations (model/qkernel.py). Its default depends on the model
+    # held as the file's blocks (model/kernels/quant_blocks.py);
+    # off keeps float32 activations (model/kernels/qkernel.py). Its default depends on the model
     # (model/catalog.py).
     int8_activations: bool = GENERIC_DEFAULTS["int8_activations"]
-    # CPU: refuse to start where the C kernels (model/qkernel.py) cannot be built or loaded, naming
+    # CPU: refuse to start where the C kernels (model/kernels/build.py) cannot be built or loaded, naming
     # why, instead of serving with torch's slower kernels (a WARNING says what that costs). For
     # production replicas whose speed was measured with the kernels.
     require_kernels: bool = False
