@@ -11,7 +11,7 @@
 # into the /models volume; the ConfigMap sets CHUNKCACHE_MODEL_DIR=/models).
 #
 # Two stages: the first has a C compiler and builds the quantized products' C kernels
-# (chunkcache/model/qkernel.py, compiled at first use elsewhere); the runtime image has no
+# (chunkcache/model/kernels/build.py, compiled at first use elsewhere); the runtime image has no
 # compiler, and serves with the library the first built, in its kernel cache (/opt/kernels,
 # writable by its user). Both stages refuse to finish without the kernels (`chunkcache env
 # --require-kernels`): an image that would serve with torch's slower kernels is not built.

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from chunkcache.model import qkernel
+from chunkcache.model.kernels import qkernel
+from chunkcache.model.kernels.quant_blocks import product
 from chunkcache.model.loader import model_path
-from chunkcache.model.quant_blocks import product
 
 
 def blocks_of(tensor) -> tuple[str, torch.Tensor]:

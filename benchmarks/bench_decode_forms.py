@@ -37,10 +37,10 @@ import torch
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.model import qkernel
+from chunkcache.model.kernels import qkernel
+from chunkcache.model.kernels.quant_blocks import BlocksPart
 from chunkcache.model.linear import Linear
 from chunkcache.model.quant import DensePart, QuantProduct
-from chunkcache.model.quant_blocks import BlocksPart
 
 PROMPTS = [
     "def quicksort(xs):",

@@ -20,8 +20,8 @@ import time
 import torch
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.model import qkernel, quant_blocks
 from chunkcache.model.gguf_blocks import RawTensor
+from chunkcache.model.kernels import qkernel, quant_blocks
 from chunkcache.model.linear import Linear
 from chunkcache.model.quant import Int8Part
 

@@ -1,4 +1,4 @@
-"""Decode's few-row products over quantized weights: `qkernel`'s AVX2 float32 kernel (model/qkernel.py)
+"""Decode's few-row products over quantized weights: `qkernel`'s AVX2 float32 kernel (model/kernels/qkernel.py)
 against torch's bfloat16 weight-only kernels and dense matvecs, per projection kind of the 1.5B's
 shapes, in ms and in GB/s of the bytes each form reads (codes + scales, or the dense weight),
 beside the rate one core streams memory at (`torch.sum` over 256 MB).
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from bench_quant_kernels import SHAPES  # the 1.5B's (out, in, products per step) per kind
 
-from chunkcache.model import qkernel
+from chunkcache.model.kernels import qkernel
 
 FORMS = ("fp32", "bf16", "int4", "q4", "q4x", "q4k", "int8", "q8", "q8x", "q6k", "q6kx", "q80", "q80x")
 # The forms `qkernel` serves (an `x` suffix: 1-row products on int8 x, `int8_activations`).

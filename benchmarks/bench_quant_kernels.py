@@ -28,7 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from chunkcache.model import dequant, qkernel
+from chunkcache.model import dequant
+from chunkcache.model.kernels import qkernel
 
 # Qwen2.5-Coder-1.5B: (name, out, in) of each projection kind, and how many a decode step runs.
 SHAPES = {

@@ -6,8 +6,8 @@ bench_llamacpp measures through Python; it is configured and built with cmake in
 `~/.cache/chunkcache/llama-server/` (the `llama-server` target only, ~10-15 minutes on 2 cores).
 
 On a CPU with AMX, llama.cpp's native build (`GGML_NATIVE=ON`, its AMX path) died at its first
-prompt (RESULTS.md, "Native weights on a CPU with AMX"): there it is built with its AVX512 kernels
-named one by one, as bench_llamacpp's peer was; elsewhere natively.
+prompt (history/RESULTS-narrative.md, "Native weights on a CPU with AMX"): there it is built with
+its AVX512 kernels named one by one, as bench_llamacpp's peer was; elsewhere natively.
 
     python benchmarks/llama_server.py      # build it (if absent) and print its path
 """

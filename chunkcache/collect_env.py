@@ -72,9 +72,9 @@ def _cpu(cpuinfo: str) -> dict[str, Any]:
 
 
 def _kernels() -> dict[str, Any]:
-    from chunkcache.model import qkernel
+    from chunkcache.model.kernels import build, qkernel
 
-    state = qkernel.kernels()
+    state = build.kernels()
     return {
         "kind": state.kind,
         "reason": state.reason,

@@ -229,11 +229,11 @@ class ChunkConfig:
     # request with the same S and documents in the same order (a follow-up question, a repeated
     # query) reads that exact KV and is answered as a full prefill would answer it, computing only
     # its question (under fusion: one plain sequence, no streams; engine/follow_ups.py). Off by
-    # default, by measurement (benchmarks/RESULTS.md "exact_follow_ups on by default (sights 2)?
-    # Measured, and left off"): on a server answering back-to-back requests the job (a full prefill
-    # of S and the documents, never beside a request's prefill: engine/scheduler.py) did not finish
-    # before the order's next requests, which paid its pieces instead and got slower on both known
-    # models. With about one full prefill of idle time between requests, a repeated order is exact
+    # default, by measurement (benchmarks/RESULTS.md "bench_follow_up"; the runs:
+    # benchmarks/history/RESULTS-narrative.md "exact_follow_ups on by default (sights 2)?"): on a
+    # server answering back-to-back requests the job (a full prefill of S and the documents, never
+    # beside a request's prefill: engine/scheduler.py) did not finish before the order's next
+    # requests, which paid its pieces instead and got slower on both known models. With about one full prefill of idle time between requests, a repeated order is exact
     # from its third request (sights 2). Offline, `LLM.generate` waits for the jobs. Tools that run
     # a full-prefill reference beside reuse modes in one engine keep it off whatever the user sets
     # (fidelity/measure.py ENGINE_OPTIONS): the reference would leave an exact prefix. Without prefix
@@ -631,11 +631,11 @@ class EngineConfig:
     # CPU, quantized weights (native, int8, auto's native kinds) served by qkernel: a decode
     # step's products (every sequence of a batch, as its 1-row step) round the activations to
     # int8 per block of 32 (llama.cpp's Q8_0) and sum integer products, and native Q6_K and Q4_K tensors are
-    # held as the file's blocks (model/quant_blocks.py);
-    # off keeps float32 activations (model/qkernel.py). Its default depends on the model
+    # held as the file's blocks (model/kernels/quant_blocks.py);
+    # off keeps float32 activations (model/kernels/qkernel.py). Its default depends on the model
     # (model/catalog.py).
     int8_activations: bool = GENERIC_DEFAULTS["int8_activations"]
-    # CPU: refuse to start where the C kernels (model/qkernel.py) cannot be built or loaded, naming
+    # CPU: refuse to start where the C kernels (model/kernels/build.py) cannot be built or loaded, naming
     # why, instead of serving with torch's slower kernels (a WARNING says what that costs). For
     # production replicas whose speed was measured with the kernels.
     require_kernels: bool = False

@@ -91,7 +91,7 @@ def fidelity_dir() -> str:
 
 
 def kernel_dir() -> str:
-    """Where the C kernels compiled at first use are cached, by source hash (model/qkernel.py)."""
+    """Where the C kernels compiled at first use are cached, by source hash (model/kernels/build.py)."""
     default = os.path.join("~", ".cache", "chunkcache", "kernels")
     return os.environ.get("CHUNKCACHE_KERNEL_DIR") or default
 

@@ -26,7 +26,7 @@ class ModelLoadError(ValueError):
 
 
 class KernelsUnavailableError(RuntimeError):
-    """`require_kernels` and the C kernels cannot be built or loaded (model/qkernel.py): the engine
+    """`require_kernels` and the C kernels cannot be built or loaded (model/kernels/build.py): the engine
     refuses to start rather than serve slower than what was measured."""
 
 

@@ -7,7 +7,7 @@ threads gets throttled every CFS period, each parallel kernel then running at th
 slowest (descheduled) thread. Where other work shares the cores, fewer threads (often 1) is faster
 still (docs/operations.md, "Memory and threads").
 
-The C kernels (model/qkernel*.c) are passed torch's count at every call (`num_threads(threads)` on
+The C kernels (model/kernels/qkernel*.c) are passed torch's count at every call (`num_threads(threads)` on
 each OpenMP region), so one `set_threads` sets both.
 
 The file-reading functions take `root` (default "/") so tests can feed them a fake /proc and /sys.

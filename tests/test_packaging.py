@@ -2,7 +2,7 @@
 imported from there (not from the checkout), builds and loads its C kernels on this CPU.
 
 The speed figures of benchmarks/RESULTS.md were measured in editable checkouts, whose kernels
-compile from the sources beside `qkernel.py`; a wheel missing one of them (pyproject's package
+compile from the sources beside `model/kernels/build.py`; a wheel missing one of them (pyproject's package
 data once named `qkernel.c` alone) silently served torch's kernels instead (issue 58).
 """
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from chunkcache.model import qkernel
+from chunkcache.model.kernels import build as kernel_build
+from chunkcache.model.kernels import qkernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,9 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 _PROBE = """
 import json, sys
 import chunkcache
-from chunkcache.model import qkernel
-k = qkernel.kernels()
-print(json.dumps({"package": chunkcache.__file__, "source": str(qkernel.SOURCE),
+from chunkcache.model.kernels import build
+k = build.kernels()
+print(json.dumps({"package": chunkcache.__file__, "source": str(build.SOURCE),
                   "kind": k.kind, "reason": k.reason, "library": k.library}))
 """
 
@@ -75,7 +76,7 @@ def install_wheel(tmp_path: Path) -> Path:
 
 
 needs_kernels = pytest.mark.skipif(
-    qkernel.kernels().kind != "c", reason="the kernels do not build here from the checkout either"
+    kernel_build.kernels().kind != "c", reason="the kernels do not build here from the checkout either"
 )
 
 
@@ -94,7 +95,7 @@ def test_the_installed_wheel_builds_and_loads_its_kernels(tmp_path: Path) -> Non
     assert probe["kind"] == "c", probe["reason"]
     assert Path(probe["library"]).is_relative_to(tmp_path / "kernels"), probe
     # Named by the hash of every source, header and flag: the checkout's kernels, byte for byte.
-    assert Path(probe["library"]).name == Path(qkernel.kernels().library).name
+    assert Path(probe["library"]).name == Path(kernel_build.kernels().library).name
 
 
 KERNEL_STEP = "chunkcache env --require-kernels"
@@ -146,10 +147,10 @@ _SERVE_PROBE = """
 import json, sys
 import chunkcache
 from chunkcache import LLM, SamplingParams
-from chunkcache.model import qkernel
+from chunkcache.model.kernels import build, qkernel
 llm = LLM("smollm2", device="cpu", dtype="float32", weights="native", threads=1)
 out = llm.generate([sys.argv[1]], SamplingParams(max_tokens=8, temperature=0.0))[0]
-print(json.dumps({"package": chunkcache.__file__, "kernels": qkernel.kernels().kind,
+print(json.dumps({"package": chunkcache.__file__, "kernels": build.kernels().kind,
                   "blocks": qkernel.blocks_available(), "tokens": list(out.outputs[0].token_ids)}))
 """
 PROMPT = "The three primary colors are"
@@ -180,6 +181,6 @@ def test_the_installed_wheel_serves_as_the_checkout(tmp_path: Path) -> None:
         out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))[0]
     finally:
         llm.close()
-    here = {"kernels": qkernel.kernels().kind, "blocks": qkernel.blocks_available()}
+    here = {"kernels": kernel_build.kernels().kind, "blocks": qkernel.blocks_available()}
     assert {k: installed[k] for k in here} == here == {"kernels": "c", "blocks": True}
     assert installed["tokens"] == list(out.outputs[0].token_ids)

@@ -1,4 +1,4 @@
-"""The AVX2 few-row kernel of quantized products (chunkcache/model/qkernel.py, qkernel.c).
+"""The AVX2 few-row kernel of quantized products (chunkcache/model/kernels/qkernel.py, qkernel.c).
 
 Oracle: the weight dequantized from the same codes and factors, multiplied in float64 here.
 Tolerance: the kernel sums in float32 (the 1-row int4 product as s sum(x q) + m sum(x) per
@@ -16,15 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from chunkcache.model import dequant, qkernel, quant
+from chunkcache.model import dequant, quant
 from chunkcache.model.gguf_blocks import affine_int4
+from chunkcache.model.kernels import build, qkernel
+from chunkcache.model.kernels.quant_blocks import BlocksPart
 from chunkcache.model.quant import Int4Part, Int8Part, QuantProduct
-from chunkcache.model.quant_blocks import BlocksPart
 
 pytestmark = pytest.mark.skipif(
     not qkernel.available(),
     reason="qkernel's decode products do not serve here: "
-    + (qkernel.kernels().reason or "torch packs int4 in AVX512 tiles of 64 rows, the kernel reads AVX2's 32"),
+    + (build.kernels().reason or "torch packs int4 in AVX512 tiles of 64 rows, the kernel reads AVX2's 32"),
 )
 
 gguf = pytest.importorskip("gguf")
@@ -259,7 +260,7 @@ def test_no_compiler_means_torchs_kernels_and_one_log_line(monkeypatch, caplog, 
     monkeypatch.setenv("CHUNKCACHE_KERNEL_DIR", str(tmp_path))
     qkernel.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger="chunkcache.model.qkernel"):
+        with caplog.at_level(logging.INFO, logger="chunkcache.model.kernels"):
             assert not qkernel.available() and not qkernel.available()
         lines = [r.getMessage() for r in caplog.records if "torch's bfloat16 kernels" in r.getMessage()]
         assert len(lines) == 1 and "/nonexistent/cc" in lines[0]
@@ -274,11 +275,11 @@ def test_a_failing_build_is_reported_not_raised(monkeypatch, tmp_path, caplog) -
     with the compiler's message in the log line; the cache directory holds no partial library."""
     bad = tmp_path / "qkernel.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(qkernel, "SOURCE", bad)
+    monkeypatch.setattr(build, "SOURCE", bad)
     monkeypatch.setenv("CHUNKCACHE_KERNEL_DIR", str(tmp_path / "kernels"))
     qkernel.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger="chunkcache.model.qkernel"):
+        with caplog.at_level(logging.INFO, logger="chunkcache.model.kernels"):
             assert qkernel.library() is None
         assert any("building qkernel.c failed" in r.getMessage() for r in caplog.records)
         assert not list((tmp_path / "kernels").glob("*.so"))

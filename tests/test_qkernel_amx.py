@@ -1,4 +1,4 @@
-"""Prefill's bfloat16 GEMMs on AMX tiles (chunkcache/model/qkernel_amx.c, `dequant.blockwise_product`).
+"""Prefill's bfloat16 GEMMs on AMX tiles (chunkcache/model/kernels/qkernel_amx.c, `dequant.blockwise_product`).
 
 Oracle: the float64 product of the same bfloat16 x and w, rounded to bfloat16 as torch's GEMM
 rounds its float32 sums: the tiles' products of bfloat16 pairs are exact in float32, so only the
@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkcache.model import dequant, qkernel
-from chunkcache.model.quant_blocks import BlocksPart
+from chunkcache.model import dequant
+from chunkcache.model.kernels import qkernel
+from chunkcache.model.kernels.quant_blocks import BlocksPart
 
 pytestmark = pytest.mark.skipif(not qkernel.amx(), reason="no AMX-BF16 here (or the library does not build)")
 

@@ -10,11 +10,12 @@ import functools
 import pytest
 import torch
 
-from chunkcache.model import dequant, qkernel
+from chunkcache.model import dequant
+from chunkcache.model.kernels import build, qkernel
 from chunkcache.model.linear import Linear
 from chunkcache.model.quant import Int4Part
 
-pytestmark = pytest.mark.skipif(qkernel._loaded()[0] is None, reason="the kernel library does not build here")
+pytestmark = pytest.mark.skipif(build.loaded()[0] is None, reason="the kernel library does not build here")
 serves = pytest.mark.skipif(
     not qkernel.bf16_blocks(), reason="no native bfloat16 GEMM or not torch's AVX512 packing"
 )

@@ -1,4 +1,4 @@
-"""Q6_K, Q4_K and Q8_0 served as the file's own blocks (chunkcache/model/quant_blocks.py,
+"""Q6_K, Q4_K and Q8_0 served as the file's own blocks (chunkcache/model/kernels/quant_blocks.py,
 qkernel_q6k.c, qkernel_q4k.c, qkernel_q8_0.c).
 
 Oracle: gguf's own dequantization of the same bytes (`Q6_K.dequantize_blocks`, Q8_0's), multiplied in
@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from chunkcache.model import qkernel, quant, quant_blocks
+from chunkcache.model import quant
+from chunkcache.model.kernels import build, qkernel, quant_blocks
+from chunkcache.model.kernels.quant_blocks import BlocksPart
 from chunkcache.model.quant import Int4Part, Int8Part, QuantProduct
-from chunkcache.model.quant_blocks import BlocksPart
 
 pytestmark = pytest.mark.skipif(
     not qkernel.blocks_available(), reason="qkernel unavailable here (no AVX2/FMA or no C compiler)"
@@ -90,7 +91,7 @@ def test_bf16_dequantize_avx512_gives_the_avx2_paths_bits(qtype) -> None:
     what serves elsewhere): the same bits, d's edge values included, on 2 threads too."""
     import ctypes
 
-    lib = qkernel._loaded()[0]
+    lib = build.loaded()[0]
     blocks, reference = _blocks((70, 1536), seed=43, specials=True, qtype=qtype)
     name = qtype.lower().replace("_", "")
     outs = [torch.empty(70, 1536, dtype=torch.bfloat16) for _ in range(2)]
@@ -328,7 +329,7 @@ def test_q4k_vnni_build_gives_the_avx2_builds_bits() -> None:
     `maddubs` + `madd`: the same int32 lanes, so the same bits, for 1-4 rows and 2 threads."""
     import ctypes
 
-    lib = qkernel._loaded()[0]
+    lib = build.loaded()[0]
     blocks, _ = _blocks((96, 1536), seed=38, specials=True, qtype="Q4_K")
     p, i = ctypes.c_void_p, ctypes.c_int
     for rows in (1, 3, 4):
@@ -354,7 +355,7 @@ def test_q4_1_avx512_build_gives_the_avx2_builds_bits() -> None:
     factored form) and 3-8 rows (runs of 4 and of 2 rows)."""
     import ctypes
 
-    lib = qkernel._loaded()[0]
+    lib = build.loaded()[0]
     blocks, _ = _blocks((96, 1536), seed=46, specials=True, qtype="Q4_1")
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.q4_1_product_isa.argtypes, lib.q4_1_product_isa.restype = [p, i, i, i, p, p, i], None

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from chunkcache import LLM, SamplingParams
-from chunkcache.model import qkernel
 from chunkcache.model.attention import AttentionMetadata, DecodeBatch, attend
+from chunkcache.model.kernels import build, qkernel
 from chunkcache.model.rope import RopeSpec, RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(qkernel._loaded()[0] is None, reason="the kernel library does not build here")
+pytestmark = pytest.mark.skipif(build.loaded()[0] is None, reason="the kernel library does not build here")
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,10 @@ import torch
 
 from chunkcache import config
 from chunkcache.errors import ModelLoadError
-from chunkcache.model import dequant, quant, quant_blocks, quant_embedding
+from chunkcache.model import dequant, quant, quant_embedding
 from chunkcache.model.gguf_blocks import RawTensor, affine_int4
+from chunkcache.model.kernels import quant_blocks
+from chunkcache.model.kernels.quant_blocks import BlocksPart
 from chunkcache.model.linear import Linear
 from chunkcache.model.loader import load_model
 from chunkcache.model.quant import (
@@ -35,7 +37,6 @@ from chunkcache.model.quant import (
     QuantProduct,
     native_parts,
 )
-from chunkcache.model.quant_blocks import BlocksPart
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402

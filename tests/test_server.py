@@ -26,7 +26,7 @@ from chunkcache.config import EngineConfig
 from chunkcache.engine.engine import LLMEngine
 from chunkcache.engine_args import engine_options
 from chunkcache.llm import LLM
-from chunkcache.model import qkernel
+from chunkcache.model.kernels import build
 from chunkcache.sampling import SamplingParams
 from chunkcache.server.cli import add_serve_arguments
 from chunkcache.server.engine_loop import RETRY_AFTER_MAX, EngineLoop
@@ -300,7 +300,7 @@ def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
     ):
         assert name in text, name
     # Which kernels serve: the state this process's library is in (the server runs in it).
-    serving = qkernel.kernels().kind
+    serving = build.kernels().kind
     for kind in ("c", "torch"):
         assert f'chunkcache_kernels{{kind="{kind}"}} {1.0 if kind == serving else 0.0}' in text
     families = {f.name: f for f in text_string_to_metric_families(text)}

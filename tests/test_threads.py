@@ -17,7 +17,7 @@ from chunkcache import LLM
 from chunkcache.config import EngineConfig
 from chunkcache.engine_args import add_engine_arguments, engine_options
 from chunkcache.envs import env_options
-from chunkcache.model import qkernel
+from chunkcache.model.kernels import build, qkernel
 from chunkcache.threads import (
     cgroup_cpu_limit,
     choose_threads,
@@ -205,14 +205,14 @@ def test_every_kernel_region_takes_the_count_it_is_passed() -> None:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernels_use_torchs_count(threads: int, restore_threads: None) -> None:
-    if qkernel.openmp_threads() is None:
+    if build.openmp_threads() is None:
         pytest.skip("the C kernels do not build here")
     set_threads(threads)
     assert torch.get_num_threads() == threads
-    assert qkernel.openmp_threads() == (threads, threads)
+    assert build.openmp_threads() == (threads, threads)
     # In another thread (the server's engine thread): torch applies its count there on first use.
     seen: list[tuple[int, int] | None] = []
-    worker = threading.Thread(target=lambda: seen.append(qkernel.openmp_threads()))
+    worker = threading.Thread(target=lambda: seen.append(build.openmp_threads()))
     worker.start()
     worker.join()
     assert seen == [(threads, threads)]

@@ -253,7 +253,7 @@ def test_the_tiers_identity_binds_the_weights_form(checkpoint, tmp_path, monkeyp
     assert identity("auto") == dense  # everything dense: a dense load exactly
     # The kernel that serves native weights changes their KV too (float32 against bfloat16 int4
     # factors): a replica where qkernel cannot serve never shares KV with one where it does.
-    from chunkcache.model import qkernel
+    from chunkcache.model.kernels import qkernel
 
     served_by_qkernel = qkernel.available()
     monkeypatch.setattr(qkernel, "available", lambda: False)

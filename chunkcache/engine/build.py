@@ -32,7 +32,8 @@ from chunkcache.fidelity.controller import Controller
 from chunkcache.fidelity.gate import resolve as resolve_fidelity
 from chunkcache.kv_publisher import KVEventPublisher, PublisherCurve
 from chunkcache.malloc import keep_freed_memory, release_freed_memory
-from chunkcache.model import catalog, qkernel
+from chunkcache.model import catalog
+from chunkcache.model.kernels import build as kernel_build
 from chunkcache.model.loader import LoadedModel, load_model, resolve_device
 from chunkcache.model.spec import ModelSpec
 from chunkcache.threads import set_threads
@@ -61,7 +62,7 @@ class EngineParts:
     # With a fidelity profile: the reuse configuration requests without their own options get,
     # moved along the profile by shadow checks' agreement (fidelity/controller.py).
     controller: Controller | None = None
-    # Which kernels serve a CPU's quantized products: "c" or "torch" (`qkernel.kernels()`); None
+    # Which kernels serve a CPU's quantized products: "c" or "torch" (`model/kernels/build.py`'s `kernels()`); None
     # off CPU, where they do not apply.
     kernels: str | None = None
 
@@ -169,12 +170,12 @@ def _log_known_model(model: str) -> None:
 
 def check_kernels(config: EngineConfig) -> str | None:
     """On a CPU, which kernels will serve the quantized products ("c" or "torch"), known before the
-    model loads (building the library at first use; where it fails, `qkernel` logs one WARNING with
+    model loads (building the library at first use; where it fails, `model/kernels/build.py` logs one WARNING with
     the reason and the cost); with `require_kernels`, "torch" refuses to start, naming the reason,
     before minutes of loading. None off CPU: the C kernels serve CPUs only."""
     if resolve_device(config.device).type != "cpu":
         return None
-    kernels = qkernel.kernels()
+    kernels = kernel_build.kernels()
     if kernels.kind == "c":
         logger.info("quantized products: C kernels %s", kernels.library)
     elif config.require_kernels:

@@ -21,9 +21,9 @@ from chunkcache.engine.fusion import record_question_logprobs
 from chunkcache.engine.prompt_logprobs import record_prompt_logprobs
 from chunkcache.engine.scheduler import ScheduledBatch
 from chunkcache.engine.sensitivity import measure
-from chunkcache.model import qkernel
 from chunkcache.model.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 from chunkcache.model.calibration import ContextCalibration, calibration_for
+from chunkcache.model.kernels import qkernel
 from chunkcache.model.loader import LoadedModel
 
 logger = logging.getLogger(__name__)

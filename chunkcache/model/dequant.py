@@ -178,7 +178,7 @@ def blockwise_product(x: torch.Tensor, n: int, block: Callable[[int, int], torch
     as well): [T, n] in x's dtype. A bfloat16 block that is such a view, of whole tiles of 32
     rows, is multiplied on AMX tiles where `qkernel.amx_takes` it (qkernel_amx.c says why), x packed for
     them once per product."""
-    from chunkcache.model import qkernel  # qkernel imports this module
+    from chunkcache.model.kernels import qkernel  # qkernel imports this module
 
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
     step = block_rows(n, x.shape[1], x.dtype)

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from chunkcache.model import qkernel
 from chunkcache.model.attention import AttentionMetadata, attend, compiled_decode_meta
+from chunkcache.model.kernels import qkernel
 from chunkcache.model.linear import Linear, packing_pays, time_one_row_products
 from chunkcache.model.rope import RopeTable, RotaryEmbedding
 from chunkcache.model.spec import ModelSpec

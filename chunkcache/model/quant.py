@@ -48,9 +48,10 @@ import numpy as np
 import torch
 
 from chunkcache.malloc import huge_page_copy, huge_page_empty
-from chunkcache.model import dequant, qkernel, quant_blocks, upcast
+from chunkcache.model import dequant, upcast
 from chunkcache.model.gguf_blocks import GROUP, INT4_TYPES, RawTensor, affine_int4, q4k_superblocks
-from chunkcache.model.quant_blocks import BlocksPart
+from chunkcache.model.kernels import qkernel, quant_blocks
+from chunkcache.model.kernels.quant_blocks import BlocksPart
 from chunkcache.model.quant_names import EMBEDDING, module_of, source_names
 
 logger = logging.getLogger(__name__)

@@ -113,33 +113,36 @@ class _EngineStatsCollector(Collector):
                 "Requests preempted (KV freed, recomputed later).",
                 value=float(stats["num_preemptions"]),
             )
-        chunk = stats.get("chunk_cache")
-        if not chunk:
-            return
-        for key in _CHUNK_COUNTERS:
-            if chunk.get(key) is not None:
-                yield CounterMetricFamily(
-                    f"{PREFIX}_chunk_cache_{key}", f"Chunk cache {key} since start.", value=float(chunk[key])
-                )
-        chunk_gauges = {
-            "bytes": "Bytes of KV held by the chunk cache pool.",
-            "entries": "Chunks held by the chunk cache pool.",
-            "usage_ratio": "Share of the chunk cache budget in use (0-1).",
-            "hit_rate": "Chunk cache hits over lookups, counting chunks (0-1).",
-            "token_hit_rate": "Chunk cache hits over lookups, counting tokens (0-1).",
-        }
-        # Exported names: every 0-1 value ends in _ratio.
-        exported = {"hit_rate": "hit_ratio", "token_hit_rate": "token_hit_ratio"}
-        for key, doc in chunk_gauges.items():
-            if chunk.get(key) is not None:
-                name = exported.get(key, key)
-                yield GaugeMetricFamily(f"{PREFIX}_chunk_cache_{name}", doc, value=float(chunk[key]))
-        if chunk.get("fusion_joint"):
-            yield from _joint_metrics(chunk["fusion_joint"])
-        if chunk.get("tiers"):
-            yield from _tier_metrics(chunk["tiers"])
-        if chunk.get("fidelity"):
-            yield from _fidelity_metrics(chunk["fidelity"])
+        if stats.get("chunk_cache"):
+            yield from _chunk_metrics(stats["chunk_cache"])
+
+
+def _chunk_metrics(chunk: Mapping[str, Any]) -> Iterator[Metric]:
+    """The chunk cache's counters and gauges, and its joint fusion, tiers and fidelity where present."""
+    for key in _CHUNK_COUNTERS:
+        if chunk.get(key) is not None:
+            yield CounterMetricFamily(
+                f"{PREFIX}_chunk_cache_{key}", f"Chunk cache {key} since start.", value=float(chunk[key])
+            )
+    chunk_gauges = {
+        "bytes": "Bytes of KV held by the chunk cache pool.",
+        "entries": "Chunks held by the chunk cache pool.",
+        "usage_ratio": "Share of the chunk cache budget in use (0-1).",
+        "hit_rate": "Chunk cache hits over lookups, counting chunks (0-1).",
+        "token_hit_rate": "Chunk cache hits over lookups, counting tokens (0-1).",
+    }
+    # Exported names: every 0-1 value ends in _ratio.
+    exported = {"hit_rate": "hit_ratio", "token_hit_rate": "token_hit_ratio"}
+    for key, doc in chunk_gauges.items():
+        if chunk.get(key) is not None:
+            name = exported.get(key, key)
+            yield GaugeMetricFamily(f"{PREFIX}_chunk_cache_{name}", doc, value=float(chunk[key]))
+    if chunk.get("fusion_joint"):
+        yield from _joint_metrics(chunk["fusion_joint"])
+    if chunk.get("tiers"):
+        yield from _tier_metrics(chunk["tiers"])
+    if chunk.get("fidelity"):
+        yield from _fidelity_metrics(chunk["fidelity"])
 
 
 def _fidelity_metrics(fidelity: Mapping[str, Any]) -> Iterator[Metric]:

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from chunkcache.model import dequant, qkernel
+from chunkcache.model import dequant
+from chunkcache.model.kernels import qkernel
 
 _SAMPLE = 64
 

@@ -1,5 +1,5 @@
 /* Few-row weight-only products over the codes `model/quant.py` holds, with float32 activations
- * (AVX2 + FMA). Built and loaded by `model/qkernel.py`; see its docstring for why.
+ * (AVX2 + FMA). Built and loaded by `model/kernels/build.py`; `model/kernels/qkernel.py` says why.
  *
  * int4: `packed` is torch's AVX2 int4 packing (`_convert_weight_to_int4pack_for_cpu`): tiles of
  * 32 output rows, one after another; within a tile, input column k is 16 bytes at k * 16, byte

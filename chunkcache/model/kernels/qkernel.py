@@ -11,16 +11,15 @@ int4 scales and minimums (the file's values exactly, no bfloat16 rounding), and 
 minimum out of a 1-row product: sum(x (s q + m)) = s sum(x q) + m sum(x), one conversion and one FMA
 per code.
 
-It is built with the system C compiler (`cc -O3 -mavx2 -mfma -mf16c -fopenmp`: 4.5-5.3 s wall on a
-loaded 2-core EPYC, logged), cached by source hash under `envs.kernel_dir()`, loaded with ctypes
-(eager calls go to it directly) and exposed as torch custom ops (`torch.ops.chunkcache.int4_product`
-/ `int8_product`) so a compiled decode graph can call it. ctypes over `cpp_extension.load_inline`:
-a plain C file with no torch headers builds in seconds (load_inline's build was not measured).
-It serves only where the CPU has AVX2, FMA and F16C, the library is built (or the compiler works)
-and torch packs int4 as the kernel reads it (`dequant.int4_layout()`: tiles of 32 rows, halves);
-elsewhere `available()` is False, one log line says why, and torch's kernels serve as before. A
-library that does not build or load is one WARNING with the reason and the cost (`COST`); the
-engine's `require_kernels` refuses to start instead (engine/build.py).
+The library is built and loaded by `build` (the C sources beside this module, cached by their
+hash); calls go to it directly with ctypes where eager, and as torch custom ops
+(`torch.ops.chunkcache.int4_product` / `int8_product`) where a decode graph is compiled. ctypes over
+`cpp_extension.load_inline`: a plain C file with no torch headers builds in seconds (load_inline's
+build was not measured). It serves only where the CPU has AVX2, FMA and F16C, the library is built
+(or the compiler works) and torch packs int4 as the kernel reads it (`dequant.int4_layout()`: tiles
+of 32 rows, halves); elsewhere `available()` is False, one log line says why, and torch's kernels
+serve as before. The GGUF block types' tables are `block_types`; a weight held as its blocks,
+`quant_blocks.BlocksPart`.
 """
 
 from __future__ import annotations
@@ -29,33 +28,25 @@ import contextlib
 import contextvars
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from chunkcache import envs
 from chunkcache.model import dequant
+from chunkcache.model.kernels import build
+from chunkcache.model.kernels.block_types import (
+    BLOCK_CODES,
+    BLOCK_FUNCTIONS,
+    BLOCK_TYPES,
+    ROW_BLOCKS,
+    TILE_ROWS,
+    TILED,
+)
 from chunkcache.model.upcast import native_bf16_matmul
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("qkernel.c")
-# Compiled together into one library (`SOURCE` first); the header is hashed with them.
-EXTRA_SOURCES = tuple(
-    Path(__file__).with_name(f"qkernel_{n}.c") for n in ("q6k", "q4k", "q8_0", "q4_1", "bf16", "amx", "row")
-)
-HEADER = Path(__file__).with_name("qkernel.h")
-# Included by one source twice (per dot product instruction), hashed with the sources.
-TEMPLATES = (Path(__file__).with_name("qkernel_q4k_q8.h"),)
 MAX_ROWS = 8  # qkernel.c's MAX_ROWS: the most rows of x one call takes
 TILE = 32  # output rows per int4 tile (torch's AVX2 packing)
 TILE_BF16 = 64  # the same in torch's AVX512 packing, which `int4_dequantize_bf16` reads
@@ -67,138 +58,13 @@ FORMS_VERSION = (
     "int4-q4k-factors;int8;q6k-blocks-with-int8-x;q8_0-blocks;int8-x-decode-rows;q4k-blocks-with-int8-x;"
     "blocks-bf16-prefill;q4_0-q4_1-tiles"
 )
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
-# What serving without the library costs, in the WARNING at load (benchmarks/history/
-# RESULTS-narrative.md, "A float32 AVX2 kernel for decode's quantized products" and the sections on
-# GGUF blocks and AMX after it; the current speeds: benchmarks/RESULTS.md "bench_llamacpp").
-COST = (
-    "served with torch's kernels: decode's quantized products in bfloat16 at 3.5-4.4 GB/s of codes "
-    "where the kernel reads ~10 (a 1.5B step's int4 projections 177 ms, not 107), no GGUF blocks "
-    "served as they are, no AMX prefill; the speeds of benchmarks/RESULTS.md do not apply"
-)
-COMPILER_LINES = 12  # the compiler's last lines quoted when the build fails
-
-
-def _why_not() -> str | None:
-    """Why the kernel cannot serve on this CPU, or None. (The compiler is needed only where the
-    library is not built yet: `_build`; a container image ships it built, without a compiler.)"""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "/proc/cpuinfo is unreadable (FMA unknown)"
-    if " fma" not in flags or " f16c" not in flags:
-        return "the CPU has no FMA or no F16C"
-    return None
-
-
-def _library_path() -> Path:
-    """Where the library of the current sources lies once built: the cache directory, by hash."""
-    missing = [p.name for p in (SOURCE, *EXTRA_SOURCES, HEADER, *TEMPLATES) if not p.is_file()]
-    if missing:  # an install that dropped some of them (pyproject's package data)
-        raise OSError(f"the kernel sources {', '.join(missing)} are missing from {SOURCE.parent}")
-    text = b"".join(p.read_bytes() for p in (SOURCE, *EXTRA_SOURCES, HEADER, *TEMPLATES))
-    digest = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return Path(envs.kernel_dir()).expanduser() / f"qkernel-{digest}.so"
-
-
-def _build(target: Path) -> Path:
-    """The shared library for the current source, compiled once into the cache directory (under
-    a temporary name, renamed into place, so concurrent first uses never load half a file)."""
-    if target.exists():
-        return target
-    sources = [SOURCE, *EXTRA_SOURCES]
-    directory = target.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [envs.c_compiler(), *FLAGS, f"-I{HEADER.parent}", *map(str, sources), "-o", str(built)],
-            check=True,
-            capture_output=True,
-        )
-        os.replace(built, target)
-    logger.info("quantized products: built %s in %.1f s", target, time.perf_counter() - start)
-    return target
-
-
-@functools.cache
-def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
-    """The built library, or None and why not: then one WARNING (per process) names the reason,
-    with the compiler's last lines where it failed, and what serving without it costs."""
-    lib, reason = _load()
-    if reason is not None:
-        logger.warning("C kernels unavailable: %s; %s", reason, COST)
-    return lib, reason
-
-
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    reason = _why_not()
-    if reason is not None:
-        return None, reason
-    try:
-        target = _library_path()
-        if not target.exists() and shutil.which(envs.c_compiler()) is None:
-            return (
-                None,
-                f"no C compiler ({envs.c_compiler()}) on PATH, and no {target.name} built in {target.parent}",
-            )
-        lib = ctypes.CDLL(str(_build(target)))
-    except subprocess.CalledProcessError as e:
-        lines = e.stderr.decode(errors="replace").strip().splitlines()[-COMPILER_LINES:]
-        return (
-            None,
-            f"building {SOURCE.name} failed ({envs.c_compiler()} exit {e.returncode}):\n" + "\n".join(lines),
-        )
-    except OSError as e:
-        return None, f"building or loading {SOURCE.name} failed: {e}"
-    p, i = ctypes.c_void_p, ctypes.c_int
-    block_product, block_dequantize = [p, i, i, i, p, p, i, i], [p, i, i, p, i, i]
-    for name, argtypes in (
-        ("int4_product", [p, i, i, i, p, p, p, p, i, i]),
-        ("int8_product", [p, i, i, i, p, p, p, i, i]),
-        ("int4_dequantize", [p, p, p, i, i, i, p, i]),
-        ("int4_dequantize_bf16", [p, p, i, i, i, i, p, i]),
-        ("q4_1_product_isa", [p, i, i, i, p, p, i]),
-        ("blocks_product_rows", [i, p, i, i, i, p, p, i, i, p, i, i]),
-        ("row_rms_norm", [p, i, i, p, ctypes.c_float, p, i]),
-        ("row_attend", [p, p, p, i, i, i, p, p, p, i, ctypes.c_float, p, i]),
-        *((tile, [p, i, i, p]) for tile in TILED.values()),
-        *((product, block_product) for product, _ in _BLOCK_FUNCTIONS.values()),
-        *((dequantize, block_dequantize) for _, dequantize in _BLOCK_FUNCTIONS.values()),
-    ):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-    lib.omp_team.argtypes, lib.omp_team.restype = [i], i
-    lib.omp_default_threads.argtypes, lib.omp_default_threads.restype = [], i
-    if hasattr(lib, "amx_ready"):  # where the compiler has AMX's intrinsics (qkernel.h's HAS_AMX)
-        for name, argtypes in (
-            ("amx_pack_x", [p, i, i, p]),
-            ("amx_product", [p, i, i, p, i, p, i, i]),
-            ("amx_blocks_product", [i, p, i, i, p, i, i, p, i, i]),
-        ):
-            getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, None
-        lib.amx_ready.argtypes, lib.amx_ready.restype = [], ctypes.c_int
-    return lib, None
-
-
-def openmp_threads() -> tuple[int, int] | None:
-    """(the team the kernels' OpenMP regions get, called as every call here calls them, with
-    torch's count; the library's OpenMP default), None where the library does not build. Both are
-    torch's count: the kernels are passed it, and share torch's OpenMP runtime where torch ships
-    its own libgomp.so.1 (the loader resolves the kernels' libgomp.so.1 to the one loaded)."""
-    lib = _loaded()[0]
-    if lib is None:
-        return None
-    return lib.omp_team(torch.get_num_threads()), lib.omp_default_threads()
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel where it serves decode's products (torch packs int4 in the tiles of 32
     rows it reads), or None (logged once with the reason)."""
-    lib, reason = _loaded()
+    lib, reason = build.loaded()
     layout = dequant.int4_layout()
     if reason is None and layout != dequant.Int4Layout(TILE, True):
         reason = f"torch packs int4 as {layout}, not the tiles of {TILE} rows the kernel reads"
@@ -213,7 +79,7 @@ def bf16_blocks() -> bool:
     """Whether prefill's int4 blocks are written in bfloat16 for the CPU's native bfloat16 GEMM
     (`qkernel_bf16.c`): the library builds, torch packs int4 in its AVX512 tiles of 64 rows (where
     its own kernel serves decode) and the CPU multiplies bfloat16 matrices natively. Logged once."""
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     native = native_bf16_matmul()
     serves = (
         lib is not None
@@ -230,7 +96,7 @@ def blocks_available() -> bool:
     """Whether the file's own blocks (`BLOCK_TYPES`: qkernel_q6k.c, qkernel_q4k.c, qkernel_q8_0.c)
     can be served: wherever the library builds, whatever torch's int4 packing (they read none of
     it). Logged once where not."""
-    lib, reason = _loaded()
+    lib, reason = build.loaded()
     if lib is None:
         logger.info("quantized products: no GGUF blocks served as they are (%s)", reason)
     return lib is not None
@@ -241,7 +107,7 @@ def amx() -> bool:
     """Whether prefill's bfloat16 GEMMs over dequantized blocks run on AMX tiles (`qkernel_amx.c`):
     the library builds with them (a compiler with AMX's intrinsics), the CPU has AMX-BF16 and the
     OS lets this process use the tiles. Logged once where they serve."""
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     serves = lib is not None and hasattr(lib, "amx_ready") and lib.amx_ready() == 1
     if serves:
         logger.info("quantized products: prefill's bfloat16 blocks multiplied on AMX tiles")
@@ -251,7 +117,7 @@ def amx() -> bool:
 def amx_pack(x: torch.Tensor) -> torch.Tensor:
     """bfloat16 x [m, k] (k a multiple of 32) as the tiles' B operand (`amx_pack_x`), for every
     block of one product."""
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     assert lib is not None and x.dtype == torch.bfloat16 and x.is_contiguous() and x.shape[1] % 32 == 0
     m, k = x.shape
     packed = torch.empty((m + 15) // 16 * 16 * k // 2, dtype=torch.int32)
@@ -262,7 +128,7 @@ def amx_pack(x: torch.Tensor) -> torch.Tensor:
 def amx_product(packed: torch.Tensor, m: int, w: torch.Tensor, out: torch.Tensor, start: int) -> None:
     """out[:, start : start + rows] = x w^T for the x `packed` holds (`amx_pack`, m rows) and a
     bfloat16 block of weight rows w [rows, k] (rows a multiple of 32), out bfloat16 [m, n]."""
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     assert lib is not None and w.dtype == out.dtype == torch.bfloat16
     assert w.is_contiguous() and out.is_contiguous() and w.shape[0] % 32 == 0 and out.shape[0] == m
     assert start + w.shape[0] <= out.shape[1] and packed.numel() == (m + 15) // 16 * 16 * w.shape[1] // 2
@@ -273,12 +139,6 @@ def amx_product(packed: torch.Tensor, m: int, w: torch.Tensor, out: torch.Tensor
 
 
 AMX_ONE_PASS = 1536  # qkernel_amx.c's KSEG: inputs in one pass of `amx_blocks_product`
-# The block types' codes in the library's tables (qkernel.c's `BLOCKS_PRODUCT`, qkernel_amx.c's
-# `DEQUANTIZE`).
-BLOCK_CODES = {"Q4_K": 0, "Q6_K": 1, "Q8_0": 2, "Q4_1": 3, "Q4_0": 4}
-# The types qkernel_amx.c dequantizes a row at a time (`ROW_BF16`): within a pass of any product
-# (Q4_1's and Q4_0's rows lie in 16-row tiles, dequantized a whole pass at once).
-ROW_BLOCKS = ("Q4_K", "Q6_K", "Q8_0")
 
 
 def amx_blocks_take(qtype: str, blocks: torch.Tensor, k: int) -> bool:
@@ -293,7 +153,7 @@ def amx_blocks_product(x: torch.Tensor, qtype: str, blocks: torch.Tensor) -> tor
     32 weight rows dequantized into an L2-sized scratch (the next ones between their products)
     and multiplied at once, in passes of `AMX_ONE_PASS` inputs (`amx_blocks_take`):
     [m, n] bfloat16."""
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     m, k = x.shape
     assert (
         lib is not None
@@ -333,31 +193,12 @@ def amx_takes(w: torch.Tensor) -> bool:
 
 def cache_clear() -> None:
     """Forget the loaded library and what it serves (tests: another compiler or directory)."""
-    for cached in (_loaded, library, bf16_blocks, blocks_available, amx):
+    for cached in (build.loaded, library, bf16_blocks, blocks_available, amx):
         cached.cache_clear()
 
 
 def available() -> bool:
     return library() is not None
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """Which kernels serve the quantized products in this process: "c" (this module's library,
-    built and loaded; what parts of it serve depends on the CPU and torch's packing) or "torch"."""
-
-    kind: str
-    reason: str | None  # why not "c"
-    library: str | None  # the loaded library's file
-
-
-def kernels() -> Kernels:
-    """The library's state (building it at first call): what the engine logs and exports at load,
-    `--require-kernels` checks and `chunkcache env` reports."""
-    lib, reason = _loaded()
-    if lib is None:
-        return Kernels("torch", reason, None)
-    return Kernels("c", None, lib._name)
 
 
 # Whether the products being computed are a decode step's (each row one sequence's new token):
@@ -444,7 +285,7 @@ def blocks_rows(
     if x.dtype not in ROW_TYPES:
         assert residual is None and not gated
         return _blocks_product(x.float(), blocks, qtype, _int8_rows(x, int8_x)).to(x.dtype)
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     assert lib is not None
     n = blocks.shape[0]
     y = torch.empty(rows, n // 2 if gated else n, dtype=x.dtype)
@@ -472,12 +313,12 @@ ROW_ATTENTION_MACS = {torch.bfloat16: 360_000, torch.float32: 900_000}
 def rows_served() -> bool:
     """Whether a decode row's norm and one sequence's attention run in C (`qkernel_row.c`:
     `rms_norm_rows`, `attend_row`): wherever the library is built, eager only."""
-    return _loaded()[0] is not None and not torch.compiler.is_compiling()
+    return build.loaded()[0] is not None and not torch.compiler.is_compiling()
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`llama.RMSNorm` of rows x [T, k] with its weight (both bfloat16 or both float32), one C call."""
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     assert lib is not None and x.dtype == weight.dtype and x.dtype in ROW_TYPES and weight.is_contiguous()
     x = x.contiguous()
     y = torch.empty_like(x)
@@ -499,7 +340,7 @@ def attend_row(
     [1, 1, D] of its position (all in the caches' dtype, bfloat16 or float32): K (rotated) and V
     written to the caches [slots, Hk, D] at the last of its KV list `slots` (int64 [L]), its
     attention over the list [1, Hq D]."""
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     (hq, hk), (k_cache, v_cache) = heads, kv_cache
     d = k_cache.shape[2]
     assert lib is not None and qkv.shape == (1, (hq + 2 * hk) * d) and qkv.dtype == k_cache.dtype
@@ -522,12 +363,12 @@ def blocks_dequantize(
     """Rows of a weight held as `qtype`'s blocks as [rows, in] in `dtype` (float32: gguf's values
     bit for bit; bfloat16: those rounded to nearest even, for a native bfloat16 GEMM), into `out`
     where given (prefill's reused buffer, its dtype then)."""
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     assert lib is not None and blocks.dtype == torch.uint8 and blocks.is_contiguous()
     rows, cols = blocks.shape[0], _columns(qtype, blocks)
     out = torch.empty(rows, cols, dtype=dtype) if out is None else out
     assert out.shape == (rows, cols) and out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
-    getattr(lib, _BLOCK_FUNCTIONS[qtype][1])(
+    getattr(lib, BLOCK_FUNCTIONS[qtype][1])(
         blocks.data_ptr(),
         cols,
         rows,
@@ -567,7 +408,7 @@ def int4_dequantize_bf16(
     bfloat16 scale and zero per group (`scale_zeros` [groups, out, 2]), as bfloat16 [in, rows]
     into `out` (`rows` whole tiles of 64): `dequant.int4_block(...).bfloat16()` bit for bit, for
     prefill's bfloat16 GEMM where `bf16_blocks()`."""
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     assert lib is not None and packed.is_contiguous() and scale_zeros.is_contiguous()
     assert scale_zeros.dtype == torch.bfloat16 and scale_zeros.shape[1:] == (packed.shape[0], 2)
     cols, rows = packed.shape[1] * 2, out.shape[1]
@@ -580,25 +421,6 @@ def int4_dequantize_bf16(
     return out
 
 
-# The types held as the file's blocks: (bytes per block, weights per block). Q6_K: ql[128],
-# qh[64], scales[16], d; Q4_K: d, dmin, scales[12], qs[128]; Q8_0: d, then 32 int8 codes.
-BLOCK_TYPES = {"Q6_K": (210, 256), "Q4_K": (144, 256), "Q8_0": (34, 32), "Q4_1": (20, 32), "Q4_0": (18, 32)}
-# Their library functions: (product, dequantize).
-_BLOCK_FUNCTIONS = {
-    "Q6_K": ("q6k_product", "q6k_dequantize"),
-    "Q4_K": ("q4k_product", "q4k_dequantize"),
-    "Q8_0": ("q8_0_product", "q8_0_dequantize"),
-    "Q4_1": ("q4_1_product", "q4_1_dequantize"),
-    "Q4_0": ("q4_0_product", "q4_0_dequantize"),
-}
-
-
-# The types held regrouped in tiles of `TILE_ROWS` rows (qkernel_q4_1.c: a vector lane a row), and
-# the library function that regroups the file's order.
-TILED = {"Q4_1": "q4_1_tile", "Q4_0": "q4_0_tile"}
-TILE_ROWS = 16
-
-
 def blocks_held(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
     """A weight's blocks in the file's order (uint8 [rows, bytes a row]) as the kernels read them:
     as they are, or (`TILED`) the same bytes regrouped in tiles of 16 rows (rows a multiple of
@@ -606,7 +428,7 @@ def blocks_held(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
     tiles is those rows' tiles."""
     if qtype not in TILED:
         return blocks
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     assert lib is not None and holds(qtype, blocks.shape[0]) and blocks.dtype == torch.uint8
     blocks = blocks.contiguous()
     out = torch.empty_like(blocks)
@@ -707,14 +529,14 @@ def _int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, int8_x: bo
 
 
 def _blocks_product(x: torch.Tensor, blocks: torch.Tensor, qtype: str, int8_x: bool) -> torch.Tensor:
-    lib = _loaded()[0]
+    lib = build.loaded()[0]
     assert lib is not None and x.dtype == torch.float32 and x.shape[0] <= MAX_ROWS
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
     x = x.contiguous()
     n = blocks.shape[0]
     assert x.shape[1] == _columns(qtype, blocks)
     y = torch.empty(x.shape[0], n)
-    getattr(lib, _BLOCK_FUNCTIONS[qtype][0])(
+    getattr(lib, BLOCK_FUNCTIONS[qtype][0])(
         x.data_ptr(), x.shape[0], x.shape[1], n, blocks.data_ptr(), y.data_ptr(),
         torch.get_num_threads(), int(int8_x),
     )  # fmt: skip

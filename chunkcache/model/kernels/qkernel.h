@@ -1,4 +1,4 @@
-/* What the kernel's C files share (built into one library by `model/qkernel.py`). */
+/* What the kernel's C files share (built into one library by `model/kernels/build.py`). */
 #ifndef CHUNKCACHE_QKERNEL_H
 #define CHUNKCACHE_QKERNEL_H
 #include <immintrin.h>

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkcache.model import dequant, qkernel
+from chunkcache.model import dequant
 from chunkcache.model.gguf_blocks import RawTensor
+from chunkcache.model.kernels import qkernel
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-/* Q8_0 weights served in the file's own blocks (`model/quant_blocks.py`), AVX2 + FMA; built into
- * the same library as qkernel.c by `model/qkernel.py`.
+/* Q8_0 weights served in the file's own blocks (`model/kernels/quant_blocks.py`), AVX2 + FMA; built into
+ * the same library as qkernel.c by `model/kernels/build.py`.
  *
  * A weight row is k / 32 blocks of 34 bytes, as the GGUF stores them: a float16 d, then 32 int8
  * codes q; w = d q, the float32 product gguf's `Q8_0.dequantize_blocks` computes, and an exact one

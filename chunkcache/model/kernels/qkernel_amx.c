@@ -1,5 +1,5 @@
 /* Prefill's bfloat16 GEMMs on AMX (Intel's tile units), built into the same library as qkernel.c by
- * `model/qkernel.py`: y = x w^T for a bfloat16 x [m][k] and a dequantized bfloat16 block of weight
+ * `model/kernels/qkernel.py`: y = x w^T for a bfloat16 x [m][k] and a dequantized bfloat16 block of weight
  * rows w [n][k] (`dequant.blockwise_product`, where the CPU has AMX-BF16).
  *
  * Why not torch's GEMM: each call of it over a freshly dequantized block repacks the block into

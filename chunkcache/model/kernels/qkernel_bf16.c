@@ -1,6 +1,6 @@
 /* Prefill's int4 blocks in bfloat16, for CPUs that multiply bfloat16 matrices natively (AMX,
  * AVX512-BF16), where torch packs int4 in tiles of 64 rows (its AVX512 packing); built into the
- * same library as qkernel.c by `model/qkernel.py`.
+ * same library as qkernel.c by `model/kernels/build.py`.
  *
  * There torch's own int4 kernel serves decode (it reads that packing, 1-row products ~3x a dense
  * bfloat16 GEMV), and a prefill's products of 64+ rows ran as float32 GEMMs over blocks that torch

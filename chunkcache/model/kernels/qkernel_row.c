@@ -1,6 +1,6 @@
 /* A decode row's work between its products, in bfloat16 or float32 (`bf16`): the RMSNorm, one
  * sequence's RoPE, KV write and attention, and a product's residual add or SwiGLU; built into the
- * same library as qkernel.c by `model/qkernel.py`.
+ * same library as qkernel.c by `model/kernels/build.py`.
  *
  * In eager PyTorch a SmolLM2 decode step runs ~55 small operators a layer around its 4 products,
  * each ~5-40 us in the engine (its dispatch, an output allocated, the weights' stream evicting

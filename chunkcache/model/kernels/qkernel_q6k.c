@@ -1,5 +1,5 @@
-/* Q6_K weights served in the file's own blocks (`model/quant_blocks.py`), AVX2 + FMA; built into the
- * same library as qkernel.c by `model/qkernel.py`.
+/* Q6_K weights served in the file's own blocks (`model/kernels/quant_blocks.py`), AVX2 + FMA; built into the
+ * same library as qkernel.c by `model/kernels/build.py`.
  *
  * A weight row is k / 256 blocks of 210 bytes, as the GGUF stores them: ql[128], qh[64], int8
  * scales[16], float16 d. Per half h (128 weights) of a block, weight e (0..127) has the 6-bit code

@@ -1,6 +1,6 @@
 /* Q4_0 and Q4_1 weights served as the file's blocks regrouped in tiles of 16 rows
- * (`model/quant_blocks.py`), AVX2 + FMA, AVX512 where the CPU has it; built into the same library
- * as qkernel.c by `model/qkernel.py`.
+ * (`model/kernels/quant_blocks.py`), AVX2 + FMA, AVX512 where the CPU has it; built into the same library
+ * as qkernel.c by `model/kernels/build.py`.
  *
  * The GGUF's block is 32 weights of one row: Q4_1 20 bytes (float16 d, float16 m, 16 bytes of
  * codes), Q4_0 18 (d, codes); byte j's low nibble is weight j, its high nibble weight j + 16.

@@ -1,5 +1,5 @@
-/* Q4_K weights served in the file's own blocks (`model/quant_blocks.py`), AVX2 + FMA; built into the
- * same library as qkernel.c by `model/qkernel.py`.
+/* Q4_K weights served in the file's own blocks (`model/kernels/quant_blocks.py`), AVX2 + FMA; built into the
+ * same library as qkernel.c by `model/kernels/build.py`.
  *
  * A weight row is k / 256 blocks of 144 bytes, as the GGUF stores them: float16 d, float16 dmin,
  * 12 bytes of 6-bit scales sc and minimums m for 8 sub-blocks of 32 (llama.cpp's
