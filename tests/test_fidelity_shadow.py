@@ -193,7 +193,7 @@ def test_shadows_keep_the_request_salt(model: Path) -> None:
 
         engine.shadows.served = keep  # type: ignore[method-assign]
         _serve(engine, 0, 1, salt="tenant-a")
-        assert [s.cache_salt for s in added] == ["tenant-a"]
+        assert [s.prefix_keys.cache_salt for s in added] == ["tenant-a"]
         ids = added[0].prompt_token_ids
         # The shadow's plain blocks (the whole prompt's, more than the served request's exact
         # prefix) are found under its tenant's salt only.

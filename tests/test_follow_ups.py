@@ -42,8 +42,8 @@ def _blended_kv(llm: LLM, prompt: str, num_blocks: int) -> list[tuple[torch.Tens
     the prefix cache holds them."""
     engine = llm.engine
     seq = engine.intake.make_sequence("probe", prompt, GREEDY, True, engine.intake.chunk_config(BLEND))
-    assert seq.kv_key is not None
-    blocks, _ = engine.blocks.match_prefix(seq.token_ids, num_blocks, seq.block_keys)
+    assert seq.prefix_keys.kv_key is not None
+    blocks, _ = engine.blocks.match_prefix(seq.token_ids, num_blocks, seq.prefix_keys.block_keys)
     assert len(blocks) == num_blocks
     slots = block_slots(
         blocks, engine.blocks.block_size, num_blocks * engine.blocks.block_size, engine.device

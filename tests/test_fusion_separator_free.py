@@ -168,7 +168,7 @@ def test_greedy_tokens_equal_the_chunked_request_and_the_reference(checkpoint, m
     engine = other.engine
     config = engine.intake.chunk_config(PRODUCT)
     seq = Sequence("chunked", prompt.all_token_ids(), list(prompt.question_token_ids), GREEDY)
-    seq.chunk_plan, seq.prefix_cacheable = ChunkPlan(prompt, config), False
+    seq.chunk_plan, seq.prefix_keys.cacheable = ChunkPlan(prompt, config), False
     seq.reply.generator = torch.Generator().manual_seed(0)
     FusionGroup.create(seq, prompt, config)
     engine._post(seq)

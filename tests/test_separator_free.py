@@ -474,7 +474,7 @@ def test_a_request_that_needs_a_canonical_entry_promotes_its_job(checkpoint) -> 
     seq = Sequence(
         "needs", list(tokens), list(tokens), FIRST, chunk_plan=ChunkPlan(chunked, engine.config.chunk)
     )
-    seq.prefix_cacheable = False
+    seq.prefix_keys.cacheable = False
     seq.reply.generator = torch.Generator().manual_seed(0)
     engine._post(seq)
     engine.step()

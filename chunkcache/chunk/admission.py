@@ -91,7 +91,7 @@ class Admission:
         seq.chunks = state
         jobs: list[Sequence] = []
         sys_ids = prompt.sys_token_ids
-        salt = seq.cache_salt
+        salt = seq.prefix_keys.cache_salt
         sys_entry, _ = self._acquire(
             system_hash(self.model_name, sys_ids, self.config.hash_algorithm, salt),
             "system",
@@ -137,7 +137,7 @@ class Admission:
             if not run.computed_after(sys_ids):
                 self._canonicalize(sys_ids, chunk, sys_entry, jobs)
             return run.entry, True
-        salt = seq.cache_salt
+        salt = seq.prefix_keys.cache_salt
         key = chunk_hash(self.model_name, sys_ids, chunk, self.config.hash_algorithm, salt)
         state.slices.append((0, len(chunk)))
         # Salted entries stay out of the index: it is shared by content, across tenants.

@@ -101,7 +101,7 @@ class PlainPromptCutter:
         cut = proposed.plan
         if cut is None:
             seq.chunk_plan = None
-            seq.prefix_cacheable = True
+            seq.prefix_keys.cacheable = True
             return None
         matched: tuple[bool, ...] = ()
         if proposed.fusion_candidate:
@@ -111,7 +111,7 @@ class PlainPromptCutter:
             # parts would get (S, then the span after S), so it runs as one, prefix cache
             # included, and its parts are stored from its KV afterwards (`learn`).
             seq.chunk_plan = None
-            seq.prefix_cacheable = True
+            seq.prefix_keys.cacheable = True
             seq.learn = None if cut is None else self.parts(prompt.token_ids, cut)[0]
             return None
         chunked, runs = self.parts(prompt.token_ids, cut)

@@ -4,10 +4,13 @@ What a sequence is (`SequenceKind`) is fixed when it is made, but for a canonica
 a request starts waiting for (it becomes an ordinary fill). Its core is what every sequence has:
 ids, tokens, sampling params, status, blocks and timings. The rest sits in typed groups
 (core/sequence_state.py): `kv_list` (its borrowed KV and positions), `reply` (what it samples and
-reports), `reuse` (cached-token counts), and one Optional field per mode that serves it (`blend`,
-`fidelity`, `fill`, `learn`). Its chunk plan is typed by stage: `chunk_plan` (what intake decided:
-the prompt's parts and the chunk options), `chunks` (the entries admission pinned for a request),
-`fill` (the entry a fill job computes).
+reports), `reuse` (cached-token counts), `prefix_keys` (whether and under which keys its blocks
+enter the prefix cache), and one Optional field per mode that serves it (`blend`, `fidelity`,
+`fill`, `learn`). Its chunk plan is typed by stage: `chunk_plan` (what intake decided: the
+prompt's parts and the chunk options), `chunks` (the entries admission pinned for a request),
+`fill` (the entry a fill job computes). The stages stay apart, not one group or union: they are
+written by different steps, live over different spans (a fusion request's blended joint stream
+has `chunks` and `blend` but no `chunk_plan`), and several mode fields hold at once.
 
 KV list of a sequence = `kv_list.borrowed_slots` followed by its own tokens' KV in `block_table`
 (sequence_state.KVList).
@@ -20,8 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from chunkcache.core.sequence_state import BlendState, FidelityCheck, KVList, Reply, ReuseCounts
-from chunkcache.hashing import BlockKeys
+from chunkcache.core.sequence_state import BlendState, FidelityCheck, KVList, PrefixKeys, Reply, ReuseCounts
 from chunkcache.outputs import RequestMetrics
 from chunkcache.sampling import SamplingParams
 
@@ -101,6 +103,7 @@ class Sequence:
     kv_list: KVList = field(default_factory=KVList)
     reply: Reply = field(default_factory=Reply)
     reuse: ReuseCounts = field(default_factory=ReuseCounts)
+    prefix_keys: PrefixKeys = field(default_factory=PrefixKeys)
     # A chunked (or separator-free candidate) request's parts and chunk options, from intake;
     # None for a plain request (or one that admission turned into one).
     chunk_plan: ChunkPlan | None = None
@@ -114,19 +117,6 @@ class Sequence:
     # Separator-free matching, first sight (nothing to reuse): the prompt is prefilled as usual and
     # these parts (a ChunkedPrompt) are stored in the chunk pool from its KV once it is computed.
     learn: ChunkedPrompt | None = None
-    # Blocks whose KV is not plain causal attention over the tokens must never be found by hash.
-    prefix_cacheable: bool = True
-    # A chunked request's own prompt tokens whose KV is nevertheless exactly a plain prefill's
-    # (layout "offset": S and the first chunk), registered in the prefix cache like a plain prefix.
-    exact_prefix: int = 0
-    # vLLM's cache_salt: enters the first prefix block's hash and every chunk key, so requests
-    # with different salts (tenants) never share KV.
-    cache_salt: str | None = None
-    # How this sequence's KV from block `kv_key_from` on is computed where it is not a plain
-    # prefill's (a blend's options and cuts, hashing.blend_key): its blocks are registered, and
-    # found, under this extra key. None: a plain chain.
-    kv_key: bytes | None = None
-    kv_key_from: int = 0
     # Layout "fusion" (engine/fusion.py): the group this sequence belongs to, as the request (its
     # reply; never scheduled) or as one of its streams (scheduled, preempted and freed together).
     fusion: FusionGroup | None = None
@@ -153,10 +143,6 @@ class Sequence:
             assert self.fusion is not None
             return self is self.fusion.streams[0]
         return self.kind is SequenceKind.REQUEST
-
-    @property
-    def block_keys(self) -> BlockKeys:
-        return BlockKeys(self.cache_salt, self.kv_key, self.kv_key_from)
 
     @property
     def num_tokens(self) -> int:

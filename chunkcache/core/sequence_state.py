@@ -2,8 +2,9 @@
 so that the request reads as ids, tokens, blocks and timings, and each mode's state sits apart,
 written by the few modules that serve that mode.
 
-`KVList`, `Reply` and `ReuseCounts` are every sequence's (a job's are never read); `BlendState` and
-`FidelityCheck` exist only where their mode serves the sequence (None otherwise).
+`KVList`, `Reply`, `ReuseCounts` and `PrefixKeys` are every sequence's (a job's reply and counts
+are never read); `BlendState` and `FidelityCheck` exist only where their mode serves the sequence
+(None otherwise).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from chunkcache.hashing import BlockKeys
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -69,6 +72,55 @@ class ReuseCounts:
     blend_reused_tokens: int = 0
     blend_recomputed_tokens: int = 0
     blend_fallback: bool = False  # the blend failed and the prompt was prefilled plainly
+
+
+@dataclass
+class PrefixKeys:
+    """Whether, and under which keys, a sequence's blocks enter the prefix cache and are found in
+    it (engine/scheduler.py matches, engine/engine.py registers). Apart from the core because a
+    plain request keeps the defaults (cacheable, plain chain) and only the reuse modes change them:
+    intake (a chunk plan, a blend's key), the runner (a blend done or failed), the follow-ups
+    (a prefix found exact) and admission (a prompt turned plain).
+
+    The hashes' extra keys are `hashing.BlockKeys`, made from the last three fields on each read
+    (`block_keys`) rather than held: BlockKeys is a frozen value the block manager is handed, and
+    these fields change over a request's life, each written where that mode decides it."""
+
+    # Blocks whose KV is not plain causal attention over the tokens must never be found by hash.
+    cacheable: bool = True
+    # A chunked request's own prompt tokens whose KV is nevertheless exactly a plain prefill's
+    # (layout "offset": S and the first chunk), registered in the prefix cache like a plain prefix.
+    num_exact: int = 0
+    # vLLM's cache_salt: enters the first prefix block's hash and every chunk key, so requests
+    # with different salts (tenants) never share KV.
+    cache_salt: str | None = None
+    # How this sequence's KV from block `kv_key_from` on is computed where it is not a plain
+    # prefill's (a blend's options and cuts, hashing.blend_key): its blocks are registered, and
+    # found, under this extra key. None: a plain chain.
+    kv_key: bytes | None = None
+    kv_key_from: int = 0
+
+    @property
+    def block_keys(self) -> BlockKeys:
+        """The extra keys of this sequence's block hashes, as it registers and matches them."""
+        return BlockKeys(self.cache_salt, self.kv_key, self.kv_key_from)
+
+    @property
+    def plain_keys(self) -> BlockKeys:
+        """The keys of a plain prefill of the same tokens under the same salt."""
+        return BlockKeys(self.cache_salt)
+
+    def make_plain(self) -> None:
+        """Key its blocks as a plain prefill's, found by any prompt with these tokens (under its
+        salt): the runner, once a blend fails and the prompt is prefilled plainly; the follow-ups,
+        once its context is found exact in the prefix cache."""
+        self.cacheable, self.kv_key, self.kv_key_from = True, None, 0
+
+    def registrable(self, num_computed: int) -> int:
+        """How many of the `num_computed` own tokens' blocks may be registered: all where
+        cacheable, else only the exact prefix's (a chunked request's borrowed context is not
+        a plain prefill's)."""
+        return num_computed if self.cacheable else min(self.num_exact, num_computed)
 
 
 @dataclass

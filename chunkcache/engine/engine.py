@@ -266,10 +266,10 @@ class LLMEngine:
             if seq.num_computed == seq.num_tokens:
                 self._finish(seq)
             return
-        registrable = seq.num_computed if seq.prefix_cacheable else min(seq.exact_prefix, seq.num_computed)
+        registrable = seq.prefix_keys.registrable(seq.num_computed)
         if registrable:
             self.blocks.register_full_blocks(
-                seq.block_table, seq.token_ids, seq.block_hashes, registrable, seq.block_keys
+                seq.block_table, seq.token_ids, seq.block_hashes, registrable, seq.prefix_keys.block_keys
             )
 
     def _finish(self, seq: Sequence) -> None:

@@ -27,8 +27,8 @@ from chunkcache.config import ChunkConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.plan import ChunkedPrompt
 from chunkcache.core.sequence import Sequence, SequenceKind
+from chunkcache.core.sequence_state import PrefixKeys
 from chunkcache.engine.intake import ONE_DISCARDED_TOKEN, RequestIntake
-from chunkcache.hashing import BlockKeys
 
 _MAX_EXACT_JOBS = 64
 # Orders (S and documents, one salt) seen fewer than `exact_follow_ups_sights` times, remembered
@@ -85,13 +85,13 @@ class FollowUps:
         if self._read and need > 0 and self._exact_cached(seq, context):
             if seq.fusion is not None and not self.intake.unfuse(seq):
                 return False  # its whole prompt does not fit as a plain one: its streams serve it
-            seq.kv_key, seq.kv_key_from = None, 0  # what it computes is exact too: plain blocks
+            seq.prefix_keys.make_plain()  # what it computes is exact too: plain blocks
             seq.fidelity = None  # no reuse configuration serves it: no shadow check of one
             self.exact_prefix_hits += 1
         elif (
-            seq.kv_key is not None
-            and need > seq.kv_key_from  # else no blended block: S and the first chunk fill them
-            and self.blocks.cached_prefix_blocks(seq.token_ids, need, seq.block_keys) >= need
+            seq.prefix_keys.kv_key is not None
+            and need > seq.prefix_keys.kv_key_from  # else no blended block: S and the first chunk fill them
+            and self.blocks.cached_prefix_blocks(seq.token_ids, need, seq.prefix_keys.block_keys) >= need
         ):
             self.blended_prefix_hits += 1
             if exact:  # a repeat of its order is a sight too: else a chain hit never turns exact
@@ -101,7 +101,7 @@ class FollowUps:
                 self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
             return False
         seq.chunk_plan = None
-        seq.prefix_cacheable = True
+        seq.prefix_keys.cacheable = True
         return True
 
     def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig, reserve: int) -> bool:
@@ -126,14 +126,14 @@ class FollowUps:
         """Whether the full blocks of `seq`'s first `context` prompt tokens are in the prefix cache
         as a plain prefill's KV, under its salt."""
         need = context // self.blocks.block_size
-        found = self.blocks.cached_prefix_blocks(seq.prompt_token_ids, need, BlockKeys(seq.cache_salt))
+        found = self.blocks.cached_prefix_blocks(seq.prompt_token_ids, need, seq.prefix_keys.plain_keys)
         return found >= need
 
     def _queue_exact_prefix(self, seq: Sequence, ids: list[int]) -> None:
         """A background job that prefills `ids` (the request's S and chunks, in this order, not in
         the prefix cache) as a plain prompt, so that its follow-ups find them. It runs on the budget
         requests leave and gives its blocks back when a request needs them (scheduler). Not where one is queued already; at most `_MAX_EXACT_JOBS` wait at once."""
-        key = (seq.cache_salt, tuple(ids))
+        key = (seq.prefix_keys.cache_salt, tuple(ids))
         if key in self.jobs or len(self.jobs) >= _MAX_EXACT_JOBS or not self._seen_enough(key):
             return
         job = Sequence(
@@ -142,7 +142,7 @@ class FollowUps:
             token_ids=list(ids),
             params=ONE_DISCARDED_TOKEN,
             kind=SequenceKind.PREFIX_JOB,
-            cache_salt=seq.cache_salt,
+            prefix_keys=PrefixKeys(cache_salt=seq.prefix_keys.cache_salt),
         )
         job.reply.generator = self._generator
         self.jobs[key] = job

@@ -43,7 +43,7 @@ from chunkcache.chunk.assemble import offset_deltas
 from chunkcache.config import ChunkConfig, SchedulerConfig
 from chunkcache.core.plan import ChunkedPrompt, RequestChunks
 from chunkcache.core.sequence import Sequence, SequenceKind, Status
-from chunkcache.core.sequence_state import BlendState, KVList
+from chunkcache.core.sequence_state import BlendState, KVList, PrefixKeys
 from chunkcache.engine.prompt_logprobs import prompt_slices
 
 logger = logging.getLogger(__name__)
@@ -253,8 +253,7 @@ class FusionGroup:
             params=self.request.params,
             kv_list=KVList(position_base=base),
             kind=SequenceKind.FUSION_STREAM,
-            prefix_cacheable=False,
-            cache_salt=self.request.cache_salt,
+            prefix_keys=PrefixKeys(cacheable=False, cache_salt=self.request.prefix_keys.cache_salt),
         )
         stream.num_own_prompt_tokens = len(before) + len(self.prompt.question_token_ids)
         stream.fusion = self

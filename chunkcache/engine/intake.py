@@ -22,7 +22,7 @@ from chunkcache.chunk.parse import parse_chunked_prompt, tokenize_parts
 from chunkcache.config import ChunkConfig, EngineConfig, ReuseOptions
 from chunkcache.core.plan import ChunkedPrompt, ChunkPlan, PlainPrompt
 from chunkcache.core.sequence import Sequence, SequenceKind
-from chunkcache.core.sequence_state import FidelityCheck
+from chunkcache.core.sequence_state import FidelityCheck, PrefixKeys
 from chunkcache.engine.blend import kv_options
 from chunkcache.engine.build import EngineParts
 from chunkcache.engine.fusion import FusionGroup, fits_one_batch, pair_tokens, stream_count
@@ -167,7 +167,7 @@ class RequestIntake:
             token_ids=list(own),
             params=self.fit.fit_params(params, len(own), prompt_len, copies, extra),
             prompt=_prompt_text(prompt),
-            cache_salt=cache_salt,
+            prefix_keys=PrefixKeys(cache_salt=cache_salt),
         )
         seq.reply.generator = (
             torch.Generator().manual_seed(params.seed) if params.seed is not None else self._generator
@@ -177,7 +177,7 @@ class RequestIntake:
         reused = chunked if chunked is not None else plain
         if reused is not None:
             seq.chunk_plan = ChunkPlan(reused, chunk_config)
-            seq.prefix_cacheable = False
+            seq.prefix_keys.cacheable = False
         if copies > 1:
             FusionGroup.create(seq, chunked, chunk_config)  # type: ignore[arg-type]
         if chunked is not None and chunk_config.layout == "offset":
@@ -274,10 +274,10 @@ class RequestIntake:
         if not chunked.chunks or not self.blocks.enable_prefix_caching or options is None:
             return
         parts = [len(chunked.sys_token_ids), *map(len, chunked.chunks)]
-        seq.kv_key = blend_key(options, parts, cfg.hash_algorithm)
+        seq.prefix_keys.kv_key = blend_key(options, parts, cfg.hash_algorithm)
         # S and the first chunk hold a plain prefill's KV (the runner's exact prefix): their
         # blocks keep plain hashes, which any prompt with that prefix may find.
-        seq.kv_key_from = (parts[0] + parts[1]) // self.blocks.block_size
+        seq.prefix_keys.kv_key_from = (parts[0] + parts[1]) // self.blocks.block_size
 
     def _tokenize(
         self, prompt: Prompt, add_special_tokens: bool, chunk_config: ChunkConfig
@@ -343,9 +343,8 @@ class RequestIntake:
             params=ONE_DISCARDED_TOKEN,
             prompt=prompt,
             kind=SequenceKind.PREWARM,
-            cache_salt=cache_salt,
             chunk_plan=ChunkPlan(chunked, self.default_reuse()[1]),
-            prefix_cacheable=False,
+            prefix_keys=PrefixKeys(cacheable=False, cache_salt=cache_salt),
         )
 
     def _prewarm_prompt(

@@ -213,17 +213,18 @@ class ModelRunner:
             seq.reuse.blend_fallback = True
             seq.reuse.num_prefix_cached = seq.reuse.num_chunk_cached = 0  # every token is computed now
             # ... by a plain prefill, whose blocks any prompt with these tokens may find.
-            seq.prefix_cacheable, seq.kv_key = True, None
+            seq.prefix_keys.make_plain()
             return None
         blend.run = None
         state = seq.chunks
         assert state is not None
         seq.kv_list.calibration = run.inp.calibration  # decode attends to the blended chunks alike
-        seq.exact_prefix = exact_prefix = run.inp.num_exact
-        if seq.kv_key is not None:
+        keys = seq.prefix_keys
+        keys.num_exact = run.inp.num_exact
+        if keys.kv_key is not None:
             # Its blocks are found under the blend's key from the first one holding blended KV.
-            seq.kv_key_from = min(seq.kv_key_from, exact_prefix // self.block_size)
-            seq.prefix_cacheable = True
+            keys.kv_key_from = min(keys.kv_key_from, keys.num_exact // self.block_size)
+            keys.cacheable = True
         seq.reuse.blend_reused_tokens = result.reused_tokens
         seq.reuse.blend_recomputed_tokens = result.recomputed_tokens
         # Cached = read from an entry that existed before the request and not recomputed.
@@ -263,7 +264,7 @@ class ModelRunner:
             own_slots=block_slots(seq.block_table, self.block_size, seq.num_tokens, self.device),
             calibration=calibration_for(s, start, cfg.calibration_temperature, cfg.calibration_scale),
             num_exact=s + (len(prompt.chunks[0]) if first_exact else 0),
-            fresh_from=None if seq.kv_key is None else start // self.block_size * self.block_size,
+            fresh_from=None if seq.prefix_keys.kv_key is None else start // self.block_size * self.block_size,
             prior=prior,
         )
 

@@ -310,14 +310,14 @@ class Scheduler:
         if (
             seq.block_table
             or seq.num_computed
-            or not seq.prefix_cacheable
+            or not seq.prefix_keys.cacheable
             or seq.kind.is_fill
             or seq.params.prompt_logprobs is not None
         ):
             return
         # At least one prompt token is always computed: it yields the first token's logits.
         max_blocks = (seq.num_own_prompt_tokens - 1) // self.blocks.block_size
-        blocks, hashes = self.blocks.match_prefix(seq.token_ids, max_blocks, seq.block_keys)
+        blocks, hashes = self.blocks.match_prefix(seq.token_ids, max_blocks, seq.prefix_keys.block_keys)
         seq.block_table = blocks
         seq.block_hashes = hashes
         seq.num_computed = len(blocks) * self.blocks.block_size

@@ -47,7 +47,7 @@ import torch
 from chunkcache.config import FidelityConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.sequence import Sequence, SequenceKind
-from chunkcache.core.sequence_state import FidelityCheck
+from chunkcache.core.sequence_state import FidelityCheck, PrefixKeys
 from chunkcache.fidelity.controller import Controller, Move
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,7 @@ class ShadowChecks:
             token_ids=list(ids),
             params=params,
             kind=SequenceKind.SHADOW,
-            cache_salt=seq.cache_salt,
+            prefix_keys=PrefixKeys(cache_salt=seq.prefix_keys.cache_salt),
         )
         shadow.reply.generator = self._generator
         if served is not None:
