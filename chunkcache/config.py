@@ -228,17 +228,17 @@ class ChunkConfig:
     # prefills its S and documents in that order as a plain prompt into the prefix cache; a later
     # request with the same S and documents in the same order (a follow-up question, a repeated
     # query) reads that exact KV and is answered as a full prefill would answer it, computing only
-    # its question (under fusion: one plain sequence, no streams; engine/follow_ups.py). Off by
-    # default, by measurement (benchmarks/RESULTS.md "bench_follow_up"; the runs:
-    # benchmarks/history/RESULTS-narrative.md "exact_follow_ups on by default (sights 2)?"): on a
-    # server answering back-to-back requests the job (a full prefill of S and the documents, never
-    # beside a request's prefill: engine/scheduler.py) did not finish before the order's next
-    # requests, which paid its pieces instead and got slower on both known models. With about one full prefill of idle time between requests, a repeated order is exact
-    # from its third request (sights 2). Offline, `LLM.generate` waits for the jobs. Tools that run
-    # a full-prefill reference beside reuse modes in one engine keep it off whatever the user sets
-    # (fidelity/measure.py ENGINE_OPTIONS): the reference would leave an exact prefix. Without prefix
-    # caching it does nothing.
-    exact_follow_ups: bool = False
+    # its question (under fusion: one plain sequence, no streams; engine/follow_ups.py). On by
+    # default since session 50 (benchmarks/RESULTS.md "bench_llamacpp": the 1.5B's same-order RAG
+    # 0.40x -> 1.16x llama.cpp, random orders unchanged, no job queued for an order seen once);
+    # off before, when the job still ran beside requests' prefills and made a repeated order's
+    # next requests slower (benchmarks/history/RESULTS-narrative.md "exact_follow_ups on by
+    # default (sights 2)?"). The job never runs beside a request's prefill (engine/scheduler.py);
+    # a repeated order is exact from its third request (sights 2). Offline, `LLM.generate` waits for
+    # the jobs. Tools that run a full-prefill reference beside reuse modes in one engine keep it
+    # off whatever the user sets (fidelity/measure.py ENGINE_OPTIONS): the reference would leave an
+    # exact prefix. Without prefix caching it does nothing.
+    exact_follow_ups: bool = True
     # Layouts "offset" and "fusion": a chunked request whose S and documents, in this order, are in
     # the prefix cache as a plain prefill's KV (a plain request's, a separator-free first sight's,
     # an exact_follow_ups job's) runs as that plain prompt: it computes only its question and is

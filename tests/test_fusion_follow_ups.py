@@ -335,14 +335,14 @@ def test_a_shadow_checks_prefill_serves_the_order_exactly(checkpoint) -> None:
 def test_an_order_a_plain_prefill_left_is_read_exactly_by_default(
     checkpoint, monkeypatch, reads: bool
 ) -> None:
-    """Without `exact_follow_ups` (the default) no job is ever queued, but an exact prefix that is
-    there (a plain prompt of the same tokens computed it) is read: the fusion request runs as one
+    """Without `exact_follow_ups` no job is ever queued, but an exact prefix that is there (a plain
+    prompt of the same tokens computed it) is read by default: the fusion request runs as one
     plain prompt, computes only its question and answers as a full prefill (issue 56: an exact
     repeat costs no more than a prefix cache). `exact_prefix_reads` off (the measurement tools')
     keeps it a fusion request."""
     path = checkpoint(arch="llama", num_hidden_layers=3)
-    llm = _fusion(path, exact_prefix_reads=reads)
-    assert llm.engine.config.chunk.exact_follow_ups is False
+    llm = _fusion(path, exact_prefix_reads=reads, exact_follow_ups=False)
+    assert tiny_llm(path).engine.config.chunk.exact_prefix_reads is True  # the default
     seen = Scheduled(llm, monkeypatch)
     tokens = llm.generate(_prompt([0, 1, 2], Q1), GREEDY)[0].prompt_token_ids
     llm.generate([tokens], GREEDY)  # the same tokens as a plain prompt: S and the documents cached

@@ -254,7 +254,9 @@ def test_fusion_requests_arriving_together_end_their_prefills_in_turn(checkpoint
         engine.add_request(name, prompt, GREEDY, chunk_options=options)
     replies: dict[str, list[int]] = {}
     first_token: dict[str, int] = {}
-    while engine.has_unfinished_requests():
+    # Until the background work ends too: each order's second sight queues its exact-prefix job
+    # (`exact_follow_ups`, on by default), which holds blocks until it is done.
+    while engine.has_unfinished_requests() or engine.has_background_work():
         for out in engine.step():
             if out.outputs[0].token_ids:
                 first_token.setdefault(out.request_id, len(computed))
