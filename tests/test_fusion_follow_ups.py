@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from chunkcache import LLM, SamplingParams
+from chunkcache.config import ChunkConfig
 from chunkcache.core.sequence import Sequence, SequenceKind
 from tests.support.engines import tiny_llm
 from tests.support.oracle import hf_first_token_logprobs, hf_greedy
@@ -342,7 +343,7 @@ def test_an_order_a_plain_prefill_left_is_read_exactly_by_default(
     keeps it a fusion request."""
     path = checkpoint(arch="llama", num_hidden_layers=3)
     llm = _fusion(path, exact_prefix_reads=reads, exact_follow_ups=False)
-    assert tiny_llm(path).engine.config.chunk.exact_prefix_reads is True  # the default
+    assert ChunkConfig().exact_prefix_reads is True  # the default
     seen = Scheduled(llm, monkeypatch)
     tokens = llm.generate(_prompt([0, 1, 2], Q1), GREEDY)[0].prompt_token_ids
     llm.generate([tokens], GREEDY)  # the same tokens as a plain prompt: S and the documents cached

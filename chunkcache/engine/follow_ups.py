@@ -64,7 +64,7 @@ class FollowUps:
         # prefill where requests read what it leaves, so exact_follow_ups reads too.
         caching = blocks.enable_prefix_caching
         self._read = caching and (config.exact_prefix_reads or config.exact_follow_ups)
-        self._exact = caching and config.exact_follow_ups
+        self._queue_jobs = caching and config.exact_follow_ups
 
     def reads_cached_prefix(self, seq: Sequence) -> bool:
         """Whether `seq` reads its S and chunks from the prefix cache (it then runs as a plain
@@ -81,7 +81,7 @@ class FollowUps:
         prompt = plan.prompt
         context = prompt.num_tokens - len(prompt.question_token_ids)  # S and the chunks
         need = context // self.blocks.block_size
-        exact = self._exact and need > 0
+        queue = self._queue_jobs and need > 0
         if self._read and need > 0 and self._exact_cached(seq, context):
             if seq.fusion is not None and not self.intake.unfuse(seq):
                 return False  # its whole prompt does not fit as a plain one: its streams serve it
@@ -94,10 +94,10 @@ class FollowUps:
             and self.blocks.cached_prefix_blocks(seq.token_ids, need, seq.prefix_keys.block_keys) >= need
         ):
             self.blended_prefix_hits += 1
-            if exact:  # a repeat of its order is a sight too: else a chain hit never turns exact
+            if queue:  # a repeat of its order is a sight too: else a chain hit never turns exact
                 self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
         else:
-            if exact:
+            if queue:
                 self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
             return False
         seq.chunk_plan = None
@@ -106,19 +106,19 @@ class FollowUps:
 
     def fuse(self, seq: Sequence, prompt: ChunkedPrompt, cfg: ChunkConfig, reserve: int) -> bool:
         """Whether to take the documents admission offers to fuse a separator-free request over
-        (ChunkSteps.admit, layout "fusion"), with `exact_follow_ups`: False (the request runs as a
-        plain prompt, prefix cache included) where the prompt before the question is cached
-        exactly; else the intake's answer, and where that makes a fusion request, the
-        exact-prefix job for its follow-ups. The prefix is the prompt's own tokens
+        (ChunkSteps.admit, layout "fusion"): False (the request runs as a plain prompt, prefix
+        cache included) where the prompt before the question is cached exactly and exact prefixes
+        are read; else the intake's answer, and where that makes a fusion request, with
+        `exact_follow_ups`, the exact-prefix job for its follow-ups. The prefix is the prompt's own tokens
         before Q, not S and the documents joined: fusion's documents may drop a few tokens."""
         context = len(seq.prompt_token_ids) - len(prompt.question_token_ids)
-        exact = self._exact and context >= self.blocks.block_size
+        queue = self._queue_jobs and context >= self.blocks.block_size
         if self._read and context >= self.blocks.block_size and self._exact_cached(seq, context):
             seq.fidelity = None
             self.exact_prefix_hits += 1
             return False
         fused = self.intake.fuse(seq, prompt, cfg, reserve)
-        if fused and exact:
+        if fused and queue:
             self._queue_exact_prefix(seq, seq.prompt_token_ids[:context])
         return fused
 
