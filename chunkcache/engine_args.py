@@ -91,8 +91,8 @@ OPTION_HELP: dict[str, str] = {
     "tokens per step (a last piece of at most 1/8 of it joins the one before; a blend: as many of "
     "its layers as that many tokens' work; a fusion request's streams: together), after the "
     "step's decodes and short prompts, > 0",
-    "max_long_partial_prefills": "long prefills (more than long_prefill_token_threshold tokens left, a "
-    "fusion request's possible joint stream counted) computed at once, oldest first; the others wait, "
+    "max_long_partial_prefills": "long prefills (more than long_prefill_token_threshold tokens left; "
+    "a fusion request's joint stream once chosen) computed at once, oldest first; the others wait, "
     "short prompts pass them, > 0",
     "min_decode_share": "while streams decode, long prefills and background work run only while the "
     "streams keep at least this share of their decode-only rate, in [0, 1); 0 = off",

@@ -228,19 +228,14 @@ def test_blended_joint_groups_preempted_and_aborted_give_everything_back(checkpo
     abort_while_the_pair_joins(engine, _prompt([1, 3, 0], THREE_QUESTION), params, options)
 
 
-def test_fusion_requests_arriving_together_end_their_prefills_in_turn(checkpoint, monkeypatch) -> None:
-    """A fusion request's joint stream, chosen after its first step, counts as its work from the
-    start: two such requests arriving together are one long prefill each, served first come first
-    served (`max_long_partial_prefills` 1), so the first one's first token does not wait for the
-    second's streams; the replies are those each gets alone."""
-    path = checkpoint(arch="llama")
-    llm = _llm(path, long_prefill_token_threshold=16)
-    options = {"fusion_pair": "lead", "fusion_max_joint": 3, "fusion_pair_margin": 100.0}
-    prompts = {"a": _prompt([2, 0, 3, 1], THREE_QUESTION), "b": _prompt([1, 3, 0, 2], THREE_QUESTION)}
-    alone = {
-        k: llm.generate(p, GREEDY, chunk_options=options)[0].outputs[0].token_ids for k, p in prompts.items()
-    }
-    computed: list[set[str]] = []  # per step, the requests whose streams computed tokens
+def _serve_together(
+    llm: LLM, monkeypatch, requests: dict[str, tuple[str, dict[str, Any]]]
+) -> tuple[dict[str, list[int]], dict[str, int], list[set[str]]]:
+    """Add `requests` (name: prompt, chunk options) at once and step until all is done (the
+    background work too: each order's second sight queues its exact-prefix job, `exact_follow_ups`,
+    which holds blocks until it ends): the replies, the step of each one's first token, and per
+    step the requests whose streams computed tokens."""
+    computed: list[set[str]] = []
     original = Scheduler.schedule
 
     def schedule(self: Scheduler):
@@ -250,20 +245,61 @@ def test_fusion_requests_arriving_together_end_their_prefills_in_turn(checkpoint
 
     monkeypatch.setattr(Scheduler, "schedule", schedule)
     engine = llm.engine
-    for name, prompt in prompts.items():
+    for name, (prompt, options) in requests.items():
         engine.add_request(name, prompt, GREEDY, chunk_options=options)
     replies: dict[str, list[int]] = {}
     first_token: dict[str, int] = {}
-    # Until the background work ends too: each order's second sight queues its exact-prefix job
-    # (`exact_follow_ups`, on by default), which holds blocks until it is done.
     while engine.has_unfinished_requests() or engine.has_background_work():
         for out in engine.step():
             if out.outputs[0].token_ids:
                 first_token.setdefault(out.request_id, len(computed))
             if out.finished:
                 replies[out.request_id] = out.outputs[0].token_ids
-    assert replies == alone
-    assert "b" not in set().union(*computed[: first_token["a"] - 1])  # b waited for a's prefill
-    assert first_token["a"] < first_token["b"]
     llm.check_integrity()
-    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    return replies, first_token, computed
+
+
+def _alone(llm: LLM, requests: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, list[int]]:
+    return {
+        k: llm.generate(p, GREEDY, chunk_options=o)[0].outputs[0].token_ids for k, (p, o) in requests.items()
+    }
+
+
+def test_fusion_requests_arriving_together_end_their_prefills_in_turn(checkpoint, monkeypatch) -> None:
+    """Two fusion requests arriving together whose first steps and joint streams are long
+    prefills each are served first come first served (`max_long_partial_prefills` 1): the first
+    one's joint stream is its own work left, so the second starts only beside the first one's last
+    pieces and answers after it; the replies are those each gets alone."""
+    path = checkpoint(arch="llama")
+    llm = _llm(path, long_prefill_token_threshold=16)
+    options = {"fusion_pair": "lead", "fusion_max_joint": 3, "fusion_pair_margin": 100.0}
+    requests = {
+        "a": (_prompt([2, 0, 3, 1], THREE_QUESTION), options),
+        "b": (_prompt([1, 3, 0, 2], THREE_QUESTION), options),
+    }
+    alone = _alone(llm, requests)
+    replies, first_token, computed = _serve_together(llm, monkeypatch, requests)
+    assert replies == alone
+    # b's pieces run only beside a's last (short) one: never a step of b's own before a's first token.
+    assert all("a" in step for step in computed[: first_token["a"]] if "b" in step)
+    assert first_token["a"] < first_token["b"]
+
+
+def test_a_short_first_step_does_not_wait_for_another_requests_joint_stream(checkpoint, monkeypatch) -> None:
+    """A fusion request that may add a joint stream is short or long by its first step's own
+    tokens, not by the joint stream it may never add: one arriving behind another's joint stream
+    (a long prefill) whose streams' questions are short is admitted as a short prompt and answers
+    first when no document joins its most relevant one (margin 0)."""
+    path = checkpoint(arch="llama")
+    llm = _llm(path, long_prefill_token_threshold=40)  # b's streams' questions below it, a's above
+    joins = {"fusion_pair": "lead", "fusion_max_joint": 3, "fusion_pair_margin": 100.0}
+    requests = {
+        "a": (_prompt([2, 0, 3, 1], THREE_QUESTION), joins),
+        "b": (_prompt([0, 3], "Alice?"), {**joins, "fusion_pair_margin": 0.0}),
+    }
+    alone = _alone(llm, requests)
+    replies, first_token, computed = _serve_together(llm, monkeypatch, requests)
+    assert replies == alone
+    assert "b" in computed[0] or "b" in computed[1]  # admitted at once, not after a's prefill
+    assert first_token["b"] < first_token["a"]

@@ -126,13 +126,8 @@ def pair_tokens(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
     if config.fusion_joint_blend:  # S and every document of it in its own blocks
         most = min(config.fusion_max_joint, len(prompt.chunks))
         return len(prompt.sys_token_ids) + sum(sorted(map(len, prompt.chunks), reverse=True)[:most])
-    return joint_prefill_tokens(prompt, config.fusion_max_joint)
-
-
-def joint_prefill_tokens(prompt: ChunkedPrompt, max_joint: int) -> int:
-    """The most tokens an exact joint stream over at most `max_joint` documents prefills before Q:
-    its documents after the first (borrowed), the longest ones."""
-    most = min(max_joint, len(prompt.chunks)) - 1
+    # Exact: its documents after the first (borrowed), the longest ones.
+    most = min(config.fusion_max_joint, len(prompt.chunks)) - 1
     return sum(sorted(map(len, prompt.chunks), reverse=True)[:most])
 
 
@@ -262,13 +257,6 @@ class FusionGroup:
         self.skip.insert(at, len(before))
         self.question_logprobs.insert(at, [None] * max(len(self.prompt.question_token_ids) - 1, 0))
         return stream
-
-    def pending_joint_tokens(self) -> int:
-        """Own tokens a joint stream not yet chosen may add (its documents after the first, the
-        longest ones): what the scheduler counts as this unit's work before its first step."""
-        if self.pair_mode is FusionPair.NONE or self.pair is not None:
-            return 0
-        return joint_prefill_tokens(self.prompt, self.max_joint)
 
     def pair_wanted(self) -> bool:
         """After the first step: choose the joint stream's documents (`JointChoice.choose`); it

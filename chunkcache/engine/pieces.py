@@ -58,13 +58,6 @@ def unit_remaining(seq: Sequence) -> int:
     return sum(map(remaining, unit_of(seq)))
 
 
-def unit_work(seq: Sequence) -> int:
-    """Tokens `seq`'s unit has left to compute, with what a fusion request's joint stream, not yet
-    chosen, may add: whether it is a short or a long prefill (engine/scheduler.py)."""
-    pending = seq.fusion.pending_joint_tokens() if seq.fusion is not None else 0
-    return unit_remaining(seq) + pending
-
-
 def piece_for(
     unit: list[Sequence], budget: int, threshold: int, num_layers: int, long_running: bool
 ) -> Piece:

@@ -5,8 +5,13 @@ order: (1) running decodes, one token each; (2) waiting short prompts (at most
 `long_prefill_token_threshold` tokens left), whole; (3) long prefills, in pieces of at most
 `long_prefill_token_threshold`, the oldest `max_long_partial_prefills` only (one by default), and
 waiting long prompts first come first served as those end (so that requests arriving together end
-their prefills one after another, not all near the last one's end: a fusion request's joint
-stream, chosen after its first step, counts as its work from the start);
+their prefills one after another, not all near the last one's end). A fusion request's first
+step (its streams' questions) is short or long by its own tokens; a joint stream, chosen after it,
+is then a long prefill of the request, which keeps its place (a running unit: older than any
+waiting one). Counting the joint stream's possible tokens from the start, as session 48 did, made
+every fusion request a long prefill, served one at a time and held back by the decode guard, though
+most never join one: at 8 users over cached documents, none joining, the median first token
+waited 0.93 s and the slowest 6.5 s (bench_serve, RESULTS.md);
 (4) background work (canonical chunk entries, exact-prefix jobs, a prewarm's fill jobs, shadow
 checks: work no request waits for) gets what is left, in pieces of the same size, only in steps
 where no request prefills (on a CPU a piece's time adds to the step's, so a request that shared
@@ -45,7 +50,7 @@ from chunkcache.config import SchedulerConfig
 from chunkcache.core.kv_blocks import BlockManager
 from chunkcache.core.sequence import Sequence, Status
 from chunkcache.engine.decode_guard import DecodeGuard
-from chunkcache.engine.pieces import Piece, piece_for, remaining, unit_of, unit_work, units
+from chunkcache.engine.pieces import Piece, piece_for, remaining, unit_of, unit_remaining, units
 
 # Tokens background work is guaranteed in a step once it has waited BACKGROUND_MAX_WAIT_STEPS
 # steps in a row: a request pays at most this for it (32 tokens of SmolLM2: ~0.13 s on one CPU
@@ -224,9 +229,9 @@ class Scheduler:
             batch.add(unit, piece, long)
 
     def _is_long(self, seq: Sequence) -> bool:
-        """Whether `seq`'s unit is a long prefill: more than a piece of work left (engine/pieces.py
-        `unit_work`: a fusion request's possible joint stream counts)."""
-        return unit_work(seq) > self.long_prefill_token_threshold
+        """Whether `seq`'s unit is a long prefill: more than a piece of tokens left (a fusion
+        request's streams together; its joint stream, once chosen, is its own work left)."""
+        return unit_remaining(seq) > self.long_prefill_token_threshold
 
     def _limited(self, seq: Sequence) -> bool:
         """Whether `seq`'s unit is a long prefill of a request (`max_long_partial_prefills`). The
