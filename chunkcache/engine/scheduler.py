@@ -16,8 +16,9 @@ waited 0.93 s and the slowest 6.5 s (bench_serve, RESULTS.md);
 checks: work no request waits for) gets what is left, in pieces of the same size, only in steps
 where no request prefills (on a CPU a piece's time adds to the step's, so a request that shared
 its prefill steps with background work paid for it in its first token: a 1.5B request queueing
-an exact-prefix job paid nearly the whole job, RESULTS.md), and at most one piece's worth beside
-decodes (so that it makes their step no longer than a long prefill does).
+an exact-prefix job paid nearly the whole job, RESULTS.md), and at most one piece's worth a step,
+beside decodes or alone (so that it makes a step no longer than a long prefill does, and a request
+arriving while it runs waits for one piece at most).
 So no request waits behind another's prefill for more than one step: a short prompt is admitted
 in the step after it arrives, and a running stream gets its token every step. While streams
 decode, long prefills and background work join a step only if the streams keep
@@ -169,12 +170,13 @@ class Scheduler:
         if not batch.preempted and self.decode_guard.allows_prefill(batch.decodes > 0):
             self._admit(batch, lambda s: not s.kind.is_background and self._may_start(s))
             # Beside a request's prefill nothing (but the floor above): its first token never
-            # waits for work nobody waits for. Beside decodes only, one piece: their step stays
-            # as short as a long prefill makes it. Alone, the whole budget.
+            # waits for work nobody waits for. Else one piece, alone too: a step is not cut short
+            # when a request arrives, so it waits for the step under way, and a step of the whole
+            # budget of exact-prefix jobs (~3 s on the 1.5B) made a repeat's first token 1.8 s
+            # later (bench_burst, RESULTS.md).
             prefilling = any(not s.kind.is_background for s in batch.seqs[reserved + batch.decodes :])
             if not prefilling:
-                decoding = batch.decodes > 0
-                self._serve_background(batch, short if decoding else batch.budget)
+                self._serve_background(batch, short)
         got = any(s.kind.is_background for s in batch.seqs)
         self._background_waited = 0 if got or not background else self._background_waited + 1
         return batch
