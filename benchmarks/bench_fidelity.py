@@ -133,6 +133,20 @@ MODES: dict[str, dict[str, Any] | None] = {
         )
         for n in (1, 2)
     },
+    # The joint stream reads at most x tokens of each document after its first: its first line and
+    # the lines sharing the question's words (fusion_joint_excerpt; x48 the 1.5B's default).
+    **{
+        f"fusion/contrastive/joint3/m0.6/s1/x{x}": _fusion(
+            "contrastive",
+            fusion_amateur=True,
+            fusion_pair="lead",
+            fusion_pair_margin=0.6,
+            fusion_max_joint=3,
+            fusion_max_streams=1,
+            fusion_joint_excerpt=x,
+        )
+        for x in (48, 64, 96)
+    },
     "isolated": {"chunk_layout": "isolated"},
     "offset": _offset([0], [0.0]),
     "blend@0.15": _offset([1], [0.15]),

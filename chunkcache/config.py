@@ -175,6 +175,12 @@ class ChunkConfig:
     # it lost answers on alike documents (benchmarks/RESULTS.md "bench_rag_shape"), so it is off.
     # Only under fusion_pair "lead" (the joint stream computes no relevance of its own for "expert").
     fusion_joint_blend: bool = False
+    # The joint stream reads at most this many tokens of each document after its first (0: all of
+    # them): the document's first span and the lines (or sentences) that share the question's words
+    # (engine/excerpt.py), computed exactly after the first. Its prefill shrinks from |Cj| to this
+    # per document; what an excerpt leaves out only the joint stream misses. Not read where
+    # `fusion_joint_blend` blends the whole documents instead.
+    fusion_joint_excerpt: int = GENERIC_DEFAULTS["fusion_joint_excerpt"]
     # Lower tiers under the pool (chunkcache/chunk/tiers/): a local directory of safetensors files
     # within `disk_gb`, and a Redis shared by replicas (`redis://host:port/db`). None = no tier.
     disk_dir: str | None = None
@@ -301,10 +307,14 @@ class ChunkConfig:
             raise ValueError(f"fusion_joint_blend must be true or false, got {self.fusion_joint_blend!r}")
         if self.fusion_joint_blend and self.fusion_pair == "expert":
             raise ValueError("fusion_joint_blend needs fusion_pair 'lead' (or 'none'), not 'expert'")
-        for name, low in (("fusion_max_joint", 2), ("fusion_max_streams", 0)):
+        for name, low, high in (
+            ("fusion_max_joint", 2, 1024),
+            ("fusion_max_streams", 0, 1024),
+            ("fusion_joint_excerpt", 0, 1 << 20),
+        ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1024:
-                raise ValueError(f"{name} must be an integer in [{low}, 1024], got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
     def _validate_blend(self, num_layers: int | None) -> None:
         """Blend's options, group by group in a fixed order (the first failing check is the error a
@@ -423,6 +433,7 @@ class ReuseOptions:
     fusion_max_joint: int | None = None
     fusion_max_streams: int | None = None
     fusion_joint_blend: bool | None = None
+    fusion_joint_excerpt: int | None = None
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, object]) -> ReuseOptions:

@@ -18,7 +18,8 @@ as the only document stream. It reads every document whose relevance is within
 a question about one document names it, and its stream stands out, so the request decodes on
 without a joint stream, as plain fusion, and saves its prefill; a question comparing three
 documents names three. `fusion_max_streams` bounds the document streams that decode past the
-first step to the most relevant ones.
+first step to the most relevant ones. `fusion_joint_excerpt` has the joint stream read only the
+spans of its later documents that share the question's words (engine/excerpt.py).
 
 The request's own Sequence holds the reply (text, stop conditions, logprobs, usage) and pins the
 pool entries; it is never scheduled. Its streams are sequences that the scheduler moves as one
@@ -44,6 +45,7 @@ from chunkcache.config import ChunkConfig, SchedulerConfig
 from chunkcache.core.plan import ChunkedPrompt, RequestChunks
 from chunkcache.core.sequence import Sequence, SequenceKind, Status
 from chunkcache.core.sequence_state import BlendState, KVList, PrefixKeys
+from chunkcache.engine.excerpt import SpanTable, excerpt
 from chunkcache.engine.prompt_logprobs import prompt_slices
 
 logger = logging.getLogger(__name__)
@@ -126,7 +128,8 @@ def pair_tokens(prompt: ChunkedPrompt, config: ChunkConfig) -> int:
     if config.fusion_joint_blend:  # S and every document of it in its own blocks
         most = min(config.fusion_max_joint, len(prompt.chunks))
         return len(prompt.sys_token_ids) + sum(sorted(map(len, prompt.chunks), reverse=True)[:most])
-    # Exact: its documents after the first (borrowed), the longest ones.
+    # Exact: its documents after the first (borrowed), the longest ones (an excerpt may be the
+    # whole document: `excerpt.excerpt`).
     most = min(config.fusion_max_joint, len(prompt.chunks)) - 1
     return sum(sorted(map(len, prompt.chunks), reverse=True)[:most])
 
@@ -206,6 +209,10 @@ class FusionGroup:
     amateur: bool = False  # the last stream is the no-document one
     choice: JointChoice | None = None  # the joint stream's documents, once decided
     joint_blend: ChunkConfig | None = None  # `fusion_joint_blend`: the blend's options
+    # `fusion_joint_excerpt`: the joint stream reads at most this many tokens of each document after
+    # the first (0: all), the spans (`spans`: lines, sentences) that share most words with Q.
+    excerpt: int = 0
+    spans: SpanTable | None = None
     slots_given: bool = False  # the streams' borrowed slots are set (`ready`)
     pair: int | None = None
     first_rows: torch.Tensor | None = None
@@ -214,9 +221,12 @@ class FusionGroup:
     question_logprobs: list[list[float | None]] = field(default_factory=list)
 
     @classmethod
-    def create(cls, request: Sequence, prompt: ChunkedPrompt, config: ChunkConfig) -> FusionGroup:
+    def create(
+        cls, request: Sequence, prompt: ChunkedPrompt, config: ChunkConfig, spans: SpanTable | None = None
+    ) -> FusionGroup:
         """The group of a request whose own tokens are Q: one stream per chunk (S + Ci + Q, Q at
-        position len(S) + len(Ci), as the fill job left Ci), then S + Q where `fusion_amateur`."""
+        position len(S) + len(Ci), as the fill job left Ci), then S + Q where `fusion_amateur`.
+        `spans`: the tokenizer's span table, where the joint stream reads excerpts."""
         s = len(prompt.sys_token_ids)
         contexts = [(prompt.sys_token_ids + c, s + len(c)) for c in prompt.chunks]
         if config.fusion_amateur:
@@ -233,6 +243,8 @@ class FusionGroup:
             max_streams=config.fusion_max_streams,
             amateur=config.fusion_amateur,
             joint_blend=config if config.fusion_joint_blend else None,
+            excerpt=config.fusion_joint_excerpt if spans is not None else 0,
+            spans=spans,
         )
         for k, (context, base) in enumerate(contexts):
             group._add_stream(k, [*context, *q], [], base, k)
@@ -257,6 +269,13 @@ class FusionGroup:
         self.skip.insert(at, len(before))
         self.question_logprobs.insert(at, [None] * max(len(self.prompt.question_token_ids) - 1, 0))
         return stream
+
+    def joint_part(self, k: int) -> list[int]:
+        """What the joint stream reads of document k after its first: all of it, or its excerpt."""
+        chunk = list(self.prompt.chunks[k])
+        if not self.excerpt or self.spans is None:
+            return chunk
+        return excerpt(chunk, self.prompt.question_token_ids, self.spans, self.excerpt)
 
     def pair_wanted(self) -> bool:
         """After the first step: choose the joint stream's documents (`JointChoice.choose`); it
@@ -290,7 +309,14 @@ class FusionGroup:
         documents = sorted(self.choice.documents)
         first = documents[0]
         context = prompt.sys_token_ids + prompt.chunks[first]
-        before = [t for k in documents[1:] for t in prompt.chunks[k]]
+        before = [t for k in documents[1:] for t in self.joint_part(k)]
+        if self.excerpt:
+            logger.debug(
+                "%s: joint stream reads %d of %d tokens after its first document",
+                self.request.request_id,
+                len(before),
+                sum(len(prompt.chunks[k]) for k in documents[1:]),
+            )
         ids = [*context, *before, *prompt.question_token_ids]
         if self.joint_blend is not None:  # all of it in its own blocks, blended from the pool's KV
             stream = self._add_stream(n, ids, [*context, *before], 0, first)

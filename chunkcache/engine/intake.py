@@ -25,6 +25,7 @@ from chunkcache.core.sequence import Sequence, SequenceKind
 from chunkcache.core.sequence_state import FidelityCheck, PrefixKeys
 from chunkcache.engine.blend import kv_options
 from chunkcache.engine.build import EngineParts
+from chunkcache.engine.excerpt import SpanTable
 from chunkcache.engine.fusion import FusionGroup, fits_one_batch, pair_tokens, stream_count
 from chunkcache.engine.kv_fit import KVFit
 from chunkcache.engine.structured import StructuredOutputs
@@ -45,6 +46,7 @@ class RequestIntake:
     def __init__(self, config: EngineConfig, parts: EngineParts, generator: torch.Generator) -> None:
         self.config = config
         self.tokenizer = parts.tokenizer
+        self._spans: SpanTable | None = None
         self.spec = parts.spec
         self.blocks = parts.blocks
         self.chunks = parts.chunks
@@ -179,7 +181,7 @@ class RequestIntake:
             seq.chunk_plan = ChunkPlan(reused, chunk_config)
             seq.prefix_keys.cacheable = False
         if copies > 1:
-            FusionGroup.create(seq, chunked, chunk_config)  # type: ignore[arg-type]
+            FusionGroup.create(seq, chunked, chunk_config, self.span_table(chunk_config))  # type: ignore[arg-type]
         if chunked is not None and chunk_config.layout == "offset":
             self._set_blend_key(seq, chunked, chunk_config)
         return seq
@@ -243,8 +245,16 @@ class RequestIntake:
         seq.params = dataclasses.replace(seq.params, max_tokens=max_tokens)
         seq.token_ids = list(prompt.question_token_ids)
         seq.num_own_prompt_tokens = own
-        FusionGroup.create(seq, prompt, cfg)
+        FusionGroup.create(seq, prompt, cfg, self.span_table(cfg))
         return True
+
+    def span_table(self, cfg: ChunkConfig) -> SpanTable | None:
+        """The tokenizer's span table where `cfg` reads joint-stream excerpts (built at first use)."""
+        if not cfg.fusion_joint_excerpt or cfg.fusion_joint_blend:
+            return None
+        if self._spans is None:
+            self._spans = SpanTable.of(self.tokenizer, self.spec.vocab_size)
+        return self._spans
 
     def unfuse(self, seq: Sequence) -> bool:
         """Admission (FollowUps, on the step thread): make a fusion request whose S and documents

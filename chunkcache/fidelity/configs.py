@@ -19,10 +19,26 @@ def offset(layers: list[int], ratios: list[float], **extra: Any) -> ChunkOptions
 
 
 def fusion(rule: str, **extra: Any) -> ChunkOptions:
-    """Layout fusion with `rule`; no pair stream unless `extra` asks for one, spelt out so that a
-    model's own default (catalog.py: the 1.5B's is pair `lead`) never slips into a named mode."""
-    return {"chunk_layout": "fusion", "fusion_rule": rule, "fusion_pair": "none", **extra}
+    """Layout fusion with `rule`; no pair stream and whole documents in a joint stream unless
+    `extra` asks otherwise, spelt out so that a model's own default (catalog.py: the 1.5B's is pair
+    `lead`, excerpts of 48 tokens) never slips into a named mode."""
+    return {
+        "chunk_layout": "fusion",
+        "fusion_rule": rule,
+        "fusion_pair": "none",
+        "fusion_joint_excerpt": 0,
+        **extra,
+    }
 
+
+_JOINT3_S1 = fusion(
+    "contrastive",
+    fusion_amateur=True,
+    fusion_pair="lead",
+    fusion_pair_margin=0.6,
+    fusion_max_joint=3,
+    fusion_max_streams=1,
+)
 
 # What `chunkcache calibrate` measures by default: the exact layouts (isolated, fusion, fusion with
 # its pair stream always or only where the two most relevant documents are close), offset with
@@ -32,18 +48,14 @@ CANDIDATES: dict[str, ChunkOptions] = {
     "fusion/contrastive/pairlead": fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
     # The conditional joint stream: up to three documents within 0.6 of the most relevant one's
     # relevance lead (bench_fidelity's name); with only the most relevant document stream decoding
-    # where none joins (s1), Qwen2.5-Coder-1.5B's catalog default (model/catalog.py).
+    # where none joins (s1);
     "fusion/contrastive/joint3/m0.6": fusion(
         "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=0.6, fusion_max_joint=3
     ),
-    "fusion/contrastive/joint3/m0.6/s1": fusion(
-        "contrastive",
-        fusion_amateur=True,
-        fusion_pair="lead",
-        fusion_pair_margin=0.6,
-        fusion_max_joint=3,
-        fusion_max_streams=1,
-    ),
+    "fusion/contrastive/joint3/m0.6/s1": _JOINT3_S1,
+    # and its joint stream reading at most 48 tokens of each later document (the spans sharing the
+    # question's words): Qwen2.5-Coder-1.5B's catalog default (model/catalog.py).
+    "fusion/contrastive/joint3/m0.6/s1/x48": {**_JOINT3_S1, "fusion_joint_excerpt": 48},
     "isolated": {"chunk_layout": "isolated"},
     "offset": offset([0], [0.0]),
     "blend@0.15": offset([1], [0.15]),

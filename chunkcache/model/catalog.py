@@ -62,6 +62,8 @@ GENERIC_DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "fusion_max_joint": 2,
         # Every document stream decodes on (0: all), the exact fusion every model was measured with.
         "fusion_max_streams": 0,
+        # A joint stream reads its later documents whole (0): excerpts were measured on the 1.5B only.
+        "fusion_joint_excerpt": 0,
         # Weights dense and float32 activations: `weights` auto and int8 activations were measured
         # (speed and held-out answers) on the 1.5B only; SmolLM2's greedy tokens followed
         # transformers' less well with int8 activations (benchmarks/RESULTS.md "bench_qkernel",
@@ -132,11 +134,16 @@ QWEN_CODER_1_5B = KnownModel(
     # "joint_recall"; the margin: "fusion_pair_margin"). Where no document joins the most relevant
     # one, only its stream decodes on (`fusion_max_streams` 1): the same answers on both halves,
     # one-document questions decoding 2 streams instead of 9 at 8 documents ("bench_rag_shape").
+    # The joint stream reads at most 48 tokens of each document after its first, the spans sharing
+    # the question's words (`fusion_joint_excerpt`): as many of full prefill's answers kept on both
+    # halves as reading them whole, or more, a joint question's first token ~2.5x sooner
+    # ("bench_rag_shape").
     chunk_defaults=(
         ("fusion_pair", "lead"),
         ("fusion_pair_margin", 0.6),
         ("fusion_max_joint", 3),
         ("fusion_max_streams", 1),
+        ("fusion_joint_excerpt", 48),
     ),
     # weights auto: every projection kind resolved native in every load timed, so on a CPU the
     # file's own 4-bit codes: far less memory than dense, faster decode, every held-out answer of
