@@ -45,8 +45,10 @@ class Groups:
         self.first: dict[int, torch.Tensor] = {}
         create, combine = FusionGroup.create.__func__, FusionGroup.combine  # type: ignore[attr-defined]
 
-        def spy_create(cls: type, request: Sequence, prompt: ChunkedPrompt, config: Any) -> FusionGroup:
-            group = create(cls, request, prompt, config)
+        def spy_create(
+            cls: type, request: Sequence, prompt: ChunkedPrompt, config: Any, spans=None
+        ) -> FusionGroup:
+            group = create(cls, request, prompt, config, spans)
             self.groups.append(group)
             return group
 
