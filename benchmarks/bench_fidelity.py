@@ -39,6 +39,7 @@ from tqdm import tqdm
 from chunkcache import LLM, SamplingParams
 from chunkcache.config import WEIGHTS
 from chunkcache.fidelity import measure
+from chunkcache.fidelity.configs import CANDIDATES
 from chunkcache.fidelity.configs import fusion as _fusion
 from chunkcache.fidelity.configs import offset as _offset
 from chunkcache.fidelity.measure import SYSTEM
@@ -136,15 +137,10 @@ MODES: dict[str, dict[str, Any] | None] = {
     # The joint stream reads at most x tokens of each document after its first: its first line and
     # the lines sharing the question's words (fusion_joint_excerpt; x48 the 1.5B's default).
     **{
-        f"fusion/contrastive/joint3/m0.6/s1/x{x}": _fusion(
-            "contrastive",
-            fusion_amateur=True,
-            fusion_pair="lead",
-            fusion_pair_margin=0.6,
-            fusion_max_joint=3,
-            fusion_max_streams=1,
-            fusion_joint_excerpt=x,
-        )
+        f"fusion/contrastive/joint3/m0.6/s1/x{x}": {
+            **CANDIDATES["fusion/contrastive/joint3/m0.6/s1"],
+            "fusion_joint_excerpt": x,
+        }
         for x in (48, 64, 96)
     },
     "isolated": {"chunk_layout": "isolated"},
