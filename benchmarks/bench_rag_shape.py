@@ -55,6 +55,7 @@ from typing import Any
 
 import common
 from bench_fidelity import CLOSED, MODES, render_closed
+from rag_shape_set import WORDING_HELP, WORDINGS, worded
 from tqdm import tqdm
 
 from chunkcache import LLM, SamplingParams
@@ -422,6 +423,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, nargs="+", default=[8], choices=(4, 8, 16))
     parser.add_argument("--size", type=int, nargs="+", default=[500], choices=rs.SIZES)
     parser.add_argument("--split", choices=("tune", "heldout"), default="tune")
+    parser.add_argument("--wording", choices=WORDINGS, default="frozen", help=WORDING_HELP)
     parser.add_argument("--questions", type=int, default=4, help="per type and cell (at most 8)")
     parser.add_argument("--modes", nargs="+", default=[DEFAULT], help=f"{DEFAULT} or of {list(MODES)}")
     parser.add_argument(
@@ -444,7 +446,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    questions = rs.load()
+    questions = worded(rs.load(), rs.load_records(), args.wording)
     cells = [(n, s, select(questions, n, args.split, args.questions)) for n in args.n for s in args.size]
     raw = load_raw(args.raw)
     if not args.report_only:

@@ -20,6 +20,7 @@ import sys
 from collections import defaultdict
 
 import common
+from rag_shape_set import WORDING_HELP, WORDINGS, worded
 
 from chunkcache.engine.excerpt import SpanTable, excerpt
 from chunkcache.fidelity import rag_shape as rs
@@ -41,11 +42,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[32, 48, 64, 96])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(rs.SIZES), choices=rs.SIZES)
     parser.add_argument("--split", choices=("tune", "heldout", "both"), default="both")
+    parser.add_argument("--wording", choices=WORDINGS, default="frozen", help=WORDING_HELP)
     args = parser.parse_args(argv)
     tokenizer = load_gguf_tokenizer_without_torch(common.bench_model(args))
     table = SpanTable.of(tokenizer, len(tokenizer))
     records = rs.load_records()
-    questions = [q for q in rs.load() if args.split in ("both", q.split) and q.kind != "one"]
+    questions = [
+        q
+        for q in worded(rs.load(), records, args.wording)
+        if args.split in ("both", q.split) and q.kind != "one"
+    ]
     held: dict[tuple[int, int, str], list[bool]] = defaultdict(list)
     tokens: dict[tuple[int, int, str], list[int]] = defaultdict(list)
     whole: dict[tuple[int, int, str], list[bool]] = defaultdict(list)
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         for b in args.budgets:
             h = [x for k in held if k[:2] == (size, b) for x in held[k]]
             summary.append(f"{size}/{b}={sum(h) / len(h):.2f}")
-    print(f"SUMMARY excerpt_recall: split={args.split} held " + " ".join(summary))
+    print(f"SUMMARY excerpt_recall: split={args.split} wording={args.wording} held " + " ".join(summary))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from fidelity_set import write_frozen
@@ -45,7 +46,7 @@ from chunkcache.fidelity.rag_shape import (
     pool,
 )
 
-__all__ = ["FROZEN", "build", "describe", "freeze", "load"]
+__all__ = ["FROZEN", "build", "describe", "freeze", "load", "paraphrased", "worded"]
 
 SEED = 56
 NS = (4, 8, 16)
@@ -94,6 +95,58 @@ def question_text(form: str, field: str, names: list[str]) -> str:
         else f"the {_plural(field)} of {who}, stating both values"
     )
     return f"In one or two sentences, compare {what}."
+
+
+# The same questions in other words (`paraphrase`): no word of a document's line for the asked
+# property ("Relative atomic weight", "Density at 295K", "Melting point", "Boiling point",
+# "Discovery year", units), so that the joint stream's excerpts (engine/excerpt.py), which find
+# facts by the question's words, are tried where words cannot find them. Written before any mode
+# ran on them: (a property, a comparative, a superlative, a threshold's verb phrase).
+_OTHER_WORDS = {
+    "atomic_weight": ("how heavy {who} is", "in daltons", "is heavier", "is the heaviest",
+                      "weigh more than {limit} daltons"),
+    "density": ("how many grams a cubic centimetre of {who} weighs", "", "is denser", "is the densest",
+                "are denser than {limit} grams per cubic centimetre"),
+    "melting_point": ("at what temperature {who} turns liquid", "in kelvin", "turns liquid at a higher temperature",
+                      "turns liquid at the highest temperature", "stay solid above {limit} kelvin"),
+    "boiling_point": ("at what temperature {who} vaporizes", "in kelvin", "vaporizes at a higher temperature",
+                      "vaporizes at the highest temperature", "vaporize only above {limit} kelvin"),
+    "discovery_year": ("when {who} was first identified", "", "was identified earlier", "was identified first",
+                       "were identified before {limit}"),
+}  # fmt: skip
+
+
+def paraphrase_text(form: str, field: str, names: list[str]) -> str:
+    """`question_text`'s question in `_OTHER_WORDS`: the same answer, none of the document's words
+    for the property."""
+    what, unit, more, most, above = _OTHER_WORDS[field]
+    unit = f", {unit}" if unit else ""
+    if form == "value":
+        return f"Tell me {what.format(who=_names(names))}{unit}."
+    if form == "values":
+        return f"Tell me {what.format(who=names[0])}, and the same for {_names(names[1:])}{unit}."
+    if form == "higher":
+        return f"Which {more}, {names[0]} or {names[1]}?"
+    if form == "highest":
+        return f"Which of {_names(names)} {most}?"
+    if form == "count":
+        return f"How many of {_names(names)} {above.format(limit=f'{THRESHOLDS[field][0]:g}')}?"
+    both = " and ".join(what.format(who=n) for n in names)
+    return f"In one or two sentences, tell me {both}, stating both figures."
+
+
+def paraphrased(q: RagQuestion, records: dict[int, Record]) -> RagQuestion:
+    """`q` asked by `paraphrase_text` (the asked elements in the question's order: its edits')."""
+    names = [records[e.doc_id].name for e in q.edits]
+    return replace(q, question=paraphrase_text(q.form, q.field, names))
+
+
+WORDINGS = ("frozen", "paraphrase")
+WORDING_HELP = "the frozen questions, or the same in other words (rag_shape_set.paraphrase_text)"
+
+
+def worded(questions: list[RagQuestion], records: dict[int, Record], wording: str) -> list[RagQuestion]:
+    return questions if wording == "frozen" else [paraphrased(q, records) for q in questions]
 
 
 def _key(field: str, value: str) -> float:
