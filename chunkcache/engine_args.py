@@ -156,7 +156,7 @@ OPTION_HELP: dict[str, str] = {
     "first (their cached KV re-rotated, the blend_* options' share recomputed) instead of prefilling them",
     "fusion_joint_excerpt": "layout fusion with fusion_pair: the joint stream reads at most this many tokens of "
     "each document after its first: its first line and the lines sharing the question's words (0: all; "
-    "not under fusion_joint_blend)",
+    "a document under 4 budgets, or sharing no word, all of it; not under fusion_joint_blend)",
     "fusion_max_streams": "layout fusion: at most this many document streams (the most relevant) decode past "
     "the first step; 0: all",
     "kv_events_endpoint": "ZMQ endpoint to publish KV events on, e.g. tcp://*:5557 (default: off)",

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 from chunkcache.config import ReuseOptions
-from chunkcache.engine.excerpt import MAX_SPAN, SpanTable, excerpt, scores, stems
+from chunkcache.engine import excerpt as excerpt_module
+from chunkcache.engine.excerpt import MAX_SPAN, WHOLE_UNDER, SpanTable, excerpt, scores, stems
 from chunkcache.engine.fusion import FusionGroup
 from chunkcache.errors import InvalidRequestError
 from tests.support.oracle import hf_first_token_logprobs
@@ -34,11 +35,25 @@ def table(tokenizer) -> SpanTable:
     return SpanTable.of(tokenizer, len(tokenizer) + 3)  # a model's table padded past the tokenizer's
 
 
+@pytest.fixture
+def short_documents_cut(monkeypatch) -> None:
+    """These documents are a few budgets long at most: cut them all the same (by default a document
+    shorter than WHOLE_UNDER budgets is read whole)."""
+    monkeypatch.setattr(excerpt_module, "WHOLE_UNDER", 1)
+
+
 def _texts(tokenizer, tokens: list[int], spans: list[tuple[int, int]]) -> list[str]:
     return [tokenizer.decode(tokens[a:b]) for a, b in spans]
 
 
 def test_spans_end_at_line_breaks_and_sentences_never_inside_a_number(tokenizer, table) -> None:
+    initials = tokenizer.encode(
+        "It was found by Martin H. Klaproth, Dr. A.B. Smith. Then", add_special_tokens=False
+    )
+    assert [t.strip() for t in _texts(tokenizer, initials, table.spans(initials))] == [
+        "It was found by Martin H. Klaproth, Dr. A.B. Smith.",
+        "Then",
+    ]
     tokens = tokenizer.encode(BOB, add_special_tokens=False)
     spans = table.spans(tokens)
     assert spans[0][0] == 0 and spans[-1][1] == len(tokens)
@@ -67,6 +82,14 @@ def test_spans_weigh_the_question_words_they_share_by_their_rarity_in_the_docume
     assert scores([{"ab"}], {"abc"}) == [0]  # short stems match only whole
 
 
+def test_a_document_shorter_than_a_few_budgets_is_read_whole(tokenizer, table) -> None:
+    tokens = tokenizer.encode(BOB, add_special_tokens=False)
+    question = tokenizer.encode(QUESTION, add_special_tokens=False)
+    assert excerpt(tokens, question, table, len(tokens) // WHOLE_UNDER + 1) == tokens
+    assert len(excerpt(tokens, question, table, len(tokens) // WHOLE_UNDER)) < len(tokens)
+
+
+@pytest.mark.usefixtures("short_documents_cut")
 def test_an_excerpt_is_the_first_span_and_the_ones_sharing_the_questions_words(tokenizer, table) -> None:
     tokens = tokenizer.encode(BOB, add_special_tokens=False)
     question = tokenizer.encode(QUESTION, add_special_tokens=False)
@@ -79,6 +102,23 @@ def test_an_excerpt_is_the_first_span_and_the_ones_sharing_the_questions_words(t
     assert excerpt(tokens, elsewhere, table, 4) == tokens  # nothing shared: all of it
 
 
+@pytest.mark.usefixtures("short_documents_cut")
+def test_the_documents_subject_locates_nothing(tokenizer, table) -> None:
+    """The first span's words (what the document is about) are named all through it: a question
+    that shares no other word reads the document whole, not the spans that name its subject."""
+    doc = tokenizer.encode(
+        "Bob lives in Rome.\nBob drinks coffee.\nHis dog is brown.\nThe mass is 9 kg.",
+        add_special_tokens=False,
+    )
+    heavy = tokenizer.encode("How heavy is Bob?", add_special_tokens=False)
+    assert excerpt(doc, heavy, table, 8) == doc
+    mass = tokenizer.encode("What is Bob's mass?", add_special_tokens=False)
+    assert (
+        tokenizer.decode(excerpt(doc, mass, table, len(doc) - 1)) == "Bob lives in Rome.\nThe mass is 9 kg."
+    )
+
+
+@pytest.mark.usefixtures("short_documents_cut")
 def test_a_joint_stream_of_excerpts_is_its_own_prompt(checkpoint, monkeypatch) -> None:
     """All three documents join; the two after the first are read as their excerpts (the
     drinking lines), and the joint stream's first row is transformers' over exactly that prompt."""

@@ -294,7 +294,7 @@ def test_candidates_are_bench_fidelitys_modes_and_the_15b_default_among_them(
     from bench_fidelity import MODES
 
     shared = set(CANDIDATES) & set(MODES)
-    default = "fusion/contrastive/joint3/m0.6/s1/x48"
+    default = "fusion/contrastive/joint3/m0.6/s1"
     assert default in shared and len(shared) >= len(CANDIDATES) - 1
     for name in shared:
         assert MODES[name] == CANDIDATES[name], name
@@ -304,7 +304,7 @@ def test_candidates_are_bench_fidelitys_modes_and_the_15b_default_among_them(
     served = EngineConfig.from_options(QWEN_CODER_1_5B.name, use_env=False).chunk
     assert ChunkConfig().with_request_options(pair, None) == served
     assert (pair.fusion_pair_margin, pair.fusion_max_joint, pair.fusion_max_streams) == (0.6, 3, 1)
-    assert pair.fusion_joint_excerpt == 48
+    assert pair.fusion_joint_excerpt == 0 and "fusion/contrastive/joint3/m0.6/s1/x48" in shared
     assert fits(CANDIDATES[default], 1)
     p = _profile(dataclasses.replace(_measured(default, 0.9, 4.0), options=pair))
     assert profiles.parse(p.to_json(), "x").configurations[0].options == pair

@@ -11,7 +11,9 @@ and the spans (lines; sentences within a line) that share the question's words, 
 a budget, in the document's order: BM25's term weights within the document (a word in few of its
 spans weighs most), words compared by their Snowball stems, common English words left out. A
 document that shares no word with the question but in its first span is read whole (nothing
-says where its facts are). The streams of every document still read them whole; what an
+says where its facts are), and the first span's words (the document's subject, named all through
+it) locate nothing: a question naming the element but not the property in the document's words
+("Which is denser, A or B?") reads A whole, not the spans that name A. The streams of every document still read them whole; what an
 excerpt leaves out only the joint stream misses.
 
 Measured before choosing this: the attention the question rows of a document's own stream gave
@@ -35,6 +37,14 @@ import torch
 
 # A span longer than this is cut: one long paragraph should not be all or nothing.
 MAX_SPAN = 48
+# A document shorter than this many budgets is read whole: an excerpt would save little of the
+# joint stream's time and risk the facts (bench_fidelity's ~100-300-token documents: excerpts of
+# them lost 3 of the exact joint stream's answers, benchmarks/RESULTS.md "bench_fidelity").
+WHOLE_UNDER = 4
+# A closing mark after an initial or a title ("Martin H. Klaproth", "Dr. Smith") ends no sentence.
+_NOT_AN_END = re.compile(
+    r"(?:^|[^\w.])(?:(?:[A-Z]\.)+|(?:Mr|Mrs|Ms|Dr|Prof|St|Jr|Sr|vs|e\.g|i\.e)\.)[\"')]*$"
+)
 _WORD = re.compile(r"[^\W_]+")
 # Words that say nothing about where a fact is (question words, articles, auxiliaries).
 _COMMON = frozenset(
@@ -89,11 +99,14 @@ class SpanTable:
 
     def spans(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """[start, end) spans covering `tokens`: each ends after a line break, or after a closing
-        mark followed by white space, or at MAX_SPAN tokens."""
+        mark followed by white space (not after an initial), or at MAX_SPAN tokens."""
         ids = torch.tensor(tokens, dtype=torch.long)
         ends = self.newline[ids].clone()
         # A closing mark before a line break: the break ends the span (and stays in it).
-        ends[:-1] |= self.closes[ids[:-1]] & self.spaced[ids[1:]] & ~self.newline[ids[1:]]
+        closing = self.closes[ids[:-1]] & self.spaced[ids[1:]] & ~self.newline[ids[1:]]
+        for i in closing.nonzero().flatten().tolist():
+            closing[i] = not _NOT_AN_END.search(self.text(tokens[max(0, i - 5) : i + 1]))
+        ends[:-1] |= closing
         out, start = [], 0
         for i in (ends.nonzero().flatten() + 1).tolist() + [len(tokens)]:
             while i - start > MAX_SPAN:
@@ -123,13 +136,18 @@ def scores(span_stems: list[set[str]], question: set[str]) -> list[float]:
 
 
 def excerpt(tokens: Sequence[int], question: Sequence[int], table: SpanTable, budget: int) -> list[int]:
-    """At most `budget` of `tokens` (all of them where they fit, or where no span but the first
-    shares a word with the question): the first span (cut to the budget), then the spans sharing
-    the question's words, the highest score first while they fit, in the document's order."""
-    if len(tokens) <= budget:
+    """At most `budget` of `tokens` (all of them under WHOLE_UNDER budgets, or where no span but the first
+    shares a word with the question, the first span's words left out): the first span (cut to the
+    budget), then the spans sharing the question's other words, the highest score first while
+    they fit, in the document's order."""
+    if len(tokens) <= budget or len(tokens) < WHOLE_UNDER * budget:
         return list(tokens)
     spans = table.spans(tokens)
-    score = scores([set(stems(table.text(tokens[a:b]))) for a, b in spans], set(stems(table.text(question))))
+    span_stems = [set(stems(table.text(tokens[a:b]))) for a, b in spans]
+    # Words of the first span name what the document is about ("Hydrogen (H, atomic number 1)"): the
+    # rest of it mentions them anywhere, so they locate no fact.
+    asked = {w for w in stems(table.text(question)) if not any(same_word(w, v) for v in span_stems[0])}
+    score = scores(span_stems, asked)
     ranked = sorted((k for k in range(1, len(spans)) if score[k] > 0), key=lambda k: (-score[k], k))
     if not ranked:
         return list(tokens)

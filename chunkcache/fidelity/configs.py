@@ -48,13 +48,12 @@ CANDIDATES: dict[str, ChunkOptions] = {
     "fusion/contrastive/pairlead": fusion("contrastive", fusion_amateur=True, fusion_pair="lead"),
     # The conditional joint stream: up to three documents within 0.6 of the most relevant one's
     # relevance lead (bench_fidelity's name); with only the most relevant document stream decoding
-    # where none joins (s1);
+    # where none joins (s1: Qwen2.5-Coder-1.5B's catalog default, model/catalog.py); and that joint
+    # stream reading at most 48 tokens of each later document, the spans sharing the question's words.
     "fusion/contrastive/joint3/m0.6": fusion(
         "contrastive", fusion_amateur=True, fusion_pair="lead", fusion_pair_margin=0.6, fusion_max_joint=3
     ),
     "fusion/contrastive/joint3/m0.6/s1": _JOINT3_S1,
-    # and its joint stream reading at most 48 tokens of each later document (the spans sharing the
-    # question's words): Qwen2.5-Coder-1.5B's catalog default (model/catalog.py).
     "fusion/contrastive/joint3/m0.6/s1/x48": {**_JOINT3_S1, "fusion_joint_excerpt": 48},
     "isolated": {"chunk_layout": "isolated"},
     "offset": offset([0], [0.0]),

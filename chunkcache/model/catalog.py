@@ -134,16 +134,14 @@ QWEN_CODER_1_5B = KnownModel(
     # "joint_recall"; the margin: "fusion_pair_margin"). Where no document joins the most relevant
     # one, only its stream decodes on (`fusion_max_streams` 1): the same answers on both halves,
     # one-document questions decoding 2 streams instead of 9 at 8 documents ("bench_rag_shape").
-    # The joint stream reads at most 48 tokens of each document after its first, the spans sharing
-    # the question's words (`fusion_joint_excerpt`): as many of full prefill's answers kept on both
-    # halves as reading them whole, or more, a joint question's first token ~2.5x sooner
-    # ("bench_rag_shape").
+    # The joint stream reads its documents whole: its excerpts (`fusion_joint_excerpt` 48, a joint
+    # question's first token ~2.5x sooner) kept as many answers where questions use the documents'
+    # words, half as many where they paraphrase them ("bench_rag_shape").
     chunk_defaults=(
         ("fusion_pair", "lead"),
         ("fusion_pair_margin", 0.6),
         ("fusion_max_joint", 3),
         ("fusion_max_streams", 1),
-        ("fusion_joint_excerpt", 48),
     ),
     # weights auto: every projection kind resolved native in every load timed, so on a CPU the
     # file's own 4-bit codes: far less memory than dense, faster decode, every held-out answer of
