@@ -19,6 +19,9 @@ with a clear margin (10%, or 10 years), and until no document of the prompt hold
 Per N and type 16 questions, tune and held-out in alternate pairs (so that each half has both
 forms of a type), frozen before any mode ran.
 
+`paraphrased` asks the same questions in other words than the documents' (`--wording paraphrase` of
+bench_rag_shape and excerpt_recall), by fixed rules written before any mode ran on them.
+
     python benchmarks/rag_shape_set.py   # rewrites chunkcache/data/rag_shape_questions.json
 """
 

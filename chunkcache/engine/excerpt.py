@@ -13,14 +13,16 @@ spans weighs most), words compared by their Snowball stems, common English words
 document that shares no word with the question but in its first span is read whole (nothing
 says where its facts are), and the first span's words (the document's subject, named all through
 it) locate nothing: a question naming the element but not the property in the document's words
-("Which is denser, A or B?") reads A whole, not the spans that name A. The streams of every document still read them whole; what an
-excerpt leaves out only the joint stream misses.
+("Which is denser, A or B?") reads A whole, not the spans that name A. The streams of every
+document still read them whole; what an excerpt leaves out only the joint stream misses.
 
 Measured before choosing this: the attention the question rows of a document's own stream gave
 its tokens (summed over heads, the last row, per layer) ranked the asked field's line among the
 top 4 of ~20 in at most 14 of 28 documents at any layer of the 1.5B; 48 tokens of shared words
 hold the asked value in 95-97% (benchmarks/RESULTS.md "bench_rag_shape", `excerpt_recall`).
-Words cannot find a fact the question paraphrases ("heavier" for "atomic weight").
+Words cannot find a fact the question paraphrases ("heavier" for "atomic weight"): on
+bench_rag_shape's questions in other words the excerpts kept 5 of full prefill's 10 answers, the
+whole documents 8, so the option is off by default (benchmarks/RESULTS.md "bench_rag_shape").
 """
 
 from __future__ import annotations
@@ -136,10 +138,10 @@ def scores(span_stems: list[set[str]], question: set[str]) -> list[float]:
 
 
 def excerpt(tokens: Sequence[int], question: Sequence[int], table: SpanTable, budget: int) -> list[int]:
-    """At most `budget` of `tokens` (all of them under WHOLE_UNDER budgets, or where no span but the first
-    shares a word with the question, the first span's words left out): the first span (cut to the
-    budget), then the spans sharing the question's other words, the highest score first while
-    they fit, in the document's order."""
+    """At most `budget` of `tokens` (all of them under WHOLE_UNDER budgets, or where no span but
+    the first shares a word with the question, the first span's words left out): the first span
+    (cut to the budget), then the spans sharing the question's other words, the highest score
+    first while they fit, in the document's order."""
     if len(tokens) <= budget or len(tokens) < WHOLE_UNDER * budget:
         return list(tokens)
     spans = table.spans(tokens)
