@@ -135,7 +135,7 @@ MODES: dict[str, dict[str, Any] | None] = {
         for n in (1, 2)
     },
     # The joint stream reads at most x tokens of each document after its first: its first line and
-    # the lines sharing the question's words (fusion_joint_excerpt; x48 the 1.5B's default).
+    # the lines sharing the question's words (fusion_joint_excerpt; off by default).
     **{
         f"fusion/contrastive/joint3/m0.6/s1/x{x}": {
             **CANDIDATES["fusion/contrastive/joint3/m0.6/s1"],

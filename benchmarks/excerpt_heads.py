@@ -32,13 +32,13 @@ import rag_shape_set
 import torch
 from tqdm import tqdm
 
+from chunkcache.config import ChunkConfig
 from chunkcache.engine.excerpt import SpanTable, excerpt
 from chunkcache.fidelity import rag_shape as rs
-from chunkcache.fidelity.measure import SYSTEM
+from chunkcache.fidelity.measure import render
 
 KINDS = ("two", "three", "free")
 WORDINGS = ("frozen", "paraphrase")
-SEPARATOR = " # # "
 
 
 def documents(args: argparse.Namespace) -> list[tuple[str, rs.RagQuestion, str, str]]:
@@ -67,11 +67,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
     table = SpanTable.of(tok, len(tok))
     records = []
     for wording, q, doc, value in tqdm(documents(args), desc="documents"):
-        user = f"{SEPARATOR}@@DOC@@{SEPARATOR}{q.question}"
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-        head, tail = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True).split(
-            "@@DOC@@"
-        )
+        # The chunked prompt as bench_rag_shape renders it, this document alone; split around it so
+        # that the document is tokenized alone, as the chunk cache holds it.
+        text = render(tok, ["@@DOC@@"], q.question, ChunkConfig().separator)
+        head, tail = text.split("@@DOC@@")
         head_ids, doc_ids = (tok(t, add_special_tokens=False)["input_ids"] for t in (head, doc))
         ids = head_ids + doc_ids + tok(tail, add_special_tokens=False)["input_ids"]
         start, end = len(head_ids), len(head_ids) + len(doc_ids)

@@ -21,7 +21,7 @@ def offset(layers: list[int], ratios: list[float], **extra: Any) -> ChunkOptions
 def fusion(rule: str, **extra: Any) -> ChunkOptions:
     """Layout fusion with `rule`; no pair stream and whole documents in a joint stream unless
     `extra` asks otherwise, spelt out so that a model's own default (catalog.py: the 1.5B's is pair
-    `lead`, excerpts of 48 tokens) never slips into a named mode."""
+    `lead`) never slips into a named mode."""
     return {
         "chunk_layout": "fusion",
         "fusion_rule": rule,
